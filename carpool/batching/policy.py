@@ -1,0 +1,294 @@
+"""The batching policy: which requests ride together, and when a batch leaves.
+
+Data flow: ``add(request)`` puts a request in its (model, bin) queue; ``poll(now_s, ...)`` returns a
+:class:`Plan` with the batches to dispatch now, the requests whose deadline already passed, and the
+time at which polling again could change the answer. Time is always an argument: the caller owns the
+clock, so tests drive this with plain numbers.
+
+Rules, in order of precedence for a (model, bin) queue:
+1. expired: a request past its deadline is never dispatched; it comes back in ``Plan.expired``;
+2. deadline: if waiting longer would miss the most urgent member's deadline, given the predicted run
+   time of the batch and the work already ahead of it, the batch leaves now (even with no free slot);
+3. full: ``max_batch`` requests, or one more would pass ``max_tokens``, leaves when a slot is free;
+4. wait: with a worker idle, a partial batch leaves once its oldest member waited
+   ``min(max_wait_s, wait_factor * predicted run time)``. With every worker busy it keeps filling.
+Requests of different models never share a batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from carpool.batching.bins import PAD_MULTIPLE, LengthBins, padded_length
+from carpool.batching.latency import LatencyModel
+from carpool.batching.types import Batch, FlushReason, Plan, Request
+
+PolicyKind = Literal["binned", "fifo", "shortest"]
+
+# Seconds of margin kept between a deadline flush and the deadline itself, for the hand-off.
+DEADLINE_GUARD_S = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    kind: PolicyKind = "binned"
+    max_batch: int = 32
+    max_tokens: int = 8192
+    max_wait_s: float = 0.05
+    wait_factor: float = 0.3
+    bin_edges: tuple[int, ...] = (16, 32, 64, 128)
+    pad_multiple: int = PAD_MULTIPLE
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be an integer >= 1")
+        if self.max_tokens < self.pad_multiple:
+            raise ValueError(f"max_tokens must be >= {self.pad_multiple}")
+        if self.max_wait_s < 0 or self.wait_factor < 0:
+            raise ValueError("max_wait_s and wait_factor must be >= 0")
+        if self.kind not in ("binned", "fifo", "shortest"):
+            raise ValueError("kind must be one of binned, fifo, shortest")
+
+
+class _Queue:
+    """Requests of one (model, bin), in the order the policy serves them.
+
+    Removal is lazy: a request leaves ``live`` at once and its stale heap entries are skipped later,
+    so cutting a batch costs O(batch log n), not O(n).
+    """
+
+    def __init__(self, order_by_length: bool) -> None:
+        self.order_by_length = order_by_length
+        self.live: dict[str, Request] = {}
+        # served order: (-priority, length or 0, arrival, seq)
+        self._order: list[tuple[int, int, float, int, Request]] = []
+        self._fifo: dict[int, deque[Request]] = {}  # priority -> arrival order (fifo/binned)
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._arrivals: deque[Request] = deque()
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def add(self, req: Request) -> None:
+        seq = next(self._seq)
+        self.live[req.id] = req
+        if self.order_by_length:
+            heapq.heappush(self._order, (-req.priority, req.length, req.arrival_s, seq, req))
+        else:
+            self._fifo.setdefault(req.priority, deque()).append(req)
+        heapq.heappush(self._deadlines, (req.deadline_s, seq, req))
+        self._arrivals.append(req)
+
+    def _alive(self, req: Request) -> bool:
+        return self.live.get(req.id) is req
+
+    def oldest_arrival(self) -> float:
+        while self._arrivals and not self._alive(self._arrivals[0]):
+            self._arrivals.popleft()
+        return self._arrivals[0].arrival_s
+
+    def earliest_deadline(self) -> float:
+        while not self._alive(self._deadlines[0][2]):
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0]
+
+    def top_priority(self) -> int:
+        return max(r.priority for r in self._served(1))
+
+    def pop_expired(self, now_s: float) -> list[Request]:
+        out = []
+        while self.live and self.earliest_deadline() <= now_s:
+            req = heapq.heappop(self._deadlines)[2]
+            del self.live[req.id]
+            out.append(req)
+        return out
+
+    def _served(self, limit: int) -> Iterator[Request]:
+        """Live requests in service order, at most ``limit``, without removing them."""
+        if self.order_by_length:
+            # Pop stale heads so the smallest live entries can be read without a full sort.
+            while self._order and not self._alive(self._order[0][4]):
+                heapq.heappop(self._order)
+            entries = heapq.nsmallest(limit + 8, self._order)
+            yield from itertools.islice((e[4] for e in entries if self._alive(e[4])), limit)
+            return
+        count = 0
+        for prio in sorted(self._fifo, reverse=True):
+            q = self._fifo[prio]
+            while q and not self._alive(q[0]):
+                q.popleft()
+            for req in q:
+                if count >= limit:
+                    return
+                if self._alive(req):
+                    count += 1
+                    yield req
+
+    def _urgent(self, until_s: float) -> Iterator[Request]:
+        """Live requests whose deadline is at or before ``until_s``, earliest first."""
+        for deadline, _, req in sorted(self._deadlines):
+            if deadline > until_s:
+                return
+            if self._alive(req):
+                yield req
+
+    def select(self, cfg: PolicyConfig, first: Iterable[Request] = ()) -> tuple[list[Request], bool]:
+        """The next batch (not removed) and whether a limit cut it short of the queue."""
+        chosen: list[Request] = []
+        seen: set[str] = set()
+        longest = 0
+        limited = False
+        for req in itertools.chain(first, self._served(cfg.max_batch)):
+            if req.id in seen:
+                continue
+            if len(chosen) >= cfg.max_batch:
+                limited = True
+                break
+            new_longest = max(longest, req.length)
+            if chosen and (len(chosen) + 1) * padded_length(new_longest, cfg.pad_multiple) > cfg.max_tokens:
+                limited = True
+                break
+            chosen.append(req)
+            seen.add(req.id)
+            longest = new_longest
+        if not limited and len(chosen) >= cfg.max_batch:
+            limited = True
+        return chosen, limited
+
+    def remove(self, reqs: Iterable[Request]) -> None:
+        for req in reqs:
+            del self.live[req.id]
+
+    def drain(self) -> list[Request]:
+        out = list(self.live.values())
+        self.live.clear()
+        self._order.clear()
+        self._fifo.clear()
+        self._deadlines.clear()
+        self._arrivals.clear()
+        return out
+
+
+@dataclass(slots=True)
+class _Candidate:
+    key: tuple[str, int]
+    requests: list[Request]
+    reason: FlushReason
+    rank: tuple[int, float, int, float]
+
+
+class BatchPolicy:
+    """Forms batches from queued requests; see the module docstring for the rules."""
+
+    def __init__(self, config: PolicyConfig, latency: LatencyModel | None = None) -> None:
+        self.config = config
+        self.latency = latency or LatencyModel()
+        self.bins = LengthBins(config.bin_edges if config.kind == "binned" else ())
+        self._queues: dict[tuple[str, int], _Queue] = {}
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def depth_by_bin(self) -> dict[tuple[str, int], int]:
+        return {key: len(q) for key, q in self._queues.items()}
+
+    def add(self, req: Request) -> None:
+        key = (req.model, self.bins.index(req.length))
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = _Queue(order_by_length=self.config.kind == "shortest")
+        queue.add(req)
+
+    def predict_s(self, model: str, requests: list[Request]) -> float:
+        longest = max(r.length for r in requests)
+        return self.latency.predict(model, len(requests) * padded_length(longest, self.config.pad_multiple))
+
+    def poll(self, now_s: float, free_workers: int, free_slots: int, ahead_s: float = 0.0) -> Plan:
+        """Decide what leaves now.
+
+        ``free_workers``: workers with nothing to run; ``free_slots``: batches that may still be
+        handed on (free workers plus prefetch room); ``ahead_s``: predicted seconds until a worker
+        frees up for a newly dispatched batch (0 when one is idle).
+        """
+        plan = Plan()
+        for queue in self._queues.values():
+            if queue:
+                plan.expired.extend(queue.pop_expired(now_s))
+        wake: float | None = None
+        while True:
+            best: _Candidate | None = None
+            for key, queue in self._queues.items():
+                if not queue:
+                    continue
+                cand, wake_at = self._evaluate(key, queue, now_s, free_workers, free_slots, ahead_s)
+                if wake_at is not None and (wake is None or wake_at < wake):
+                    wake = wake_at
+                if cand is not None and (best is None or cand.rank < best.rank):
+                    best = cand
+            if best is None:
+                break
+            wake = None  # recomputed on the next pass over the queues
+            queue = self._queues[best.key]
+            queue.remove(best.requests)
+            longest = max(r.length for r in best.requests)
+            plan.batches.append(
+                Batch(
+                    model=best.key[0],
+                    bin_index=best.key[1],
+                    requests=tuple(best.requests),
+                    padded_len=padded_length(longest, self.config.pad_multiple),
+                    flush_reason=best.reason,
+                )
+            )
+            free_slots -= 1
+            free_workers -= 1
+            if free_workers < 0:
+                # The new batch queues behind running ones: later deadline checks must count it.
+                ahead_s += self.predict_s(best.key[0], best.requests)
+        plan.wake_at_s = wake
+        return plan
+
+    def _evaluate(
+        self,
+        key: tuple[str, int],
+        queue: _Queue,
+        now_s: float,
+        free_workers: int,
+        free_slots: int,
+        ahead_s: float,
+    ) -> tuple[_Candidate | None, float | None]:
+        cfg = self.config
+        model = key[0]
+        head, limited = queue.select(cfg)
+        predicted = self.predict_s(model, head)
+        urgent_at = queue.earliest_deadline() - ahead_s - predicted - DEADLINE_GUARD_S
+        oldest = queue.oldest_arrival()
+        priority = queue.top_priority()
+        if now_s >= urgent_at:
+            # Put the members about to miss their deadline in first, then fill up.
+            first = list(queue._urgent(now_s + ahead_s + predicted + DEADLINE_GUARD_S))
+            reqs, _ = queue.select(cfg, first=first)
+            return _Candidate(key, reqs, FlushReason.DEADLINE, (0, urgent_at, -priority, oldest)), None
+        if limited:
+            if free_slots > 0:
+                return _Candidate(key, head, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
+            return None, urgent_at
+        ready_at = oldest + min(cfg.max_wait_s, cfg.wait_factor * predicted)
+        if free_workers > 0 and free_slots > 0:
+            if now_s >= ready_at:
+                return _Candidate(key, head, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None
+            return None, min(ready_at, urgent_at)
+        return None, urgent_at
+
+    def drain(self) -> list[Request]:
+        """Remove and return every queued request (shutdown hands them back to the broker)."""
+        out: list[Request] = []
+        for queue in self._queues.values():
+            out.extend(queue.drain())
+        return out

@@ -1,0 +1,50 @@
+"""The carpool Celery app: ``celery -A carpool.celery_app flower`` works against it.
+
+Producers, the coordinator and workers share this configuration: JSON only (pickle would execute
+code on load), carpool's own result backend (see ``carpool.results``), requests routed to the
+request queue the coordinator drains, batches to the queue GPU workers consume.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from carpool.config import Settings, load_settings
+
+BACKEND_CLASS = "carpool.results:CarpoolRedisBackend"
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    settings = settings or load_settings()
+    app = Celery("carpool", broker=settings.broker_url, backend=f"{BACKEND_CLASS}+{settings.result_backend}")
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        event_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_routes={
+            "carpool.infer": {"queue": settings.request_queue},
+            "carpool.run_batch": {"queue": settings.batch_queue},
+        },
+        task_default_queue=settings.batch_queue,
+        result_expires=settings.result_expires_s,
+        # One batch at a time per worker process: the coordinator, not the prefetch, sizes batches.
+        worker_prefetch_multiplier=1,
+        # Batches are acked when they start; a worker that dies mid-batch is covered by carpool's own
+        # lease on each request (CARPOOL_RECOVERY_TIMEOUT_S), not by kombu's hour-long visibility timeout.
+        task_acks_late=False,
+        broker_connection_retry_on_startup=True,
+        task_send_sent_event=True,
+        worker_send_task_events=True,
+        worker_hijack_root_logger=False,
+    )
+    app.carpool_settings = settings  # type: ignore[attr-defined]
+    return app
+
+
+app = create_app()
+
+
+def settings_of(celery_app: Celery) -> Settings:
+    return celery_app.carpool_settings  # type: ignore[attr-defined,no-any-return]

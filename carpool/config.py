@@ -1,0 +1,140 @@
+"""One settings object, read from ``CARPOOL_*`` environment variables at each entry point.
+
+Producers, the coordinator and workers each build :class:`Settings` once (``load_settings()``) and
+pass it down; nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from carpool.errors import ConfigError
+
+PolicyName = Literal["binned", "fifo", "shortest"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+
+
+class Settings(BaseSettings):
+    """Every knob carpool has. Environment variable = ``CARPOOL_`` + field name in upper case."""
+
+    model_config = SettingsConfigDict(env_prefix="CARPOOL_", extra="ignore", frozen=True)
+
+    # --- connections -------------------------------------------------------------------------
+    broker_url: str = Field("redis://localhost:6379/0", description="Celery broker (Redis) URL.")
+    result_backend: str = Field("redis://localhost:6379/1", description="Result backend (Redis) URL.")
+
+    # --- queues ------------------------------------------------------------------------------
+    request_queue: str = Field("carpool.requests", min_length=1, description="List `.delay()` writes to.")
+    batch_queue: str = Field("carpool.batches", min_length=1, description="Queue of micro-batch tasks.")
+
+    # --- model -------------------------------------------------------------------------------
+    model: str = Field("minilm", min_length=1, description="minilm, toy, null or package.module:Class.")
+    models: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="Every model this deployment serves, comma separated; empty = just `model`."
+    )
+    device: DeviceName = Field("auto", description="auto picks CUDA when available, else CPU.")
+    torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default.")
+    autocast_bf16: bool = Field(False, description="Run CUDA batches under bf16 autocast.")
+
+    # --- batching policy ---------------------------------------------------------------------
+    policy: PolicyName = Field("binned", description="Queueing strategy of the coordinator.")
+    max_batch: int = Field(32, ge=1, le=4096, description="Most requests in one batch.")
+    max_tokens: int = Field(8192, ge=8, description="Most padded tokens (count x longest) in one batch.")
+    max_wait_s: float = Field(0.05, ge=0, le=60, description="Longest a partial batch waits for company.")
+    wait_factor: float = Field(
+        0.3, ge=0, le=10, description="Wait about this x the predicted run time of the batch being formed."
+    )
+    bin_edges: Annotated[tuple[int, ...], NoDecode] = Field(
+        (16, 32, 64, 128), description="Upper token-length edges of the bins, comma separated."
+    )
+    default_deadline_s: float = Field(60.0, gt=0, description="Deadline of a request without `expires`.")
+    prefetch_batches: int = Field(
+        1, ge=0, le=64, description="Batches queued per worker beyond the one it runs, to hide hand-off."
+    )
+
+    # --- reliability -------------------------------------------------------------------------
+    recovery_timeout_s: float = Field(
+        30.0, gt=0, le=60, description="Requests held by a dead process return to the queue after this."
+    )
+    max_input_bytes: int = Field(65536, ge=1, description="Largest accepted text, UTF-8 bytes.")
+    max_pending: int = Field(100_000, ge=1, description="Past this many waiting requests, reject new ones.")
+    result_expires_s: int = Field(86400, ge=1, description="How long results stay in the backend.")
+
+    # --- coordinator internals ---------------------------------------------------------------
+    take_max: int = Field(1000, ge=1, le=100_000, description="Most requests taken from Redis per round trip.")
+    idle_poll_s: float = Field(0.002, gt=0, le=1, description="Sleep between empty polls of the queue.")
+    metrics_port: int = Field(9808, ge=0, le=65535, description="Prometheus port of the coordinator; 0 = off.")
+
+    @field_validator("bin_edges", mode="before")
+    @classmethod
+    def _parse_edges(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if not text:
+                return ()
+            try:
+                return tuple(int(part) for part in text.split(","))
+            except ValueError:
+                raise ValueError("must be comma-separated integers, for example 16,32,64,128") from None
+        return value
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """The default model first, then any others in ``models``."""
+        return (self.model, *(m for m in self.models if m != self.model))
+
+    @field_validator("bin_edges")
+    @classmethod
+    def _check_edges(cls, edges: tuple[int, ...]) -> tuple[int, ...]:
+        if any(e < 1 for e in edges) or list(edges) != sorted(set(edges)):
+            raise ValueError("must be strictly increasing positive integers, for example 16,32,64,128")
+        return edges
+
+    @field_validator("broker_url", "result_backend")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return url
+
+    @model_validator(mode="after")
+    def _check_queues(self) -> Settings:
+        from carpool.models import is_valid_name
+
+        for name in self.served_models:
+            if not is_valid_name(name):
+                raise ValueError(
+                    f"CARPOOL_MODEL/CARPOOL_MODELS: {name!r} is not minilm, toy, null or package.module:ClassName"
+                )
+        if self.request_queue == self.batch_queue:
+            raise ValueError("CARPOOL_REQUEST_QUEUE and CARPOOL_BATCH_QUEUE must differ")
+        return self
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build settings from the environment (and explicit overrides), or raise a readable ConfigError."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc)) from None
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = ["invalid carpool settings:"]
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        name = f"CARPOOL_{field.upper()}" if field else "settings"
+        got = err.get("input")
+        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  {name}: {err['msg']}{got_text}")
+    return "\n".join(lines)

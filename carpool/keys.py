@@ -1,0 +1,67 @@
+"""Every Redis key carpool writes besides Celery's own, named from the request queue.
+
+Deployments that share a Redis db but use different request queues never touch each other's keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# kombu's Redis transport emulates priorities with one list per step; a message sent with a non-zero
+# priority goes to "<queue>\x06\x16<step>" (kombu.transport.redis: PRIORITY_STEPS, priority sep).
+PRIORITY_STEPS = (0, 3, 6, 9)
+PRIORITY_SEP = "\x06\x16"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    request_queue: str
+
+    @property
+    def request_lists(self) -> list[str]:
+        """The lists `.delay()` writes to, drained first to last.
+
+        carpool gives ``priority=`` its AMQP meaning, higher first; kombu's own Redis consumer serves
+        step 0 first, which is why carpool drains these lists itself in reverse step order.
+        """
+        steps = sorted(PRIORITY_STEPS, reverse=True)
+        return [self.request_queue if s == 0 else f"{self.request_queue}{PRIORITY_SEP}{s}" for s in steps]
+
+    @property
+    def _base(self) -> str:
+        return f"carpool:{self.request_queue}"
+
+    @property
+    def inflight_lease(self) -> str:
+        """ZSET request id -> lease expiry (ms, Redis clock); past it the request is recovered."""
+        return f"{self._base}:inflight:lease"
+
+    @property
+    def inflight_raw(self) -> str:
+        """HASH request id -> the original Celery message, so a recovery can requeue it verbatim."""
+        return f"{self._base}:inflight:raw"
+
+    @property
+    def inflight_owner(self) -> str:
+        """HASH request id -> batch id that currently owns it; a stale batch finds it not its own."""
+        return f"{self._base}:inflight:owner"
+
+    @property
+    def dead_letter(self) -> str:
+        """LIST of messages that were not carpool requests, with the reason."""
+        return f"{self._base}:dead"
+
+    @property
+    def batch_reports(self) -> str:
+        """LIST of per-batch reports (JSON) from workers: sizes, run time, device."""
+        return f"{self._base}:reports"
+
+    @property
+    def workers(self) -> str:
+        """ZSET worker hostname -> heartbeat expiry (ms, Redis clock)."""
+        return f"{self._base}:workers"
+
+    @property
+    def stats(self) -> str:
+        """HASH of coordinator counters, read by `carpool status`."""
+        return f"{self._base}:stats"

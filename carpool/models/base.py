@@ -1,0 +1,42 @@
+"""The model protocol: what carpool needs from a model, and nothing more.
+
+A model has two halves that run in different processes:
+- ``encode`` runs on the coordinator: text -> token ids (truncated to the model's window), so the
+  coordinator knows each request's true length and the worker never tokenizes again;
+- ``load`` and ``forward`` run on a worker, after any fork: ``forward`` gets one padded batch and
+  returns one JSON-serialisable output per row.
+
+Write your own by implementing :class:`BatchModel` and set ``CARPOOL_MODEL=package.module:ClassName``.
+The class is built with no arguments; keep heavy imports (torch) inside ``load``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+
+@runtime_checkable
+class BatchModel(Protocol):
+    #: longest input in tokens, special tokens included; ``encode`` truncates to it
+    max_length: int
+    #: token id used for padding
+    pad_id: int
+    #: whether ``forward`` reads token ids (False: only the attention mask, e.g. the null model)
+    needs_token_ids: bool
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, truncated to ``max_length``. Called on the coordinator."""
+        ...
+
+    def load(self, device: str) -> None:
+        """Load weights onto ``device`` ("cpu" or "cuda"). Called once per worker process."""
+        ...
+
+    def forward(self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]) -> Sequence[Any]:
+        """Outputs for a padded batch (rows x padded length); one output per row, same order."""
+        ...

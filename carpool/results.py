@@ -1,0 +1,88 @@
+"""carpool's result backend: Celery's Redis backend with prompt ``.get()`` and bulk, write-once stores.
+
+Why a subclass. Celery's ``Drainer.drain_events_until`` (celery/backends/asynchronous.py) calls
+``drain_events(timeout=1)`` *before* it checks whether the awaited result is ready. A result that
+is already known when ``.get()`` starts (buffered from an earlier pub/sub message, or read by the
+initial GET) still blocks the caller in ``pubsub.get_message(timeout=1)`` until some other message
+arrives or a second passes. In-order completions hide it (the next message arrives soon); length
+binning completes requests out of order, so a producer reading results in submission order stalled
+about a second on most calls. :class:`PromptResultConsumer` returns at once when the result is
+already there.
+
+Workers and the coordinator store many results at once with :meth:`CarpoolRedisBackend.store_many`:
+one script call per batch that SETs each result only if none is stored yet (a second run of the
+same request never overwrites the first answer) and PUBLISHes it to wake waiting producers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from celery import states
+from celery.backends.redis import RedisBackend, ResultConsumer
+
+# KEYS: result keys; ARGV[1]: expiry seconds; ARGV[i+1]: encoded meta for KEYS[i].
+# Returns the indexes (1-based) of the results actually stored.
+_STORE_ONCE = """
+local stored = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ARGV[1]) then
+    redis.call('PUBLISH', key, ARGV[i + 1])
+    stored[#stored + 1] = i
+  end
+end
+return stored
+"""
+
+
+class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]
+    """Returns from ``.get()`` without touching pub/sub when the result is already known."""
+
+    def drain_events_until(self, p: Any, timeout: float | None = None, on_interval: Any = None) -> Iterator[None]:
+        if p.ready:
+            return iter(())
+        return super().drain_events_until(p, timeout=timeout, on_interval=on_interval)  # type: ignore[no-any-return]
+
+
+class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]
+    """Redis result backend used by the carpool Celery app (see module docstring)."""
+
+    ResultConsumer = PromptResultConsumer
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._store_once = self.client.register_script(_STORE_ONCE)
+
+    def meta_for(self, task_id: str, state: str, result: Any) -> bytes:
+        """Encoded result meta, as Celery's own ``store_result`` would write it."""
+        meta = self._get_result_meta(
+            result=self.encode_result(result, state), state=state, traceback=None, request=None
+        )
+        meta["task_id"] = task_id
+        encoded = self.encode(meta)
+        return encoded if isinstance(encoded, bytes) else encoded.encode("utf-8")
+
+    def store_many(self, entries: Iterable[tuple[str, str, Any]]) -> list[str]:
+        """Store (task_id, state, result-or-exception) triples; return the ids actually stored.
+
+        A task id that already has a result keeps it: at-least-once execution, one answer.
+        """
+        entries = list(entries)
+        if not entries:
+            return []
+        keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
+        payloads = [self.meta_for(task_id, state, result) for task_id, state, result in entries]
+        stored = self._store_once(keys=keys, args=[int(self.expires or 86400), *payloads])
+        return [entries[int(i) - 1][0] for i in stored]
+
+    def existing(self, task_ids: Sequence[str]) -> set[str]:
+        """The ids among ``task_ids`` that already have a stored result."""
+        if not task_ids:
+            return set()
+        found = self.client.mget([self.get_key_for_task(t) for t in task_ids])
+        return {t for t, v in zip(task_ids, found, strict=True) if v is not None}
+
+
+SUCCESS = states.SUCCESS
+FAILURE = states.FAILURE
