@@ -1,0 +1,5 @@
+import sys
+
+from carpool.cli import main
+
+sys.exit(main())

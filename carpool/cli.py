@@ -1,0 +1,77 @@
+"""``carpool``: coordinator, worker and demo entry points. Settings come from CARPOOL_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from carpool.errors import ConfigError
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    _logging(args.loglevel)
+    from carpool.celery_app import app, settings_of
+    from carpool.coordinator.service import Coordinator
+
+    coordinator = Coordinator(settings_of(app), app)
+    coordinator.install_signal_handlers()
+    coordinator.run()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from carpool.celery_app import app, settings_of
+    from carpool.gpu_worker import tasks  # noqa: F401  (registers carpool.run_batch)
+
+    settings = settings_of(app)
+    argv = [
+        "worker", "--pool", "solo", "--queues", settings.batch_queue, "--loglevel", args.loglevel,
+        "--hostname", f"carpool-gpu-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
+        "--task-events", *args.celery_args,
+    ]
+    app.worker_main(argv)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from carpool.demo import run_demo
+
+    return run_demo(requests=args.requests, seed=args.seed, workers=args.workers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="carpool", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("coordinator", help="drain the request queue into length-binned micro-batches")
+    p.add_argument("--loglevel", default="info")
+    p.set_defaults(func=cmd_coordinator)
+    p = sub.add_parser("worker", help="run batches on this machine's accelerator (a Celery worker)")
+    p.add_argument("--loglevel", default="info")
+    p.add_argument("celery_args", nargs=argparse.REMAINDER, help="extra arguments for celery worker")
+    p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("demo", help="embedded Redis + coordinator + worker, a burst of mixed texts, a report")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"carpool: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

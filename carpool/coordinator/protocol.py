@@ -1,0 +1,107 @@
+"""Decode the Celery (protocol 2) messages that ``infer.delay()`` writes into the request list.
+
+Envelope (kombu's Redis transport): ``{"body": base64(json([args, kwargs, embed])), "headers": {"id",
+"task", "expires", ...}, "properties": {"priority", "body_encoding", ...}, "content-type", ...}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from kombu.exceptions import ContentDisallowed, DecodeError
+from kombu.serialization import loads
+
+from carpool.errors import MalformedMessage
+
+TASK_NAME = "carpool.infer"
+SENT_AT_HEADER = "carpool_sent_at"  # carpool.tasks stamps it; the coordinator's arrival time otherwise
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A decoded request message; ``args``/``kwargs`` still unvalidated."""
+
+    id: str
+    args: Any
+    kwargs: Any
+    priority: int
+    sent_at: float | None  # wall clock
+    expires_at: float | None  # wall clock
+    argsrepr: str
+
+
+def decode(raw: bytes) -> Incoming:
+    """Decode ``raw`` or raise :class:`MalformedMessage` naming what is wrong with it."""
+    try:
+        envelope = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise MalformedMessage("not a Celery message: the envelope is not JSON") from None
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("headers"), dict):
+        raise MalformedMessage("not a Celery message: no headers")
+    headers = envelope["headers"]
+    task = headers.get("task")
+    if task != TASK_NAME:
+        raise MalformedMessage(f"unknown task name {task!r}: only {TASK_NAME} belongs on the request queue")
+    task_id = headers.get("id")
+    if not isinstance(task_id, str) or not task_id:
+        raise MalformedMessage("Celery message without a task id")
+    props = envelope.get("properties") or {}
+    body = envelope.get("body")
+    try:
+        if props.get("body_encoding") == "base64":
+            body = base64.b64decode(body, validate=True)
+        decoded = loads(
+            body,
+            envelope.get("content-type", "application/json"),
+            envelope.get("content-encoding", "utf-8"),
+            accept={"application/json"},
+        )
+    except ContentDisallowed:
+        raise MalformedMessage(
+            f"content type {envelope.get('content-type')!r} refused: carpool accepts JSON only"
+        ) from None
+    except (DecodeError, binascii.Error, TypeError, ValueError) as exc:
+        raise MalformedMessage(f"message body does not decode: {exc}") from None
+    if not (isinstance(decoded, list) and len(decoded) == 3):
+        raise MalformedMessage("message body is not Celery protocol 2 (args, kwargs, embed)")
+    args, kwargs, _embed = decoded
+    return Incoming(
+        id=task_id,
+        args=args,
+        kwargs=kwargs,
+        priority=_priority(props.get("priority")),
+        sent_at=_number(headers.get(SENT_AT_HEADER)),
+        expires_at=_when(headers.get("expires")),
+        argsrepr=str(headers.get("argsrepr") or "")[:200],
+    )
+
+
+def _priority(value: Any) -> int:
+    try:
+        return max(0, min(255, int(value)))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _when(value: Any) -> float | None:
+    """Celery sends ``expires`` as an ISO 8601 datetime (or, from old clients, epoch seconds)."""
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        dt = datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()

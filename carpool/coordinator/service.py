@@ -1,0 +1,313 @@
+"""The coordinator loop: Redis request list -> policy -> Celery batch tasks on the batch queue.
+
+One iteration (``step``): take requests atomically into flight, decode and validate them, tokenize
+each model's texts in one call, add them to the policy, ask the policy what leaves now, publish
+those batches, fail what expired. Housekeeping (lease renewal, recovery of requests whose holder
+died, worker count, batch reports feeding the latency model) runs every quarter lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery
+
+from carpool.batching import Batch, BatchPolicy, LatencyModel, PolicyConfig, Request
+from carpool.config import Settings
+from carpool.coordinator import protocol
+from carpool.errors import CarpoolError, DeadlineExceeded, InvalidInput, MalformedMessage, QueueFull
+from carpool.keys import Keys
+from carpool.models import get_model
+from carpool.results import FAILURE
+from carpool.store import RequestStore
+from carpool.validation import bind_infer_args, validate_infer
+
+log = logging.getLogger(__name__)
+
+RUN_BATCH = "carpool.run_batch"
+
+
+@dataclass(slots=True)
+class _Outstanding:
+    ids: list[str]
+    model: str
+    predicted_s: float
+    dispatched_s: float
+
+
+@dataclass(slots=True)
+class CoordinatorStats:
+    taken: int = 0
+    batches: int = 0
+    dispatched: int = 0
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+    flush: Counter[str] = field(default_factory=Counter)
+
+
+def policy_config(settings: Settings) -> PolicyConfig:
+    return PolicyConfig(
+        kind=settings.policy,
+        max_batch=settings.max_batch,
+        max_tokens=settings.max_tokens,
+        max_wait_s=settings.max_wait_s,
+        wait_factor=settings.wait_factor,
+        bin_edges=settings.bin_edges,
+    )
+
+
+class Coordinator:
+    def __init__(
+        self,
+        settings: Settings,
+        app: Celery,
+        client: redis.Redis | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.app = app
+        self.backend = app.backend
+        self.client = client or redis.Redis.from_url(settings.broker_url)
+        self.keys = Keys(settings.request_queue)
+        self.store = RequestStore(self.client, self.keys, settings.recovery_timeout_s)
+        self.clock = clock
+        self.wall = wall
+        self.latency = LatencyModel()
+        self.policy = BatchPolicy(policy_config(settings), self.latency)
+        self.models = {name: get_model(name) for name in settings.served_models}
+        self.outstanding: dict[str, _Outstanding] = {}
+        self.workers = 0
+        self.stats = CoordinatorStats()
+        self._held: set[str] = set()
+        self._next_housekeeping = 0.0
+        self._wake_at: float | None = None
+        self.stopping = threading.Event()
+
+    # --- main loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        log.info(
+            "coordinator serving %s on %s (policy=%s max_batch=%d max_tokens=%d)",
+            ",".join(self.settings.served_models), self.settings.request_queue,
+            self.settings.policy, self.settings.max_batch, self.settings.max_tokens,
+        )
+        backoff = 0.1
+        while not self.stopping.is_set():
+            try:
+                pause = self.step()
+                backoff = 0.1
+            except redis.ConnectionError as exc:
+                # Redis restarts: keep what we hold in memory; leases we miss are recovered by reap.
+                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                self.stopping.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            if pause > 0:
+                self.stopping.wait(pause)
+        self.shutdown()
+
+    def install_signal_handlers(self) -> None:
+        def _stop(signum: int, _frame: Any) -> None:
+            log.info("signal %d: handing back held requests and stopping", signum)
+            self.stopping.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+    def shutdown(self) -> None:
+        """Hand every request not yet dispatched back to the front of the request queue."""
+        held = self.policy.drain()
+        try:
+            returned = self.store.requeue([r.id for r in held])
+        except redis.ConnectionError:
+            log.warning("redis unavailable at shutdown; %d held requests return after their lease", len(held))
+            return
+        self._held.clear()
+        log.info("handed back %d requests", returned)
+
+    def step(self) -> float:
+        """One iteration; returns how long to sleep before the next (0 = go again at once)."""
+        now = self.clock()
+        if now >= self._next_housekeeping:
+            self.housekeeping(now)
+            self._next_housekeeping = now + max(0.05, self.settings.recovery_timeout_s / 4)
+        self._read_reports()
+        taken = self.store.take(self.settings.take_max)
+        if taken:
+            self._admit(taken, self.clock())
+        now = self.clock()
+        self._dispatch(now)
+        if taken:
+            return 0.0
+        pause = self.settings.idle_poll_s
+        if self._wake_at is not None:
+            pause = min(pause, max(0.0, self._wake_at - now))
+        return pause
+
+    # --- intake ----------------------------------------------------------------------------
+    def _admit(self, taken: list[tuple[str, bytes]], now: float) -> None:
+        self.stats.taken += len(taken)
+        wall_now = self.wall()
+        failures: list[tuple[str, str, Any]] = []
+        fail_reasons: list[str] = []
+        by_model: dict[str, list[tuple[protocol.Incoming, str]]] = {}
+        room = self.settings.max_pending - len(self.policy)
+        for request_id, raw in taken:
+            try:
+                msg = protocol.decode(raw)
+            except MalformedMessage as exc:
+                log.warning("dead-lettering message %s: %s", request_id, exc)
+                self.store.dead_letter(request_id, raw, str(exc))
+                self.stats.failed["malformed"] += 1
+                continue
+            try:
+                text, model = bind_infer_args(msg.args, msg.kwargs)
+                payload = validate_infer(text, model, self.settings)
+            except InvalidInput as exc:
+                failures.append((msg.id, FAILURE, exc))
+                fail_reasons.append("invalid")
+                continue
+            if room <= 0:
+                failures.append((msg.id, FAILURE, QueueFull(
+                    f"{self.settings.max_pending} requests already wait (CARPOOL_MAX_PENDING); retry later"
+                )))
+                fail_reasons.append("queue_full")
+                continue
+            room -= 1
+            by_model.setdefault(payload.model, []).append((msg, payload.text))
+
+        for model_name, items in by_model.items():
+            model = self.models[model_name]
+            token_ids = model.encode([text for _, text in items])
+            keep_ids = model.needs_token_ids
+            for (msg, _), ids in zip(items, token_ids, strict=True):
+                sent_at = msg.sent_at if msg.sent_at is not None else wall_now
+                # Wall-clock times from the producer become this process's monotonic clock.
+                arrival = now - max(0.0, wall_now - sent_at)
+                deadline_wall = msg.expires_at if msg.expires_at is not None else (
+                    sent_at + self.settings.default_deadline_s)
+                deadline = now + (deadline_wall - wall_now)
+                self.policy.add(Request(
+                    id=msg.id, model=model_name, length=len(ids), arrival_s=arrival, deadline_s=deadline,
+                    priority=msg.priority,
+                    payload={"id": msg.id, "ids": ids if keep_ids else None, "len": len(ids),
+                             "sent_at": sent_at, "deadline": deadline_wall, "argsrepr": msg.argsrepr},
+                ))
+                self._held.add(msg.id)
+        if failures:
+            self._fail(failures, fail_reasons)
+
+    def _fail(self, failures: list[tuple[str, str, Any]], reasons: list[str]) -> None:
+        self.backend.store_many(failures)
+        self.store.ack([f[0] for f in failures])
+        for reason, failure in zip(reasons, failures, strict=True):
+            self.stats.failed[reason] += 1
+            log.info("request %s failed (%s): %s", failure[0], reason, failure[2])
+
+    # --- dispatch --------------------------------------------------------------------------
+    def _capacity(self, now: float) -> tuple[int, int, float]:
+        busy = len(self.outstanding)
+        workers = self.workers
+        free_workers = max(0, workers - busy)
+        free_slots = max(0, workers * (1 + self.settings.prefetch_batches) - busy)
+        ahead = 0.0
+        if busy and workers:
+            ahead = sum(o.predicted_s for o in self.outstanding.values()) / workers
+        return free_workers, free_slots, ahead
+
+    def _dispatch(self, now: float) -> None:
+        free_workers, free_slots, ahead = self._capacity(now)
+        plan = self.policy.poll(now, free_workers, free_slots, ahead)
+        self._wake_at = plan.wake_at_s
+        if plan.expired:
+            failures: list[tuple[str, str, Any]] = []
+            for req in plan.expired:
+                self._held.discard(req.id)
+                failures.append((req.id, FAILURE, DeadlineExceeded(
+                    f"deadline passed after {now - req.arrival_s:.3f}s in the queue, before a worker could "
+                    "run it; raise expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers"
+                )))
+            self._fail(failures, ["deadline"] * len(failures))
+        if plan.batches:
+            self._publish(plan.batches, now)
+
+    def _publish(self, batches: list[Batch], now: float) -> None:
+        wall_now = self.wall()
+        with self.app.producer_or_acquire() as producer:
+            for batch in batches:
+                batch_id = uuid.uuid4().hex
+                ids = [r.id for r in batch.requests]
+                self.store.assign(batch_id, ids)
+                message = {
+                    "id": batch_id,
+                    "model": batch.model,
+                    "bin": batch.bin_index,
+                    "bin_label": self.policy.bins.label(batch.bin_index),
+                    "flush": batch.flush_reason.value,
+                    "padded_len": batch.padded_len,
+                    "dispatched_at": wall_now,
+                    "requests": [r.payload for r in batch.requests],
+                }
+                self.app.send_task(RUN_BATCH, args=[message], queue=self.settings.batch_queue,
+                                   producer=producer, ignore_result=True)
+                predicted = self.latency.predict(batch.model, batch.padded_tokens)
+                self.outstanding[batch_id] = _Outstanding(ids, batch.model, predicted, now)
+                self._held.difference_update(ids)
+                self.stats.batches += 1
+                self.stats.dispatched += batch.size
+                self.stats.padded_tokens += batch.padded_tokens
+                self.stats.real_tokens += batch.real_tokens
+                self.stats.flush[batch.flush_reason.value] += 1
+
+    # --- housekeeping ----------------------------------------------------------------------
+    def housekeeping(self, now: float) -> None:
+        self.workers = self.store.live_workers()
+        # A dispatched batch that no report closed within a lease died with its worker; the
+        # reap below (here or in another coordinator) brings its requests back.
+        horizon = self.settings.recovery_timeout_s
+        for batch_id, out in list(self.outstanding.items()):
+            if now - out.dispatched_s > horizon + 4 * out.predicted_s:
+                log.warning("batch %s (%d requests) never reported; leaving it to recovery", batch_id,
+                            len(out.ids))
+                del self.outstanding[batch_id]
+        renew = list(self._held)
+        for out in self.outstanding.values():
+            renew.extend(out.ids)
+        self.store.renew_held(renew)
+        recovered = self.store.reap()
+        if recovered:
+            log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
+        self._write_stats()
+
+    def _read_reports(self) -> None:
+        for report in self.store.pop_reports():
+            out = self.outstanding.pop(report.get("batch_id", ""), None)
+            if report.get("padded_tokens") and report.get("run_s") is not None:
+                self.latency.observe(report["model"], int(report["padded_tokens"]), float(report["run_s"]))
+            if out is None:
+                continue
+
+    def _write_stats(self) -> None:
+        s = self.stats
+        fields: dict[str, int | float] = {
+            "taken": s.taken, "batches": s.batches, "dispatched": s.dispatched,
+            "padded_tokens": s.padded_tokens, "real_tokens": s.real_tokens,
+            "pending": len(self.policy), "outstanding": len(self.outstanding), "workers": self.workers,
+        }
+        fields.update({f"flush:{k}": v for k, v in s.flush.items()})
+        fields.update({f"failed:{k}": v for k, v in s.failed.items()})
+        self.client.hset(self.keys.stats, mapping=fields)  # type: ignore[arg-type]
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, CarpoolError) else str(exc)

@@ -1,0 +1,104 @@
+"""Padding and running batches on a model; no Redis or Celery here.
+
+``run_padded`` is the hot path: one numpy fill of a (rows x padded length) array, one forward under
+``torch.inference_mode()``. When a batch raises, ``run_isolating`` halves it until the failing rows
+are alone, so one bad request fails only itself; out-of-memory errors are handled the same way
+(smaller halves fit).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from carpool.batching.bins import padded_length
+from carpool.models import BatchModel, get_model
+
+log = logging.getLogger(__name__)
+
+_loaded: dict[str, BatchModel] = {}
+_load_lock = threading.Lock()
+
+
+def pick_device(setting: str) -> str:
+    import torch
+
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        from carpool.errors import ConfigError
+
+        raise ConfigError("CARPOOL_DEVICE=cuda but torch sees no CUDA device; use auto or cpu")
+    return setting
+
+
+def loaded_model(name: str, device: str = "cpu", autocast_bf16: bool = False) -> BatchModel:
+    """The model ``name`` with weights on ``device``, loaded once per process (after any fork)."""
+    model = _loaded.get(name)
+    if model is None:
+        with _load_lock:
+            model = _loaded.get(name)
+            if model is None:
+                model = get_model(name)
+                if autocast_bf16 and hasattr(model, "load") and "autocast_bf16" in model.load.__code__.co_varnames:
+                    model.load(device, autocast_bf16=True)  # type: ignore[call-arg]
+                else:
+                    model.load(device)
+                _loaded[name] = model
+    return model
+
+
+def pad(rows: Sequence[Sequence[int] | None], lengths: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask), both int64 of shape (rows, longest rounded up to a multiple of 8)."""
+    width = padded_length(max(lengths))
+    ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(lengths), width), dtype=np.int64)
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        if row is not None:
+            ids[i, :n] = row
+        mask[i, :n] = 1
+    return ids, mask
+
+
+def run_padded(model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]) -> list[Any]:
+    import torch
+
+    ids, mask = pad(rows, lengths, model.pad_id)
+    with torch.inference_mode():
+        outputs = list(model.forward(ids, mask))
+    if len(outputs) != len(lengths):
+        raise RuntimeError(f"model returned {len(outputs)} outputs for a batch of {len(lengths)}")
+    return outputs
+
+
+def run_isolating(
+    model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]
+) -> list[tuple[bool, Any]]:
+    """Per row (ok, output-or-exception). A failing batch is split in halves until failures are alone."""
+    try:
+        return [(True, out) for out in run_padded(model, rows, lengths)]
+    except Exception as exc:
+        if len(lengths) == 1:
+            return [(False, exc)]
+        log.warning("batch of %d failed (%s: %s); splitting to isolate", len(lengths), type(exc).__name__, exc)
+        _free_accelerator_memory()
+        half = len(lengths) // 2
+        return run_isolating(model, rows[:half], lengths[:half]) + run_isolating(model, rows[half:], lengths[half:])
+
+
+def _free_accelerator_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_single(model_name: str, text: str) -> Any:
+    """One text, no batching: what a plain Celery worker does with ``carpool.infer``."""
+    model = loaded_model(model_name)
+    ids = model.encode([text])[0]
+    return run_padded(model, [ids if model.needs_token_ids else None], [len(ids)])[0]

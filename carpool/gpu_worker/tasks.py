@@ -1,0 +1,160 @@
+"""``carpool.run_batch``: the Celery task a GPU worker runs for each micro-batch.
+
+Per batch: claim the requests this batch still owns (a recovered request may already be someone
+else's), skip those already answered, fail those past their deadline, run the rest padded to a
+multiple of 8, store every request's result under its own task id in one write-once script call,
+then acknowledge and report the batch's timing to the coordinator's latency model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import signals
+
+from carpool.batching.bins import padded_length
+from carpool.celery_app import app, settings_of
+from carpool.errors import DeadlineExceeded, ModelError
+from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating
+from carpool.keys import Keys
+from carpool.results import FAILURE, SUCCESS
+from carpool.store import RequestStore
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+class WorkerRuntime:
+    """Per-process worker state: Redis edge, device, loaded models, heartbeat."""
+
+    def __init__(self) -> None:
+        self.settings = settings_of(app)
+        self.client = redis.Redis.from_url(self.settings.broker_url)
+        self.store = RequestStore(self.client, Keys(self.settings.request_queue), self.settings.recovery_timeout_s)
+        self.backend = app.backend
+        self.device = pick_device(self.settings.device)
+        self.hostname = f"{socket.gethostname()}:{os.getpid()}"
+        self._running: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.settings.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.settings.torch_threads)
+
+    def start(self) -> None:
+        """Load every served model, then start announcing this worker to coordinators."""
+        for name in self.settings.served_models:
+            t0 = time.perf_counter()
+            loaded_model(name, self.device, self.settings.autocast_bf16)
+            log.info("model %s loaded on %s in %.1fs", name, self.device, time.perf_counter() - t0)
+        self._beat()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.store.leave(self.hostname)
+        except redis.RedisError:
+            pass
+
+    def _beat(self) -> None:
+        self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S)
+        # Keep the running batch's leases alive: a batch longer than the lease is not a dead worker.
+        self.store.renew_running(list(self._running))
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def run(self, batch: dict[str, Any]) -> dict[str, Any]:
+        batch_id = batch["id"]
+        requests = batch["requests"]
+        owned = self.store.claim(batch_id, [r["id"] for r in requests])
+        mine = [r for r, ok in zip(requests, owned, strict=True) if ok]
+        if len(mine) < len(requests):
+            log.info("batch %s: %d of %d requests now belong elsewhere; skipped", batch_id,
+                     len(requests) - len(mine), len(requests))
+        answered = self.backend.existing([r["id"] for r in mine])
+        now = time.time()
+        entries: list[tuple[str, str, Any]] = []
+        live = []
+        for r in mine:
+            if r["id"] in answered:
+                continue
+            if r["deadline"] < now:
+                entries.append((r["id"], FAILURE, DeadlineExceeded(
+                    f"deadline passed {now - r['deadline']:.3f}s before a worker could start it; raise "
+                    "expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers")))
+            else:
+                live.append(r)
+        run_s = None
+        padded_len = 0
+        if live:
+            self._running = [r["id"] for r in live]
+            try:
+                model = loaded_model(batch["model"], self.device, self.settings.autocast_bf16)
+                lengths = [r["len"] for r in live]
+                t0 = time.perf_counter()
+                outcomes = run_isolating(model, [r["ids"] for r in live], lengths)
+                elapsed = time.perf_counter() - t0
+                if all(ok for ok, _ in outcomes):
+                    run_s = elapsed  # a split batch's time says nothing about the latency model
+                padded_len = padded_length(max(lengths))
+            except Exception as exc:  # model failed to load: every request fails with the reason
+                log.exception("batch %s: model %s unavailable", batch_id, batch["model"])
+                outcomes = [(False, exc)] * len(live)
+            for r, (ok, out) in zip(live, outcomes, strict=True):
+                if ok:
+                    entries.append((r["id"], SUCCESS, out))
+                else:
+                    entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
+        self.backend.store_many(entries)
+        report = {
+            "batch_id": batch_id, "model": batch["model"], "worker": self.hostname, "device": self.device,
+            "bin": batch.get("bin"), "flush": batch.get("flush"), "size": len(live),
+            "padded_len": padded_len, "padded_tokens": padded_len * len(live),
+            "real_tokens": sum(r["len"] for r in live), "run_s": run_s,
+            "failed": sum(1 for e in entries if e[1] == FAILURE), "done_at": time.time(),
+        }
+        self.store.ack([r["id"] for r in mine], report)
+        self._running = []
+        return report
+
+
+_runtime: WorkerRuntime | None = None
+
+
+def runtime() -> WorkerRuntime:
+    global _runtime
+    if _runtime is None:
+        _runtime = WorkerRuntime()
+    return _runtime
+
+
+@app.task(name="carpool.run_batch", ignore_result=True, acks_late=False)
+def run_batch(batch: dict[str, Any]) -> None:
+    report = runtime().run(batch)
+    log.debug("batch %s done: %s", batch["id"], report)
+
+
+@signals.worker_ready.connect
+def _on_worker_ready(**_: Any) -> None:
+    runtime().start()
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    if _runtime is not None:
+        _runtime.stop()

@@ -1,0 +1,266 @@
+"""Redis state shared by coordinators and workers: in-flight requests, leases, heartbeats, reports.
+
+A request's life in Redis:
+  request list --take--> in flight (raw kept, lease set) --assign--> owned by a batch
+    --claim (worker)--> running --ack--> gone (its result is in the result backend)
+  and from any in-flight state, when its lease runs out (the holder died): --reap--> back at the
+  front of the request list, verbatim.
+
+``take`` is one Lua script: the pop and the move into the in-flight hash are atomic, so a
+coordinator killed at any instant leaves every request either in the list or in flight, never
+nowhere. Leases use Redis's clock (TIME), so hosts with skewed clocks agree on expiry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from carpool.keys import Keys
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: lease, raw, request lists in drain order. ARGV: max count, lease ms.
+# Returns a flat list id1, raw1, id2, raw2, ...
+_TAKE = (
+    _NOW_MS
+    + """
+local expiry = now + tonumber(ARGV[2])
+local want = tonumber(ARGV[1])
+local out = {}
+for i = 3, #KEYS do
+  local left = want - #out / 2
+  if left <= 0 then break end
+  local got = redis.call('RPOP', KEYS[i], left)
+  if got then
+    for _, raw in ipairs(got) do
+      local ok, msg = pcall(cjson.decode, raw)
+      local id = nil
+      if ok and type(msg) == 'table' and type(msg['headers']) == 'table' then id = msg['headers']['id'] end
+      if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
+      redis.call('HSET', KEYS[2], id, raw)
+      redis.call('ZADD', KEYS[1], expiry, id)
+      out[#out + 1] = id
+      out[#out + 1] = raw
+    end
+  end
+end
+return out
+"""
+)
+
+# KEYS: lease, owner. ARGV: lease ms, batch id ('' = keep owner; only renew unowned/unclaimed), ids...
+# Renews the lease of ids still in flight and not claimed by a worker; with a batch id, records it
+# as their owner. Returns how many were renewed.
+_ASSIGN = (
+    _NOW_MS
+    + """
+local expiry = now + tonumber(ARGV[1])
+local batch = ARGV[2]
+local n = 0
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  if redis.call('ZSCORE', KEYS[1], id) then
+    local owner = redis.call('HGET', KEYS[2], id)
+    if batch ~= '' then
+      redis.call('HSET', KEYS[2], id, batch)
+      redis.call('ZADD', KEYS[1], 'XX', expiry, id)
+      n = n + 1
+    elseif not owner or string.sub(owner, -1) ~= '!' then
+      redis.call('ZADD', KEYS[1], 'XX', expiry, id)
+      n = n + 1
+    end
+  end
+end
+return n
+"""
+)
+
+# KEYS: lease, owner. ARGV: batch id, lease ms, ids... Marks the ids this batch still owns as claimed
+# (owner 'batch!') and renews their lease. Returns 1/0 per id.
+_CLAIM = (
+    _NOW_MS
+    + """
+local expiry = now + tonumber(ARGV[2])
+local batch = ARGV[1]
+local out = {}
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local owner = redis.call('HGET', KEYS[2], id)
+  if (owner == batch or owner == batch .. '!') and redis.call('ZSCORE', KEYS[1], id) then
+    redis.call('HSET', KEYS[2], id, batch .. '!')
+    redis.call('ZADD', KEYS[1], 'XX', expiry, id)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+)
+
+# KEYS: lease. ARGV: lease ms, ids... Renews leases of ids still in flight (a running batch).
+_RENEW = (
+    _NOW_MS
+    + """
+local expiry = now + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i]) end
+return #ARGV - 1
+"""
+)
+
+# KEYS: lease, raw, owner, target list. ARGV: max count, then ids ('' ids = every expired lease).
+# Puts requests back at the front of the target list, verbatim, and forgets them. Returns the count.
+_REQUEUE = (
+    _NOW_MS
+    + """
+local ids
+if #ARGV > 1 then
+  ids = {}
+  for i = 2, #ARGV do ids[#ids + 1] = ARGV[i] end
+else
+  ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+end
+local n = 0
+for _, id in ipairs(ids) do
+  local raw = redis.call('HGET', KEYS[2], id)
+  if raw and redis.call('ZREM', KEYS[1], id) == 1 then
+    redis.call('RPUSH', KEYS[4], raw)
+    n = n + 1
+  end
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+end
+return n
+"""
+)
+
+# KEYS: workers. ARGV: hostname, ttl ms ('' hostname: just count). Returns live workers.
+_HEARTBEAT = (
+    _NOW_MS
+    + """
+if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])
+"""
+)
+
+
+class RequestStore:
+    """The Redis edge for in-flight requests. One per process; thread-safe as redis-py is."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, lease_s: float) -> None:
+        self.client = client
+        self.keys = keys
+        self.lease_ms = max(1, int(lease_s * 1000))
+        self._take = client.register_script(_TAKE)
+        self._assign = client.register_script(_ASSIGN)
+        self._claim = client.register_script(_CLAIM)
+        self._renew = client.register_script(_RENEW)
+        self._requeue = client.register_script(_REQUEUE)
+        self._heartbeat = client.register_script(_HEARTBEAT)
+
+    # --- coordinator ---------------------------------------------------------------------
+    def take(self, count: int) -> list[tuple[str, bytes]]:
+        """Atomically move up to ``count`` requests (highest priority list first) into flight."""
+        keys = [self.keys.inflight_lease, self.keys.inflight_raw, *self.keys.request_lists]
+        flat = self._take(keys=keys, args=[count, self.lease_ms])
+        return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+    def assign(self, batch_id: str, ids: Sequence[str]) -> int:
+        """Record ``batch_id`` as the owner of ``ids`` and renew their leases."""
+        if not ids:
+            return 0
+        return int(self._assign(keys=[self.keys.inflight_lease, self.keys.inflight_owner],
+                                args=[self.lease_ms, batch_id, *ids]))
+
+    def renew_held(self, ids: Sequence[str]) -> int:
+        """Renew leases of requests the coordinator holds or dispatched and no worker claimed yet."""
+        if not ids:
+            return 0
+        return int(self._assign(keys=[self.keys.inflight_lease, self.keys.inflight_owner],
+                                args=[self.lease_ms, "", *ids]))
+
+    def requeue(self, ids: Sequence[str]) -> int:
+        """Hand ``ids`` back to the front of the request queue now (shutdown)."""
+        if not ids:
+            return 0
+        return int(self._requeue(keys=self._requeue_keys(), args=[0, *ids]))
+
+    def reap(self, limit: int = 10_000) -> int:
+        """Requeue requests whose holder stopped renewing their lease. Safe from any process."""
+        return int(self._requeue(keys=self._requeue_keys(), args=[limit]))
+
+    def _requeue_keys(self) -> list[str]:
+        return [self.keys.inflight_lease, self.keys.inflight_raw, self.keys.inflight_owner,
+                self.keys.request_queue]
+
+    def dead_letter(self, request_id: str, raw: bytes, reason: str) -> None:
+        """Move a message that is not a carpool request out of flight into the dead-letter list."""
+        entry = json.dumps({"id": request_id, "reason": reason, "raw": raw.decode("utf-8", "replace")})
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.lpush(self.keys.dead_letter, entry)
+            pipe.ltrim(self.keys.dead_letter, 0, 9999)
+            self._ack_into(pipe, [request_id])
+            pipe.execute()
+
+    # --- worker ---------------------------------------------------------------------------
+    def claim(self, batch_id: str, ids: Sequence[str]) -> list[bool]:
+        """Which of ``ids`` this batch still owns; marks them claimed so only the worker renews them."""
+        if not ids:
+            return []
+        flags = self._claim(keys=[self.keys.inflight_lease, self.keys.inflight_owner],
+                            args=[batch_id, self.lease_ms, *ids])
+        return [bool(int(f)) for f in flags]
+
+    def renew_running(self, ids: Sequence[str]) -> None:
+        if ids:
+            self._renew(keys=[self.keys.inflight_lease], args=[self.lease_ms, *ids])
+
+    def ack(self, ids: Sequence[str], report: dict[str, Any] | None = None) -> None:
+        """Forget answered requests, and queue the batch report for the coordinator, in one trip."""
+        with self.client.pipeline(transaction=False) as pipe:
+            self._ack_into(pipe, ids)
+            if report is not None:
+                pipe.lpush(self.keys.batch_reports, json.dumps(report))
+                pipe.ltrim(self.keys.batch_reports, 0, 99_999)
+            pipe.execute()
+
+    def _ack_into(self, pipe: Any, ids: Sequence[str]) -> None:
+        if ids:
+            pipe.zrem(self.keys.inflight_lease, *ids)
+            pipe.hdel(self.keys.inflight_raw, *ids)
+            pipe.hdel(self.keys.inflight_owner, *ids)
+
+    def heartbeat(self, hostname: str, ttl_s: float) -> int:
+        return int(self._heartbeat(keys=[self.keys.workers], args=[hostname, int(ttl_s * 1000)]))
+
+    def live_workers(self) -> int:
+        return int(self._heartbeat(keys=[self.keys.workers], args=["", 0]))
+
+    def leave(self, hostname: str) -> None:
+        self.client.zrem(self.keys.workers, hostname)
+
+    def pop_reports(self, count: int = 1000) -> list[dict[str, Any]]:
+        raw = self.client.rpop(self.keys.batch_reports, count)
+        return [json.loads(r) for r in raw or ()]
+
+    # --- introspection --------------------------------------------------------------------
+    def queued(self) -> int:
+        with self.client.pipeline(transaction=False) as pipe:
+            for key in self.keys.request_lists:
+                pipe.llen(key)
+            return sum(pipe.execute())
+
+    def in_flight(self) -> int:
+        return int(self.client.zcard(self.keys.inflight_lease))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
