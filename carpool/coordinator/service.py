@@ -24,7 +24,7 @@ from celery import Celery
 from carpool.batching import Batch, BatchPolicy, LatencyModel, PolicyConfig, Request
 from carpool.config import Settings
 from carpool.coordinator import protocol
-from carpool.errors import CarpoolError, DeadlineExceeded, InvalidInput, MalformedMessage, QueueFull
+from carpool.errors import DeadlineExceeded, InvalidInput, MalformedMessage, QueueFull
 from carpool.keys import Keys
 from carpool.models import get_model
 from carpool.results import FAILURE
@@ -34,6 +34,7 @@ from carpool.validation import bind_infer_args, validate_infer
 log = logging.getLogger(__name__)
 
 RUN_BATCH = "carpool.run_batch"
+STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class CoordinatorStats:
     real_tokens: int = 0
     failed: Counter[str] = field(default_factory=Counter)
     flush: Counter[str] = field(default_factory=Counter)
+    sizes: Counter[int] = field(default_factory=Counter)
 
 
 def policy_config(settings: Settings) -> PolicyConfig:
@@ -91,6 +93,7 @@ class Coordinator:
         self.stats = CoordinatorStats()
         self._held: set[str] = set()
         self._next_housekeeping = 0.0
+        self._next_stats = 0.0
         self._wake_at: float | None = None
         self.stopping = threading.Event()
 
@@ -140,7 +143,10 @@ class Coordinator:
         now = self.clock()
         if now >= self._next_housekeeping:
             self.housekeeping(now)
-            self._next_housekeeping = now + max(0.05, self.settings.recovery_timeout_s / 4)
+            self._next_housekeeping = now + min(1.0, self.settings.recovery_timeout_s / 4)
+        if now >= self._next_stats:
+            self._write_stats()
+            self._next_stats = now + STATS_INTERVAL_S
         self._read_reports()
         taken = self.store.take(self.settings.take_max)
         if taken:
@@ -268,6 +274,7 @@ class Coordinator:
                 self.stats.padded_tokens += batch.padded_tokens
                 self.stats.real_tokens += batch.real_tokens
                 self.stats.flush[batch.flush_reason.value] += 1
+                self.stats.sizes[batch.size] += 1
 
     # --- housekeeping ----------------------------------------------------------------------
     def housekeeping(self, now: float) -> None:
@@ -287,7 +294,6 @@ class Coordinator:
         recovered = self.store.reap()
         if recovered:
             log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
-        self._write_stats()
 
     def _read_reports(self) -> None:
         for report in self.store.pop_reports():
@@ -306,8 +312,5 @@ class Coordinator:
         }
         fields.update({f"flush:{k}": v for k, v in s.flush.items()})
         fields.update({f"failed:{k}": v for k, v in s.failed.items()})
+        fields.update({f"size:{k}": v for k, v in s.sizes.items()})
         self.client.hset(self.keys.stats, mapping=fields)  # type: ignore[arg-type]
-
-
-def describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, CarpoolError) else str(exc)
