@@ -66,6 +66,7 @@ class Settings(BaseSettings):
     # --- coordinator internals ---------------------------------------------------------------
     take_max: int = Field(1000, ge=1, le=100_000, description="Most requests taken from Redis per round trip.")
     idle_poll_s: float = Field(0.002, gt=0, le=1, description="Sleep between empty polls of the queue.")
+    events: bool = Field(True, description="Send per-request task events so Flower lists every request.")
     metrics_port: int = Field(9808, ge=0, le=65535, description="Prometheus port of the coordinator; 0 = off.")
 
     @field_validator("bin_edges", mode="before")

@@ -7,6 +7,8 @@ import os
 
 # Every model the integration stacks may serve; validation at .delay() accepts these.
 os.environ.setdefault("CARPOOL_MODELS", "toy,minilm,null")
+# Tests that want metrics pick a free port themselves; the default port may be taken.
+os.environ.setdefault("CARPOOL_METRICS_PORT", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -33,6 +33,7 @@ class Incoming:
     sent_at: float | None  # wall clock
     expires_at: float | None  # wall clock
     argsrepr: str
+    kwargsrepr: str
 
 
 def decode(raw: bytes) -> Incoming:
@@ -78,6 +79,7 @@ def decode(raw: bytes) -> Incoming:
         sent_at=_number(headers.get(SENT_AT_HEADER)),
         expires_at=_when(headers.get("expires")),
         argsrepr=str(headers.get("argsrepr") or "")[:200],
+        kwargsrepr=str(headers.get("kwargsrepr") or "{}")[:200],
     )
 
 

@@ -9,7 +9,9 @@ died, worker count, batch reports feeding the latency model) runs every quarter 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -25,7 +27,9 @@ from carpool.batching import Batch, BatchPolicy, LatencyModel, PolicyConfig, Req
 from carpool.config import Settings
 from carpool.coordinator import protocol
 from carpool.errors import DeadlineExceeded, InvalidInput, MalformedMessage, QueueFull
+from carpool.events import TaskEvents
 from carpool.keys import Keys
+from carpool.metrics import CoordinatorMetrics
 from carpool.models import get_model
 from carpool.results import FAILURE
 from carpool.store import RequestStore
@@ -96,9 +100,13 @@ class Coordinator:
         self._next_stats = 0.0
         self._wake_at: float | None = None
         self.stopping = threading.Event()
+        self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
+        self.events = TaskEvents(app, self.hostname, enabled=settings.events)
+        self.metrics = CoordinatorMetrics()
 
     # --- main loop -------------------------------------------------------------------------
     def run(self) -> None:
+        self.metrics.serve(self.settings.metrics_port)
         log.info(
             "coordinator serving %s on %s (policy=%s max_batch=%d max_tokens=%d)",
             ",".join(self.settings.served_models), self.settings.request_queue,
@@ -153,6 +161,7 @@ class Coordinator:
             self._admit(taken, self.clock())
         now = self.clock()
         self._dispatch(now)
+        self.events.flush()
         if taken:
             return 0.0
         pause = self.settings.idle_poll_s
@@ -163,6 +172,7 @@ class Coordinator:
     # --- intake ----------------------------------------------------------------------------
     def _admit(self, taken: list[tuple[str, bytes]], now: float) -> None:
         self.stats.taken += len(taken)
+        self.metrics.requests.inc(len(taken))
         wall_now = self.wall()
         failures: list[tuple[str, str, Any]] = []
         fail_reasons: list[str] = []
@@ -175,6 +185,7 @@ class Coordinator:
                 log.warning("dead-lettering message %s: %s", request_id, exc)
                 self.store.dead_letter(request_id, raw, str(exc))
                 self.stats.failed["malformed"] += 1
+                self.metrics.failed("malformed")
                 continue
             try:
                 text, model = bind_infer_args(msg.args, msg.kwargs)
@@ -207,9 +218,10 @@ class Coordinator:
                     id=msg.id, model=model_name, length=len(ids), arrival_s=arrival, deadline_s=deadline,
                     priority=msg.priority,
                     payload={"id": msg.id, "ids": ids if keep_ids else None, "len": len(ids),
-                             "sent_at": sent_at, "deadline": deadline_wall, "argsrepr": msg.argsrepr},
+                             "sent_at": sent_at, "deadline": deadline_wall},
                 ))
                 self._held.add(msg.id)
+                self.events.received(msg.id, msg.argsrepr, msg.kwargsrepr)
         if failures:
             self._fail(failures, fail_reasons)
 
@@ -218,6 +230,8 @@ class Coordinator:
         self.store.ack([f[0] for f in failures])
         for reason, failure in zip(reasons, failures, strict=True):
             self.stats.failed[reason] += 1
+            self.metrics.failed(reason)
+            self.events.failed(failure[0], failure[2])
             log.info("request %s failed (%s): %s", failure[0], reason, failure[2])
 
     # --- dispatch --------------------------------------------------------------------------
@@ -254,18 +268,23 @@ class Coordinator:
                 batch_id = uuid.uuid4().hex
                 ids = [r.id for r in batch.requests]
                 self.store.assign(batch_id, ids)
+                label = self.policy.bins.label(batch.bin_index)
+                padding = batch.padded_tokens / max(1, batch.real_tokens)
                 message = {
                     "id": batch_id,
                     "model": batch.model,
                     "bin": batch.bin_index,
-                    "bin_label": self.policy.bins.label(batch.bin_index),
+                    "bin_label": label,
                     "flush": batch.flush_reason.value,
                     "padded_len": batch.padded_len,
                     "dispatched_at": wall_now,
                     "requests": [r.payload for r in batch.requests],
                 }
+                # Flower shows argsrepr; the token ids it would otherwise show help nobody.
+                summary = (f"size={batch.size} bin={label} width={batch.padded_len} "
+                           f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}")
                 self.app.send_task(RUN_BATCH, args=[message], queue=self.settings.batch_queue,
-                                   producer=producer, ignore_result=True)
+                                   producer=producer, ignore_result=True, argsrepr=summary, kwargsrepr="{}")
                 predicted = self.latency.predict(batch.model, batch.padded_tokens)
                 self.outstanding[batch_id] = _Outstanding(ids, batch.model, predicted, now)
                 self._held.difference_update(ids)
@@ -275,10 +294,14 @@ class Coordinator:
                 self.stats.real_tokens += batch.real_tokens
                 self.stats.flush[batch.flush_reason.value] += 1
                 self.stats.sizes[batch.size] += 1
+                self.metrics.batch_dispatched(batch.model, label, batch.size, batch.padded_tokens,
+                                              batch.real_tokens, batch.flush_reason.value,
+                                              [now - r.arrival_s for r in batch.requests])
 
     # --- housekeeping ----------------------------------------------------------------------
     def housekeeping(self, now: float) -> None:
         self.workers = self.store.live_workers()
+        self.metrics.workers.set(self.workers)
         # A dispatched batch that no report closed within a lease died with its worker; the
         # reap below (here or in another coordinator) brings its requests back.
         horizon = self.settings.recovery_timeout_s
@@ -300,10 +323,12 @@ class Coordinator:
             out = self.outstanding.pop(report.get("batch_id", ""), None)
             if report.get("padded_tokens") and report.get("run_s") is not None:
                 self.latency.observe(report["model"], int(report["padded_tokens"]), float(report["run_s"]))
-            if out is None:
-                continue
+                self.metrics.batch_ran(report["model"], str(report.get("device")), float(report["run_s"]))
+            if out is None and report.get("batch_id"):
+                log.debug("report for batch %s dispatched by another coordinator", report["batch_id"])
 
     def _write_stats(self) -> None:
+        self.metrics.set_depths({(m, self.policy.bins.label(b)): n for (m, b), n in self.policy.depth_by_bin().items()})
         s = self.stats
         fields: dict[str, int | float] = {
             "taken": s.taken, "batches": s.batches, "dispatched": s.dispatched,

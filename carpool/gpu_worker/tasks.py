@@ -21,6 +21,7 @@ from celery import signals
 from carpool.batching.bins import padded_length
 from carpool.celery_app import app, settings_of
 from carpool.errors import DeadlineExceeded, ModelError
+from carpool.events import TaskEvents
 from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating
 from carpool.keys import Keys
 from carpool.results import FAILURE, SUCCESS
@@ -41,6 +42,8 @@ class WorkerRuntime:
         self.backend = app.backend
         self.device = pick_device(self.settings.device)
         self.hostname = f"{socket.gethostname()}:{os.getpid()}"
+        self.events = TaskEvents(app, f"carpool-gpu-{os.getpid()}@{socket.gethostname()}",
+                                 enabled=self.settings.events)
         self._running: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -103,6 +106,8 @@ class WorkerRuntime:
         padded_len = 0
         if live:
             self._running = [r["id"] for r in live]
+            self.events.started(self._running)
+            self.events.flush()
             try:
                 model = loaded_model(batch["model"], self.device, self.settings.autocast_bf16)
                 lengths = [r["len"] for r in live]
@@ -121,6 +126,13 @@ class WorkerRuntime:
                 else:
                     entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
         self.backend.store_many(entries)
+        per_request_s = (run_s or 0.0)
+        for task_id, state, value in entries:
+            if state == SUCCESS:
+                self.events.succeeded(task_id, value, per_request_s)
+            else:
+                self.events.failed(task_id, value, per_request_s)
+        self.events.flush()
         report = {
             "batch_id": batch_id, "model": batch["model"], "worker": self.hostname, "device": self.device,
             "bin": batch.get("bin"), "flush": batch.get("flush"), "size": len(live),
@@ -144,9 +156,9 @@ def runtime() -> WorkerRuntime:
 
 
 @app.task(name="carpool.run_batch", ignore_result=True, acks_late=False)
-def run_batch(batch: dict[str, Any]) -> None:
-    report = runtime().run(batch)
-    log.debug("batch %s done: %s", batch["id"], report)
+def run_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    # The report is returned so Flower shows the batch's size, width and run time as its result.
+    return runtime().run(batch)
 
 
 @signals.worker_ready.connect
