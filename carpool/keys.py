@@ -51,10 +51,9 @@ class Keys:
         """LIST of messages that were not carpool requests, with the reason."""
         return f"{self._base}:dead"
 
-    @property
-    def batch_reports(self) -> str:
-        """LIST of per-batch reports (JSON) from workers: sizes, run time, device."""
-        return f"{self._base}:reports"
+    def reports_for(self, coordinator: str) -> str:
+        """LIST of per-batch reports (JSON) from workers to the coordinator that cut the batches."""
+        return f"{self._base}:reports:{coordinator}"
 
     @property
     def workers(self) -> str:

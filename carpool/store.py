@@ -21,6 +21,8 @@ import redis
 
 from carpool.keys import Keys
 
+REPORTS_TTL_S = 3600
+
 _NOW_MS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -42,7 +44,13 @@ for i = 3, #KEYS do
     for _, raw in ipairs(got) do
       local ok, msg = pcall(cjson.decode, raw)
       local id = nil
-      if ok and type(msg) == 'table' and type(msg['headers']) == 'table' then id = msg['headers']['id'] end
+      if ok and type(msg) == 'table' and type(msg['headers']) == 'table' then
+        id = msg['headers']['id']
+      elseif not ok then
+        -- cjson refuses some valid JSON (a lone surrogate escape in the text); find the id by pattern
+        -- so the request still gets its stored error instead of being dead-lettered unanswered.
+        id = string.match(raw, '[^\\]"id": ?"([^"]+)"')
+      end
       if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
       redis.call('HSET', KEYS[2], id, raw)
       redis.call('ZADD', KEYS[1], expiry, id)
@@ -223,13 +231,15 @@ class RequestStore:
         if ids:
             self._renew(keys=[self.keys.inflight_lease], args=[self.lease_ms, *ids])
 
-    def ack(self, ids: Sequence[str], report: dict[str, Any] | None = None) -> None:
-        """Forget answered requests, and queue the batch report for the coordinator, in one trip."""
+    def ack(self, ids: Sequence[str], report: dict[str, Any] | None = None, coordinator: str = "") -> None:
+        """Forget answered requests, and send the batch report to its coordinator, in one trip."""
         with self.client.pipeline(transaction=False) as pipe:
             self._ack_into(pipe, ids)
             if report is not None:
-                pipe.lpush(self.keys.batch_reports, json.dumps(report))
-                pipe.ltrim(self.keys.batch_reports, 0, 99_999)
+                key = self.keys.reports_for(coordinator)
+                pipe.lpush(key, json.dumps(report))
+                pipe.ltrim(key, 0, 9_999)
+                pipe.expire(key, REPORTS_TTL_S)  # a dead coordinator's reports do not pile up
             pipe.execute()
 
     def _ack_into(self, pipe: Any, ids: Sequence[str]) -> None:
@@ -247,8 +257,8 @@ class RequestStore:
     def leave(self, hostname: str) -> None:
         self.client.zrem(self.keys.workers, hostname)
 
-    def pop_reports(self, count: int = 1000) -> list[dict[str, Any]]:
-        raw = self.client.rpop(self.keys.batch_reports, count)
+    def pop_reports(self, coordinator: str, count: int = 1000) -> list[dict[str, Any]]:
+        raw = self.client.rpop(self.keys.reports_for(coordinator), count)
         return [json.loads(r) for r in raw or ()]
 
     # --- introspection --------------------------------------------------------------------

@@ -98,6 +98,7 @@ class Coordinator:
         self._held: set[str] = set()
         self._next_housekeeping = 0.0
         self._next_stats = 0.0
+        self._written: dict[str, int] = {}
         self._wake_at: float | None = None
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
@@ -278,6 +279,7 @@ class Coordinator:
                     "flush": batch.flush_reason.value,
                     "padded_len": batch.padded_len,
                     "dispatched_at": wall_now,
+                    "coordinator": self.hostname,
                     "requests": [r.payload for r in batch.requests],
                 }
                 # Flower shows argsrepr; the token ids it would otherwise show help nobody.
@@ -319,7 +321,7 @@ class Coordinator:
             log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
 
     def _read_reports(self) -> None:
-        for report in self.store.pop_reports():
+        for report in self.store.pop_reports(self.hostname):
             out = self.outstanding.pop(report.get("batch_id", ""), None)
             if report.get("padded_tokens") and report.get("run_s") is not None:
                 self.latency.observe(report["model"], int(report["padded_tokens"]), float(report["run_s"]))
@@ -328,14 +330,28 @@ class Coordinator:
                 log.debug("report for batch %s dispatched by another coordinator", report["batch_id"])
 
     def _write_stats(self) -> None:
-        self.metrics.set_depths({(m, self.policy.bins.label(b)): n for (m, b), n in self.policy.depth_by_bin().items()})
+        """Counters are added (HINCRBY of what changed), so several coordinators sum up; gauges are
+        the writer's own view."""
+        label = self.policy.bins.label
+        depths = {(m, label(b)): n for (m, b), n in self.policy.depth_by_bin().items()}
+        self.metrics.set_depths(depths)
         s = self.stats
-        fields: dict[str, int | float] = {
+        counters: dict[str, int] = {
             "taken": s.taken, "batches": s.batches, "dispatched": s.dispatched,
             "padded_tokens": s.padded_tokens, "real_tokens": s.real_tokens,
+        }
+        counters.update({f"flush:{k}": v for k, v in s.flush.items()})
+        counters.update({f"failed:{k}": v for k, v in s.failed.items()})
+        counters.update({f"size:{k}": v for k, v in s.sizes.items()})
+        gauges: dict[str, int] = {
             "pending": len(self.policy), "outstanding": len(self.outstanding), "workers": self.workers,
         }
-        fields.update({f"flush:{k}": v for k, v in s.flush.items()})
-        fields.update({f"failed:{k}": v for k, v in s.failed.items()})
-        fields.update({f"size:{k}": v for k, v in s.sizes.items()})
-        self.client.hset(self.keys.stats, mapping=fields)  # type: ignore[arg-type]
+        gauges.update({f"depth:{m}:{b}": n for (m, b), n in depths.items()})
+        with self.client.pipeline(transaction=False) as pipe:
+            for name, value in counters.items():
+                delta = value - self._written.get(name, 0)
+                if delta:
+                    pipe.hincrby(self.keys.stats, name, delta)
+            pipe.hset(self.keys.stats, mapping=gauges)  # type: ignore[arg-type]
+            pipe.execute()
+        self._written = counters

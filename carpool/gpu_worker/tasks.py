@@ -140,7 +140,7 @@ class WorkerRuntime:
             "real_tokens": sum(r["len"] for r in live), "run_s": run_s,
             "failed": sum(1 for e in entries if e[1] == FAILURE), "done_at": time.time(),
         }
-        self.store.ack([r["id"] for r in mine], report)
+        self.store.ack([r["id"] for r in mine], report, coordinator=batch.get("coordinator", ""))
         self._running = []
         return report
 
