@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     recovery_timeout_s: float = Field(
         30.0, gt=0, le=60, description="Requests held by a dead process return to the queue after this."
     )
+    truncate: bool = Field(
+        True, description="Cut texts past the model's window as sentence-transformers does; false rejects them."
+    )
     max_input_bytes: int = Field(65536, ge=1, description="Largest accepted text, UTF-8 bytes.")
     max_pending: int = Field(100_000, ge=1, description="Past this many waiting requests, reject new ones.")
     result_expires_s: int = Field(86400, ge=1, description="How long results stay in the backend.")

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 from carpool.embedded import EmbeddedRedis
 
@@ -114,7 +115,7 @@ class Stack:
                 proc.wait()
 
 
-def release_result_consumer() -> None:
+def release_result_consumer(celery_app: Any = None) -> None:
     """Unsubscribe this process from result pub/sub before its Redis goes away.
 
     Otherwise AsyncResults collected later try to unsubscribe through Celery's reconnect loop, which
@@ -122,12 +123,13 @@ def release_result_consumer() -> None:
     """
     import gc
 
-    if "carpool.celery_app" not in sys.modules:
-        return
-    from carpool.celery_app import app
+    if celery_app is None:
+        if "carpool.celery_app" not in sys.modules:
+            return
+        from carpool.celery_app import app as celery_app
 
     gc.collect()
-    consumer = app.backend.result_consumer
+    consumer = celery_app.backend.result_consumer
     try:
         consumer.stop()
     except Exception:  # the connection may already be broken; we are letting go of it anyway

@@ -49,7 +49,8 @@ for i = 3, #KEYS do
       elseif not ok then
         -- cjson refuses some valid JSON (a lone surrogate escape in the text); find the id by pattern
         -- so the request still gets its stored error instead of being dead-lettered unanswered.
-        id = string.match(raw, '[^\\]"id": ?"([^"]+)"')
+        -- Inside a JSON string a quote is escaped, so '"id"' right after '{' or ',' is the header key.
+        id = string.match(raw, '[{,] ?"id": ?"([^"]+)"')
       end
       if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
       redis.call('HSET', KEYS[2], id, raw)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 
 # Every model the integration stacks may serve; validation at .delay() accepts these.
-os.environ.setdefault("CARPOOL_MODELS", "toy,minilm,null")
+os.environ.setdefault(
+    "CARPOOL_MODELS",
+    "toy,minilm,null,tests.integration.models:SlowToy,tests.integration.models:Exploding",
+)
 # Tests that want metrics pick a free port themselves; the default port may be taken.
 os.environ.setdefault("CARPOOL_METRICS_PORT", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

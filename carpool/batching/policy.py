@@ -216,10 +216,7 @@ class BatchPolicy:
         handed on (free workers plus prefetch room); ``ahead_s``: predicted seconds until a worker
         frees up for a newly dispatched batch (0 when one is idle).
         """
-        plan = Plan()
-        for queue in self._queues.values():
-            if queue:
-                plan.expired.extend(queue.pop_expired(now_s))
+        plan = Plan(expired=self.expire(now_s))
         wake: float | None = None
         while True:
             best: _Candidate | None = None
@@ -253,6 +250,18 @@ class BatchPolicy:
                 ahead_s += self.predict_s(best.key[0], best.requests)
         plan.wake_at_s = wake
         return plan
+
+    def expire(self, now_s: float) -> list[Request]:
+        """Remove and return the requests whose deadline has passed."""
+        out: list[Request] = []
+        for queue in self._queues.values():
+            if queue:
+                out.extend(queue.pop_expired(now_s))
+        return out
+
+    def next_deadline(self) -> float | None:
+        deadlines = [q.earliest_deadline() for q in self._queues.values() if q]
+        return min(deadlines) if deadlines else None
 
     def _evaluate(
         self,

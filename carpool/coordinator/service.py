@@ -23,10 +23,10 @@ from typing import Any
 import redis
 from celery import Celery
 
-from carpool.batching import Batch, BatchPolicy, LatencyModel, PolicyConfig, Request
+from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan, PolicyConfig, Request
 from carpool.config import Settings
 from carpool.coordinator import protocol
-from carpool.errors import DeadlineExceeded, InvalidInput, MalformedMessage, QueueFull
+from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, MalformedMessage, QueueFull
 from carpool.events import TaskEvents
 from carpool.keys import Keys
 from carpool.metrics import CoordinatorMetrics
@@ -118,9 +118,16 @@ class Coordinator:
             try:
                 pause = self.step()
                 backoff = 0.1
-            except redis.ConnectionError as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Redis restarts: keep what we hold in memory; leases we miss are recovered by reap.
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                self.stopping.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            except Exception:
+                # A bug or a surprise must not take the queue down with it: what we hold stays
+                # leased (and is recovered if this repeats until the process is replaced).
+                log.exception("coordinator step failed; retrying in %.1fs", backoff)
                 self.stopping.wait(backoff)
                 backoff = min(5.0, backoff * 2)
                 continue
@@ -206,6 +213,8 @@ class Coordinator:
 
         for model_name, items in by_model.items():
             model = self.models[model_name]
+            if not self.settings.truncate and hasattr(model, "count_tokens"):
+                items = self._reject_too_long(model_name, items, failures, fail_reasons)
             token_ids = model.encode([text for _, text in items])
             keep_ids = model.needs_token_ids
             for (msg, _), ids in zip(items, token_ids, strict=True):
@@ -225,6 +234,24 @@ class Coordinator:
                 self.events.received(msg.id, msg.argsrepr, msg.kwargsrepr)
         if failures:
             self._fail(failures, fail_reasons)
+
+    def _reject_too_long(
+        self, model_name: str, items: list[tuple[protocol.Incoming, str]],
+        failures: list[tuple[str, str, Any]], reasons: list[str],
+    ) -> list[tuple[protocol.Incoming, str]]:
+        model = self.models[model_name]
+        counts = model.count_tokens([text for _, text in items])  # type: ignore[attr-defined]
+        keep = []
+        for item, count in zip(items, counts, strict=True):
+            if count > model.max_length:
+                failures.append((item[0].id, FAILURE, InputTooLong(
+                    f"text is {count} tokens, over the {model.max_length}-token window of {model_name}; "
+                    "shorten it, or set CARPOOL_TRUNCATE=true to cut it as sentence-transformers does"
+                )))
+                reasons.append("too_long")
+            else:
+                keep.append(item)
+        return keep
 
     def _fail(self, failures: list[tuple[str, str, Any]], reasons: list[str]) -> None:
         self.backend.store_many(failures)
@@ -247,8 +274,13 @@ class Coordinator:
         return free_workers, free_slots, ahead
 
     def _dispatch(self, now: float) -> None:
-        free_workers, free_slots, ahead = self._capacity(now)
-        plan = self.policy.poll(now, free_workers, free_slots, ahead)
+        if self.workers == 0:
+            # Nobody could run a batch: hold everything (a deadline flush would only expire in the
+            # batch queue) and fail what expires here.
+            plan = Plan(expired=self.policy.expire(now), wake_at_s=self.policy.next_deadline())
+        else:
+            free_workers, free_slots, ahead = self._capacity(now)
+            plan = self.policy.poll(now, free_workers, free_slots, ahead)
         self._wake_at = plan.wake_at_s
         if plan.expired:
             failures: list[tuple[str, str, Any]] = []

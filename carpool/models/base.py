@@ -6,6 +6,9 @@ A model has two halves that run in different processes:
 - ``load`` and ``forward`` run on a worker, after any fork: ``forward`` gets one padded batch and
   returns one JSON-serialisable output per row.
 
+Optionally, ``count_tokens(texts) -> list[int]`` gives untruncated lengths; with it carpool can
+reject over-long texts (``CARPOOL_TRUNCATE=false``) instead of truncating them.
+
 Write your own by implementing :class:`BatchModel` and set ``CARPOOL_MODEL=package.module:ClassName``.
 The class is built with no arguments; keep heavy imports (torch) inside ``load``.
 """

@@ -52,6 +52,12 @@ class MiniLM:
         encodings = self._get_tokenizer().encode_batch(list(texts), add_special_tokens=True)
         return [e.ids for e in encodings]
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Untruncated lengths: the truncated pieces are kept in each encoding's ``overflowing``."""
+        encodings = self._get_tokenizer().encode_batch(list(texts), add_special_tokens=True)
+        # Each overflow piece repeats [CLS] and [SEP]; count only its content tokens.
+        return [len(e.ids) + sum(len(o.ids) - 2 for o in e.overflowing) for e in encodings]
+
     def load(self, device: str, autocast_bf16: bool = False) -> None:
         import torch
         from transformers import AutoModel

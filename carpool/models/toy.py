@@ -34,6 +34,9 @@ class ToyModel:
             out.append(ids[: self.max_length])
         return out
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [1 + len(t.split()) for t in texts]
+
     def load(self, device: str) -> None:
         import torch
 

@@ -1,0 +1,574 @@
+"""Bulk producer API: many requests in one Redis round trip, many results in one read.
+
+    from carpool.client import gather, submit_many
+
+    results = submit_many(texts)              # validated like infer.delay(); one pipelined publish
+    vectors = gather(results, timeout=60)     # one MGET, then pub/sub for whatever is still running
+
+    vectors = await gather_async(submit_many(texts, subscribe=False), timeout=60)   # asyncio
+
+Why. ``infer.delay()`` pays, per request, a Redis round trip for the message, a PUBLISH for the
+``task-sent`` event, a SUBSCRIBE for the result and Celery's routing and signal machinery: about
+0.8 ms on the 2-core machine of docs/PERFORMANCE.md, so one producer tops out near 1,300 requests/s,
+and a burst trickles into the coordinator instead of arriving as one. ``submit_many`` builds the very
+same Celery protocol-2 messages and publishes them all at once.
+
+How a message is built (checked against celery 5.6 / kombu 5.7, and by tests/integration/test_client.py,
+which compares a ``submit_many`` message with an ``infer.delay()`` one field by field):
+
+- headers, properties and body come from ``app.amqp.create_task_message`` (``as_task_v2``), exactly
+  as ``app.send_task`` builds them, with the ``carpool_sent_at`` header that ``InferTask`` stamps;
+- the body is serialised with ``kombu.serialization.dumps`` (the app's task serializer, JSON), the
+  envelope made with the Redis channel's ``prepare_message`` and finished as kombu's
+  ``basic_publish`` finishes it (base64 body, delivery tag, delivery info);
+- the envelope is JSON-encoded and LPUSHed to the list ``Channel._put`` would pick for its priority
+  (``carpool.requests`` or ``carpool.requests\\x06\\x16<step>``);
+- when ``task_send_sent_event`` is on (carpool turns it on, for flower), the ``task-sent`` event is
+  PUBLISHed to the event fanout topic, as Celery's default event dispatcher would.
+
+Every LPUSH and PUBLISH of one call goes in ONE ``MULTI``/``EXEC`` pipeline: one round trip, and the
+coordinator sees all of the messages or none of them. Every request is validated before anything is
+sent, so a bad payload raises :class:`~carpool.errors.InvalidInput` in the caller and publishes
+nothing. Two things ``.delay()`` does are skipped on purpose: kombu's queue declaration (a SADD of the
+binding set, needed only by consumers, which declare their queues themselves) and the publish retry
+policy (a failed pipeline raises; with MULTI/EXEC nothing of it was applied, unless the connection broke
+after EXEC was sent, when delivery is uncertain, as with any publish).
+
+Results. ``submit_many`` subscribes the result keys on Celery's result consumer in one SUBSCRIBE
+(``backend.on_task_call`` sends one per request), so ``.get()`` on each result works as usual.
+``gather`` reads every result already stored with one MGET, then waits on that same pub/sub
+connection for the rest; Celery's own bulk read (``ResultSet.join`` / ``backend.get_many``) polls
+with MGET every half second instead. ``gather_async`` uses its own ``redis.asyncio`` connection:
+see its docstring for why it does not wrap ``gather`` in ``run_in_executor``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+from carpool.validation import bind_infer_args, validate_infer
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from celery.result import AsyncResult
+
+SENT_AT_HEADER = "carpool_sent_at"  # as carpool.tasks stamps it
+INFER_TASK = "carpool.infer"
+SUPPORTED_OPTIONS = frozenset({"priority", "expires", "headers", "queue"})
+_MGET_CHUNK = 5000
+_SUBSCRIBE_CHUNK = 5000
+_LPUSH_CHUNK = 10_000
+
+
+def _default_app() -> Celery:
+    from carpool.celery_app import app
+
+    return app
+
+
+# --- submitting --------------------------------------------------------------------------------
+
+
+def submit_many(
+    payloads: Iterable[str | Mapping[str, Any]],
+    model: str | None = None,
+    *,
+    app: Celery | None = None,
+    subscribe: bool = True,
+    **options: Any,
+) -> list[AsyncResult]:
+    """Send one ``carpool.infer`` request per payload in one Redis round trip; one AsyncResult each.
+
+    ``payloads``: texts, or mappings of ``infer``'s keyword arguments (``{"text": ..., "model": ...}``).
+    ``model`` applies to every text payload (and to mappings without one), as
+    ``infer.delay(text, model)`` would. ``options``: ``priority``, ``expires`` (seconds, datetime or ISO
+    string), ``headers``, ``queue`` -- the same meaning as in ``infer.apply_async``; anything else raises
+    TypeError rather than being silently dropped. ``subscribe=False`` skips the result subscription
+    (use it with :func:`gather_async`, which subscribes on its own connection; ``gather`` and ``.get()``
+    still work, subscribing when called).
+
+    Raises :class:`~carpool.errors.InvalidInput` (naming the payload's index) before anything is sent
+    if any payload is not a valid request.
+    """
+    unknown = set(options) - SUPPORTED_OPTIONS
+    if unknown:
+        raise TypeError(
+            f"submit_many() does not support {', '.join(sorted(unknown))}; "
+            f"supported options: {', '.join(sorted(SUPPORTED_OPTIONS))}"
+        )
+    app = app or _default_app()
+    settings = app.carpool_settings
+    calls: list[tuple[list[Any], dict[str, Any]]] = []
+    for index, payload in enumerate(payloads):
+        if isinstance(payload, Mapping):
+            kwargs = dict(payload)
+            if model is not None:
+                kwargs.setdefault("model", model)
+            args: list[Any] = []
+        else:
+            args = [payload] if model is None else [payload, model]
+            kwargs = {}
+        try:
+            text, chosen = bind_infer_args(args, kwargs)
+            validate_infer(text, chosen, settings)
+        except Exception as exc:
+            exc.add_note(f"(in submit_many: payloads[{index}]; nothing was sent)")
+            raise
+        calls.append((args, kwargs))
+    headers = dict(options.pop("headers", None) or {})
+    headers.setdefault(SENT_AT_HEADER, time.time())
+    return publish_tasks(INFER_TASK, calls, app=app, headers=headers, subscribe=subscribe, **options)
+
+
+def publish_tasks(
+    name: str,
+    calls: Sequence[tuple[Sequence[Any], Mapping[str, Any]]],
+    *,
+    app: Celery | None = None,
+    queue: str | None = None,
+    priority: int | None = None,
+    expires: Any = None,
+    headers: Mapping[str, Any] | None = None,
+    subscribe: bool = True,
+    sent_events: bool | None = None,
+) -> list[AsyncResult]:
+    """Publish ``(args, kwargs)`` calls of task ``name`` in one MULTI/EXEC pipeline; no validation.
+
+    The building block of :func:`submit_many`, usable for any task routed to a Redis queue through a
+    direct exchange (``carpool bench`` sends its celery-batches baseline with it). ``queue`` overrides
+    the task's route; ``sent_events`` defaults to the app's ``task_send_sent_event``.
+    """
+    from kombu.entity import maybe_delivery_mode
+    from kombu.serialization import dumps as serialize
+    from kombu.utils.json import dumps as envelope_dumps
+    from kombu.utils.uuid import uuid
+
+    app = app or _default_app()
+    if not calls:
+        return []
+    conf = app.conf
+    route = app.amqp.router.route({"queue": queue} if queue else {}, name, (), {})
+    target = route["queue"]
+    exchange = getattr(target, "exchange", None)
+    if route.get("exchange") or (exchange is not None and exchange.type not in (None, "direct")):
+        raise ValueError(f"{name} is routed through exchange {exchange!r}; publish_tasks sends to direct queues only")
+    qname: str = target.name
+    delivery_mode = maybe_delivery_mode(
+        (exchange.delivery_mode if exchange is not None else None) or conf.task_default_delivery_mode
+    )
+    serializer = conf.task_serializer
+    compression = conf.task_compression
+    if sent_events is None:
+        sent_events = bool(conf.task_send_sent_event)
+    extra_headers = dict(headers or {})
+    reply_to = app.thread_oid
+    evd = _event_dispatcher(app) if sent_events else None
+
+    from celery import signals
+
+    before = signals.before_task_publish.receivers
+    after = signals.after_task_publish.receivers
+    ids: list[str] = []
+    bodies: list[tuple[Any, dict[str, Any]]] = []
+    argsrepr_max = app.amqp.argsrepr_maxsize
+    with app.producer_or_acquire() as producer:
+        channel = producer.channel
+        with producer.connection._reraise_as_library_errors():
+            pushes: dict[str, list[str]] = {}
+            events: list[tuple[str, str]] = []
+            for args, kwargs in calls:
+                task_id = uuid()
+                args = tuple(args)  # as Task.delay passes them (argsrepr shows a tuple)
+                task_headers, properties, body, sent_event = app.amqp.create_task_message(
+                    task_id, name, args, dict(kwargs), expires=expires, reply_to=reply_to,
+                    create_sent_event=sent_events, argsrepr=_fast_repr(args, argsrepr_max),
+                    kwargsrepr="{}" if not kwargs else None,
+                )
+                task_headers.update(extra_headers)
+                if before:
+                    signals.before_task_publish.send(
+                        sender=name, body=body, exchange="", routing_key=qname, declare=[target],
+                        headers=task_headers, properties=properties, retry_policy=None,
+                    )
+                content_type, content_encoding, data = serialize(body, serializer=serializer)
+                if compression:
+                    from kombu.compression import compress
+
+                    data, task_headers["compression"] = compress(data, compression)
+                properties["delivery_mode"] = delivery_mode
+                message = channel.prepare_message(
+                    data, priority, content_type, content_encoding, task_headers, properties
+                )
+                channel._inplace_augment_message(message, "", qname)
+                key = channel._q_for_pri(qname, channel._get_message_priority(message, reverse=False))
+                pushes.setdefault(key, []).append(envelope_dumps(message))
+                if evd is not None and sent_event is not None:
+                    sent_event.update(queue=qname, exchange="", routing_key=qname)
+                    events.append(_sent_event(channel, evd, sent_event))
+                ids.append(task_id)
+                if after:
+                    bodies.append((body, task_headers))
+            if subscribe:
+                subscribe_results(app.backend, ids)
+            try:
+                with channel.conn_or_acquire() as client, client.pipeline(transaction=True) as pipe:
+                    # LPUSH k a b c == LPUSH k a; LPUSH k b; LPUSH k c: same order, one command per list.
+                    for key, raws in pushes.items():
+                        for start in range(0, len(raws), _LPUSH_CHUNK):
+                            pipe.lpush(key, *raws[start : start + _LPUSH_CHUNK])
+                    for topic, raw in events:
+                        pipe.publish(topic, raw)
+                    pipe.execute()
+            except BaseException:
+                if subscribe:
+                    unsubscribe_results(app.backend, ids)
+                raise
+    if after:
+        for body, task_headers in bodies:
+            signals.after_task_publish.send(sender=name, body=body, headers=task_headers, exchange="",
+                                            routing_key=qname)
+    return [app.AsyncResult(task_id) for task_id in ids]
+
+
+def _fast_repr(args: tuple[Any, ...], limit: int) -> str | None:
+    """``saferepr(args)`` for the common case (short plain strings), where the two agree; else None."""
+    if all(type(a) is str for a in args):
+        text = repr(args)
+        if len(text) <= limit and "\\" not in text and '"' not in text:
+            return text
+    return None  # Celery computes saferepr
+
+
+def _event_dispatcher(app: Celery) -> Any:
+    """The dispatcher ``send_task`` uses for task-sent events (hostname, clock, exchange, serializer)."""
+    evd = getattr(app.amqp, "_event_dispatcher", None)
+    return evd if evd is not None else app.events.Dispatcher(enabled=False)
+
+
+def _sent_event(channel: Any, evd: Any, fields: dict[str, Any]) -> tuple[str, str]:
+    """(topic, raw) of a task-sent event, as ``EventDispatcher.publish`` through kombu would send it."""
+    from celery.events.event import Event
+    from celery.utils.time import utcoffset
+    from kombu.serialization import dumps as serialize
+    from kombu.utils.json import dumps as envelope_dumps
+
+    event = Event("task-sent", hostname=evd.hostname, utcoffset=utcoffset(), pid=evd.pid,
+                  clock=evd.clock.forward(), **fields)
+    content_type, content_encoding, data = serialize(event, serializer=evd.serializer)
+    message = channel.prepare_message(data, 0, content_type, content_encoding, dict(evd.headers),
+                                      {"delivery_mode": evd.delivery_mode})
+    exchange = evd.exchange.name
+    channel._inplace_augment_message(message, exchange, "task.sent")
+    return channel._get_publish_topic(exchange, "task.sent"), envelope_dumps(message)
+
+
+# --- result subscriptions ----------------------------------------------------------------------
+
+
+def _consumer(backend: Any) -> Any:
+    return getattr(backend, "result_consumer", None)
+
+
+def subscribe_results(backend: Any, task_ids: Sequence[str]) -> list[str]:
+    """Subscribe Celery's result consumer to ``task_ids`` in one SUBSCRIBE; returns the ids newly added.
+
+    What ``backend.on_task_call`` does per request, for many. Inside a worker (where joining a task
+    would block) it does nothing, as Celery does.
+    """
+    from celery._state import task_join_will_block
+
+    consumer = _consumer(backend)
+    if consumer is None or task_join_will_block() or not task_ids:
+        return []
+    fresh = [t for t in dict.fromkeys(task_ids) if backend.get_key_for_task(t) not in consumer.subscribed_to]
+    if not fresh:
+        return []
+    if consumer._pubsub is None:
+        consumer.start(fresh[0])  # creates the pub/sub connection, subscribed to the first
+    keys = [backend.get_key_for_task(t) for t in fresh]
+    keys = [k for k in keys if k not in consumer.subscribed_to]
+    consumer.subscribed_to.update(keys)
+    with consumer.reconnect_on_error():
+        for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+            consumer._pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+    return fresh
+
+
+def unsubscribe_results(backend: Any, task_ids: Sequence[str]) -> None:
+    """Cancel result subscriptions of ``task_ids`` in one UNSUBSCRIBE."""
+    consumer = _consumer(backend)
+    if consumer is None:
+        return
+    keys = [k for k in (backend.get_key_for_task(t) for t in dict.fromkeys(task_ids)) if k in consumer.subscribed_to]
+    if not keys:
+        return
+    consumer.subscribed_to.difference_update(keys)
+    if consumer._pubsub is not None:
+        with consumer.reconnect_on_error():
+            for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+                consumer._pubsub.unsubscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+
+
+@contextmanager
+def _bulk_cancel(backend: Any) -> Iterator[None]:
+    """Collect the per-result UNSUBSCRIBEs Celery sends as results resolve; send them as one at the end."""
+    consumer = _consumer(backend)
+    if consumer is None:
+        yield
+        return
+    cancelled: list[str] = []
+    shadowed = consumer.__dict__.get("cancel_for")
+    consumer.cancel_for = cancelled.append
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            del consumer.cancel_for
+        else:
+            consumer.cancel_for = shadowed
+        unsubscribe_results(backend, cancelled)
+
+
+# --- gathering -----------------------------------------------------------------------------------
+
+
+def _same_backend(results: Sequence[AsyncResult]) -> Any:
+    backend = results[0].backend
+    if any(r.backend is not backend for r in results):
+        raise ValueError("gather needs results of one app (one result backend)")
+    return backend
+
+
+def _unresolved(results: Sequence[AsyncResult]) -> dict[str, list[AsyncResult]]:
+    waiting: dict[str, list[AsyncResult]] = {}
+    for r in results:
+        if r._cache is None:
+            waiting.setdefault(r.id, []).append(r)
+    return waiting
+
+
+def _settle(waiting: dict[str, list[AsyncResult]], meta: Mapping[str, Any] | None, ready: set[str]) -> str | None:
+    """Give ``meta`` to the waiting results of its task if it is final; returns the task id settled."""
+    from celery import states
+
+    if not meta or meta.get("status") not in states.READY_STATES:
+        return None
+    task_id = meta.get("task_id")
+    for r in waiting.pop(task_id, ()):  # type: ignore[arg-type]
+        r._maybe_set_cache(dict(meta))
+        ready.add(r.id)
+    return task_id  # type: ignore[return-value]
+
+
+def _raise_first_failure(results: Sequence[AsyncResult], newly: set[str]) -> None:
+    from celery import states
+
+    if not newly:
+        return
+    for r in results:
+        if r.id in newly and r._cache is not None and r._cache["status"] in states.PROPAGATE_STATES:
+            r.maybe_throw()
+
+
+def _values(results: Sequence[AsyncResult], return_exceptions: bool) -> list[Any]:
+    from celery import states
+
+    out = []
+    for r in results:
+        if r._cache["status"] in states.PROPAGATE_STATES and not return_exceptions:
+            r.maybe_throw()
+        out.append(r._cache["result"])
+    return out
+
+
+def _read_stored(backend: Any, waiting: dict[str, list[AsyncResult]], ids: Sequence[str]) -> set[str]:
+    ready: set[str] = set()
+    for start in range(0, len(ids), _MGET_CHUNK):
+        chunk = ids[start : start + _MGET_CHUNK]
+        raw = backend.client.mget([backend.get_key_for_task(t) for t in chunk])
+        for value in raw:
+            if value is not None:
+                _settle(waiting, backend.decode_result(value), ready)
+    return ready
+
+
+def gather(
+    results: Iterable[AsyncResult], timeout: float | None = None, *, return_exceptions: bool = False
+) -> list[Any]:
+    """Every result's value, in order: one MGET for what is stored, then pub/sub for the rest.
+
+    Like ``asyncio.gather``: with ``return_exceptions=False`` (default) the first failed request that
+    gather learns of (the earliest in ``results`` among those learnt at the same moment) raises its
+    stored exception, exactly as its ``.get()`` would (``InvalidInput``, ``DeadlineExceeded``,
+    ``ModelError``...); the other requests keep running and stay collectable. With
+    ``return_exceptions=True`` a failed request's exception instance takes its place in the list.
+    ``timeout`` bounds the whole call and raises ``celery.exceptions.TimeoutError`` as ``.get()``
+    does. Results arriving while gather waits are each delivered once, on the subscription made by
+    ``submit_many`` (or made here for results from elsewhere); their unsubscriptions go out as one
+    command at the end. Not thread-safe, like Celery's result consumer it uses.
+    """
+    results = list(results)
+    if not results:
+        return []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    backend = _same_backend(results)
+    consumer = _consumer(backend)
+    waiting = _unresolved(results)
+    with _bulk_cancel(backend):
+        ready = _read_stored(backend, waiting, list(waiting))
+        if not return_exceptions:
+            _raise_first_failure(results, ready)
+        if waiting:
+            if consumer is None:  # not an async (pub/sub) backend: Celery's own wait, per result
+                for rs in list(waiting.values()):
+                    for r in rs:
+                        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                        r.get(timeout=left, propagate=False)
+                return _values(results, return_exceptions)
+            fresh = subscribe_results(backend, list(waiting))
+            if fresh:  # subscribed only now: what was stored in between is read, not missed
+                ready = _read_stored(backend, waiting, fresh)
+                if not return_exceptions:
+                    _raise_first_failure(results, ready)
+            _wait(backend, consumer, results, waiting, deadline, return_exceptions)
+        _drain_delivered(consumer, limit=2 * len(results) + 100)
+    return _values(results, return_exceptions)
+
+
+def _wait(
+    backend: Any,
+    consumer: Any,
+    results: Sequence[AsyncResult],
+    waiting: dict[str, list[AsyncResult]],
+    deadline: float | None,
+    return_exceptions: bool,
+) -> None:
+    ready: set[str] = set()
+    arrived: list[str] = []
+    for task_id, rs in list(waiting.items()):
+        for r in rs:
+            # Registers r for the consumer; a result that arrived earlier for nobody waiting sits in
+            # Celery's buffer and settles r right here.
+            backend.add_pending_result(r, start_drainer=False)
+        if all(r._cache is not None for r in rs):
+            del waiting[task_id]
+            ready.add(task_id)
+    if not return_exceptions:
+        _raise_first_failure(results, ready)
+    previous = consumer.on_message
+    consumer.on_message = lambda meta: arrived.append(meta.get("task_id"))
+    try:
+        while waiting:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise CeleryTimeoutError("The operation timed out.")
+            consumer.drain_events(timeout=min(left, 1.0))
+            if not arrived:
+                continue
+            ready = set()
+            for task_id in arrived:
+                rs = waiting.get(task_id)
+                if rs is not None and all(r._cache is not None for r in rs):
+                    del waiting[task_id]
+                    ready.add(task_id)
+            arrived.clear()
+            if not return_exceptions:
+                _raise_first_failure(results, ready)
+    finally:
+        consumer.on_message = previous
+
+
+def _drain_delivered(consumer: Any, limit: int) -> None:
+    """Read result messages already delivered to this process, so the subscriber socket never backs up.
+
+    A result found by MGET may also have been published to us before its unsubscription; left unread,
+    such messages pile up in Redis's output buffer for this client across many gathers.
+    """
+    import redis
+
+    pubsub = getattr(consumer, "_pubsub", None)
+    if pubsub is None:
+        return
+    try:
+        for _ in range(limit):
+            conn = pubsub.connection
+            if conn is None or not conn.can_read(timeout=0):
+                return
+            consumer.drain_events(timeout=0)
+    except (redis.RedisError, OSError):
+        return
+
+
+def _async_client(backend: Any) -> Any:
+    import redis.asyncio as aioredis
+
+    if getattr(backend, "url", None):
+        return aioredis.Redis.from_url(backend.url)
+    params = {k: v for k, v in backend.connparams.items()
+              if k in ("host", "port", "db", "username", "password", "path") and v is not None}
+    if "path" in params:
+        params["unix_socket_path"] = params.pop("path")
+    return aioredis.Redis(**params)
+
+
+async def gather_async(
+    results: Iterable[AsyncResult], timeout: float | None = None, *, return_exceptions: bool = False
+) -> list[Any]:
+    """``await`` every result, in order; same semantics as :func:`gather`.
+
+    Implementation: ``redis.asyncio`` on a connection of its own (SUBSCRIBE to the pending results,
+    then one MGET, then wait for messages), not ``gather`` in ``run_in_executor``. Celery's result
+    consumer is one non-thread-safe pub/sub connection per process; running it in an executor thread
+    while the event loop thread submits (which subscribes on it) or another coroutine gathers would
+    race on that socket, and each awaiting coroutine would pin a thread. Here many gathers can await
+    at once on one loop, and cancelling the awaiting task closes its connection. Results subscribed on
+    Celery's consumer (``submit_many`` with ``subscribe=True``) are unsubscribed there first, so that
+    connection does not back up with messages nobody reads; pass ``subscribe=False`` to
+    ``submit_many`` to skip that step. Costs one connection per call, closed on return.
+    """
+    results = list(results)
+    if not results:
+        return []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    backend = _same_backend(results)
+    waiting = _unresolved(results)
+    if waiting:
+        unsubscribe_results(backend, list(waiting))
+        client = _async_client(backend)
+        try:
+            async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
+                keys = [backend.get_key_for_task(t) for t in waiting]
+                for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+                    await pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+                ids = list(waiting)
+                with _bulk_cancel(backend):
+                    ready: set[str] = set()
+                    for start in range(0, len(ids), _MGET_CHUNK):
+                        chunk = keys[start : start + _MGET_CHUNK]
+                        for value in await client.mget(chunk):
+                            if value is not None:
+                                _settle(waiting, backend.decode_result(value), ready)
+                    if not return_exceptions:
+                        _raise_first_failure(results, ready)
+                    while waiting:
+                        left = 1.0 if deadline is None else deadline - time.monotonic()
+                        if left <= 0:
+                            raise CeleryTimeoutError("The operation timed out.")
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(left, 1.0))
+                        if not message or message.get("type") != "message":
+                            continue
+                        ready = set()
+                        _settle(waiting, backend.decode_result(message["data"]), ready)
+                        if not return_exceptions:
+                            _raise_first_failure(results, ready)
+        finally:
+            await client.aclose()
+    return _values(results, return_exceptions)
+
+
+__all__ = ["gather", "gather_async", "publish_tasks", "submit_many", "subscribe_results", "unsubscribe_results"]

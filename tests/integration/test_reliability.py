@@ -1,0 +1,264 @@
+"""Fault injection with real processes and a real Redis: nothing lost, one answer per request.
+
+Each run sends a few hundred requests through a model that sleeps per batch (so the run lasts long
+enough to kill something in the middle), injects the fault, brings the stack back, and checks that
+every request has exactly its correct result.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from carpool.embedded import EmbeddedRedis
+from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, ModelError, QueueFull, UnknownModel
+from carpool.keys import Keys
+from carpool.workload import mixed_texts
+from tests.integration.conftest import Processes, start_stack
+from tests.integration.models import EXPLODING, SLOW
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+RECOVERY = "3"  # CARPOOL_RECOVERY_TIMEOUT_S for these tests
+SLOW_ENV = {"CARPOOL_MODEL": SLOW, "CARPOOL_MODELS": SLOW, "CARPOOL_MAX_BATCH": "8",
+            "CARPOOL_RECOVERY_TIMEOUT_S": RECOVERY, "SLOW_TOY_DELAY_S": "0.05"}
+KEYS = Keys("carpool.requests")
+
+
+def expected(texts: Sequence[str]) -> list[Any]:
+    from carpool.gpu_worker.runner import loaded_model, run_padded
+
+    model = loaded_model("toy")
+    ids = model.encode(list(texts))
+    return [run_padded(model, [i], [len(i)])[0] for i in ids]
+
+
+def send(texts: Sequence[str], model: str = SLOW) -> list[Any]:
+    from carpool.tasks import infer
+
+    return [infer.delay(t, model=model) for t in texts]
+
+
+def check_all_correct(results: Sequence[Any], texts: Sequence[str], timeout: float = 120) -> None:
+    got = [r.get(timeout=timeout) for r in results]
+    want = expected(texts)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.allclose(g, w, atol=1e-5), f"request {i} has a wrong result"
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def in_flight(processes: Processes) -> int:
+    return int(redis.Redis(port=processes.server.port).zcard(KEYS.inflight_lease))
+
+
+def test_kill_9_coordinator_loses_nothing(processes: Processes) -> None:
+    start_stack(processes, **SLOW_ENV)
+    texts = mixed_texts(300, seed=11)
+    results = send(texts)
+    wait_for(lambda: in_flight(processes) > 50, 30, "coordinator never took requests")
+    held = in_flight(processes)
+    processes.stop("coordinator", sig=signal.SIGKILL)
+    t_kill = time.monotonic()
+    processes.start("coordinator2", "coordinator", **SLOW_ENV)
+    check_all_correct(results, texts)
+    recovered_in = time.monotonic() - t_kill
+    assert held > 0
+    assert recovered_in < 60  # generous: catches a hang, not a timing target
+    wait_for(lambda: in_flight(processes) == 0, 10, "in-flight entries left behind")
+
+
+def test_kill_9_worker_mid_batch_loses_nothing(processes: Processes) -> None:
+    env = {**SLOW_ENV, "SLOW_TOY_DELAY_S": "0.3"}
+    start_stack(processes, workers=2, **env)
+    texts = mixed_texts(200, seed=12)
+    results = send(texts)
+    time.sleep(1.0)  # both workers are inside a batch now
+    processes.stop("worker0", sig=signal.SIGKILL)
+    check_all_correct(results, texts, timeout=180)
+    wait_for(lambda: in_flight(processes) == 0, 10, "in-flight entries left behind")
+
+
+def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any) -> None:
+    # A server of its own, on its own port, with the append-only file synced on every write.
+    from carpool.embedded import free_port
+
+    directory = str(tmp_path / "aof")
+    os.makedirs(directory)
+    server = EmbeddedRedis(port=free_port(), appendonly=True, directory=directory)
+    server.start()
+    redis.Redis(port=server.port).config_set("appendfsync", "always")
+    own = Processes(server, tmp_path)
+    from carpool.celery_app import create_app
+    from carpool.config import load_settings
+
+    app = create_app(load_settings(broker_url=server.url(0), result_backend=server.url(1)))
+    try:
+        start_stack(own, **SLOW_ENV)
+        texts = mixed_texts(200, seed=13)
+        from carpool.validation import validate_infer
+
+        settings = load_settings()
+        for t in texts:
+            validate_infer(t, SLOW, settings)
+        results = [app.send_task("carpool.infer", args=[t, SLOW], queue="carpool.requests") for t in texts]
+        time.sleep(1.0)
+        server.stop(kill=True)
+        time.sleep(1.0)
+        server.process = None
+        server.start()
+        redis.Redis(port=server.port).config_set("appendfsync", "always")
+        got = [r.get(timeout=120) for r in results]
+        want = expected(texts)
+        assert all(np.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
+        for name, proc in own.procs.items():
+            assert proc.poll() is None, f"{name} died with Redis:\n{own.log(name)}"
+    finally:
+        from carpool.demo import release_result_consumer
+
+        release_result_consumer(app)
+        own.stop_all()
+        server.cleanup()
+
+
+def test_two_coordinators_share_the_queue_without_duplicates(processes: Processes) -> None:
+    start_stack(processes, workers=1, **SLOW_ENV)
+    processes.start("coordinator2", "coordinator", **SLOW_ENV)
+    texts = mixed_texts(300, seed=14)
+    results = send(texts)
+    check_all_correct(results, texts)
+    client = redis.Redis(port=processes.server.port)
+    wait_for(lambda: int(client.hget(KEYS.stats, "dispatched") or 0) >= 300, 5, "stats not written")
+    time.sleep(0.5)
+    assert int(client.hget(KEYS.stats, "dispatched") or 0) == 300  # each request dispatched once
+
+
+def test_sigterm_coordinator_hands_back_what_it_holds(processes: Processes) -> None:
+    # No worker: the coordinator holds everything; on SIGTERM it must put it all back.
+    processes.start("coordinator", "coordinator", **SLOW_ENV)
+    texts = mixed_texts(100, seed=15)
+    results = send(texts)
+    wait_for(lambda: in_flight(processes) == 100, 30, "coordinator did not take the requests")
+    assert processes.stop("coordinator", sig=signal.SIGTERM) == 0
+    client = redis.Redis(port=processes.server.port)
+    assert client.llen("carpool.requests") == 100
+    assert in_flight(processes) == 0
+    start_stack(processes, **SLOW_ENV)
+    check_all_correct(results, texts)
+
+
+def test_bad_input_fails_only_itself_fast_with_a_clear_error(processes: Processes) -> None:
+    from carpool.celery_app import app
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy", CARPOOL_MAX_INPUT_BYTES="5000")
+    # Rejected at .delay(), before anything is sent:
+    with pytest.raises(InvalidInput, match="text must be a str"):
+        infer.delay(123, model="toy")
+    with pytest.raises(InvalidInput, match="lone surrogate"):
+        infer.delay("bad \udc80 text", model="toy")
+    with pytest.raises(UnknownModel, match="unknown model 'gpt'"):
+        infer.delay("fine", model="gpt")
+    # Sent by a client that skips validation (send_task): fail as stored errors, each named.
+    bad = {
+        "non-string": (app.send_task("carpool.infer", args=[123, "toy"]), InvalidInput, "text must be a str"),
+        "surrogate": (app.send_task("carpool.infer", args=["x \ud800 y", "toy"]), InvalidInput, "lone surrogate"),
+        "model": (app.send_task("carpool.infer", args=["fine", "nope"]), UnknownModel, "unknown model 'nope'"),
+        "big": (app.send_task("carpool.infer", args=["é" * 3000, "toy"]), InputTooLong, "6000 bytes"),
+        "args": (app.send_task("carpool.infer", args=[]), InvalidInput, "needs a text"),
+    }
+    texts = mixed_texts(100, seed=16)
+    good = [infer.delay(t, model="toy") for t in texts]
+    t0 = time.monotonic()
+    for name, (result, error, needle) in bad.items():
+        with pytest.raises(error, match=needle):
+            result.get(timeout=10)
+        assert result.state == "FAILURE", name
+    assert time.monotonic() - t0 < 10
+    check_all_correct(good, texts)
+    # still serving afterwards
+    assert len(infer.delay("still here", model="toy").get(timeout=10)) == 32
+
+
+def test_overlong_text_truncated_by_default_or_rejected_when_configured(processes: Processes) -> None:
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy", CARPOOL_TRUNCATE="false")
+    with pytest.raises(InputTooLong, match="over the 256-token window of toy"):
+        infer.delay("word " * 400, model="toy").get(timeout=10)
+    assert len(infer.delay("word " * 100, model="toy").get(timeout=10)) == 32
+
+
+def test_garbage_in_the_request_queue_is_dead_lettered(processes: Processes) -> None:
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    client = redis.Redis(port=processes.server.port)
+    client.lpush("carpool.requests", b"\xff\xfe not json at all")
+    client.lpush("carpool.requests", b'{"headers": {"task": "someone.else", "id": "x1"}, "body": ""}')
+    client.lpush("carpool.requests", b'["a", "list"]')
+    result = infer.delay("after the garbage", model="toy")
+    assert len(result.get(timeout=10)) == 32
+    wait_for(lambda: client.llen(KEYS.dead_letter) == 3, 5, "garbage not dead-lettered")
+    reasons = [e.decode() for e in client.lrange(KEYS.dead_letter, 0, -1)]
+    assert any("not JSON" in r for r in reasons)
+    assert any("unknown task name 'someone.else'" in r for r in reasons)
+    assert in_flight(processes) == 0
+
+
+def test_a_model_error_fails_only_the_culprits(processes: Processes) -> None:
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL=EXPLODING, CARPOOL_MODELS=EXPLODING, CARPOOL_MAX_BATCH="16",
+                CARPOOL_POLICY="fifo", CARPOOL_MAX_WAIT_S="0.2", CARPOOL_WAIT_FACTOR="10")
+    texts = [f"request number {i}" for i in range(40)]
+    texts[5] = "this one says boom"
+    texts[23] = "boom"
+    results = [infer.delay(t, model=EXPLODING) for t in texts]
+    want = expected(texts)
+    for i, r in enumerate(results):
+        if i in (5, 23):
+            with pytest.raises(ModelError, match="cannot digest the word 'boom'"):
+                r.get(timeout=30)
+        else:
+            assert np.allclose(r.get(timeout=30), want[i], atol=1e-5)
+
+
+def test_overload_is_rejected_fast_with_queue_full(processes: Processes) -> None:
+    env = {**SLOW_ENV, "CARPOOL_MAX_PENDING": "50"}
+    processes.start("coordinator", "coordinator", **env)  # no worker yet: nothing drains
+    texts = mixed_texts(200, seed=17)
+    results = send(texts)
+    t0 = time.monotonic()
+    rejected = 0
+    for r in results[50:]:
+        with pytest.raises(QueueFull, match="CARPOOL_MAX_PENDING"):
+            r.get(timeout=10)
+        rejected += 1
+    assert rejected == 150 and time.monotonic() - t0 < 15
+    processes.start("worker0", "worker", **env)
+    check_all_correct(results[:50], texts[:50])
+
+
+def test_expired_requests_fail_with_deadline_exceeded(processes: Processes) -> None:
+    from carpool.tasks import infer
+
+    processes.start("coordinator", "coordinator", **SLOW_ENV)  # no worker: it can only expire
+    result = infer.apply_async(("too late",), {"model": SLOW}, expires=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="deadline passed"):
+        result.get(timeout=10)
+    assert time.monotonic() - t0 < 5
