@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     bin_edges: Annotated[tuple[int, ...], NoDecode] = Field(
         (16, 32, 64, 128), description="Upper token-length edges of the bins, comma separated."
     )
+    auto_bins: int = Field(
+        0, ge=0, le=32, description="> 0: fit that many bins to recent lengths (CARPOOL_BIN_EDGES=auto sets 6)."
+    )
     default_deadline_s: float = Field(60.0, gt=0, description="Deadline of a request without `expires`.")
     prefetch_batches: int = Field(
         1, ge=0, le=64, description="Batches queued per worker beyond the one it runs, to hide hand-off."
@@ -84,6 +87,15 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError("must be comma-separated integers, for example 16,32,64,128") from None
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_edges(cls, data: object) -> object:
+        if isinstance(data, dict) and str(data.get("bin_edges", "")).strip().lower() == "auto":
+            data = {**data, "bin_edges": "16,32,64,128"}
+            if not int(data.get("auto_bins") or 0):
+                data["auto_bins"] = 6
+        return data
 
     @field_validator("models", mode="before")
     @classmethod

@@ -491,9 +491,10 @@ def compare(
 
 # --- calibration ------------------------------------------------------------------------------------
 
-# (rows, width) shapes timed by calibrate: from one short text to a full batch of medium ones, so the
-# fit spans the padded-token range the workload produces.
-CALIBRATION_SHAPES = ((1, 16), (4, 32), (8, 32), (8, 64), (16, 64), (32, 32), (16, 128), (32, 64))
+# (rows, width) shapes timed by calibrate, spanning 16 to 2048 padded tokens (one short text to a full
+# batch of medium ones). The first three already span the range, so a budget cut short still fits a
+# line over the whole of it instead of extrapolating from small batches.
+CALIBRATION_SHAPES = ((1, 16), (8, 64), (32, 64), (4, 32), (16, 64), (8, 32), (32, 32), (16, 128))
 
 
 def fit_linear(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -508,17 +509,17 @@ def fit_linear(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, mean_y - slope * mean_x), slope
 
 
-def calibrate(model_name: str, device: str = "cpu", budget_s: float = 15.0, repeats: int = 3) -> tuple[float, float]:
+def calibrate(model_name: str, device: str = "cpu", budget_s: float = 10.0, repeats: int = 3) -> tuple[float, float]:
     """Fit (a, b) of t = a + b * padded_tokens by timing ``run_padded`` in this process.
 
     Each shape runs once to warm up, then ``repeats`` times; the median counts (a worker meets
-    interference too, so the minimum would flatter it). Shapes are tried small to large and the
-    loop stops once ``budget_s`` is spent, keeping at least two shapes.
+    interference too, so the minimum would flatter it). Timing stops once ``budget_s`` is spent
+    (loading the model comes on top: about 3 s for minilm on CPU), keeping at least three shapes.
     """
     from carpool.gpu_worker.runner import loaded_model, run_padded
 
-    t_start = time.perf_counter()
     model = loaded_model(model_name, device)
+    t_start = time.perf_counter()
     # Real token ids of the model's own tokenizer, cut to each width (ids from the vocabulary).
     from carpool.workload import mixed_texts
 
@@ -526,7 +527,7 @@ def calibrate(model_name: str, device: str = "cpu", budget_s: float = 15.0, repe
     points: list[tuple[float, float]] = []
     for rows, width in CALIBRATION_SHAPES:
         width = min(width, model.max_length, len(source))
-        if len(points) >= 2 and time.perf_counter() - t_start > budget_s:
+        if len(points) >= 3 and time.perf_counter() - t_start > budget_s:
             break
         row = source[:width] if model.needs_token_ids else None
         batch = [row] * rows

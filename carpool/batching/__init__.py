@@ -4,12 +4,13 @@ Nothing in this package touches Redis, Celery or torch, so every rule (bins, lim
 adaptive wait) is tested with plain numbers under a fake clock. The coordinator feeds it.
 """
 
-from carpool.batching.bins import LengthBins, padded_length
+from carpool.batching.bins import AutoBins, LengthBins, padded_length
 from carpool.batching.latency import LatencyModel
 from carpool.batching.policy import BatchPolicy, PolicyConfig
 from carpool.batching.types import Batch, FlushReason, Plan, Request
 
 __all__ = [
+    "AutoBins",
     "Batch",
     "BatchPolicy",
     "FlushReason",

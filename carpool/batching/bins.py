@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Sequence
 
 PAD_MULTIPLE = 8  # tensor cores and vectorised CPU kernels like dimensions in multiples of 8
@@ -34,3 +35,49 @@ class LengthBins:
         low = 1 if index == 0 else self.edges[index - 1] + 1
         high = self.edges[index] if index < len(self.edges) else None
         return f"{low}-{high}" if high is not None else f"{low}+"
+
+    def label_for(self, length: int) -> str:
+        return self.label(self.index(length))
+
+    def observe(self, length: int) -> None:
+        """Explicit edges learn nothing."""
+
+
+class AutoBins(LengthBins):
+    """Edges fitted to the traffic: quantiles of the last ``window`` lengths, refitted every
+    ``refit_every`` requests, so bins follow a shift in the length mix without anyone retuning.
+
+    Edges are rounded up to the pad multiple: a bin then never mixes two padded widths needlessly.
+    """
+
+    def __init__(
+        self,
+        count: int = 6,
+        window: int = 2048,
+        refit_every: int = 256,
+        initial: Sequence[int] = (16, 32, 64, 128),
+        multiple: int = PAD_MULTIPLE,
+    ) -> None:
+        if count < 1 or window < count or refit_every < 1:
+            raise ValueError("need count >= 1, window >= count and refit_every >= 1")
+        super().__init__(initial)
+        self.count = count
+        self.refit_every = refit_every
+        self.multiple = multiple
+        self._recent: deque[int] = deque(maxlen=window)
+        self._since_fit = 0
+
+    def observe(self, length: int) -> None:
+        self._recent.append(length)
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every and len(self._recent) >= 2 * self.count:
+            self.refit()
+
+    def refit(self) -> None:
+        ordered = sorted(self._recent)
+        n = len(ordered)
+        edges = {padded_length(ordered[min(n - 1, (n * k) // self.count)], self.multiple)
+                 for k in range(1, self.count)}
+        top = padded_length(ordered[-1], self.multiple)
+        self.edges = tuple(sorted(e for e in edges if e < top))
+        self._since_fit = 0

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from carpool.batching.bins import PAD_MULTIPLE, LengthBins, padded_length
+from carpool.batching.bins import PAD_MULTIPLE, AutoBins, LengthBins, padded_length
 from carpool.batching.latency import LatencyModel
 from carpool.batching.types import Batch, FlushReason, Plan, Request
 
@@ -42,6 +42,7 @@ class PolicyConfig:
     max_wait_s: float = 0.05
     wait_factor: float = 0.3
     bin_edges: tuple[int, ...] = (16, 32, 64, 128)
+    auto_bins: int = 0  # > 0: that many bins fitted to recent lengths, per model; edges then seed them
     pad_multiple: int = PAD_MULTIPLE
 
     def __post_init__(self) -> None:
@@ -177,7 +178,7 @@ class _Queue:
 
 @dataclass(slots=True)
 class _Candidate:
-    key: tuple[str, int]
+    key: tuple[str, str]
     requests: list[Request]
     reason: FlushReason
     rank: tuple[int, float, int, float]
@@ -189,17 +190,30 @@ class BatchPolicy:
     def __init__(self, config: PolicyConfig, latency: LatencyModel | None = None) -> None:
         self.config = config
         self.latency = latency or LatencyModel()
-        self.bins = LengthBins(config.bin_edges if config.kind == "binned" else ())
-        self._queues: dict[tuple[str, int], _Queue] = {}
+        self._fixed_bins = LengthBins(config.bin_edges if config.kind == "binned" else ())
+        self._model_bins: dict[str, LengthBins] = {}
+        self._queues: dict[tuple[str, str], _Queue] = {}
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    def depth_by_bin(self) -> dict[tuple[str, int], int]:
+    def depth_by_bin(self) -> dict[tuple[str, str], int]:
+        """Requests waiting per (model, bin label)."""
         return {key: len(q) for key, q in self._queues.items()}
 
+    def bins_for(self, model: str) -> LengthBins:
+        if self.config.kind != "binned" or not self.config.auto_bins:
+            return self._fixed_bins
+        bins = self._model_bins.get(model)
+        if bins is None:
+            bins = self._model_bins[model] = AutoBins(self.config.auto_bins, initial=self.config.bin_edges)
+        return bins
+
     def add(self, req: Request) -> None:
-        key = (req.model, self.bins.index(req.length))
+        bins = self.bins_for(req.model)
+        bins.observe(req.length)
+        # Keyed by label, not index: after a refit, queues under old edges drain under their old key.
+        key = (req.model, bins.label_for(req.length))
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = _Queue(order_by_length=self.config.kind == "shortest")
@@ -216,6 +230,8 @@ class BatchPolicy:
         handed on (free workers plus prefetch room); ``ahead_s``: predicted seconds until a worker
         frees up for a newly dispatched batch (0 when one is idle).
         """
+        # Queues left empty (a refit moved their bin, or they drained) are dropped.
+        self._queues = {k: q for k, q in self._queues.items() if q}
         plan = Plan(expired=self.expire(now_s))
         wake: float | None = None
         while True:
@@ -237,7 +253,7 @@ class BatchPolicy:
             plan.batches.append(
                 Batch(
                     model=best.key[0],
-                    bin_index=best.key[1],
+                    bin_label=best.key[1],
                     requests=tuple(best.requests),
                     padded_len=padded_length(longest, self.config.pad_multiple),
                     flush_reason=best.reason,
@@ -265,7 +281,7 @@ class BatchPolicy:
 
     def _evaluate(
         self,
-        key: tuple[str, int],
+        key: tuple[str, str],
         queue: _Queue,
         now_s: float,
         free_workers: int,
@@ -300,4 +316,5 @@ class BatchPolicy:
         out: list[Request] = []
         for queue in self._queues.values():
             out.extend(queue.drain())
+        self._queues = {k: q for k, q in self._queues.items() if q}
         return out

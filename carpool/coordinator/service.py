@@ -69,6 +69,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         max_wait_s=settings.max_wait_s,
         wait_factor=settings.wait_factor,
         bin_edges=settings.bin_edges,
+        auto_bins=settings.auto_bins,
     )
 
 
@@ -99,6 +100,7 @@ class Coordinator:
         self._next_housekeeping = 0.0
         self._next_stats = 0.0
         self._written: dict[str, int] = {}
+        self._depth_keys: set[tuple[str, str]] = set()
         self._wake_at: float | None = None
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
@@ -301,13 +303,12 @@ class Coordinator:
                 batch_id = uuid.uuid4().hex
                 ids = [r.id for r in batch.requests]
                 self.store.assign(batch_id, ids)
-                label = self.policy.bins.label(batch.bin_index)
+                label = batch.bin_label
                 padding = batch.padded_tokens / max(1, batch.real_tokens)
                 message = {
                     "id": batch_id,
                     "model": batch.model,
-                    "bin": batch.bin_index,
-                    "bin_label": label,
+                    "bin": label,
                     "flush": batch.flush_reason.value,
                     "padded_len": batch.padded_len,
                     "dispatched_at": wall_now,
@@ -364,8 +365,7 @@ class Coordinator:
     def _write_stats(self) -> None:
         """Counters are added (HINCRBY of what changed), so several coordinators sum up; gauges are
         the writer's own view."""
-        label = self.policy.bins.label
-        depths = {(m, label(b)): n for (m, b), n in self.policy.depth_by_bin().items()}
+        depths = self.policy.depth_by_bin()
         self.metrics.set_depths(depths)
         s = self.stats
         counters: dict[str, int] = {
@@ -378,6 +378,9 @@ class Coordinator:
         gauges: dict[str, int] = {
             "pending": len(self.policy), "outstanding": len(self.outstanding), "workers": self.workers,
         }
+        for key in self._depth_keys - set(depths):
+            gauges[f"depth:{key[0]}:{key[1]}"] = 0
+        self._depth_keys |= set(depths)
         gauges.update({f"depth:{m}:{b}": n for (m, b), n in depths.items()})
         with self.client.pipeline(transaction=False) as pipe:
             for name, value in counters.items():

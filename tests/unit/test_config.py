@@ -58,3 +58,9 @@ def test_a_process_with_a_bad_setting_stops_at_start_with_the_message() -> None:
     assert proc.returncode == 2
     assert "CARPOOL_MAX_WAIT_S" in proc.stderr
     assert "greater than or equal to 0" in proc.stderr
+
+
+def test_automatic_bin_edges(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CARPOOL_BIN_EDGES", "auto")
+    s = load_settings()
+    assert s.auto_bins == 6 and s.bin_edges == (16, 32, 64, 128)

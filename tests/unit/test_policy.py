@@ -42,12 +42,12 @@ def test_bins_keep_lengths_apart_and_pad_to_multiple_of_8() -> None:
     for r in (short[0], long[0], short[1], long[1]):
         p.add(r)
     plan = p.poll(0.0, free_workers=2, free_slots=2)
-    batches = {b.bin_index: b for b in plan.batches}
-    assert set(batches) == {0, 1}
-    assert set(batches[0].requests) == set(short)
-    assert set(batches[1].requests) == set(long)
-    assert batches[0].padded_len == 16
-    assert batches[1].padded_len == 64
+    batches = {b.bin_label: b for b in plan.batches}
+    assert set(batches) == {"1-16", "17-64"}
+    assert set(batches["1-16"].requests) == set(short)
+    assert set(batches["17-64"].requests) == set(long)
+    assert batches["1-16"].padded_len == 16
+    assert batches["17-64"].padded_len == 64
 
 
 def test_fifo_has_one_bin_and_pads_to_the_longest() -> None:
@@ -234,7 +234,7 @@ def test_simulated_runs_keep_every_invariant(
             assert batch.padded_len == padded_length(max(r.length for r in batch.requests))
             assert len({r.model for r in batch.requests}) == 1
             if kind == "binned":
-                assert len({p.bins.index(r.length) for r in batch.requests}) == 1
+                assert len({p.bins_for(r.model).label_for(r.length) for r in batch.requests}) == 1
             for r in batch.requests:
                 assert r.deadline_s > now  # expired requests never dispatched
             emitted.extend(r.id for r in batch.requests)
@@ -262,3 +262,32 @@ def test_an_idle_worker_never_sees_a_request_wait_past_its_deadline(lengths: lis
             break
         now = plan.wake_at_s if plan.wake_at_s is not None else now + 0.001
     assert len(p) == 0
+
+
+def test_auto_bins_follow_the_length_mix() -> None:
+    from carpool.batching import AutoBins
+
+    bins = AutoBins(count=4, window=400, refit_every=100)
+    for n in [10, 20, 30, 40] * 100:  # short traffic
+        bins.observe(n)
+    short_edges = bins.edges
+    assert short_edges and max(short_edges) <= 40
+    assert all(e % 8 == 0 for e in short_edges)
+    for n in [100, 150, 200, 250] * 100:  # the mix shifts long
+        bins.observe(n)
+    assert min(bins.edges) > 40
+    assert bins.label_for(250).endswith("+") or bins.index(250) == len(bins.edges)
+
+
+def test_auto_binned_policy_keeps_every_request() -> None:
+    p = policy(max_batch=8, auto_bins=3)
+    rs = [req(n, at=0.0) for n in [5, 9, 60, 70, 200, 210] * 60]
+    for r in rs:
+        p.add(r)
+    seen = []
+    for _ in range(200):
+        plan = p.poll(10.0, free_workers=4, free_slots=4)
+        seen.extend(r for b in plan.batches for r in b.requests)
+        if not len(p):
+            break
+    assert sorted(r.id for r in seen) == sorted(r.id for r in rs)
