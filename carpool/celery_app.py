@@ -7,16 +7,30 @@ request queue the coordinator drains, batches to the queue GPU workers consume.
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 
 from carpool.config import Settings, load_settings
 
-BACKEND_CLASS = "carpool.results:CarpoolRedisBackend"
+
+
+class CarpoolCelery(Celery):  # type: ignore[misc]
+    """Celery with carpool's result backend class and the plain URL in ``result_backend``.
+
+    Naming the class in the URL (``module:Class+redis://...``) would work too, but Celery's URL
+    masking then fails and ``celery report`` / the worker banner would print the password.
+    """
+
+    def _get_backend(self) -> Any:
+        from carpool.results import CarpoolRedisBackend
+
+        return CarpoolRedisBackend(app=self, url=self.conf.result_backend)
 
 
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or load_settings()
-    app = Celery("carpool", broker=settings.broker_url, backend=f"{BACKEND_CLASS}+{settings.result_backend}")
+    app = CarpoolCelery("carpool", broker=settings.broker_url, backend=settings.result_backend)
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

@@ -43,7 +43,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from carpool.demo import run_demo
 
-    return run_demo(requests=args.requests, seed=args.seed, workers=args.workers)
+    return run_demo(requests=args.requests, seed=args.seed, workers=args.workers, external=args.external)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--external", action="store_true",
+                   help="only produce: send to the deployment at CARPOOL_BROKER_URL instead of starting one")
     p.set_defaults(func=cmd_demo)
     return parser
 

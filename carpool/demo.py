@@ -52,8 +52,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 class Stack:
     """Embedded Redis (when no broker is configured), a coordinator and workers as processes."""
 
-    def __init__(self, workers: int = 1, env: dict[str, str] | None = None, log_dir: str | None = None) -> None:
+    def __init__(self, workers: int = 1, env: dict[str, str] | None = None, log_dir: str | None = None,
+                 external: bool = False) -> None:
         self.workers = workers
+        self.external = external
         self.extra_env = env or {}
         self.log_dir = log_dir
         self.redis: EmbeddedRedis | None = None
@@ -67,6 +69,8 @@ class Stack:
             os.environ["CARPOOL_RESULT_BACKEND"] = self.redis.url(1)
         os.environ.update(self.extra_env)
         self._stack.callback(self.stop)
+        if self.external:  # a running deployment serves; this process only produces
+            return self
         self.processes.append(self._spawn("coordinator"))
         for _ in range(self.workers):
             self.processes.append(self._spawn("worker"))
@@ -94,7 +98,8 @@ class Stack:
 
         store = RequestStore(redis.Redis.from_url(settings.broker_url), Keys(settings.request_queue), 1)
         deadline = time.monotonic() + timeout_s
-        while store.live_workers() < self.workers:
+        needed = 1 if self.external else self.workers
+        while store.live_workers() < needed:
             for proc in self.processes:
                 if proc.poll() is not None:
                     raise RuntimeError(f"a carpool process exited early with code {proc.returncode}")
@@ -188,7 +193,14 @@ def offline_throughput(model_name: str, texts: Sequence[str], max_batch: int) ->
     return len(texts) / (time.perf_counter() - t0)
 
 
-def run_demo(requests: int = 300, seed: int = 0, workers: int = 1) -> int:
+def redact(url: str) -> str:
+    """``url`` with any password replaced, for printing."""
+    from kombu.utils.url import maskurl
+
+    return str(maskurl(url))
+
+
+def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: bool = False) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -197,11 +209,14 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1) -> int:
 
     console = Console()
     texts = mixed_texts(requests, seed)
-    with Stack(workers=workers) as stack:
+    if external and "CARPOOL_BROKER_URL" not in os.environ:
+        console.print("[red]--external needs CARPOOL_BROKER_URL pointing at a running carpool deployment[/]")
+        return 2
+    with Stack(workers=workers, external=external) as stack:
         from carpool.celery_app import app, settings_of
 
         settings = settings_of(app)
-        where = stack.redis.url(0) if stack.redis else settings.broker_url
+        where = stack.redis.url(0) if stack.redis else redact(settings.broker_url)
         console.print(f"[bold]carpool demo[/]: broker {where}, model {settings.model}, {workers} worker(s)")
         with console.status("starting coordinator and worker (loading the model)..."):
             stack.wait_ready()

@@ -629,6 +629,9 @@ def run_cli(args: argparse.Namespace) -> int:
     from carpool.errors import ConfigError
 
     console = Console()
+    if not console.is_terminal:
+        # Piped or captured output has no width to fit; 80 columns would wrap every row in two.
+        console = Console(width=150)
     try:
         sweep = run_sweep(args, console)
     except (ConfigError, TraceError, ValueError, OSError) as exc:

@@ -206,65 +206,64 @@ def _fmt_counts(counts: Mapping[str, float], style: str = "") -> str:
 def render(
     snap: Snapshot | None, rate: Rates | None, queue: str, broker: str, error: str | None = None
 ) -> Any:
-    """A rich renderable of one snapshot (with rates when there are two)."""
+    """A rich renderable of one snapshot (with rates when there are two); about 15 lines tall."""
+    from rich.columns import Columns
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
 
-    title = f"carpool status  [dim]{queue} on {_redact(broker)}[/]"
+    title = f"[bold]carpool status[/]  [dim]{queue} on {_redact(broker)}[/]"
     if snap is None:
-        return Panel(f"[red]redis unavailable:[/] {error}", title=title, border_style="red")
+        body = f"[red]redis unavailable:[/] {error}" if error else "[dim]connecting...[/]"
+        return Panel(body, title=title, title_align="left", border_style="red" if error else "dim")
 
-    summary = Table.grid(padding=(0, 2))
-    summary.add_column(style="bold")
-    summary.add_column()
+    now = Table.grid(padding=(0, 2))
+    now.title, now.title_justify, now.title_style = "now", "left", "bold underline"
+    now.add_column(style="bold", no_wrap=True)
+    now.add_column()
     w = len(snap.workers)
-    summary.add_row(
-        "workers online",
-        f"[{'green' if w else 'red'}]{w}[/]"
-        + (f"  [dim]{', '.join(snap.workers[:6])}{' ...' if w > 6 else ''}[/]" if w else ""),
-    )
+    names = ", ".join(snap.workers[:4]) + (f" +{w - 4}" if w > 4 else "")
+    now.add_row("workers online", f"[{'green' if w else 'red'}]{w}[/]" + (f"  [dim]{names}[/]" if w else ""))
     by_prio = "  ".join(f"{k}={v:,}" for k, v in snap.queued.items() if v)
-    summary.add_row(
-        "queued (request lists)", f"{snap.queued_total:,}" + (f"  [dim]{by_prio}[/]" if by_prio else "")
-    )
-    summary.add_row("pending in coordinator", f"{snap.pending:,}")
-    summary.add_row(
-        "in flight",
-        f"{snap.in_flight:,}  [dim]({int(snap.counter('outstanding'))} batches "
-        "dispatched, not yet reported)[/]",
-    )
-    dead_style = "red" if snap.dead_letter else "dim"
-    summary.add_row("dead letter", f"[{dead_style}]{snap.dead_letter:,}[/]")
+    now.add_row("queued", f"{snap.queued_total:,}" + (f"  [dim]{by_prio}[/]" if by_prio else ""))
+    now.add_row("pending in coordinator", f"{snap.pending:,}")
+    now.add_row("in flight", f"{snap.in_flight:,}  [dim]{int(snap.counter('outstanding'))} batches out[/]")
+    now.add_row("dead letter", f"[{'red' if snap.dead_letter else 'dim'}]{snap.dead_letter:,}[/]")
     if rate is not None and rate.seconds > 0:
         v = rate.values
-        summary.add_row(
+        now.add_row(
             "requests",
             f"{_fmt_rate(v.get('taken'), 'req')}  [dim]dispatched {_fmt_rate(v.get('dispatched'), 'req')}[/]",
         )
-        summary.add_row("batches", _fmt_rate(v.get("batches"), "batch"))
-        summary.add_row(
-            "tokens",
-            f"{_fmt_rate(v.get('real_tokens'), 'real')}  "
-            f"[dim]{_fmt_rate(v.get('padded_tokens'), 'padded')}[/]",
-        )
+        now.add_row("batches", _fmt_rate(v.get("batches"), "batch"))
         pr = rate.padding_ratio
-        summary.add_row("padding ratio (interval)", "[dim]-[/]" if pr is None else f"{pr:.2f}")
+        now.add_row(
+            "padding now",
+            "[dim]-[/]" if pr is None else f"{pr:.2f}  [dim]{_fmt_rate(v.get('real_tokens'), 'real tok')}[/]",
+        )
+        failing = v.get("failed")
+        if failing:
+            now.add_row("failing", f"[red]{_fmt_rate(failing, 'req')}[/]")
     else:
-        summary.add_row("rates", "[dim]need two samples (--interval > 0)[/]")
+        now.add_row("rates", "[dim]need two samples (--interval > 0)[/]")
 
     totals = Table.grid(padding=(0, 2))
-    totals.add_column(style="bold")
+    totals.title, totals.title_justify = "totals [dim](all coordinators)[/]", "left"
+    totals.title_style = "bold underline"
+    totals.add_column(style="bold", no_wrap=True)
     totals.add_column()
     if not snap.has_coordinator_stats:
-        totals.add_row("coordinator", "[yellow]no counters in Redis yet (is a coordinator running?)[/]")
+        totals.add_row("coordinator", "[yellow]no counters yet: is a coordinator running?[/]")
     totals.add_row("taken", f"{int(snap.counter('taken')):,}")
+    totals.add_row("dispatched", f"{int(snap.counter('dispatched')):,}")
     mean = snap.mean_batch_size
     totals.add_row(
         "batches",
         f"{int(snap.counter('batches')):,}" + (f"  [dim]mean size {mean:.1f}[/]" if mean is not None else ""),
     )
-    totals.add_row("dispatched", f"{int(snap.counter('dispatched')):,}")
+    sizes = _size_buckets(snap.prefixed("size:"))
+    if sizes:
+        totals.add_row("batch sizes", f"[dim]{sizes}[/]")
     ratio = snap.padding_ratio
     totals.add_row(
         "padding ratio",
@@ -276,37 +275,39 @@ def render(
     totals.add_row("flush reasons", _fmt_counts(snap.prefixed("flush:")))
     failed = snap.prefixed("failed:")
     totals.add_row("failures", _fmt_counts(failed, "red" if any(failed.values()) else ""))
-    sizes = sorted(snap.prefixed("size:").items(), key=_num_key)
-    if sizes:
-        totals.add_row(
-            "batch sizes",
-            "  ".join(f"{k}x{int(v)}" for k, v in sizes[-12:] if v)
-            + ("  [dim](largest 12)[/]" if len(sizes) > 12 else ""),
-        )
 
-    parts: list[Any] = [
-        summary,
-        "",
-        "[bold underline]totals[/] [dim](all coordinators, since the stats hash was created)[/]",
-        totals,
-    ]
-    depth = {k: n for k, n in snap.depth_by_bin.items() if n}
-    if snap.depth_by_bin:
-        bins = Table(
-            title="waiting in the coordinator, per length bin",
-            title_justify="left",
-            show_edge=False,
-            pad_edge=False,
-        )
-        bins.add_column("model")
-        bins.add_column("bin (tokens)")
-        bins.add_column("waiting", justify="right")
-        for (model, label), n in sorted(depth.items(), key=lambda kv: (kv[0][0], _bin_order(kv[0][1]))):
-            bins.add_row(model, label, f"{n:,}")
-        if not depth:
-            bins.add_row("[dim]all bins empty[/]", "", "")
+    # Side by side when the terminal is wide enough, one under the other when not.
+    parts: list[Any] = [Columns([now, totals], padding=(0, 6))]
+    by_model: dict[str, list[tuple[str, int]]] = {}
+    for (model, label), n in snap.depth_by_bin.items():
+        by_model.setdefault(model, []).append((label, n))
+    if by_model:
+        bins = Table.grid(padding=(0, 2))
+        bins.title, bins.title_justify = "waiting per length bin (tokens)", "left"
+        bins.title_style = "bold underline"
+        bins.add_column(style="bold", no_wrap=True)
+        bins.add_column()
+        for model in sorted(by_model):
+            cells = sorted(by_model[model], key=lambda c: _bin_order(c[0]))
+            bins.add_row(
+                model, "  ".join(f"{label}: {n:,}" if n else f"[dim]{label}: 0[/]" for label, n in cells)
+            )
         parts += ["", bins]
-    return Panel(Group(*parts), title=title, title_align="left")
+    return Panel(Group(*parts), title=title, title_align="left", expand=False)
+
+
+def _size_buckets(sizes: Mapping[str, float]) -> str:
+    """Batch sizes in power-of-two buckets: ``1:3  2-3:5  4-7:12 ...`` (empty buckets left out)."""
+    buckets: dict[int, int] = {}
+    for key, count in sizes.items():
+        if key.isdigit() and count:
+            size = int(key)
+            buckets[size.bit_length()] = buckets.get(size.bit_length(), 0) + int(count)
+    parts = []
+    for bits in sorted(buckets):
+        low, high = 1 << (bits - 1), (1 << bits) - 1
+        parts.append(f"{low if low == high else f'{low}-{high}'}:{buckets[bits]:,}")
+    return "  ".join(parts)
 
 
 def _bin_order(label: str) -> int:
@@ -392,7 +393,7 @@ def _print_once(
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=110)  # piped into a file or a script: wide enough for one line a row
+        console = Console(width=120)  # piped into a file or a script: wide enough for one line a row
     console.print(render(snap, rate, queue, broker))
     return 0
 
@@ -404,7 +405,7 @@ def _live(client: redis.Redis, keys: Keys, queue: str, broker: str, interval: fl
     console = Console()
     previous: Snapshot | None = None
     with Live(
-        render(None, None, queue, broker, "connecting..."),
+        render(None, None, queue, broker),
         console=console,
         refresh_per_second=4,
         screen=False,
