@@ -156,7 +156,9 @@ def publish_tasks(
     target = route["queue"]
     exchange = getattr(target, "exchange", None)
     if route.get("exchange") or (exchange is not None and exchange.type not in (None, "direct")):
-        raise ValueError(f"{name} is routed through exchange {exchange!r}; publish_tasks sends to direct queues only")
+        raise ValueError(
+            f"{name} is routed through exchange {exchange!r}; publish_tasks sends to direct queues only"
+        )
     qname: str = target.name
     delivery_mode = maybe_delivery_mode(
         (exchange.delivery_mode if exchange is not None else None) or conf.task_default_delivery_mode
@@ -185,15 +187,27 @@ def publish_tasks(
                 task_id = uuid()
                 args = tuple(args)  # as Task.delay passes them (argsrepr shows a tuple)
                 task_headers, properties, body, sent_event = app.amqp.create_task_message(
-                    task_id, name, args, dict(kwargs), expires=expires, reply_to=reply_to,
-                    create_sent_event=sent_events, argsrepr=_fast_repr(args, argsrepr_max),
+                    task_id,
+                    name,
+                    args,
+                    dict(kwargs),
+                    expires=expires,
+                    reply_to=reply_to,
+                    create_sent_event=sent_events,
+                    argsrepr=_fast_repr(args, argsrepr_max),
                     kwargsrepr="{}" if not kwargs else None,
                 )
                 task_headers.update(extra_headers)
                 if before:
                     signals.before_task_publish.send(
-                        sender=name, body=body, exchange="", routing_key=qname, declare=[target],
-                        headers=task_headers, properties=properties, retry_policy=None,
+                        sender=name,
+                        body=body,
+                        exchange="",
+                        routing_key=qname,
+                        declare=[target],
+                        headers=task_headers,
+                        properties=properties,
+                        retry_policy=None,
                     )
                 content_type, content_encoding, data = serialize(body, serializer=serializer)
                 if compression:
@@ -230,8 +244,9 @@ def publish_tasks(
                 raise
     if after:
         for body, task_headers in bodies:
-            signals.after_task_publish.send(sender=name, body=body, headers=task_headers, exchange="",
-                                            routing_key=qname)
+            signals.after_task_publish.send(
+                sender=name, body=body, headers=task_headers, exchange="", routing_key=qname
+            )
     return [app.AsyncResult(task_id) for task_id in ids]
 
 
@@ -257,11 +272,18 @@ def _sent_event(channel: Any, evd: Any, fields: dict[str, Any]) -> tuple[str, st
     from kombu.serialization import dumps as serialize
     from kombu.utils.json import dumps as envelope_dumps
 
-    event = Event("task-sent", hostname=evd.hostname, utcoffset=utcoffset(), pid=evd.pid,
-                  clock=evd.clock.forward(), **fields)
+    event = Event(
+        "task-sent",
+        hostname=evd.hostname,
+        utcoffset=utcoffset(),
+        pid=evd.pid,
+        clock=evd.clock.forward(),
+        **fields,
+    )
     content_type, content_encoding, data = serialize(event, serializer=evd.serializer)
-    message = channel.prepare_message(data, 0, content_type, content_encoding, dict(evd.headers),
-                                      {"delivery_mode": evd.delivery_mode})
+    message = channel.prepare_message(
+        data, 0, content_type, content_encoding, dict(evd.headers), {"delivery_mode": evd.delivery_mode}
+    )
     exchange = evd.exchange.name
     channel._inplace_augment_message(message, exchange, "task.sent")
     return channel._get_publish_topic(exchange, "task.sent"), envelope_dumps(message)
@@ -304,7 +326,11 @@ def unsubscribe_results(backend: Any, task_ids: Sequence[str]) -> None:
     consumer = _consumer(backend)
     if consumer is None:
         return
-    keys = [k for k in (backend.get_key_for_task(t) for t in dict.fromkeys(task_ids)) if k in consumer.subscribed_to]
+    keys = [
+        k
+        for k in (backend.get_key_for_task(t) for t in dict.fromkeys(task_ids))
+        if k in consumer.subscribed_to
+    ]
     if not keys:
         return
     consumer.subscribed_to.difference_update(keys)
@@ -352,7 +378,9 @@ def _unresolved(results: Sequence[AsyncResult]) -> dict[str, list[AsyncResult]]:
     return waiting
 
 
-def _settle(waiting: dict[str, list[AsyncResult]], meta: Mapping[str, Any] | None, ready: set[str]) -> str | None:
+def _settle(
+    waiting: dict[str, list[AsyncResult]], meta: Mapping[str, Any] | None, ready: set[str]
+) -> str | None:
     """Give ``meta`` to the waiting results of its task if it is final; returns the task id settled."""
     from celery import states
 
@@ -509,8 +537,11 @@ def _async_client(backend: Any) -> Any:
 
     if getattr(backend, "url", None):
         return aioredis.Redis.from_url(backend.url)
-    params = {k: v for k, v in backend.connparams.items()
-              if k in ("host", "port", "db", "username", "password", "path") and v is not None}
+    params = {
+        k: v
+        for k, v in backend.connparams.items()
+        if k in ("host", "port", "db", "username", "password", "path") and v is not None
+    }
     if "path" in params:
         params["unix_socket_path"] = params.pop("path")
     return aioredis.Redis(**params)
@@ -559,7 +590,9 @@ async def gather_async(
                         left = 1.0 if deadline is None else deadline - time.monotonic()
                         if left <= 0:
                             raise CeleryTimeoutError("The operation timed out.")
-                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(left, 1.0))
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=min(left, 1.0)
+                        )
                         if not message or message.get("type") != "message":
                             continue
                         ready = set()
@@ -571,4 +604,11 @@ async def gather_async(
     return _values(results, return_exceptions)
 
 
-__all__ = ["gather", "gather_async", "publish_tasks", "submit_many", "subscribe_results", "unsubscribe_results"]
+__all__ = [
+    "gather",
+    "gather_async",
+    "publish_tasks",
+    "submit_many",
+    "subscribe_results",
+    "unsubscribe_results",
+]

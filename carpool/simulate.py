@@ -486,7 +486,8 @@ def compare(
     **kwargs: Any,
 ) -> dict[str, SimResult]:
     """``simulate`` once per policy kind on the same arrivals (other settings unchanged)."""
-    return {kind: simulate(replace(policy_config, kind=kind), latency, arrivals, **kwargs) for kind in policies}
+    return {kind: simulate(replace(policy_config, kind=kind), latency, arrivals, **kwargs)
+            for kind in policies}
 
 
 # --- calibration ------------------------------------------------------------------------------------
@@ -509,7 +510,9 @@ def fit_linear(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, mean_y - slope * mean_x), slope
 
 
-def calibrate(model_name: str, device: str = "cpu", budget_s: float = 10.0, repeats: int = 3) -> tuple[float, float]:
+def calibrate(
+    model_name: str, device: str = "cpu", budget_s: float = 10.0, repeats: int = 3
+) -> tuple[float, float]:
     """Fit (a, b) of t = a + b * padded_tokens by timing ``run_padded`` in this process.
 
     Each shape runs once to warm up, then ``repeats`` times; the median counts (a worker meets
@@ -549,7 +552,7 @@ def calibrate(model_name: str, device: str = "cpu", budget_s: float = 10.0, repe
 class Sweep:
     """Results of one CLI run: per offered rate, per policy."""
 
-    rates: list[float]
+    rates: list[float]  # offered requests/s of each run, as realised by its arrivals
     results: list[dict[str, SimResult]]
     bound: float
     latency: tuple[float, float]
@@ -581,7 +584,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     arr.add_argument("--lengths", default="workload",
                      help="'workload' (carpool.workload.mixed_texts tokenized by --model) or uniform:LO-HI")
     arr.add_argument("--model", default="minilm", help="tokenizer for --lengths workload (default minilm)")
-    arr.add_argument("--deadline-s", type=float, help="deadline after arrival (default CARPOOL_DEFAULT_DEADLINE_S)")
+    arr.add_argument("--deadline-s", type=float,
+                     help="deadline, seconds after arrival (default CARPOOL_DEFAULT_DEADLINE_S)")
     arr.add_argument("--seed", type=int, default=0)
     lat = p.add_argument_group("latency model").add_mutually_exclusive_group()
     lat.add_argument("--latency", metavar="A,B", type=_floats,
@@ -648,10 +652,8 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
     from carpool.config import load_settings
     from carpool.coordinator.service import policy_config
 
-    overrides: dict[str, object] = {
-        k: getattr(args, k) for k in ("max_batch", "max_tokens", "max_wait_s", "wait_factor", "prefetch_batches")
-        if getattr(args, k) is not None
-    }
+    knobs = ("max_batch", "max_tokens", "max_wait_s", "wait_factor", "prefetch_batches")
+    overrides: dict[str, object] = {k: getattr(args, k) for k in knobs if getattr(args, k) is not None}
     if args.bin_edges is not None:
         overrides["bin_edges"] = args.bin_edges
     settings = load_settings(**overrides)
@@ -692,6 +694,7 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
     else:
         rates = [round(f * bound, 3) for f in DEFAULT_LOAD_FRACTIONS]
     results = []
+    offered = []  # what each run's arrivals really offer: a Poisson draw is off its nominal rate
     for rate in rates:
         if base:
             arrivals = base if not args.rates else scale_to_rate(base, rate)
@@ -703,10 +706,11 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
             prefetch_batches=settings.prefetch_batches, default_deadline_s=deadline,
             batch_overhead_s=args.overhead_s, noise=args.noise, seed=args.seed,
         ))
+        offered.append(offered_rate(arrivals))
     description = (f"{what}; {args.workers} worker(s), t = {a * 1000:.3g} ms + {b * 1e6:.3g} us/token"
                    + (f" + {args.overhead_s * 1000:.3g} ms/batch" if args.overhead_s else "")
                    + f"; max_batch {config.max_batch}, bins {','.join(map(str, config.bin_edges)) or '-'}")
-    return Sweep(rates, results, bound, (a, b), args.workers, description)
+    return Sweep(offered, results, bound, (a, b), args.workers, description)
 
 
 def _lengths(spec: str, n: int, seed: int, model: str) -> list[int]:
@@ -752,22 +756,28 @@ def plot(sweep: Sweep, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     kinds = list(sweep.results[0])
+    # A burst offers an infinite rate, which no axis holds: put such runs one step past the others.
+    finite = [r for r in sweep.rates if math.isfinite(r)]
+    past = max(finite, default=1.0) * 1.15
+    xs = [r if math.isfinite(r) else past for r in sweep.rates]
     fig, (ax_lat, ax_thr, ax_pad) = plt.subplots(1, 3, figsize=(15, 4.6))
     colors = {"fifo": "tab:red", "shortest": "tab:orange", "binned": "tab:blue"}
     for kind in kinds:
         rs = [by[kind] for by in sweep.results]
         c = colors.get(kind)
-        ax_lat.plot(sweep.rates, [r.p50_s * 1000 for r in rs], "o-", color=c, label=f"{kind} p50")
-        ax_lat.plot(sweep.rates, [r.p99_s * 1000 for r in rs], "s--", color=c, label=f"{kind} p99")
-        ax_thr.plot(sweep.rates, [r.throughput for r in rs], "o-", color=c, label=kind)
-        ax_pad.plot(sweep.rates, [r.padding_ratio for r in rs], "o-", color=c, label=kind)
-    top = max(sweep.rates)
-    ax_thr.plot([0, top], [0, top], ":", color="grey", label="offered")
+        ax_lat.plot(xs, [r.p50_s * 1000 for r in rs], "o-", color=c, label=f"{kind} p50")
+        ax_lat.plot(xs, [r.p99_s * 1000 for r in rs], "s--", color=c, label=f"{kind} p99")
+        ax_thr.plot(xs, [r.throughput for r in rs], "o-", color=c, label=kind)
+        ax_pad.plot(xs, [r.padding_ratio for r in rs], "o-", color=c, label=kind)
+    if finite:
+        top = max(finite)
+        ax_thr.plot([0, top], [0, top], ":", color="grey", label="offered")
     ax_thr.axhline(sweep.bound, color="black", linestyle="-.", linewidth=1, label="capacity bound")
     ax_lat.set_yscale("log")
-    ax_lat.set(title="latency", xlabel="offered requests/s", ylabel="ms (log)")
-    ax_thr.set(title="throughput", xlabel="offered requests/s", ylabel="completed requests/s")
-    ax_pad.set(title="padding ratio (padded / real tokens)", xlabel="offered requests/s", ylabel="ratio")
+    xlabel = "offered requests/s" + (f" (burst at {past:.0f})" if len(finite) < len(xs) else "")
+    ax_lat.set(title="latency", xlabel=xlabel, ylabel="ms (log)")
+    ax_thr.set(title="throughput", xlabel=xlabel, ylabel="completed requests/s")
+    ax_pad.set(title="padding ratio (padded / real tokens)", xlabel=xlabel, ylabel="ratio")
     for ax in (ax_lat, ax_thr, ax_pad):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)

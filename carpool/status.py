@@ -278,21 +278,22 @@ def render(
 
     # Side by side when the terminal is wide enough, one under the other when not.
     parts: list[Any] = [Columns([now, totals], padding=(0, 6))]
+    # Only bins with requests in them: with automatic bin edges, labels of refitted-away bins linger
+    # in the stats hash at 0.
     by_model: dict[str, list[tuple[str, int]]] = {}
     for (model, label), n in snap.depth_by_bin.items():
-        by_model.setdefault(model, []).append((label, n))
-    if by_model:
+        if n:
+            by_model.setdefault(model, []).append((label, n))
+    if snap.depth_by_bin:
         bins = Table.grid(padding=(0, 2))
-        bins.title, bins.title_justify = "waiting per length bin (tokens)", "left"
-        bins.title_style = "bold underline"
         bins.add_column(style="bold", no_wrap=True)
         bins.add_column()
         for model in sorted(by_model):
             cells = sorted(by_model[model], key=lambda c: _bin_order(c[0]))
-            bins.add_row(
-                model, "  ".join(f"{label}: {n:,}" if n else f"[dim]{label}: 0[/]" for label, n in cells)
-            )
-        parts += ["", bins]
+            bins.add_row(model, "  ".join(f"{label}: {n:,}" for label, n in cells))
+        if not by_model:
+            bins.add_row("[dim]none waiting[/]", "")
+        parts += ["", "[bold underline]waiting per length bin[/] [dim](tokens)[/]", bins]
     return Panel(Group(*parts), title=title, title_align="left", expand=False)
 
 

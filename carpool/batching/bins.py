@@ -55,7 +55,7 @@ class AutoBins(LengthBins):
         count: int = 6,
         window: int = 2048,
         refit_every: int = 256,
-        initial: Sequence[int] = (16, 32, 64, 128),
+        initial: Sequence[int] = (16, 32, 48, 64, 96, 128, 192),
         multiple: int = PAD_MULTIPLE,
     ) -> None:
         if count < 1 or window < count or refit_every < 1:

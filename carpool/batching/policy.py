@@ -41,7 +41,7 @@ class PolicyConfig:
     max_tokens: int = 8192
     max_wait_s: float = 0.05
     wait_factor: float = 0.3
-    bin_edges: tuple[int, ...] = (16, 32, 64, 128)
+    bin_edges: tuple[int, ...] = (16, 32, 48, 64, 96, 128, 192)
     auto_bins: int = 0  # > 0: that many bins fitted to recent lengths, per model; edges then seed them
     pad_multiple: int = PAD_MULTIPLE
 

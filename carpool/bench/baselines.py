@@ -77,7 +77,10 @@ except ImportError:  # pragma: no cover - celery-batches is a dev extra
 if Batches is not None:
 
     @app.task(
-        base=Batches, name=BATCHED_TASK, flush_every=settings.max_batch, flush_interval=settings.max_wait_s,
+        base=Batches,
+        name=BATCHED_TASK,
+        flush_every=settings.max_batch,
+        flush_interval=settings.max_wait_s,
         ignore_result=True,
     )
     def batched_infer(requests: list[Any]) -> None:

@@ -28,8 +28,11 @@ def latency_summary(latencies_s: Sequence[float]) -> dict[str, float]:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0, "max": 0.0}
     ms = [v * 1000 for v in latencies_s]
     return {
-        "p50": percentile(ms, 50), "p90": percentile(ms, 90), "p99": percentile(ms, 99),
-        "mean": sum(ms) / len(ms), "max": max(ms),
+        "p50": percentile(ms, 50),
+        "p90": percentile(ms, 90),
+        "p99": percentile(ms, 99),
+        "mean": sum(ms) / len(ms),
+        "max": max(ms),
     }
 
 
@@ -111,8 +114,12 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
     if not lengths:
         return {}
     return {
-        "min": float(min(lengths)), "p50": percentile(lengths, 50), "mean": sum(lengths) / len(lengths),
-        "p90": percentile(lengths, 90), "p99": percentile(lengths, 99), "max": float(max(lengths)),
+        "min": float(min(lengths)),
+        "p50": percentile(lengths, 50),
+        "mean": sum(lengths) / len(lengths),
+        "p90": percentile(lengths, 90),
+        "p99": percentile(lengths, 99),
+        "max": float(max(lengths)),
     }
 
 

@@ -63,4 +63,4 @@ def test_a_process_with_a_bad_setting_stops_at_start_with_the_message() -> None:
 def test_automatic_bin_edges(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CARPOOL_BIN_EDGES", "auto")
     s = load_settings()
-    assert s.auto_bins == 6 and s.bin_edges == (16, 32, 64, 128)
+    assert s.auto_bins == 6 and s.bin_edges == (16, 32, 48, 64, 96, 128, 192)
