@@ -14,7 +14,6 @@ from celery import Celery
 from carpool.config import Settings, load_settings
 
 
-
 class CarpoolCelery(Celery):  # type: ignore[misc]
     """Celery with carpool's result backend class and the plain URL in ``result_backend``.
 
@@ -53,7 +52,7 @@ def create_app(settings: Settings | None = None) -> Celery:
         worker_send_task_events=True,
         worker_hijack_root_logger=False,
     )
-    app.carpool_settings = settings  # type: ignore[attr-defined]
+    app.carpool_settings = settings
     return app
 
 
@@ -61,4 +60,6 @@ app = create_app()
 
 
 def settings_of(celery_app: Celery) -> Settings:
-    return celery_app.carpool_settings  # type: ignore[attr-defined,no-any-return]
+    """The settings the app was built from (every carpool process reads them from here)."""
+    settings: Settings = celery_app.carpool_settings
+    return settings

@@ -32,9 +32,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = settings_of(app)
     argv = [
-        "worker", "--pool", "solo", "--queues", settings.batch_queue, "--loglevel", args.loglevel,
-        "--hostname", f"carpool-gpu-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
-        "--task-events", *args.celery_args,
+        "worker",
+        "--pool",
+        "solo",
+        "--queues",
+        settings.batch_queue,
+        "--loglevel",
+        args.loglevel,
+        "--hostname",
+        f"carpool-gpu-{os.getpid()}@%h",
+        "--without-gossip",
+        "--without-mingle",
+        "--task-events",
+        *args.celery_args,
     ]
     app.worker_main(argv)
     return 0
@@ -60,9 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--external", action="store_true",
-                   help="only produce: send to the deployment at CARPOOL_BROKER_URL instead of starting one")
+    p.add_argument(
+        "--external",
+        action="store_true",
+        help="only produce: send to the deployment at CARPOOL_BROKER_URL instead of starting one",
+    )
     p.set_defaults(func=cmd_demo)
+    from carpool import status
+
+    status.add_parser(sub)
     return parser
 
 

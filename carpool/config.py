@@ -55,7 +55,10 @@ class Settings(BaseSettings):
         DEFAULT_BIN_EDGES, description="Upper token-length edges of the bins, comma separated."
     )
     auto_bins: int = Field(
-        0, ge=0, le=32, description="> 0: fit that many bins to recent lengths (CARPOOL_BIN_EDGES=auto sets 6)."
+        0,
+        ge=0,
+        le=32,
+        description="> 0: fit that many bins to recent lengths (CARPOOL_BIN_EDGES=auto sets 6).",
     )
     default_deadline_s: float = Field(60.0, gt=0, description="Deadline of a request without `expires`.")
     prefetch_batches: int = Field(
@@ -67,17 +70,22 @@ class Settings(BaseSettings):
         30.0, gt=0, le=60, description="Requests held by a dead process return to the queue after this."
     )
     truncate: bool = Field(
-        True, description="Cut texts past the model's window as sentence-transformers does; false rejects them."
+        True,
+        description="Cut texts past the model's window as sentence-transformers does; false rejects them.",
     )
     max_input_bytes: int = Field(65536, ge=1, description="Largest accepted text, UTF-8 bytes.")
     max_pending: int = Field(100_000, ge=1, description="Past this many waiting requests, reject new ones.")
     result_expires_s: int = Field(86400, ge=1, description="How long results stay in the backend.")
 
     # --- coordinator internals ---------------------------------------------------------------
-    take_max: int = Field(1000, ge=1, le=100_000, description="Most requests taken from Redis per round trip.")
+    take_max: int = Field(
+        1000, ge=1, le=100_000, description="Most requests taken from Redis per round trip."
+    )
     idle_poll_s: float = Field(0.002, gt=0, le=1, description="Sleep between empty polls of the queue.")
     events: bool = Field(True, description="Send per-request task events so Flower lists every request.")
-    metrics_port: int = Field(9808, ge=0, le=65535, description="Prometheus port of the coordinator; 0 = off.")
+    metrics_port: int = Field(
+        9808, ge=0, le=65535, description="Prometheus port of the coordinator; 0 = off."
+    )
 
     @field_validator("bin_edges", mode="before")
     @classmethod
@@ -134,7 +142,8 @@ class Settings(BaseSettings):
         for name in self.served_models:
             if not is_valid_name(name):
                 raise ValueError(
-                    f"CARPOOL_MODEL/CARPOOL_MODELS: {name!r} is not minilm, toy, null or package.module:ClassName"
+                    f"CARPOOL_MODEL/CARPOOL_MODELS: {name!r} is not minilm, toy, null "
+                    "or package.module:ClassName"
                 )
         if self.request_queue == self.batch_queue:
             raise ValueError("CARPOOL_REQUEST_QUEUE and CARPOOL_BATCH_QUEUE must differ")

@@ -8,6 +8,7 @@ model's own offline throughput on the same texts (length-sorted batches, in this
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from carpool.embedded import EmbeddedRedis
 
@@ -52,8 +53,13 @@ def percentile(values: Sequence[float], q: float) -> float:
 class Stack:
     """Embedded Redis (when no broker is configured), a coordinator and workers as processes."""
 
-    def __init__(self, workers: int = 1, env: dict[str, str] | None = None, log_dir: str | None = None,
-                 external: bool = False) -> None:
+    def __init__(
+        self,
+        workers: int = 1,
+        env: dict[str, str] | None = None,
+        log_dir: str | None = None,
+        external: bool = False,
+    ) -> None:
         self.workers = workers
         self.external = external
         self.extra_env = env or {}
@@ -80,16 +86,20 @@ class Stack:
         self._stack.close()
 
     def _spawn(self, role: str) -> subprocess.Popen[bytes]:
-        out = subprocess.DEVNULL
+        out: int | IO[bytes] = subprocess.DEVNULL
         if self.log_dir:
-            out = open(os.path.join(self.log_dir, f"{role}-{len(self.processes)}.log"), "wb")  # noqa: SIM115
-            self._stack.callback(out.close)
-        return subprocess.Popen([sys.executable, "-m", "carpool", role, "--loglevel", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT)
+            log = open(os.path.join(self.log_dir, f"{role}-{len(self.processes)}.log"), "wb")  # noqa: SIM115
+            self._stack.callback(log.close)
+            out = log
+        return subprocess.Popen(
+            [sys.executable, "-m", "carpool", role, "--loglevel", "warning"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        from carpool.celery_app import settings_of
         from carpool.celery_app import app as celery_app
+        from carpool.celery_app import settings_of
         from carpool.keys import Keys
         from carpool.store import RequestStore
 
@@ -135,10 +145,9 @@ def release_result_consumer(celery_app: Any = None) -> None:
 
     gc.collect()
     consumer = celery_app.backend.result_consumer
-    try:
+    # The connection may already be broken; we are letting go of it anyway.
+    with contextlib.suppress(Exception):
         consumer.stop()
-    except Exception:  # the connection may already be broken; we are letting go of it anyway
-        pass
     consumer._pubsub = None
     consumer.subscribed_to.clear()
 
@@ -151,7 +160,7 @@ def coordinator_stats() -> dict[str, float]:
 
     settings = settings_of(app)
     raw = redis.Redis.from_url(settings.broker_url).hgetall(Keys(settings.request_queue).stats)
-    return {k.decode(): float(v) for k, v in raw.items()}
+    return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in raw.items()}
 
 
 def send_burst(texts: Sequence[str], progress: object | None = None) -> RunStats:
@@ -176,8 +185,15 @@ def send_burst(texts: Sequence[str], progress: object | None = None) -> RunStats
     diff = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     sizes = Counter({int(k.split(":", 1)[1]): int(v) for k, v in diff.items() if k.startswith("size:") and v})
     flush = Counter({k.split(":", 1)[1]: int(v) for k, v in diff.items() if k.startswith("flush:") and v})
-    return RunStats(len(texts), last_done - t0, latencies, sizes, int(diff.get("padded_tokens", 0)),
-                    int(diff.get("real_tokens", 0)), flush)
+    return RunStats(
+        len(texts),
+        last_done - t0,
+        latencies,
+        sizes,
+        int(diff.get("padded_tokens", 0)),
+        int(diff.get("real_tokens", 0)),
+        flush,
+    )
 
 
 def offline_throughput(model_name: str, texts: Sequence[str], max_batch: int) -> float:
@@ -195,9 +211,9 @@ def offline_throughput(model_name: str, texts: Sequence[str], max_batch: int) ->
 
 def redact(url: str) -> str:
     """``url`` with any password replaced, for printing."""
-    from kombu.utils.url import maskurl
+    from kombu.utils.url import maybe_sanitize_url
 
-    return str(maskurl(url))
+    return str(maybe_sanitize_url(url))
 
 
 def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: bool = False) -> int:
@@ -223,8 +239,13 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
             from carpool.tasks import infer
 
             infer.delay("warm up").get(timeout=120)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console) as bar:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as bar:
             task = bar.add_task(f"{requests} texts through infer.delay()", total=requests)
 
             class _Advance:

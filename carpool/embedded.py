@@ -12,7 +12,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
 import redis
 
@@ -46,7 +45,9 @@ def free_port() -> int:
 class EmbeddedRedis:
     """``with EmbeddedRedis() as r: r.url(0)``; stops the server and removes its files on exit."""
 
-    def __init__(self, port: int | None = None, appendonly: bool = False, directory: str | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, appendonly: bool = False, directory: str | None = None
+    ) -> None:
         self.port = port or free_port()
         self.appendonly = appendonly
         self._own_dir = directory is None
@@ -58,9 +59,23 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [
-            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.directory,
-            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no",
-            "--daemonize", "no", "--loglevel", "warning",
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.directory,
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
@@ -99,5 +114,5 @@ class EmbeddedRedis:
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
-    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.cleanup()

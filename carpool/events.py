@@ -50,8 +50,18 @@ class TaskEvents:
             log.debug("could not buffer event %s: %s", type_, exc)
 
     def received(self, task_id: str, argsrepr: str, kwargsrepr: str = "{}") -> None:
-        self._send("task-received", uuid=task_id, name=TASK_NAME, args=argsrepr, kwargs=kwargsrepr,
-                   retries=0, eta=None, expires=None, root_id=task_id, parent_id=None)
+        self._send(
+            "task-received",
+            uuid=task_id,
+            name=TASK_NAME,
+            args=argsrepr,
+            kwargs=kwargsrepr,
+            retries=0,
+            eta=None,
+            expires=None,
+            root_id=task_id,
+            parent_id=None,
+        )
 
     def started(self, task_ids: Iterable[str]) -> None:
         for task_id in task_ids:
@@ -61,8 +71,13 @@ class TaskEvents:
         self._send("task-succeeded", uuid=task_id, result=saferepr(result, REPR_LIMIT), runtime=runtime_s)
 
     def failed(self, task_id: str, exc: BaseException, runtime_s: float | None = None) -> None:
-        self._send("task-failed", uuid=task_id, exception=saferepr(exc, REPR_LIMIT), traceback=None,
-                   runtime=runtime_s)
+        self._send(
+            "task-failed",
+            uuid=task_id,
+            exception=saferepr(exc, REPR_LIMIT),
+            traceback=None,
+            runtime=runtime_s,
+        )
 
     def flush(self) -> None:
         if not self._pending or self._dispatcher is None:

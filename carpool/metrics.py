@@ -22,22 +22,46 @@ class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.batch_size = Histogram("carpool_batch_size", "Requests per dispatched batch.",
-                                    ["model", "bin"], buckets=SIZE_BUCKETS, registry=r)
-        self.padded_tokens = Counter("carpool_padded_tokens", "Padded tokens dispatched (rows x width).",
-                                     ["model"], registry=r)
-        self.real_tokens = Counter("carpool_real_tokens", "Real (unpadded) tokens dispatched.", ["model"],
-                                   registry=r)
+        self.batch_size = Histogram(
+            "carpool_batch_size",
+            "Requests per dispatched batch.",
+            ["model", "bin"],
+            buckets=SIZE_BUCKETS,
+            registry=r,
+        )
+        self.padded_tokens = Counter(
+            "carpool_padded_tokens", "Padded tokens dispatched (rows x width).", ["model"], registry=r
+        )
+        self.real_tokens = Counter(
+            "carpool_real_tokens", "Real (unpadded) tokens dispatched.", ["model"], registry=r
+        )
         self.requests = Counter("carpool_requests", "Requests taken from the request queue.", registry=r)
-        self.queue_depth = Gauge("carpool_queue_depth", "Requests waiting in the coordinator, per bin.",
-                                 ["model", "bin"], registry=r)
-        self.wait_seconds = Histogram("carpool_wait_seconds", "Time from send to dispatch, per request.",
-                                      ["model"], buckets=TIME_BUCKETS, registry=r)
-        self.batch_run_seconds = Histogram("carpool_batch_run_seconds", "Model time per batch (workers).",
-                                           ["model", "device"], buckets=TIME_BUCKETS, registry=r)
-        self.flushes = Counter("carpool_flushes", "Batches dispatched, by why they left.", ["reason"],
-                               registry=r)
-        self.failures = Counter("carpool_failures", "Requests that failed, by reason.", ["reason"], registry=r)
+        self.queue_depth = Gauge(
+            "carpool_queue_depth",
+            "Requests waiting in the coordinator, per bin.",
+            ["model", "bin"],
+            registry=r,
+        )
+        self.wait_seconds = Histogram(
+            "carpool_wait_seconds",
+            "Time from send to dispatch, per request.",
+            ["model"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.batch_run_seconds = Histogram(
+            "carpool_batch_run_seconds",
+            "Model time per batch (workers).",
+            ["model", "device"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.flushes = Counter(
+            "carpool_flushes", "Batches dispatched, by why they left.", ["reason"], registry=r
+        )
+        self.failures = Counter(
+            "carpool_failures", "Requests that failed, by reason.", ["reason"], registry=r
+        )
         self.workers = Gauge("carpool_workers", "Workers with a live heartbeat.", registry=r)
         self._depth_keys: set[tuple[str, str]] = set()
 
@@ -52,8 +76,9 @@ class CoordinatorMetrics:
             return
         log.info("metrics on :%d/metrics", port)
 
-    def batch_dispatched(self, model: str, bin_label: str, size: int, padded: int, real: int,
-                         reason: str, waits_s: list[float]) -> None:
+    def batch_dispatched(
+        self, model: str, bin_label: str, size: int, padded: int, real: int, reason: str, waits_s: list[float]
+    ) -> None:
         self.batch_size.labels(model, bin_label).observe(size)
         self.padded_tokens.labels(model).inc(padded)
         self.real_tokens.labels(model).inc(real)

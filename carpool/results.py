@@ -36,16 +36,18 @@ return stored
 """
 
 
-class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]
+class PromptResultConsumer(ResultConsumer):
     """Returns from ``.get()`` without touching pub/sub when the result is already known."""
 
-    def drain_events_until(self, p: Any, timeout: float | None = None, on_interval: Any = None) -> Iterator[None]:
+    def drain_events_until(
+        self, p: Any, timeout: float | None = None, on_interval: Any = None
+    ) -> Iterator[None]:
         if p.ready:
             return iter(())
-        return super().drain_events_until(p, timeout=timeout, on_interval=on_interval)  # type: ignore[no-any-return]
+        return super().drain_events_until(p, timeout=timeout, on_interval=on_interval)
 
 
-class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]
+class CarpoolRedisBackend(RedisBackend):
     """Redis result backend used by the carpool Celery app (see module docstring)."""
 
     ResultConsumer = PromptResultConsumer

@@ -348,14 +348,21 @@ def simulate(
     learner = policy_latency if policy_latency is not None else copy.deepcopy(latency)
     policy = BatchPolicy(policy_config, learner)
     rng = random.Random(f"noise:{seed}")
-    result = SimResult(policy=policy_config.kind, requests=len(ordered), offered_rate=offered_rate(ordered),
-                       workers=workers)
+    result = SimResult(
+        policy=policy_config.kind, requests=len(ordered), offered_rate=offered_rate(ordered), workers=workers
+    )
     if not ordered:
         return result
     result.first_arrival_s = ordered[0].arrival_s
     requests = [
-        Request(id=f"r{i}", model=model, length=a.length, arrival_s=a.arrival_s, priority=a.priority,
-                deadline_s=a.arrival_s + (a.deadline_s if a.deadline_s is not None else default_deadline_s))
+        Request(
+            id=f"r{i}",
+            model=model,
+            length=a.length,
+            arrival_s=a.arrival_s,
+            priority=a.priority,
+            deadline_s=a.arrival_s + (a.deadline_s if a.deadline_s is not None else default_deadline_s),
+        )
         for i, a in enumerate(ordered)
     ]
     worker_free = [ordered[0].arrival_s] * workers  # min-heap of the times each worker frees up
@@ -369,11 +376,15 @@ def simulate(
     # Each pass handles one event time; arrivals, reports and dispatches bound the count, so a
     # runaway loop means a bug in the policy's wake times, not a long simulation.
     for _ in range(20 * len(requests) + 100):
-        times = [t for t in (
-            requests[next_arrival].arrival_s if next_arrival < len(requests) else None,
-            done[0].end_s if done else None,
-            wake,
-        ) if t is not None]
+        times = [
+            t
+            for t in (
+                requests[next_arrival].arrival_s if next_arrival < len(requests) else None,
+                done[0].end_s if done else None,
+                wake,
+            )
+            if t is not None
+        ]
         if not times:
             break
         now = max(now, min(times))
@@ -399,8 +410,22 @@ def simulate(
         for batch in plan.batches:
             seq += 1
             outstanding[seq] = learner.predict(model, batch.padded_tokens)
-            heapq.heappush(done, _run(batch, now, seq, worker_free, latency, model, batch_overhead_s, noise,
-                                      rng, policy_config.pad_multiple, result))
+            heapq.heappush(
+                done,
+                _run(
+                    batch,
+                    now,
+                    seq,
+                    worker_free,
+                    latency,
+                    model,
+                    batch_overhead_s,
+                    noise,
+                    rng,
+                    policy_config.pad_multiple,
+                    result,
+                ),
+            )
     else:
         raise RuntimeError("simulation did not converge: the policy kept asking to be woken without progress")
     if len(policy):
@@ -451,16 +476,27 @@ def _run(
     result.padded_tokens += batch.padded_tokens
     result.real_tokens += batch.real_tokens
     result.flush[batch.flush_reason.value] += 1
-    result.batches.append(BatchRecord(
-        dispatched_s=now, start_s=start, end_s=end, flush=batch.flush_reason.value,
-        request_ids=tuple(r.id for r in batch.requests), ran_ids=tuple(r.id for r in ran),
-        padded_tokens=batch.padded_tokens, real_tokens=batch.real_tokens,
-    ))
+    result.batches.append(
+        BatchRecord(
+            dispatched_s=now,
+            start_s=start,
+            end_s=end,
+            flush=batch.flush_reason.value,
+            request_ids=tuple(r.id for r in batch.requests),
+            ran_ids=tuple(r.id for r in ran),
+            padded_tokens=batch.padded_tokens,
+            real_tokens=batch.real_tokens,
+        )
+    )
     return _Done(end, seq, padded_ran, run_s)
 
 
 def capacity_bound(
-    latency: LatencyModel, lengths: Sequence[int], config: PolicyConfig, workers: int = 1, model: str = "sim",
+    latency: LatencyModel,
+    lengths: Sequence[int],
+    config: PolicyConfig,
+    workers: int = 1,
+    model: str = "sim",
     batch_overhead_s: float = 0.0,
 ) -> float:
     """Requests per second no policy can beat on these lengths: the fewest batches (all full) and no
@@ -486,8 +522,9 @@ def compare(
     **kwargs: Any,
 ) -> dict[str, SimResult]:
     """``simulate`` once per policy kind on the same arrivals (other settings unchanged)."""
-    return {kind: simulate(replace(policy_config, kind=kind), latency, arrivals, **kwargs)
-            for kind in policies}
+    return {
+        kind: simulate(replace(policy_config, kind=kind), latency, arrivals, **kwargs) for kind in policies
+    }
 
 
 # --- calibration ------------------------------------------------------------------------------------
@@ -563,9 +600,10 @@ class Sweep:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``carpool simulate`` on the top-level CLI's subparsers."""
     p = subparsers.add_parser(
-        "simulate", help="replay arrivals through each batching policy on a simulated clock, no accelerator",
+        "simulate",
+        help="replay arrivals through each batching policy on a simulated clock, no accelerator",
         description="Discrete-event simulation of the coordinator's batching policies. Policy knobs default "
-                    "to the CARPOOL_* settings. See docs/SIMULATOR.md.",
+        "to the CARPOOL_* settings. See docs/SIMULATOR.md.",
     )
     _add_arguments(p)
     p.set_defaults(func=run_cli)
@@ -573,38 +611,68 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     arr = p.add_argument_group("arrivals")
-    arr.add_argument("--trace", metavar="FILE",
-                     help="recorded arrivals: JSON lines or CSV of arrival_s,length[,priority,deadline_s] "
-                          "(deadline_s = seconds after arrival); replaces --lengths and --requests")
-    arr.add_argument("--rates", metavar="R,R,...", type=_floats,
-                     help="offered requests/s (Poisson; a trace is time-scaled to each rate); default: "
-                          f"{', '.join(f'{f:g}' for f in DEFAULT_LOAD_FRACTIONS)} x the capacity bound, "
-                          "or the trace as recorded")
+    arr.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="recorded arrivals: JSON lines or CSV of arrival_s,length[,priority,deadline_s] "
+        "(deadline_s = seconds after arrival); replaces --lengths and --requests",
+    )
+    arr.add_argument(
+        "--rates",
+        metavar="R,R,...",
+        type=_floats,
+        help="offered requests/s (Poisson; a trace is time-scaled to each rate); default: "
+        f"{', '.join(f'{f:g}' for f in DEFAULT_LOAD_FRACTIONS)} x the capacity bound, "
+        "or the trace as recorded",
+    )
     arr.add_argument("--requests", type=int, default=2000, help="requests per run (default 2000)")
-    arr.add_argument("--lengths", default="workload",
-                     help="'workload' (carpool.workload.mixed_texts tokenized by --model) or uniform:LO-HI")
+    arr.add_argument(
+        "--lengths",
+        default="workload",
+        help="'workload' (carpool.workload.mixed_texts tokenized by --model) or uniform:LO-HI",
+    )
     arr.add_argument("--model", default="minilm", help="tokenizer for --lengths workload (default minilm)")
-    arr.add_argument("--deadline-s", type=float,
-                     help="deadline, seconds after arrival (default CARPOOL_DEFAULT_DEADLINE_S)")
+    arr.add_argument(
+        "--deadline-s",
+        type=float,
+        help="deadline, seconds after arrival (default CARPOOL_DEFAULT_DEADLINE_S)",
+    )
     arr.add_argument("--seed", type=int, default=0)
     lat = p.add_argument_group("latency model").add_mutually_exclusive_group()
-    lat.add_argument("--latency", metavar="A,B", type=_floats,
-                     help="batch seconds = A + B * padded tokens (default: the coordinator's prior)")
-    lat.add_argument("--calibrate", metavar="MODEL",
-                     help="fit A,B by timing MODEL's forward here, in-process (minilm, toy, ...)")
-    p.add_argument("--overhead-s", type=float, default=0.0,
-                   help="pipeline seconds per batch on top of the model (hand-off, result writes)")
+    lat.add_argument(
+        "--latency",
+        metavar="A,B",
+        type=_floats,
+        help="batch seconds = A + B * padded tokens (default: the coordinator's prior)",
+    )
+    lat.add_argument(
+        "--calibrate",
+        metavar="MODEL",
+        help="fit A,B by timing MODEL's forward here, in-process (minilm, toy, ...)",
+    )
+    p.add_argument(
+        "--overhead-s",
+        type=float,
+        default=0.0,
+        help="pipeline seconds per batch on top of the model (hand-off, result writes)",
+    )
     p.add_argument("--noise", type=float, default=0.0, help="log-sd of multiplicative run-time noise")
     pol = p.add_argument_group("pool and policy (default: CARPOOL_* settings)")
-    pol.add_argument("--policies", type=_policies, default=POLICIES, metavar="P,P,...",
-                     help="of fifo, shortest, binned (default all three)")
+    pol.add_argument(
+        "--policies",
+        type=_policies,
+        default=POLICIES,
+        metavar="P,P,...",
+        help="of fifo, shortest, binned (default all three)",
+    )
     pol.add_argument("--workers", type=int, default=1)
     pol.add_argument("--prefetch-batches", type=int)
     pol.add_argument("--max-batch", type=int)
     pol.add_argument("--max-tokens", type=int)
     pol.add_argument("--max-wait-s", type=float)
     pol.add_argument("--wait-factor", type=float)
-    pol.add_argument("--bin-edges", metavar="E,E,...")
+    pol.add_argument("--bin-edges", metavar="E,E,...", help="upper bin edges, or auto (as CARPOOL_BIN_EDGES)")
+    pol.add_argument("--auto-bins", type=int, help="> 0: fit that many bins to recent lengths")
     p.add_argument("--out", default="simulate.png", help="PNG plot path (default simulate.png)")
 
 
@@ -652,7 +720,7 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
     from carpool.config import load_settings
     from carpool.coordinator.service import policy_config
 
-    knobs = ("max_batch", "max_tokens", "max_wait_s", "wait_factor", "prefetch_batches")
+    knobs = ("max_batch", "max_tokens", "max_wait_s", "wait_factor", "prefetch_batches", "auto_bins")
     overrides: dict[str, object] = {k: getattr(args, k) for k in knobs if getattr(args, k) is not None}
     if args.bin_edges is not None:
         overrides["bin_edges"] = args.bin_edges
@@ -683,7 +751,8 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
         lengths = _lengths(args.lengths, args.requests, args.seed, args.model)
         base = []
         what = f"{len(lengths)} requests, lengths {args.lengths}" + (
-            f" ({args.model} tokens)" if args.lengths == "workload" else "")
+            f" ({args.model} tokens)" if args.lengths == "workload" else ""
+        )
     bound = capacity_bound(latency, lengths, config, args.workers, batch_overhead_s=args.overhead_s)
     if args.rates:
         rates = list(args.rates)
@@ -701,16 +770,32 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
             arrivals = [x if x.deadline_s is not None else replace(x, deadline_s=deadline) for x in arrivals]
         else:
             arrivals = poisson_arrivals(lengths, rate, args.seed, deadline)
-        results.append(compare(
-            config, latency, arrivals, args.policies, workers=args.workers,
-            prefetch_batches=settings.prefetch_batches, default_deadline_s=deadline,
-            batch_overhead_s=args.overhead_s, noise=args.noise, seed=args.seed,
-        ))
+        results.append(
+            compare(
+                config,
+                latency,
+                arrivals,
+                args.policies,
+                workers=args.workers,
+                prefetch_batches=settings.prefetch_batches,
+                default_deadline_s=deadline,
+                batch_overhead_s=args.overhead_s,
+                noise=args.noise,
+                seed=args.seed,
+            )
+        )
         offered.append(offered_rate(arrivals))
-    description = (f"{what}; {args.workers} worker(s), t = {a * 1000:.3g} ms + {b * 1e6:.3g} us/token"
-                   + (f" + {args.overhead_s * 1000:.3g} ms/batch" if args.overhead_s else "")
-                   + f"; max_batch {config.max_batch}, bins {','.join(map(str, config.bin_edges)) or '-'}")
+    description = (
+        f"{what}; {args.workers} worker(s), t = {a * 1000:.3g} ms + {b * 1e6:.3g} us/token"
+        + (f" + {args.overhead_s * 1000:.3g} ms/batch" if args.overhead_s else "")
+        + f"; max_batch {config.max_batch}, bins {_bins(config)}"
+    )
     return Sweep(offered, results, bound, (a, b), args.workers, description)
+
+
+def _bins(config: PolicyConfig) -> str:
+    edges = ",".join(map(str, config.bin_edges)) or "-"
+    return f"{config.auto_bins} fitted to traffic (seeded {edges})" if config.auto_bins else edges
 
 
 def _lengths(spec: str, n: int, seed: int, model: str) -> list[int]:
@@ -729,20 +814,37 @@ def _lengths(spec: str, n: int, seed: int, model: str) -> list[int]:
 def results_table(sweep: Sweep) -> Table:
     from rich.table import Table
 
-    table = Table(title=f"carpool simulate: {sweep.description}\n"
-                        f"capacity bound {sweep.bound:.1f} req/s (full batches, no padding)")
-    for name, justify in (("offered/s", "right"), ("policy", "left"), ("throughput/s", "right"),
-                          ("p50 ms", "right"), ("p99 ms", "right"), ("padding", "right"),
-                          ("mean batch", "right"), ("batches", "right"), ("misses", "right"),
-                          ("util", "right")):
+    table = Table(
+        title=f"carpool simulate: {sweep.description}\n"
+        f"capacity bound {sweep.bound:.1f} req/s (full batches, no padding)"
+    )
+    for name, justify in (
+        ("offered/s", "right"),
+        ("policy", "left"),
+        ("throughput/s", "right"),
+        ("p50 ms", "right"),
+        ("p99 ms", "right"),
+        ("padding", "right"),
+        ("mean batch", "right"),
+        ("batches", "right"),
+        ("misses", "right"),
+        ("util", "right"),
+    ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for i, (rate, by_policy) in enumerate(zip(sweep.rates, sweep.results, strict=True)):
         if i:
             table.add_section()
         for kind, r in by_policy.items():
             table.add_row(
-                f"{rate:.1f}", kind, f"{r.throughput:.1f}", f"{r.p50_s * 1000:.0f}", f"{r.p99_s * 1000:.0f}",
-                f"{r.padding_ratio:.2f}", f"{r.mean_batch_size:.1f}", str(len(r.batches)), str(r.missed),
+                f"{rate:.1f}",
+                kind,
+                f"{r.throughput:.1f}",
+                f"{r.p50_s * 1000:.0f}",
+                f"{r.p99_s * 1000:.0f}",
+                f"{r.padding_ratio:.2f}",
+                f"{r.mean_batch_size:.1f}",
+                str(len(r.batches)),
+                str(r.missed),
                 f"{r.utilisation:.0%}",
             )
     return table
@@ -790,8 +892,9 @@ def plot(sweep: Sweep, out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m carpool.simulate ...``: the same command without the top-level CLI."""
-    parser = argparse.ArgumentParser(prog="carpool simulate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="carpool simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     _add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

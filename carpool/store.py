@@ -186,15 +186,22 @@ class RequestStore:
         """Record ``batch_id`` as the owner of ``ids`` and renew their leases."""
         if not ids:
             return 0
-        return int(self._assign(keys=[self.keys.inflight_lease, self.keys.inflight_owner],
-                                args=[self.lease_ms, batch_id, *ids]))
+        return int(
+            self._assign(
+                keys=[self.keys.inflight_lease, self.keys.inflight_owner],
+                args=[self.lease_ms, batch_id, *ids],
+            )
+        )
 
     def renew_held(self, ids: Sequence[str]) -> int:
         """Renew leases of requests the coordinator holds or dispatched and no worker claimed yet."""
         if not ids:
             return 0
-        return int(self._assign(keys=[self.keys.inflight_lease, self.keys.inflight_owner],
-                                args=[self.lease_ms, "", *ids]))
+        return int(
+            self._assign(
+                keys=[self.keys.inflight_lease, self.keys.inflight_owner], args=[self.lease_ms, "", *ids]
+            )
+        )
 
     def requeue(self, ids: Sequence[str]) -> int:
         """Hand ``ids`` back to the front of the request queue now (shutdown)."""
@@ -207,8 +214,12 @@ class RequestStore:
         return int(self._requeue(keys=self._requeue_keys(), args=[limit]))
 
     def _requeue_keys(self) -> list[str]:
-        return [self.keys.inflight_lease, self.keys.inflight_raw, self.keys.inflight_owner,
-                self.keys.request_queue]
+        return [
+            self.keys.inflight_lease,
+            self.keys.inflight_raw,
+            self.keys.inflight_owner,
+            self.keys.request_queue,
+        ]
 
     def dead_letter(self, request_id: str, raw: bytes, reason: str) -> None:
         """Move a message that is not a carpool request out of flight into the dead-letter list."""
@@ -224,8 +235,9 @@ class RequestStore:
         """Which of ``ids`` this batch still owns; marks them claimed so only the worker renews them."""
         if not ids:
             return []
-        flags = self._claim(keys=[self.keys.inflight_lease, self.keys.inflight_owner],
-                            args=[batch_id, self.lease_ms, *ids])
+        flags = self._claim(
+            keys=[self.keys.inflight_lease, self.keys.inflight_owner], args=[batch_id, self.lease_ms, *ids]
+        )
         return [bool(int(f)) for f in flags]
 
     def renew_running(self, ids: Sequence[str]) -> None:
@@ -260,7 +272,7 @@ class RequestStore:
 
     def pop_reports(self, coordinator: str, count: int = 1000) -> list[dict[str, Any]]:
         raw = self.client.rpop(self.keys.reports_for(coordinator), count)
-        return [json.loads(r) for r in raw or ()]
+        return [json.loads(r) for r in raw or () if isinstance(r, bytes | str)]
 
     # --- introspection --------------------------------------------------------------------
     def queued(self) -> int:

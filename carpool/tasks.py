@@ -19,7 +19,7 @@ from carpool.validation import bind_infer_args, validate_infer
 SENT_AT_HEADER = "carpool_sent_at"
 
 
-class InferTask(Task):  # type: ignore[misc]
+class InferTask(Task):
     """``carpool.infer`` with validation at the producer."""
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:

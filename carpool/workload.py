@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import random
 
-WORDS = (
+# A word list reads better as prose than as 300 quoted strings.
+WORDS = (  # noqa: SIM905
     "the of and to in is was for that on with as by at from his her they this which be or are an "
     "had not but have one all were when there can more their if would about out up what so into time "
     "only some could them other new people than first water been called who oil its now find long "
@@ -35,8 +36,10 @@ def mixed_texts(n: int, seed: int = 0) -> list[str]:
     texts = []
     for _ in range(n):
         pick = rng.random()
-        for share, low, high in LENGTH_MIX:
+        low, high = LENGTH_MIX[-1][1:]
+        for share, lo, hi in LENGTH_MIX:
             if pick < share:
+                low, high = lo, hi
                 break
             pick -= share
         count = rng.randint(low, high)

@@ -76,8 +76,10 @@ class AutoBins(LengthBins):
     def refit(self) -> None:
         ordered = sorted(self._recent)
         n = len(ordered)
-        edges = {padded_length(ordered[min(n - 1, (n * k) // self.count)], self.multiple)
-                 for k in range(1, self.count)}
+        edges = {
+            padded_length(ordered[min(n - 1, (n * k) // self.count)], self.multiple)
+            for k in range(1, self.count)
+        }
         top = padded_length(ordered[-1], self.multiple)
         self.edges = tuple(sorted(e for e in edges if e < top))
         self._since_fit = 0

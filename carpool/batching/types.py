@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class FlushReason(str, Enum):
+class FlushReason(StrEnum):
     """Why a batch left the coordinator; reported per batch in metrics and Flower."""
 
     FULL = "full"  # max_batch requests, or adding one more would pass max_tokens

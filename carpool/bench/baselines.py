@@ -2,7 +2,7 @@
 
     celery -A carpool.bench.baselines worker -Q carpool.requests --pool solo          # plain Celery
     celery -A carpool.bench.baselines worker -Q carpool.bench.batched --pool solo \\
-        --prefetch-multiplier 0                                                    # celery-batches
+        --prefetch-multiplier 10000                                                # celery-batches
 
 It is carpool's own Celery app (same broker, backend, serializer, settings from ``CARPOOL_*``) with:
 
@@ -13,6 +13,11 @@ It is carpool's own Celery app (same broker, backend, serializer, settings from 
   the buffered texts and runs them as one batch in arrival order (FIFO), padded to the longest (rounded
   up to 8, as carpool pads), then stores every request's result under its own id with carpool's
   ``store_many`` (one script call per batch, so the baseline does not lose on result writes).
+
+celery-batches needs a prefetch limit above ``flush_every`` or the worker never holds a full batch;
+its docs say multiplier 0 (unlimited), but ``celery worker --prefetch-multiplier 0`` reads 0 as "not
+given" and falls back to the app's 1 (a prefetch of 2: every flush held 2 requests), so the bench passes
+10000, which is unlimited in practice.
 
 Both baselines run with per-task events off: that only makes them faster, so carpool is compared
 with the strongest version of each.

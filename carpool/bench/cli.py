@@ -109,6 +109,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--sweep-rate", default="0.7x", help="offered rate of the sweep's rate runs (default 0.7x)"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the carpool and Celery processes under cProfile: OUT/profiles/<process>.prof and .txt",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for one run's results (s)")
     return parser
 
@@ -211,7 +216,11 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     }
     runs: list[dict[str, Any]] = report["runs"]
     extra_models = ("null",) if pipeline_n else ()
-    with BenchEnv(out, args.model, args.max_batch, args.max_wait, args.workers, extra_models) as env:
+    profile = bool(getattr(args, "profile", False))
+    env_ = BenchEnv(
+        out, args.model, args.max_batch, args.max_wait, args.workers, extra_models, profile=profile
+    )
+    with env_ as env:
         report["config"]["deadline_s"] = env.settings.default_deadline_s
         started = time.monotonic()
         off = offline(args.model, texts, args.max_batch)
@@ -235,6 +244,9 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             if pipeline_n:
                 report["pipeline"] = _pipeline(env, args, pipeline_n, systems, report)
         report["config"]["elapsed_s"] = round(time.monotonic() - started, 1)
+        env.stop_all()
+        if profile:
+            report["config"]["profiles"] = sorted(env.summarize_profiles())
     report["targets"] = evaluate_targets(report)
     try:
         report["plots"] = write_plots(report, out)

@@ -52,8 +52,11 @@ class BenchEnv:
         max_wait_s: float,
         workers: int = 1,
         extra_models: Sequence[str] = (),
+        profile: bool = False,
     ) -> None:
         self.out_dir = out_dir
+        self.profile_dir = out_dir / "profiles" if profile else None
+        self._profiles: dict[str, Path] = {}
         self.log_dir = out_dir / "logs"
         self.model = model
         self.max_batch = max_batch
@@ -121,12 +124,37 @@ class BenchEnv:
         env.update(overrides)
         return env
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, module_argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Start ``python -m <module_argv>`` (under cProfile with ``--profile``); logs in logs/<name>.log."""
+        argv = [sys.executable, "-m", *module_argv]
+        if self.profile_dir is not None:
+            self.profile_dir.mkdir(parents=True, exist_ok=True)
+            n = sum(1 for k in self._profiles if k.startswith(name + "-"))
+            path = self.profile_dir / f"{name}-{n}.prof"
+            self._profiles[f"{name}-{n}"] = path
+            argv = [sys.executable, "-m", "cProfile", "-o", str(path), "-m", *module_argv]
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115
         self._logs.append(log)
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs[name] = proc
         return proc
+
+    def summarize_profiles(self) -> list[str]:
+        """A text summary (top functions by cumulative and own time) next to each .prof file written."""
+        import io
+        import pstats
+
+        written = []
+        for key, path in self._profiles.items():
+            if not path.exists() or path.with_suffix(".txt").exists():
+                continue
+            buf = io.StringIO()
+            stats = pstats.Stats(str(path), stream=buf)
+            stats.strip_dirs().sort_stats("cumulative").print_stats(45)
+            stats.sort_stats("tottime").print_stats(30)
+            path.with_suffix(".txt").write_text(buf.getvalue())
+            written.append(key)
+        return written
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
@@ -255,10 +283,20 @@ class CelerySystem:
         before: dict[str, float],
         offered: float | None = None,
         settle_s: float = 0.6,
+        commands_before: dict[str, int] | None = None,
     ) -> RunRecord:
         latencies, failed, last = self._collect(results, arrivals)
         time.sleep(settle_s)  # counters reach Redis a moment after the last result
         sizes, padded, real = self.batches_since(before, lengths)
+        extra: dict[str, Any] = {}
+        if commands_before is not None:
+            after = self._commandstats()
+            calls = {
+                k: v - commands_before.get(k, 0) for k, v in after.items() if v - commands_before.get(k, 0)
+            }
+            calls.pop("info", None)
+            extra["redis_commands"] = dict(sorted(calls.items(), key=lambda kv: -kv[1]))
+            extra["redis_commands_per_request"] = sum(calls.values()) / max(1, len(results))
         return make_record(
             self.name,
             mode,
@@ -269,17 +307,27 @@ class CelerySystem:
             sizes=sizes,
             padded_tokens=padded,
             real_tokens=real,
+            **extra,
         )
+
+    def _commandstats(self) -> dict[str, int]:
+        """Calls per Redis command so far (all clients: the system's processes and this producer)."""
+        stats = self.env.redis_client(0).info("commandstats")
+        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
 
     def burst(self, texts: Sequence[str], lengths: Sequence[int]) -> RunRecord:
         before = self.snapshot()
+        commands = self._commandstats()
         start = time.time()
         results = self.send(texts, start)
-        return self._record("burst", results, [start] * len(results), lengths, before)
+        return self._record(
+            "burst", results, [start] * len(results), lengths, before, commands_before=commands
+        )
 
     def rate(self, texts: Sequence[str], lengths: Sequence[int], rate_rps: float, seed: int) -> RunRecord:
         offsets = poisson_arrivals(len(texts), rate_rps, seed)
         before = self.snapshot()
+        commands = self._commandstats()
         start_wall = time.time()
         start = time.perf_counter()
         results: list[AsyncResult] = []
@@ -296,7 +344,9 @@ class CelerySystem:
             results.extend(self.send(texts[i:j], start_wall + offsets[i]))
             arrivals.extend(start_wall + o for o in offsets[i:j])
             i = j
-        record = self._record("rate", results, arrivals, lengths, before, offered=rate_rps)
+        record = self._record(
+            "rate", results, arrivals, lengths, before, offered=rate_rps, commands_before=commands
+        )
         record.extra["achieved_send_rps"] = n / max(1e-9, arrivals[-1] - arrivals[0]) if n > 1 else None
         return record
 
@@ -337,7 +387,7 @@ class CarpoolSystem(CelerySystem):
         for i in range(self.env.workers):
             self.env.spawn(
                 f"carpool-worker{i}",
-                [sys.executable, "-m", "carpool", "worker", "--loglevel", "warning"],
+                ["carpool", "worker", "--loglevel", "warning"],
                 env,
             )
         self.wait_workers()
@@ -347,7 +397,7 @@ class CarpoolSystem(CelerySystem):
         env = self.env.child_env(**{**self.extra_env, **overrides})
         self.env.spawn(
             "carpool-coordinator",
-            [sys.executable, "-m", "carpool", "coordinator", "--loglevel", "warning"],
+            ["carpool", "coordinator", "--loglevel", "warning"],
             env,
         )
 
@@ -400,8 +450,6 @@ class PlainCelerySystem(CelerySystem):
         self.env.spawn(
             "celery-plain",
             [
-                sys.executable,
-                "-m",
                 "celery",
                 "-A",
                 "carpool.bench.baselines",
@@ -446,8 +494,6 @@ class CeleryBatchesSystem(CelerySystem):
         self.env.spawn(
             "celery-batches",
             [
-                sys.executable,
-                "-m",
                 "celery",
                 "-A",
                 "carpool.bench.baselines",
@@ -457,7 +503,7 @@ class CeleryBatchesSystem(CelerySystem):
                 "--pool",
                 "solo",
                 "--prefetch-multiplier",
-                "0",
+                "10000",
                 "--without-gossip",
                 "--without-mingle",
                 "--without-heartbeat",

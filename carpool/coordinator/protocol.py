@@ -10,7 +10,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kombu.exceptions import ContentDisallowed, DecodeError
@@ -55,6 +55,8 @@ def decode(raw: bytes) -> Incoming:
     body = envelope.get("body")
     try:
         if props.get("body_encoding") == "base64":
+            if not isinstance(body, str | bytes):
+                raise MalformedMessage("message body is missing")
             body = base64.b64decode(body, validate=True)
         decoded = loads(
             body,
@@ -105,5 +107,5 @@ def _when(value: Any) -> float | None:
     except ValueError:
         return None
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()

@@ -112,8 +112,11 @@ class Coordinator:
         self.metrics.serve(self.settings.metrics_port)
         log.info(
             "coordinator serving %s on %s (policy=%s max_batch=%d max_tokens=%d)",
-            ",".join(self.settings.served_models), self.settings.request_queue,
-            self.settings.policy, self.settings.max_batch, self.settings.max_tokens,
+            ",".join(self.settings.served_models),
+            self.settings.request_queue,
+            self.settings.policy,
+            self.settings.max_batch,
+            self.settings.max_tokens,
         )
         backoff = 0.1
         while not self.stopping.is_set():
@@ -169,6 +172,8 @@ class Coordinator:
         taken = self.store.take(self.settings.take_max)
         if taken:
             self._admit(taken, self.clock())
+            # Received must reach Flower before a fast worker's started/succeeded for the same task.
+            self.events.flush()
         now = self.clock()
         self._dispatch(now)
         self.events.flush()
@@ -205,9 +210,16 @@ class Coordinator:
                 fail_reasons.append("invalid")
                 continue
             if room <= 0:
-                failures.append((msg.id, FAILURE, QueueFull(
-                    f"{self.settings.max_pending} requests already wait (CARPOOL_MAX_PENDING); retry later"
-                )))
+                failures.append(
+                    (
+                        msg.id,
+                        FAILURE,
+                        QueueFull(
+                            f"{self.settings.max_pending} requests already wait (CARPOOL_MAX_PENDING); "
+                            "retry later"
+                        ),
+                    )
+                )
                 fail_reasons.append("queue_full")
                 continue
             room -= 1
@@ -223,33 +235,57 @@ class Coordinator:
                 sent_at = msg.sent_at if msg.sent_at is not None else wall_now
                 # Wall-clock times from the producer become this process's monotonic clock.
                 arrival = now - max(0.0, wall_now - sent_at)
-                deadline_wall = msg.expires_at if msg.expires_at is not None else (
-                    sent_at + self.settings.default_deadline_s)
+                deadline_wall = (
+                    msg.expires_at
+                    if msg.expires_at is not None
+                    else (sent_at + self.settings.default_deadline_s)
+                )
                 deadline = now + (deadline_wall - wall_now)
-                self.policy.add(Request(
-                    id=msg.id, model=model_name, length=len(ids), arrival_s=arrival, deadline_s=deadline,
-                    priority=msg.priority,
-                    payload={"id": msg.id, "ids": ids if keep_ids else None, "len": len(ids),
-                             "sent_at": sent_at, "deadline": deadline_wall},
-                ))
+                self.policy.add(
+                    Request(
+                        id=msg.id,
+                        model=model_name,
+                        length=len(ids),
+                        arrival_s=arrival,
+                        deadline_s=deadline,
+                        priority=msg.priority,
+                        payload={
+                            "id": msg.id,
+                            "ids": ids if keep_ids else None,
+                            "len": len(ids),
+                            "sent_at": sent_at,
+                            "deadline": deadline_wall,
+                        },
+                    )
+                )
                 self._held.add(msg.id)
                 self.events.received(msg.id, msg.argsrepr, msg.kwargsrepr)
         if failures:
             self._fail(failures, fail_reasons)
 
     def _reject_too_long(
-        self, model_name: str, items: list[tuple[protocol.Incoming, str]],
-        failures: list[tuple[str, str, Any]], reasons: list[str],
+        self,
+        model_name: str,
+        items: list[tuple[protocol.Incoming, str]],
+        failures: list[tuple[str, str, Any]],
+        reasons: list[str],
     ) -> list[tuple[protocol.Incoming, str]]:
         model = self.models[model_name]
         counts = model.count_tokens([text for _, text in items])  # type: ignore[attr-defined]
         keep = []
         for item, count in zip(items, counts, strict=True):
             if count > model.max_length:
-                failures.append((item[0].id, FAILURE, InputTooLong(
-                    f"text is {count} tokens, over the {model.max_length}-token window of {model_name}; "
-                    "shorten it, or set CARPOOL_TRUNCATE=true to cut it as sentence-transformers does"
-                )))
+                failures.append(
+                    (
+                        item[0].id,
+                        FAILURE,
+                        InputTooLong(
+                            f"text is {count} tokens, over the {model.max_length}-token window of "
+                            f"{model_name}; "
+                            "shorten it, or set CARPOOL_TRUNCATE=true to cut it as sentence-transformers does"
+                        ),
+                    )
+                )
                 reasons.append("too_long")
             else:
                 keep.append(item)
@@ -288,10 +324,17 @@ class Coordinator:
             failures: list[tuple[str, str, Any]] = []
             for req in plan.expired:
                 self._held.discard(req.id)
-                failures.append((req.id, FAILURE, DeadlineExceeded(
-                    f"deadline passed after {now - req.arrival_s:.3f}s in the queue, before a worker could "
-                    "run it; raise expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers"
-                )))
+                failures.append(
+                    (
+                        req.id,
+                        FAILURE,
+                        DeadlineExceeded(
+                            f"deadline passed after {now - req.arrival_s:.3f}s in the queue, "
+                            "before a worker could "
+                            "run it; raise expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers"
+                        ),
+                    )
+                )
             self._fail(failures, ["deadline"] * len(failures))
         if plan.batches:
             self._publish(plan.batches, now)
@@ -316,10 +359,19 @@ class Coordinator:
                     "requests": [r.payload for r in batch.requests],
                 }
                 # Flower shows argsrepr; the token ids it would otherwise show help nobody.
-                summary = (f"size={batch.size} bin={label} width={batch.padded_len} "
-                           f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}")
-                self.app.send_task(RUN_BATCH, args=[message], queue=self.settings.batch_queue,
-                                   producer=producer, ignore_result=True, argsrepr=summary, kwargsrepr="{}")
+                summary = (
+                    f"size={batch.size} bin={label} width={batch.padded_len} "
+                    f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}"
+                )
+                self.app.send_task(
+                    RUN_BATCH,
+                    args=[message],
+                    queue=self.settings.batch_queue,
+                    producer=producer,
+                    ignore_result=True,
+                    argsrepr=summary,
+                    kwargsrepr="{}",
+                )
                 predicted = self.latency.predict(batch.model, batch.padded_tokens)
                 self.outstanding[batch_id] = _Outstanding(ids, batch.model, predicted, now)
                 self._held.difference_update(ids)
@@ -329,9 +381,15 @@ class Coordinator:
                 self.stats.real_tokens += batch.real_tokens
                 self.stats.flush[batch.flush_reason.value] += 1
                 self.stats.sizes[batch.size] += 1
-                self.metrics.batch_dispatched(batch.model, label, batch.size, batch.padded_tokens,
-                                              batch.real_tokens, batch.flush_reason.value,
-                                              [now - r.arrival_s for r in batch.requests])
+                self.metrics.batch_dispatched(
+                    batch.model,
+                    label,
+                    batch.size,
+                    batch.padded_tokens,
+                    batch.real_tokens,
+                    batch.flush_reason.value,
+                    [now - r.arrival_s for r in batch.requests],
+                )
 
     # --- housekeeping ----------------------------------------------------------------------
     def housekeeping(self, now: float) -> None:
@@ -342,8 +400,9 @@ class Coordinator:
         horizon = self.settings.recovery_timeout_s
         for batch_id, out in list(self.outstanding.items()):
             if now - out.dispatched_s > horizon + 4 * out.predicted_s:
-                log.warning("batch %s (%d requests) never reported; leaving it to recovery", batch_id,
-                            len(out.ids))
+                log.warning(
+                    "batch %s (%d requests) never reported; leaving it to recovery", batch_id, len(out.ids)
+                )
                 del self.outstanding[batch_id]
         renew = list(self._held)
         for out in self.outstanding.values():
@@ -361,6 +420,12 @@ class Coordinator:
                 self.metrics.batch_ran(report["model"], str(report.get("device")), float(report["run_s"]))
             if out is None and report.get("batch_id"):
                 log.debug("report for batch %s dispatched by another coordinator", report["batch_id"])
+            # Failures decided on the worker count with the coordinator's own, in metrics and stats.
+            for reason in ("model", "deadline"):
+                n = int(report.get(f"failed_{reason}") or 0)
+                if n:
+                    self.stats.failed[reason] += n
+                    self.metrics.failed(reason, n)
 
     def _write_stats(self) -> None:
         """Counters are added (HINCRBY of what changed), so several coordinators sum up; gauges are
@@ -369,14 +434,19 @@ class Coordinator:
         self.metrics.set_depths(depths)
         s = self.stats
         counters: dict[str, int] = {
-            "taken": s.taken, "batches": s.batches, "dispatched": s.dispatched,
-            "padded_tokens": s.padded_tokens, "real_tokens": s.real_tokens,
+            "taken": s.taken,
+            "batches": s.batches,
+            "dispatched": s.dispatched,
+            "padded_tokens": s.padded_tokens,
+            "real_tokens": s.real_tokens,
         }
         counters.update({f"flush:{k}": v for k, v in s.flush.items()})
         counters.update({f"failed:{k}": v for k, v in s.failed.items()})
         counters.update({f"size:{k}": v for k, v in s.sizes.items()})
         gauges: dict[str, int] = {
-            "pending": len(self.policy), "outstanding": len(self.outstanding), "workers": self.workers,
+            "pending": len(self.policy),
+            "outstanding": len(self.outstanding),
+            "workers": self.workers,
         }
         for key in self._depth_keys - set(depths):
             gauges[f"depth:{key[0]}:{key[1]}"] = 0

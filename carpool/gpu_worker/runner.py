@@ -44,7 +44,11 @@ def loaded_model(name: str, device: str = "cpu", autocast_bf16: bool = False) ->
             model = _loaded.get(name)
             if model is None:
                 model = get_model(name)
-                if autocast_bf16 and hasattr(model, "load") and "autocast_bf16" in model.load.__code__.co_varnames:
+                if (
+                    autocast_bf16
+                    and hasattr(model, "load")
+                    and "autocast_bf16" in model.load.__code__.co_varnames
+                ):
                     model.load(device, autocast_bf16=True)  # type: ignore[call-arg]
                 else:
                     model.load(device)
@@ -52,7 +56,9 @@ def loaded_model(name: str, device: str = "cpu", autocast_bf16: bool = False) ->
     return model
 
 
-def pad(rows: Sequence[Sequence[int] | None], lengths: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pad(
+    rows: Sequence[Sequence[int] | None], lengths: Sequence[int], pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, attention_mask), both int64 of shape (rows, longest rounded up to a multiple of 8)."""
     width = padded_length(max(lengths))
     ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
@@ -84,10 +90,14 @@ def run_isolating(
     except Exception as exc:
         if len(lengths) == 1:
             return [(False, exc)]
-        log.warning("batch of %d failed (%s: %s); splitting to isolate", len(lengths), type(exc).__name__, exc)
+        log.warning(
+            "batch of %d failed (%s: %s); splitting to isolate", len(lengths), type(exc).__name__, exc
+        )
         _free_accelerator_memory()
         half = len(lengths) // 2
-        return run_isolating(model, rows[:half], lengths[:half]) + run_isolating(model, rows[half:], lengths[half:])
+        return run_isolating(model, rows[:half], lengths[:half]) + run_isolating(
+            model, rows[half:], lengths[half:]
+        )
 
 
 def _free_accelerator_memory() -> None:

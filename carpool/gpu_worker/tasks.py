@@ -8,6 +8,7 @@ then acknowledge and report the batch's timing to the coordinator's latency mode
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -38,12 +39,15 @@ class WorkerRuntime:
     def __init__(self) -> None:
         self.settings = settings_of(app)
         self.client = redis.Redis.from_url(self.settings.broker_url)
-        self.store = RequestStore(self.client, Keys(self.settings.request_queue), self.settings.recovery_timeout_s)
+        self.store = RequestStore(
+            self.client, Keys(self.settings.request_queue), self.settings.recovery_timeout_s
+        )
         self.backend = app.backend
         self.device = pick_device(self.settings.device)
         self.hostname = f"{socket.gethostname()}:{os.getpid()}"
-        self.events = TaskEvents(app, f"carpool-gpu-{os.getpid()}@{socket.gethostname()}",
-                                 enabled=self.settings.events)
+        self.events = TaskEvents(
+            app, f"carpool-gpu-{os.getpid()}@{socket.gethostname()}", enabled=self.settings.events
+        )
         self._running: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -64,10 +68,8 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self._stop.set()
-        try:
+        with contextlib.suppress(redis.RedisError):
             self.store.leave(self.hostname)
-        except redis.RedisError:
-            pass
 
     def _beat(self) -> None:
         self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S)
@@ -87,8 +89,12 @@ class WorkerRuntime:
         owned = self.store.claim(batch_id, [r["id"] for r in requests])
         mine = [r for r, ok in zip(requests, owned, strict=True) if ok]
         if len(mine) < len(requests):
-            log.info("batch %s: %d of %d requests now belong elsewhere; skipped", batch_id,
-                     len(requests) - len(mine), len(requests))
+            log.info(
+                "batch %s: %d of %d requests now belong elsewhere; skipped",
+                batch_id,
+                len(requests) - len(mine),
+                len(requests),
+            )
         answered = self.backend.existing([r["id"] for r in mine])
         now = time.time()
         entries: list[tuple[str, str, Any]] = []
@@ -97,9 +103,17 @@ class WorkerRuntime:
             if r["id"] in answered:
                 continue
             if r["deadline"] < now:
-                entries.append((r["id"], FAILURE, DeadlineExceeded(
-                    f"deadline passed {now - r['deadline']:.3f}s before a worker could start it; raise "
-                    "expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers")))
+                entries.append(
+                    (
+                        r["id"],
+                        FAILURE,
+                        DeadlineExceeded(
+                            f"deadline passed {now - r['deadline']:.3f}s before a worker could "
+                            "start it; raise "
+                            "expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers"
+                        ),
+                    )
+                )
             else:
                 live.append(r)
         run_s = None
@@ -126,7 +140,7 @@ class WorkerRuntime:
                 else:
                     entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
         self.backend.store_many(entries)
-        per_request_s = (run_s or 0.0)
+        per_request_s = run_s or 0.0
         for task_id, state, value in entries:
             if state == SUCCESS:
                 self.events.succeeded(task_id, value, per_request_s)
@@ -134,11 +148,20 @@ class WorkerRuntime:
                 self.events.failed(task_id, value, per_request_s)
         self.events.flush()
         report = {
-            "batch_id": batch_id, "model": batch["model"], "worker": self.hostname, "device": self.device,
-            "bin": batch.get("bin"), "flush": batch.get("flush"), "size": len(live),
-            "padded_len": padded_len, "padded_tokens": padded_len * len(live),
-            "real_tokens": sum(r["len"] for r in live), "run_s": run_s,
-            "failed": sum(1 for e in entries if e[1] == FAILURE), "done_at": time.time(),
+            "batch_id": batch_id,
+            "model": batch["model"],
+            "worker": self.hostname,
+            "device": self.device,
+            "bin": batch.get("bin"),
+            "flush": batch.get("flush"),
+            "size": len(live),
+            "padded_len": padded_len,
+            "padded_tokens": padded_len * len(live),
+            "real_tokens": sum(r["len"] for r in live),
+            "run_s": run_s,
+            "failed_model": sum(1 for e in entries if isinstance(e[2], ModelError)),
+            "failed_deadline": sum(1 for e in entries if isinstance(e[2], DeadlineExceeded)),
+            "done_at": time.time(),
         }
         self.store.ack([r["id"] for r in mine], report, coordinator=batch.get("coordinator", ""))
         self._running = []

@@ -40,7 +40,8 @@ def _build(name: str) -> BatchModel:
     module_name, sep, attr = target.partition(":")
     if not sep:
         raise UnknownModel(
-            f"unknown model {name!r}: use one of {', '.join(BUILTIN)} or an import path package.module:ClassName"
+            f"unknown model {name!r}: use one of {', '.join(BUILTIN)} "
+            "or an import path package.module:ClassName"
         )
     try:
         cls = getattr(importlib.import_module(module_name), attr)

@@ -40,6 +40,8 @@ class BatchModel(Protocol):
         """Load weights onto ``device`` ("cpu" or "cuda"). Called once per worker process."""
         ...
 
-    def forward(self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]) -> Sequence[Any]:
+    def forward(
+        self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
+    ) -> Sequence[Any]:
         """Outputs for a padded batch (rows x padded length); one output per row, same order."""
         ...

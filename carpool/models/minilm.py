@@ -68,7 +68,9 @@ class MiniLM:
         self._autocast = autocast_bf16 and device.startswith("cuda")
         self._torch = torch
 
-    def forward(self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]) -> Sequence[Any]:
+    def forward(
+        self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
+    ) -> Sequence[Any]:
         torch = self._torch
         ids = torch.from_numpy(input_ids).to(self._device)
         mask = torch.from_numpy(attention_mask).to(self._device)

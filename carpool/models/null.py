@@ -22,5 +22,7 @@ class NullModel:
     def load(self, device: str) -> None:
         return None
 
-    def forward(self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]) -> Sequence[Any]:
+    def forward(
+        self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
+    ) -> Sequence[Any]:
         return [int(n) for n in attention_mask.sum(axis=1)]

@@ -30,7 +30,9 @@ class ToyModel:
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         out = []
         for text in texts:
-            ids = [1] + [2 + zlib.crc32(w.encode("utf-8", "surrogatepass")) % (VOCAB - 2) for w in text.split()]
+            ids = [1] + [
+                2 + zlib.crc32(w.encode("utf-8", "surrogatepass")) % (VOCAB - 2) for w in text.split()
+            ]
             out.append(ids[: self.max_length])
         return out
 
@@ -48,7 +50,9 @@ class ToyModel:
         }
         self._device = device
 
-    def forward(self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]) -> Sequence[Any]:
+    def forward(
+        self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
+    ) -> Sequence[Any]:
         import torch
 
         net = self._net

@@ -53,8 +53,12 @@ class Processes:
     def start(self, name: str, role: str, **env: str) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115
         self._files.append(log)
-        proc = subprocess.Popen([sys.executable, "-m", "carpool", role, "--loglevel", "info"],
-                                stdout=log, stderr=subprocess.STDOUT, env=self.env(**env))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "carpool", role, "--loglevel", "info"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env(**env),
+        )
         self.procs[name] = proc
         return proc
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -57,13 +58,19 @@ def test_same_text_alone_and_inside_a_batch_of_long_texts(processes: Processes) 
     from carpool.tasks import infer
 
     # FIFO with a generous wait so the short text shares its batch with the long ones.
-    start_stack(processes, CARPOOL_MODEL="minilm", CARPOOL_MODELS="minilm", CARPOOL_POLICY="fifo",
-                CARPOOL_MAX_WAIT_S="0.5", CARPOOL_WAIT_FACTOR="10")
+    start_stack(
+        processes,
+        CARPOOL_MODEL="minilm",
+        CARPOOL_MODELS="minilm",
+        CARPOOL_POLICY="fifo",
+        CARPOOL_MAX_WAIT_S="0.5",
+        CARPOOL_WAIT_FACTOR="10",
+    )
     text = "The quick brown fox jumps over the lazy dog."
     alone = np.array(infer.delay(text, model="minilm").get(timeout=120))
     before = coordinator_stats(processes)
     longs = [" ".join(["padding makes the batch wide"] * (20 + i)) for i in range(7)]
-    batch = [infer.delay(t, model="minilm") for t in (longs[:3] + [text] + longs[3:])]
+    batch = [infer.delay(t, model="minilm") for t in ([*longs[:3], text, *longs[3:]])]
     together = np.array(batch[3].get(timeout=120))
     for r in batch:
         r.get(timeout=120)
@@ -92,7 +99,7 @@ def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
         done = r.date_done.timestamp()
         done_times.append(done)
         stalls.append(returned - max(called, done))
-    out_of_order = sum(1 for a, b in zip(done_times, done_times[1:], strict=False) if b < a)
+    out_of_order = sum(1 for a, b in itertools.pairwise(done_times) if b < a)
     assert out_of_order > 10, "the workload should complete out of submission order"
     # Celery's stock backend stalls ~1 s here; a result already stored must come back in milliseconds.
     assert max(stalls) < 0.25, f"slowest .get() after its result was stored: {max(stalls):.3f}s"
@@ -129,8 +136,13 @@ def test_results_are_stored_once(clean_redis) -> None:  # type: ignore[no-untype
 def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
     env.update(CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
-    proc = subprocess.run([sys.executable, "-m", "carpool", "demo", "--requests", "80"], env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "carpool", "demo", "--requests", "80"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     for needle in ("end-to-end throughput", "offline limit", "latency p99", "batch sizes", "padding ratio"):

@@ -42,8 +42,12 @@ def test_policy_returns_correct_results(processes: Processes, env: dict[str, str
 def test_higher_priority_runs_first(processes: Processes) -> None:
     from carpool.tasks import infer
 
-    env = {"CARPOOL_MODEL": "toy", "CARPOOL_MODELS": "toy", "CARPOOL_MAX_BATCH": "10",
-           "CARPOOL_POLICY": "fifo"}
+    env = {
+        "CARPOOL_MODEL": "toy",
+        "CARPOOL_MODELS": "toy",
+        "CARPOOL_MAX_BATCH": "10",
+        "CARPOOL_POLICY": "fifo",
+    }
     processes.start("coordinator", "coordinator", **env)  # no worker yet: everything queues
     low = [infer.apply_async((f"low priority {i}",), {"model": "toy"}, priority=0) for i in range(40)]
     high = [infer.apply_async((f"high priority {i}",), {"model": "toy"}, priority=9) for i in range(10)]
@@ -57,8 +61,14 @@ def test_higher_priority_runs_first(processes: Processes) -> None:
 def test_two_models_never_share_a_batch(processes: Processes) -> None:
     from carpool.tasks import infer
 
-    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy,null", CARPOOL_POLICY="fifo",
-                CARPOOL_MAX_WAIT_S="0.2", CARPOOL_WAIT_FACTOR="10")
+    start_stack(
+        processes,
+        CARPOOL_MODEL="toy",
+        CARPOOL_MODELS="toy,null",
+        CARPOOL_POLICY="fifo",
+        CARPOOL_MAX_WAIT_S="0.2",
+        CARPOOL_WAIT_FACTOR="10",
+    )
     toy = [infer.delay(f"text {i} for toy", model="toy") for i in range(20)]
     null = [infer.delay(f"text {i} for null", model="null") for i in range(20)]
     assert all(len(r.get(timeout=60)) == 32 for r in toy)  # toy: 32-float vectors

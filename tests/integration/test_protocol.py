@@ -40,8 +40,11 @@ def test_delay_writes_to_the_request_list_and_decodes(clean_redis) -> None:  # t
         (b"\x00\xffnot json", "not JSON"),
         (b'{"no": "headers"}', "no headers"),
         (b'{"headers": {"task": "other.task", "id": "1"}, "body": ""}', "unknown task name 'other.task'"),
-        (b'{"headers": {"task": "carpool.infer", "id": "1"}, "body": "!!", '
-         b'"properties": {"body_encoding": "base64"}}', "does not decode"),
+        (
+            b'{"headers": {"task": "carpool.infer", "id": "1"}, "body": "!!", '
+            b'"properties": {"body_encoding": "base64"}}',
+            "does not decode",
+        ),
     ],
 )
 def test_garbage_is_named(raw: bytes, needle: str) -> None:

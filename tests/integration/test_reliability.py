@@ -27,8 +27,13 @@ from tests.integration.models import EXPLODING, SLOW
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RECOVERY = "3"  # CARPOOL_RECOVERY_TIMEOUT_S for these tests
-SLOW_ENV = {"CARPOOL_MODEL": SLOW, "CARPOOL_MODELS": SLOW, "CARPOOL_MAX_BATCH": "8",
-            "CARPOOL_RECOVERY_TIMEOUT_S": RECOVERY, "SLOW_TOY_DELAY_S": "0.05"}
+SLOW_ENV = {
+    "CARPOOL_MODEL": SLOW,
+    "CARPOOL_MODELS": SLOW,
+    "CARPOOL_MAX_BATCH": "8",
+    "CARPOOL_RECOVERY_TIMEOUT_S": RECOVERY,
+    "SLOW_TOY_DELAY_S": "0.05",
+}
 KEYS = Keys("carpool.requests")
 
 
@@ -89,8 +94,14 @@ def test_kill_9_coordinator_loses_nothing(processes: Processes) -> None:
     assert held > 0
     assert recovered_in < 60  # generous: catches a hang, not a timing target
     wait_for(lambda: in_flight(processes) == 0, 10, "in-flight entries left behind")
-    record("kill -9 coordinator", requests=len(texts), in_flight_at_fault=held, lost=0,
-           all_done_after_fault_s=round(recovered_in, 2), recovery_timeout_s=float(RECOVERY))
+    record(
+        "kill -9 coordinator",
+        requests=len(texts),
+        in_flight_at_fault=held,
+        lost=0,
+        all_done_after_fault_s=round(recovered_in, 2),
+        recovery_timeout_s=float(RECOVERY),
+    )
 
 
 def test_kill_9_worker_mid_batch_loses_nothing(processes: Processes) -> None:
@@ -105,8 +116,14 @@ def test_kill_9_worker_mid_batch_loses_nothing(processes: Processes) -> None:
     check_all_correct(results, texts, timeout=180)
     done_in = time.monotonic() - t_kill
     wait_for(lambda: in_flight(processes) == 0, 10, "in-flight entries left behind")
-    record("kill -9 worker (1 of 2) mid-batch", requests=len(texts), in_flight_at_fault=held, lost=0,
-           all_done_after_fault_s=round(done_in, 2), recovery_timeout_s=float(RECOVERY))
+    record(
+        "kill -9 worker (1 of 2) mid-batch",
+        requests=len(texts),
+        in_flight_at_fault=held,
+        lost=0,
+        all_done_after_fault_s=round(done_in, 2),
+        recovery_timeout_s=float(RECOVERY),
+    )
 
 
 def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any) -> None:
@@ -141,9 +158,14 @@ def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any)
         server.start()
         redis.Redis(port=server.port).config_set("appendfsync", "always")
         got = [r.get(timeout=120) for r in results]
-        record("kill -9 redis-server, restart after 1 s (AOF, fsync always)", requests=len(texts),
-               in_flight_at_fault=held, lost=0, all_done_after_fault_s=round(time.monotonic() - t_kill, 2),
-               recovery_timeout_s=float(RECOVERY))
+        record(
+            "kill -9 redis-server, restart after 1 s (AOF, fsync always)",
+            requests=len(texts),
+            in_flight_at_fault=held,
+            lost=0,
+            all_done_after_fault_s=round(time.monotonic() - t_kill, 2),
+            recovery_timeout_s=float(RECOVERY),
+        )
         want = expected(texts)
         assert all(np.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
         for name, proc in own.procs.items():
@@ -197,8 +219,16 @@ def test_bad_input_fails_only_itself_fast_with_a_clear_error(processes: Processe
     # Sent by a client that skips validation (send_task): fail as stored errors, each named.
     bad = {
         "non-string": (app.send_task("carpool.infer", args=[123, "toy"]), InvalidInput, "text must be a str"),
-        "surrogate": (app.send_task("carpool.infer", args=["x \ud800 y", "toy"]), InvalidInput, "lone surrogate"),
-        "model": (app.send_task("carpool.infer", args=["fine", "nope"]), UnknownModel, "unknown model 'nope'"),
+        "surrogate": (
+            app.send_task("carpool.infer", args=["x \ud800 y", "toy"]),
+            InvalidInput,
+            "lone surrogate",
+        ),
+        "model": (
+            app.send_task("carpool.infer", args=["fine", "nope"]),
+            UnknownModel,
+            "unknown model 'nope'",
+        ),
         "big": (app.send_task("carpool.infer", args=["é" * 3000, "toy"]), InputTooLong, "6000 bytes"),
         "args": (app.send_task("carpool.infer", args=[]), InvalidInput, "needs a text"),
     }
@@ -244,8 +274,15 @@ def test_garbage_in_the_request_queue_is_dead_lettered(processes: Processes) -> 
 def test_a_model_error_fails_only_the_culprits(processes: Processes) -> None:
     from carpool.tasks import infer
 
-    start_stack(processes, CARPOOL_MODEL=EXPLODING, CARPOOL_MODELS=EXPLODING, CARPOOL_MAX_BATCH="16",
-                CARPOOL_POLICY="fifo", CARPOOL_MAX_WAIT_S="0.2", CARPOOL_WAIT_FACTOR="10")
+    start_stack(
+        processes,
+        CARPOOL_MODEL=EXPLODING,
+        CARPOOL_MODELS=EXPLODING,
+        CARPOOL_MAX_BATCH="16",
+        CARPOOL_POLICY="fifo",
+        CARPOOL_MAX_WAIT_S="0.2",
+        CARPOOL_WAIT_FACTOR="10",
+    )
     texts = [f"request number {i}" for i in range(40)]
     texts[5] = "this one says boom"
     texts[23] = "boom"

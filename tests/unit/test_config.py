@@ -42,7 +42,9 @@ def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
         ("CARPOOL_RECOVERY_TIMEOUT_S", "600", "less than or equal to 60"),
     ],
 )
-def test_bad_values_name_the_setting(monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str) -> None:
+def test_bad_values_name_the_setting(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str
+) -> None:
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError) as err:
         load_settings()
@@ -53,8 +55,9 @@ def test_bad_values_name_the_setting(monkeypatch: pytest.MonkeyPatch, var: str, 
 
 def test_a_process_with_a_bad_setting_stops_at_start_with_the_message() -> None:
     env = {"CARPOOL_MAX_WAIT_S": "-1", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "carpool", "coordinator"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "carpool", "coordinator"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert "CARPOOL_MAX_WAIT_S" in proc.stderr
     assert "greater than or equal to 0" in proc.stderr

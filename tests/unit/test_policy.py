@@ -13,9 +13,12 @@ from carpool.batching import BatchPolicy, FlushReason, LatencyModel, PolicyConfi
 _ids = itertools.count()
 
 
-def req(length: int, at: float = 0.0, deadline: float = 100.0, priority: int = 0, model: str = "m") -> Request:
-    return Request(id=f"r{next(_ids)}", model=model, length=length, arrival_s=at, deadline_s=deadline,
-                   priority=priority)
+def req(
+    length: int, at: float = 0.0, deadline: float = 100.0, priority: int = 0, model: str = "m"
+) -> Request:
+    return Request(
+        id=f"r{next(_ids)}", model=model, length=length, arrival_s=at, deadline_s=deadline, priority=priority
+    )
 
 
 def policy(**kw: object) -> BatchPolicy:
@@ -205,16 +208,27 @@ arrival = st.tuples(
     step=st.floats(0.001, 0.2),
 )
 def test_simulated_runs_keep_every_invariant(
-    arrivals: list[tuple[float, int, float, int, str]], kind: str, max_batch: int, max_tokens: int,
-    workers: int, step: float,
+    arrivals: list[tuple[float, int, float, int, str]],
+    kind: str,
+    max_batch: int,
+    max_tokens: int,
+    workers: int,
+    step: float,
 ) -> None:
     """Drive the policy with a fake clock and a fake pool of workers; check the invariants."""
-    cfg = PolicyConfig(kind=kind, max_batch=max_batch, max_tokens=max_tokens, max_wait_s=0.05,  # type: ignore[arg-type]
-                       bin_edges=(16, 64))
+    cfg = PolicyConfig(
+        kind=kind,
+        max_batch=max_batch,
+        max_tokens=max_tokens,
+        max_wait_s=0.05,  # type: ignore[arg-type]
+        bin_edges=(16, 64),
+    )
     latency = LatencyModel(prior_base_s=0.005, prior_per_token_s=1e-5)
     p = BatchPolicy(cfg, latency)
-    pending = sorted((req(n, at=t, deadline=t + d, priority=pr, model=m) for t, n, d, pr, m in arrivals),
-                     key=lambda r: r.arrival_s)
+    pending = sorted(
+        (req(n, at=t, deadline=t + d, priority=pr, model=m) for t, n, d, pr, m in arrivals),
+        key=lambda r: r.arrival_s,
+    )
     all_ids = {r.id for r in pending}
     emitted: list[str] = []
     expired: list[str] = []

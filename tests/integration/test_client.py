@@ -1,0 +1,290 @@
+"""The bulk client: submit_many / gather / gather_async against a real redis-server and real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from carpool.workload import mixed_texts
+from tests.integration.conftest import Processes, start_stack
+
+pytestmark = pytest.mark.integration
+
+TOY = {"CARPOOL_MODEL": "toy", "CARPOOL_MODELS": "toy"}
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _commandstats(client: Any) -> dict[str, int]:
+    return {k: int(v["calls"]) for k, v in client.info("commandstats").items()}
+
+
+@contextmanager
+def _count_sends(db: int) -> Iterator[list[int]]:
+    """Count client-side writes to Redis connections on ``db`` (each write is one round trip at most)."""
+    import redis.connection
+
+    cls = redis.connection.AbstractConnection
+    original = cls.send_packed_command
+    sends: list[int] = []
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> Any:
+        if getattr(self, "db", None) == db:
+            sends.append(1)
+        return original(self, command, check_health)
+
+    cls.send_packed_command = counting  # type: ignore[method-assign]
+    try:
+        yield sends
+    finally:
+        cls.send_packed_command = original  # type: ignore[method-assign]
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    code = (
+        "import sys, carpool.client; "
+        "heavy = [m for m in ('torch', 'numpy', 'transformers', 'tokenizers') if m in sys.modules]; "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_fast_argsrepr_agrees_with_celery_saferepr() -> None:
+    from celery.utils.saferepr import saferepr
+
+    from carpool.client import _fast_repr
+
+    samples = [(t,) for t in mixed_texts(300, seed=5)]
+    samples += [
+        ("it's",),
+        ('say "hi"',),
+        ("back\\slash",),
+        ("x" * 5000,),
+        ("Ünïcödé 東京 🚀", "toy"),
+        ("\u2028",),
+    ]
+    for args in samples:
+        fast = _fast_repr(args, 1024)
+        assert fast is None or fast == saferepr(args, 1024), args
+
+
+def test_messages_are_the_ones_delay_sends(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    """No coordinator: read the raw messages back and compare them with infer.delay()'s, field by field."""
+    import redis
+
+    from carpool.client import submit_many
+    from carpool.tasks import infer
+
+    client = redis.Redis(port=clean_redis.port)
+    infer.delay("hello world", "toy")
+    by_delay = json.loads(client.rpop("carpool.requests"))
+    (result,) = submit_many(["hello world"], model="toy")
+    by_bulk = json.loads(client.rpop("carpool.requests"))
+    a, b = _flat(by_delay), _flat(by_bulk)
+    assert set(a) == set(b)
+    per_message = {
+        "headers.id",
+        "headers.root_id",
+        "properties.correlation_id",
+        "properties.delivery_tag",
+        "headers.carpool_sent_at",
+    }
+    assert {k for k in a if a[k] != b[k]} <= per_message
+    assert b["headers.id"] == result.id
+    assert abs(b["headers.carpool_sent_at"] - time.time()) < 60
+
+    # The coordinator's decoder reads it like any other request.
+    from carpool.coordinator import protocol
+
+    raw = json.dumps(by_bulk).encode()
+    msg = protocol.decode(raw)
+    assert (msg.id, msg.args, msg.kwargs) == (result.id, ["hello world", "toy"], {})
+
+    # Priorities land on kombu's priority lists, as with apply_async(priority=...).
+    submit_many(["urgent"], model="toy", priority=5)
+    assert client.llen("carpool.requests\x06\x163") == 1
+    # Keyword payloads and expires, as infer.apply_async(kwargs=..., expires=...).
+    submit_many([{"text": "kw", "model": "toy"}], expires=30)
+    raw_kw = json.loads(client.rpop("carpool.requests"))
+    decoded = protocol.decode(json.dumps(raw_kw).encode())
+    assert decoded.kwargs == {"text": "kw", "model": "toy"} and decoded.args == []
+    assert decoded.expires_at is not None and 20 < decoded.expires_at - time.time() <= 31
+
+
+def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    import redis
+
+    from carpool.client import submit_many
+
+    client = redis.Redis(port=clean_redis.port)
+    submit_many(["warm up"], model="toy")  # first use opens the producer's connection
+    client.delete("carpool.requests")
+    texts = mixed_texts(400, seed=11)
+    before = _commandstats(client)
+    with _count_sends(db=0) as broker_sends, _count_sends(db=1) as backend_sends:
+        results = submit_many(texts, model="toy")
+    after = _commandstats(client)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert len(broker_sends) == 1, "all messages must go out in one pipelined write"
+    assert len(backend_sends) == 1, "one SUBSCRIBE for all results"
+    assert delta.get("cmdstat_multi") == 1 and delta.get("cmdstat_exec") == 1
+    assert delta.get("cmdstat_lpush") == 1, "one multi-value LPUSH per priority list"
+    assert delta.get("cmdstat_publish") == len(texts), "one task-sent event per request"
+    # All landed, in submission order for the coordinator (it pops from the right).
+    raws = client.lrange("carpool.requests", 0, -1)
+    ids = [json.loads(r)["headers"]["id"] for r in reversed(raws)]
+    assert ids == [r.id for r in results]
+
+
+def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    import redis
+
+    from carpool.client import submit_many
+    from carpool.errors import InputTooLong, InvalidInput, UnknownModel
+
+    client = redis.Redis(port=clean_redis.port)
+    with pytest.raises(InvalidInput, match="text must be a str") as info:
+        submit_many(["fine", 42, "fine too"], model="toy")  # type: ignore[list-item]
+    assert any("payloads[1]" in note for note in info.value.__notes__)
+    with pytest.raises(UnknownModel, match="unknown model 'nope'"):
+        submit_many(["a", "b"], model="nope")
+    with pytest.raises(InputTooLong):
+        submit_many(["x" * 70_000], model="toy")
+    with pytest.raises(InvalidInput, match="takes"):
+        submit_many([{"text": "a", "colour": "red"}])
+    with pytest.raises(TypeError, match="countdown"):
+        submit_many(["a"], model="toy", countdown=3)
+    assert client.llen("carpool.requests") == 0
+    assert submit_many([], model="toy") == []
+
+
+def test_gather_reads_stored_results_in_one_mget_and_raises_like_get(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    """No coordinator: results stored directly, one of them a failure."""
+    import redis
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    from carpool.celery_app import app
+    from carpool.client import gather, submit_many
+    from carpool.errors import DeadlineExceeded
+    from carpool.results import FAILURE, SUCCESS
+
+    results = submit_many([f"text {i}" for i in range(50)], model="toy")
+    entries: list[tuple[str, str, Any]] = [(r.id, SUCCESS, i) for i, r in enumerate(results)]
+    entries[17] = (results[17].id, FAILURE, DeadlineExceeded("too late"))
+    app.backend.store_many(reversed(entries))
+    client = redis.Redis(port=clean_redis.port)
+    before = _commandstats(client)
+    with pytest.raises(DeadlineExceeded, match="too late"):
+        gather(results, timeout=10)
+    assert _commandstats(client).get("cmdstat_mget", 0) - before.get("cmdstat_mget", 0) == 1
+    values = gather(results, timeout=10, return_exceptions=True)
+    assert isinstance(values[17], DeadlineExceeded)
+    assert [v for i, v in enumerate(values) if i != 17] == [i for i in range(50) if i != 17]
+    # .get() agrees, without another round trip for what gather already read.
+    assert results[3].get(timeout=1) == 3
+    with pytest.raises(DeadlineExceeded):
+        results[17].get(timeout=1)
+
+    # Nothing will ever answer this one: gather times out like .get().
+    (lonely,) = submit_many(["nobody home"], model="toy")
+    t0 = time.monotonic()
+    with pytest.raises(CeleryTimeout):
+        gather([lonely], timeout=0.3)
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_gather_waits_for_results_published_later(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from carpool.celery_app import app
+    from carpool.client import gather, submit_many
+    from carpool.results import SUCCESS
+
+    results = submit_many([f"later {i}" for i in range(20)], model="toy")
+    app.backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results[:10])])
+
+    def store_rest() -> None:
+        time.sleep(0.3)
+        app.backend.store_many([(r.id, SUCCESS, i + 10) for i, r in enumerate(results[10:])])
+
+    worker = threading.Thread(target=store_rest)
+    worker.start()
+    t0 = time.monotonic()
+    assert gather(results, timeout=10) == list(range(20))
+    assert time.monotonic() - t0 < 1.0, "waiting on pub/sub, not polling"
+    worker.join()
+
+
+def test_submit_many_results_equal_delay_results(processes: Processes) -> None:
+    from carpool.client import gather, submit_many
+    from carpool.tasks import infer
+
+    start_stack(processes, **TOY)
+    texts = mixed_texts(300, seed=21)
+    bulk = submit_many(texts, model="toy")
+    got = gather(bulk, timeout=120)
+    one_by_one = [infer.delay(t, "toy") for t in texts]
+    want = [r.get(timeout=120) for r in one_by_one]
+    assert got == want
+    assert len(got) == 300 and all(isinstance(v, list) and len(v) == 32 for v in got)
+    # Plain .get() works on bulk results too.
+    assert bulk[5].get(timeout=5) == want[5]
+
+
+def test_gather_with_a_request_that_fails_in_the_service(processes: Processes) -> None:
+    from carpool.client import gather, submit_many
+    from carpool.errors import DeadlineExceeded
+
+    start_stack(processes, **TOY)
+    fine = submit_many(mixed_texts(30, seed=2), model="toy")
+    doomed = submit_many(["this one expires at once"], model="toy", expires=0.0005)
+    results = fine[:10] + doomed + fine[10:]
+    with pytest.raises(DeadlineExceeded):
+        gather(results, timeout=60)
+    values = gather(results, timeout=60, return_exceptions=True)
+    assert isinstance(values[10], DeadlineExceeded)
+    assert all(isinstance(v, list) for i, v in enumerate(values) if i != 10)
+
+
+def test_gather_async(processes: Processes) -> None:
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    from carpool.client import gather, gather_async, submit_many
+    from carpool.errors import DeadlineExceeded
+
+    start_stack(processes, **TOY)
+    texts = mixed_texts(200, seed=4)
+
+    async def main() -> tuple[list[Any], list[Any], list[Any]]:
+        first = submit_many(texts[:100], model="toy", subscribe=False)
+        second = submit_many(texts[100:], model="toy")  # subscribed on Celery's consumer: moved over
+        a, b = await asyncio.gather(gather_async(first, timeout=60), gather_async(second, timeout=60))
+        doomed = submit_many(["expires"], model="toy", expires=0.0005, subscribe=False)
+        with pytest.raises(DeadlineExceeded):
+            await gather_async(first[:3] + doomed, timeout=60)
+        mixed = await gather_async(first[:3] + doomed, timeout=60, return_exceptions=True)
+        (never,) = submit_many(["x"], model="toy", queue="carpool.nobody", subscribe=False)
+        with pytest.raises(CeleryTimeout):
+            await gather_async([never], timeout=0.3)
+        return a, b, mixed
+
+    a, b, mixed = asyncio.run(main())
+    assert a + b == gather(submit_many(texts, model="toy"), timeout=60)
+    assert isinstance(mixed[3], DeadlineExceeded) and mixed[:3] == a[:3]

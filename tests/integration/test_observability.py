@@ -1,0 +1,495 @@
+"""What operators see: Flower lists every request and batch, Prometheus counts add up, `carpool status`.
+
+Real processes against the session's redis-server: a Flower process (started before anything is
+sent, so it hears every event), a coordinator and a GPU worker serving the toy model.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from carpool.embedded import free_port
+from carpool.workload import mixed_texts
+from tests.integration.conftest import Processes, start_stack
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TOY = {"CARPOOL_MODEL": "toy", "CARPOOL_MODELS": "toy"}
+FLOWER_USER, FLOWER_PASSWORD = "user", "pass"
+TASKS_COLUMNS = "name,uuid,state,args,received,runtime,worker"
+BATCH_ARGS = re.compile(
+    r"size=(?P<size>\d+) bin=(?P<bin>\S+) width=(?P<width>\d+) padding=(?P<padding>[\d.]+) "
+    r"flush=(?P<flush>\S+) model=(?P<model>\S+)"
+)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0, every_s: float = 0.25) -> Any:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last error."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+            last = value
+        except (OSError, ValueError, AssertionError) as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not seen within {timeout_s}s (last: {last!r})")
+        time.sleep(every_s)
+
+
+def http_get(url: str, auth: tuple[str, str] | None = None, timeout_s: float = 10) -> bytes:
+    headers = {}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
+        return bytes(resp.read())
+
+
+def stats_hash(processes: Processes) -> dict[str, float]:
+    import redis
+
+    raw = redis.Redis(port=processes.server.port).hgetall("carpool:carpool.requests:stats")
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+def send_and_get(texts: list[str], timeout_s: float = 120) -> list[str]:
+    from carpool.tasks import infer
+
+    results = [infer.delay(t, model="toy") for t in texts]
+    for r in results:
+        r.get(timeout=timeout_s)
+    return [r.id for r in results]
+
+
+def send_bad_request() -> str:
+    """A request that passed no producer validation (send_task skips it): the coordinator fails it."""
+    from carpool.celery_app import app
+    from carpool.errors import InvalidInput
+
+    bad = app.send_task("carpool.infer", args=[123])
+    with pytest.raises(InvalidInput):
+        bad.get(timeout=60)
+    return str(bad.id)
+
+
+# --- Flower ------------------------------------------------------------------------------------------
+@dataclass
+class Flower:
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, auth: bool = True) -> bytes:
+        return http_get(self.base + path, (FLOWER_USER, FLOWER_PASSWORD) if auth else None)
+
+    def tasks(self, taskname: str | None = None) -> dict[str, dict[str, Any]]:
+        query = f"?taskname={taskname}" if taskname else ""
+        return dict(json.loads(self.get(f"/api/tasks{query}")))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+
+@pytest.fixture()
+def flower(processes: Processes, tmp_path: Path) -> Iterator[Flower]:
+    """A real Flower process with basic auth, up and answering before the test sends anything."""
+    port = free_port()
+    log_path = tmp_path / "flower.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "carpool.celery_app",
+                "flower",
+                f"--port={port}",
+                "--address=127.0.0.1",
+                f"--basic-auth={FLOWER_USER}:{FLOWER_PASSWORD}",
+                # The args column shows each request's text and each batch's size/bin/padding summary.
+                f"--tasks_columns={TASKS_COLUMNS}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=processes.env(**TOY),
+            cwd=REPO,
+        )
+    fl = Flower(port, proc, log_path)
+    try:
+
+        def answering() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"flower exited with {proc.returncode}:\n{fl.log()}")
+            fl.get("/api/tasks?limit=1")
+            return True
+
+        wait_for("flower answering on /api/tasks", answering, timeout_s=60)
+        yield fl
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_flower_listening(flower: Flower, attempts: int = 10) -> list[str]:
+    """Flower answers HTTP before its event receiver is subscribed: send probes until one shows."""
+    probes = []
+    for n in range(attempts):
+        probes += send_and_get([f"probe number {n} for flower"], timeout_s=60)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            task = flower.tasks("carpool.infer").get(probes[-1])
+            if task and task.get("state") == "SUCCESS":
+                return probes
+            time.sleep(0.2)
+    pytest.fail(f"flower never listed a probe request:\n{flower.log()}")
+
+
+def test_flower_lists_every_request_and_every_batch(processes: Processes, flower: Flower) -> None:
+    # Basic auth is on for the API and the pages alike.
+    for path in ("/api/tasks", "/tasks"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            flower.get(path, auth=False)
+        assert refused.value.code == 401, path
+    with pytest.raises(urllib.error.HTTPError) as wrong:
+        http_get(flower.base + "/api/tasks", ("user", "wrong"))
+    assert wrong.value.code == 401
+
+    start_stack(processes, **TOY)
+    probes = wait_flower_listening(flower)
+    texts = mixed_texts(300, seed=11)
+    ids = send_and_get(texts)
+    bad_id = send_bad_request()
+
+    def all_listed() -> dict[str, dict[str, Any]]:
+        tasks = flower.tasks("carpool.infer")
+        missing = [i for i in ids if tasks.get(i, {}).get("state") != "SUCCESS"]
+        assert not missing, f"{len(missing)} of {len(ids)} not SUCCESS yet, e.g. {tasks.get(missing[0])}"
+        assert tasks.get(bad_id, {}).get("state") == "FAILURE", tasks.get(bad_id)
+        return tasks
+
+    tasks = wait_for("every request as SUCCESS in flower", all_listed, timeout_s=60, every_s=0.5)
+    for task_id, text in zip(ids, texts, strict=True):
+        t = tasks[task_id]
+        assert t["name"] == "carpool.infer"
+        assert t["runtime"] is not None and t["runtime"] > 0, t
+        assert t["received"] is not None and t["started"] is not None and t["succeeded"] is not None, t
+        assert t["received"] <= t["started"] <= t["succeeded"], t
+        assert str(t["worker"]).startswith("carpool-gpu-"), t
+        assert text[:40] in t["args"], (t["args"], text)  # the text itself, as the producer's argsrepr
+        assert "'model': 'toy'" in t["kwargs"]
+        assert t["result"].startswith("["), t["result"]  # the embedding, shortened
+
+    bad = tasks[bad_id]
+    assert bad["name"] == "carpool.infer" and bad["args"] == "[123]"
+    assert "InvalidInput" in bad["exception"] and "must be a str" in bad["exception"], bad
+
+    batches = flower.tasks("carpool.run_batch")
+    assert batches, "no carpool.run_batch task in flower"
+    sizes = 0
+    for task_id, b in batches.items():
+        m = BATCH_ARGS.fullmatch(b["args"])
+        assert m, f"batch {task_id} args {b['args']!r} are not the size/bin/width/padding summary"
+        assert m["model"] == "toy" and int(m["width"]) % 8 == 0 and float(m["padding"]) >= 1.0
+        assert b["state"] == "SUCCESS" and b["runtime"] is not None, b
+        assert f"'size': {m['size']}" in b["result"], b["result"]  # the worker's report
+        sizes += int(m["size"])
+    # Every request rode in exactly one batch: the batch sizes add up to the requests served.
+    assert len(ids) <= sizes <= len(ids) + len(probes), (sizes, len(ids), len(probes))
+    assert len({BATCH_ARGS.fullmatch(b["args"])["bin"] for b in batches.values()}) > 1, "one bin only?"
+
+
+# --- Prometheus ---------------------------------------------------------------------------------------
+def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``/metrics`` parsed: sample name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http_get(f"http://127.0.0.1:{port}/metrics").decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == w for k, w in labels.items()))
+
+
+def test_prometheus_metrics_add_up(processes: Processes) -> None:
+    port = free_port()
+    start_stack(processes, CARPOOL_METRICS_PORT=str(port), **TOY)
+    wait_for("metrics endpoint", lambda: scrape(port), timeout_s=30)
+    texts = mixed_texts(300, seed=5)
+    send_and_get(texts)
+    send_bad_request()
+
+    def settled() -> dict[str, list[tuple[dict[str, str], float]]]:
+        m = scrape(port)
+        batches = total(m, "carpool_batch_size_count")
+        # Run times arrive with the workers' batch reports, a moment after the results.
+        assert batches > 0 and total(m, "carpool_batch_run_seconds_count") == batches, "reports pending"
+        assert total(m, "carpool_queue_depth") == 0
+        return m
+
+    m = wait_for("every batch report in the metrics", settled, timeout_s=30)
+    stats = wait_for(
+        "stats hash caught up",
+        lambda: (s := stats_hash(processes)).get("batches") == total(m, "carpool_batch_size_count") and s,
+        timeout_s=10,
+    )
+    batches = total(m, "carpool_batch_size_count")
+    n = len(texts)
+    assert batches == stats["batches"]
+    assert 1 < batches < n, "requests should have been batched"
+    assert total(m, "carpool_batch_size_sum") == n == stats["dispatched"]
+    assert total(m, "carpool_batch_size_bucket", le="+Inf") == batches
+    assert len({lab["bin"] for lab, _ in m["carpool_batch_size_count"]}) > 1, "mixed lengths, one bin?"
+    assert all(lab["model"] == "toy" for lab, _ in m["carpool_batch_size_count"])
+
+    padded, real = total(m, "carpool_padded_tokens_total"), total(m, "carpool_real_tokens_total")
+    assert padded >= real > 0
+    assert (padded, real) == (stats["padded_tokens"], stats["real_tokens"])
+
+    assert total(m, "carpool_requests_total") == n + 1  # and the bad one
+    assert total(m, "carpool_wait_seconds_count") == n
+    assert total(m, "carpool_wait_seconds_sum") > 0
+    assert total(m, "carpool_batch_run_seconds_count", model="toy", device="cpu") == batches
+    assert total(m, "carpool_batch_run_seconds_sum") > 0
+    flushes = {lab["reason"]: v for lab, v in m["carpool_flushes_total"]}
+    assert sum(flushes.values()) == batches, flushes
+    assert flushes == {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("flush:")}
+    assert total(m, "carpool_failures_total", reason="invalid") == 1
+    assert total(m, "carpool_failures_total") == 1
+    assert total(m, "carpool_workers") == 1
+    depth_labels = {(lab["model"], lab["bin"]) for lab, _ in m.get("carpool_queue_depth", [])}
+    assert depth_labels and all(model == "toy" for model, _ in depth_labels)
+
+
+# --- carpool status ---------------------------------------------------------------------------------
+def status_command() -> list[str]:
+    """``carpool status`` once the CLI has it; ``python -m carpool.status`` (same code) until then."""
+    from carpool.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    if "status" in (sub.choices or {}):
+        return [sys.executable, "-m", "carpool", "status"]
+    return [sys.executable, "-m", "carpool.status"]
+
+
+def run_status(processes: Processes, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*status_command(), *args],
+        env=processes.env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> None:
+    import redis
+
+    from carpool.keys import Keys
+    from carpool.status import collect, rates
+
+    # A coordinator with no worker yet holds what it takes: depth per bin, in flight, nothing queued.
+    processes.start("coordinator", "coordinator", **TOY)
+    from carpool.tasks import infer
+
+    texts = mixed_texts(60, seed=2)
+    held = [infer.delay(t, model="toy") for t in texts]
+    wait_for("coordinator holding every request", lambda: stats_hash(processes).get("pending") == len(texts))
+    proc = run_status(processes, "--json", "--interval", "0")
+    assert proc.returncode == 0, proc.stderr
+    snap = json.loads(proc.stdout)
+    assert snap["workers_online"] == 0 and snap["queued"] == 0
+    assert snap["pending"] == snap["in_flight"] == len(texts)
+    assert sum(snap["depth_by_bin"].values()) == len(texts), snap["depth_by_bin"]
+    assert all(k.startswith("toy:") for k in snap["depth_by_bin"])
+    assert len([v for v in snap["depth_by_bin"].values() if v]) > 1
+    text_view = run_status(processes, "--once", "--interval", "0")
+    assert text_view.returncode == 0, text_view.stderr
+    assert "per length bin" in text_view.stdout and "toy" in text_view.stdout
+
+    # A worker comes up: everything runs; rates over a window that saw a burst are real.
+    client = redis.Redis(port=processes.server.port)
+    keys = Keys("carpool.requests")
+    before = collect(client, keys)
+    processes.start("worker0", "worker", **TOY)
+    processes.wait_workers(1)
+    for r in held:
+        r.get(timeout=120)
+    more = mixed_texts(100, seed=4)
+    send_and_get(more)
+    client.lpush("carpool.requests", b"this is not a celery message")  # dead-lettered
+    wait_for("dead letter", lambda: client.llen(keys.dead_letter) == 1)
+    n = len(texts) + len(more)
+    wait_for("counters written", lambda: stats_hash(processes).get("dispatched") == n)
+    after = collect(client, keys)
+    r = rates(before, after)
+    # `before` came after the first 60 were taken, before any was dispatched.
+    assert r.seconds > 0 and r.values["taken"] == pytest.approx((len(more) + 1) / r.seconds)
+    assert r.values["dispatched"] == pytest.approx(n / r.seconds)
+    assert r.padding_ratio is not None and r.padding_ratio >= 1.0
+
+    proc = run_status(processes, "--json", "--interval", "0.3")
+    assert proc.returncode == 0, proc.stderr
+    snap = json.loads(proc.stdout)
+    stats = stats_hash(processes)
+    assert snap["workers_online"] == 1 and len(snap["workers"]) == 1
+    assert snap["taken"] == n + 1 and snap["dispatched"] == n and snap["batches"] == stats["batches"] > 0
+    assert snap["queued"] == snap["pending"] == snap["in_flight"] == 0
+    assert snap["dead_letter"] == 1 and snap["failed"] == {"malformed": 1}
+    assert snap["padding_ratio"] == pytest.approx(stats["padded_tokens"] / stats["real_tokens"])
+    assert sum(snap["flush"].values()) == snap["batches"]
+    assert sum(int(k) * v for k, v in snap["batch_sizes"].items()) == n
+    assert snap["rates"]["seconds"] > 0 and snap["rates"]["taken"] == 0  # idle now
+    assert sum(snap["depth_by_bin"].values()) == 0
+
+    text_view = run_status(processes, "--once", "--interval", "0.3")
+    assert text_view.returncode == 0, text_view.stderr
+    out = text_view.stdout
+    assert re.search(r"workers online\s+1\b", out), out
+    assert snap["workers"][0] in out
+    for label, value in (
+        ("taken", n + 1),
+        ("dispatched", n),
+        ("batches", snap["batches"]),
+        ("dead letter", 1),
+    ):
+        assert re.search(rf"{label}\s+{value:,}\b", out), (label, value, out)
+    assert "malformed=1" in out and "req/s" in out and "padding ratio" in out
+
+
+def test_status_says_when_redis_is_unreachable(processes: Processes) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    proc = run_status(processes, "--once", CARPOOL_BROKER_URL=dead)
+    assert proc.returncode == 1
+    assert "redis unavailable" in proc.stderr and dead in proc.stderr
+
+
+# --- a browser on Flower's tasks page -----------------------------------------------------------------
+def chromium_binary() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def chromium(url: str, *extra: str, timeout_s: float = 90) -> str:
+    binary = chromium_binary()
+    assert binary is not None
+    with tempfile.TemporaryDirectory(prefix="carpool-chromium-") as profile:
+        proc = subprocess.run(
+            [
+                binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=5000",
+                *extra,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.skipif(
+    chromium_binary() is None, reason="chromium not installed (Debian/Ubuntu: apt-get install -y chromium)"
+)
+def test_flower_tasks_page_in_a_browser_lists_the_requests(processes: Processes, flower: Flower) -> None:
+    start_stack(processes, **TOY)
+    probes = wait_flower_listening(flower)
+    ids = send_and_get(mixed_texts(40, seed=9))
+    bad_id = send_bad_request()
+    wait_for(
+        "requests in flower",
+        lambda: all(flower.tasks().get(i, {}).get("state") == "SUCCESS" for i in ids),
+        timeout_s=60,
+    )
+    known = flower.tasks()
+    site = f"http://{FLOWER_USER}:{FLOWER_PASSWORD}@127.0.0.1:{flower.port}"
+
+    # The tasks page fills its table from /tasks/datatable by JavaScript: a real browser runs it.
+    dom = chromium(f"{site}/tasks", "--dump-dom")
+    rows = re.findall(r'<tr id="([0-9a-f-]{36})"[^>]*>(.*?)</tr>', dom, flags=re.S)
+    assert rows, f"no task rows rendered:\n{dom[-3000:]}"
+    shown = re.search(r"Showing 1 to (\d+) of ([\d,]+) tasks", dom)
+    assert shown, dom[-3000:]
+    assert int(shown[1]) == len(rows) and int(shown[2].replace(",", "")) == len(known)
+    ours = set(ids) | set(probes) | {bad_id}
+    for task_id, cells in rows:
+        assert task_id in known, task_id
+        if task_id in ours:
+            assert ">carpool.infer</a>" in cells, cells
+            assert ("SUCCESS" if task_id != bad_id else "FAILURE") in cells, cells
+        else:
+            assert ">carpool.run_batch</a>" in cells, cells
+            assert BATCH_ARGS.search(cells), cells  # size=.. bin=.. width=.. padding=.. in the list
+    assert ours & {task_id for task_id, _ in rows}, "no request on the first page"
+
+    # One request's own page (server-rendered): its name, state, text and the worker that ran it.
+    one = ids[len(ids) // 2]
+    page = chromium(f"{site}/task/{one}", "--dump-dom")
+    assert "carpool.infer" in page and "SUCCESS" in page and one in page
+    assert known[one]["args"][:30] in page.replace("&#39;", "'").replace("&amp;", "&")
+    assert "carpool-gpu-" in page
+
+    # The failed request shows its error.
+    page = chromium(f"{site}/task/{bad_id}", "--dump-dom")
+    assert "FAILURE" in page and "InvalidInput" in page
+
+    shots = os.environ.get("CARPOOL_SCREENSHOT_DIR")
+    if shots:  # docs/img/*.png: CARPOOL_SCREENSHOT_DIR=docs/img pytest -k browser
+        Path(shots).mkdir(parents=True, exist_ok=True)
+        batch = next(i for i, t in known.items() if t["name"] == "carpool.run_batch")
+        pages = (
+            ("flower-tasks", "/tasks"),
+            ("flower-request", f"/task/{one}"),
+            ("flower-batch", f"/task/{batch}"),
+        )
+        for name, path in pages:
+            target = Path(shots).resolve() / f"{name}.png"
+            chromium(site + path, f"--screenshot={target}", "--window-size=1600,900", "--hide-scrollbars")
+            assert target.exists() and target.stat().st_size > 10_000
