@@ -29,7 +29,11 @@ class CarpoolCelery(Celery):  # type: ignore[misc]
 
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or load_settings()
-    app = CarpoolCelery("carpool", broker=settings.broker_url, backend=settings.result_backend)
+    # include: a plain `celery worker` on the request queue (the one-task-per-request baseline of
+    # `carpool bench`) must know carpool.infer; importing carpool.tasks pulls no torch.
+    app = CarpoolCelery(
+        "carpool", broker=settings.broker_url, backend=settings.result_backend, include=["carpool.tasks"]
+    )
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

@@ -76,9 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="only produce: send to the deployment at CARPOOL_BROKER_URL instead of starting one",
     )
     p.set_defaults(func=cmd_demo)
-    from carpool import status
+    from carpool import bench, simulate, status
 
     status.add_parser(sub)
+    simulate.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -390,7 +390,7 @@ def _settle(
     for r in waiting.pop(task_id, ()):  # type: ignore[arg-type]
         r._maybe_set_cache(dict(meta))
         ready.add(r.id)
-    return task_id  # type: ignore[return-value]
+    return task_id
 
 
 def _raise_first_failure(results: Sequence[AsyncResult], newly: set[str]) -> None:
@@ -500,8 +500,8 @@ def _wait(
                 continue
             ready = set()
             for task_id in arrived:
-                rs = waiting.get(task_id)
-                if rs is not None and all(r._cache is not None for r in rs):
+                group = waiting.get(task_id)
+                if group is not None and all(r._cache is not None for r in group):
                     del waiting[task_id]
                     ready.add(task_id)
             arrived.clear()

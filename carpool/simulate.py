@@ -548,14 +548,28 @@ def fit_linear(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 def calibrate(
-    model_name: str, device: str = "cpu", budget_s: float = 10.0, repeats: int = 3
+    model_name: str, device: str = "cpu", budget_s: float = 10.0, repeats: int = 3, threads: int = 0
 ) -> tuple[float, float]:
     """Fit (a, b) of t = a + b * padded_tokens by timing ``run_padded`` in this process.
 
     Each shape runs once to warm up, then ``repeats`` times; the median counts (a worker meets
     interference too, so the minimum would flatter it). Timing stops once ``budget_s`` is spent
     (loading the model comes on top: about 3 s for minilm on CPU), keeping at least three shapes.
+    ``threads`` > 0 times with that many torch threads, as a worker with ``CARPOOL_TORCH_THREADS``
+    runs; torch's own setting is restored afterwards.
     """
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(model_name, device, budget_s, repeats)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _calibrate(model_name: str, device: str, budget_s: float, repeats: int) -> tuple[float, float]:
     from carpool.gpu_worker.runner import loaded_model, run_padded
 
     model = loaded_model(model_name, device)
@@ -651,6 +665,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="fit A,B by timing MODEL's forward here, in-process (minilm, toy, ...)",
     )
     p.add_argument(
+        "--calibrate-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="torch threads while calibrating (default: torch's own); match CARPOOL_TORCH_THREADS",
+    )
+    p.add_argument(
         "--overhead-s",
         type=float,
         default=0.0,
@@ -733,7 +754,7 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
     if args.calibrate:
         if console is not None:
             console.print(f"calibrating {args.calibrate} in this process...")
-        a, b = calibrate(args.calibrate)
+        a, b = calibrate(args.calibrate, threads=args.calibrate_threads)
     elif args.latency:
         if len(args.latency) != 2 or min(args.latency) < 0:
             raise ValueError("--latency takes A,B: two numbers >= 0")
@@ -839,8 +860,8 @@ def results_table(sweep: Sweep) -> Table:
                 f"{rate:.1f}",
                 kind,
                 f"{r.throughput:.1f}",
-                f"{r.p50_s * 1000:.0f}",
-                f"{r.p99_s * 1000:.0f}",
+                _ms(r.p50_s),
+                _ms(r.p99_s),
                 f"{r.padding_ratio:.2f}",
                 f"{r.mean_batch_size:.1f}",
                 str(len(r.batches)),
@@ -848,6 +869,11 @@ def results_table(sweep: Sweep) -> Table:
                 f"{r.utilisation:.0%}",
             )
     return table
+
+
+def _ms(seconds: float) -> str:
+    # Whole milliseconds hide a cheap model's sub-millisecond latencies as "0".
+    return f"{seconds * 1000:.0f}" if seconds >= 0.01 else f"{seconds * 1000:.2f}"
 
 
 def plot(sweep: Sweep, out: Path) -> None:

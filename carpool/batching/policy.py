@@ -8,7 +8,8 @@ clock, so tests drive this with plain numbers.
 Rules, in order of precedence for a (model, bin) queue:
 1. expired: a request past its deadline is never dispatched; it comes back in ``Plan.expired``;
 2. deadline: if waiting longer would miss the most urgent member's deadline, given the predicted run
-   time of the batch and the work already ahead of it, the batch leaves now (even with no free slot);
+   time of the batch and the work already ahead of it, the batch leaves now, even with no free slot
+   (only while it can still make it: otherwise it waits for a slot like any batch, or expires);
 3. full: ``max_batch`` requests, or one more would pass ``max_tokens``, leaves when a slot is free;
 4. wait: with a worker idle, a partial batch leaves once its oldest member waited
    ``min(max_wait_s, wait_factor * predicted run time)``. With every worker busy it keeps filling.
@@ -292,10 +293,14 @@ class BatchPolicy:
         model = key[0]
         head, limited = queue.select(cfg)
         predicted = self.predict_s(model, head)
-        urgent_at = queue.earliest_deadline() - ahead_s - predicted - DEADLINE_GUARD_S
+        deadline = queue.earliest_deadline()
+        urgent_at = deadline - ahead_s - predicted - DEADLINE_GUARD_S
         oldest = queue.oldest_arrival()
         priority = queue.top_priority()
-        if now_s >= urgent_at:
+        # A deadline flush bypasses the slot limit, so only when it can still make it: a batch that
+        # would finish late anyway is not worth pushing into a queue of busy workers (under overload
+        # that would flood the batch queue with doomed work); it waits for a slot or expires here.
+        if urgent_at <= now_s < deadline - ahead_s - predicted:
             # Put the members about to miss their deadline in first, then fill up.
             first = list(queue._urgent(now_s + ahead_s + predicted + DEADLINE_GUARD_S))
             reqs, _ = queue.select(cfg, first=first)

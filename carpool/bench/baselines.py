@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery import signals
+
 from carpool import tasks as _tasks  # noqa: F401  (registers carpool.infer)
 from carpool.celery_app import app, settings_of
 
@@ -39,6 +41,15 @@ STATS_KEY = "carpool:bench:batched:stats"
 
 settings = settings_of(app)
 app.conf.worker_send_task_events = False
+
+
+@signals.worker_ready.connect
+def _set_torch_threads(**_: Any) -> None:
+    """``CARPOOL_TORCH_THREADS``, as carpool's own worker applies it, so every system runs the same torch."""
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
 
 
 def run_fifo_batch(requests: list[Any]) -> None:

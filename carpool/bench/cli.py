@@ -32,7 +32,7 @@ from carpool.bench.report import (
     summary_text,
     validate_report,
 )
-from carpool.bench.runners import SYSTEMS
+from carpool.bench.runners import POLICY_SYSTEMS, SYSTEMS
 
 FULL = {
     "requests": 600,
@@ -68,12 +68,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--rates",
         default=None,
         help="offered rates, comma separated: requests/s, or multiples of "
-        f"the offline limit with an x suffix (default {FULL['rates']})",
+        f"the offline limit with an x suffix (default {FULL['rates']}); none = bursts only",
     )
     parser.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help=f"comma separated, from {', '.join(SYSTEMS)} (default: all)",
+        help=f"comma separated, from {', '.join(SYSTEMS + POLICY_SYSTEMS)} (default: {', '.join(SYSTEMS)})",
     )
     parser.add_argument("--out", default="bench-out", help="directory for report.json, plots and logs")
     parser.add_argument("--quick", action="store_true", help="tiny counts for a fast smoke run")
@@ -113,6 +113,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--profile",
         action="store_true",
         help="run the carpool and Celery processes under cProfile: OUT/profiles/<process>.prof and .txt",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch CPU threads in every system (CARPOOL_TORCH_THREADS; 0 = torch's default)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for one run's results (s)")
     return parser
@@ -167,13 +173,14 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     from carpool.workload import describe, mixed_texts
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
+    unknown = set(systems) - set(SYSTEMS) - set(POLICY_SYSTEMS)
     if unknown:
         raise ValueError(f"unknown systems {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
     n = int(_opt(args, "requests"))
     if n < 2:
         raise ValueError("--requests must be at least 2")
-    rates = parse_rates(str(_opt(args, "rates")))
+    rate_spec = str(_opt(args, "rates"))
+    rates = [] if rate_spec.strip().lower() == "none" else parse_rates(rate_spec)
     light = int(_opt(args, "light"))
     pipeline_n = 0 if args.sweep else int(_opt(args, "pipeline"))
     if pipeline_n and not {"carpool", "celery"} & set(systems):
@@ -198,6 +205,7 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "systems": systems,
             "rates": [f"{v:g}{'x' if rel else ''}" for v, rel in rates],
             "quick": bool(args.quick),
+            "torch_threads": int(getattr(args, "torch_threads", 0) or 0),
             "light": light,
             "sweep": bool(args.sweep),
         },
@@ -268,6 +276,12 @@ def _make(env: Any, name: str, args: argparse.Namespace) -> Any:
 
     if name == "carpool":
         return runners.CarpoolSystem(env, args.timeout)
+    if name in runners.POLICY_SYSTEMS:
+        variant = name.split("-", 1)[1]
+        extra = {"CARPOOL_BIN_EDGES": "auto"} if variant == "auto" else {"CARPOOL_POLICY": variant}
+        system = runners.CarpoolSystem(env, args.timeout, extra_env=extra)
+        system.name = name
+        return system
     if name == "celery":
         return runners.PlainCelerySystem(env, args.timeout)
     if name == "celery-batches":
@@ -305,10 +319,11 @@ def _run_system(
         burst = system.burst(texts, lengths)
         runs.append(burst.to_dict())
         _log(f"{name}: burst {burst.throughput_rps:.1f} req/s, p99 {burst.latency_ms['p99']:.0f} ms")
-        phase = "half-saturation"
-        half = system.rate(texts, lengths, 0.5 * burst.throughput_rps, args.seed + 1)
-        half.half_saturation = True
-        runs.append(half.to_dict())
+        if rates:
+            phase = "half-saturation"
+            half = system.rate(texts, lengths, 0.5 * burst.throughput_rps, args.seed + 1)
+            half.half_saturation = True
+            runs.append(half.to_dict())
         for i, rate in enumerate(rates):
             phase = f"rate {rate:g}"
             rec = system.rate(texts, lengths, rate, args.seed + 2 + i)

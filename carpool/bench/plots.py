@@ -151,12 +151,12 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
             )
             xs, ys, labels = [], [], []
             for p in pts:
-                burst = next((r for r in p["runs"] if r["mode"] == "burst"), None)
-                rated = next((r for r in p["runs"] if r["mode"] == "rate"), None)
-                if burst is None or rated is None:
+                b_run = next((r for r in p["runs"] if r["mode"] == "burst"), None)
+                r_run = next((r for r in p["runs"] if r["mode"] == "rate"), None)
+                if b_run is None or r_run is None:
                     continue
-                xs.append(burst["throughput_rps"])
-                ys.append(max(rated["latency_ms"]["p99"], 1e-3))
+                xs.append(b_run["throughput_rps"])
+                ys.append(max(r_run["latency_ms"]["p99"], 1e-3))
                 labels.append(str(p["max_batch"]))
             color = cmap(i / max(1, len(waits) - 1))
             ax.plot(xs, ys, "o-", color=color, label=f"max wait {wait * 1000:g} ms")

@@ -168,7 +168,8 @@ class Coordinator:
         if now >= self._next_stats:
             self._write_stats()
             self._next_stats = now + STATS_INTERVAL_S
-        self._read_reports()
+        if self.outstanding:  # idle polls cost one round trip, not two
+            self._read_reports()
         taken = self.store.take(self.settings.take_max)
         if taken:
             self._admit(taken, self.clock())
@@ -393,6 +394,7 @@ class Coordinator:
 
     # --- housekeeping ----------------------------------------------------------------------
     def housekeeping(self, now: float) -> None:
+        self._read_reports()  # also those of batches already given up on, for the latency model
         self.workers = self.store.live_workers()
         self.metrics.workers.set(self.workers)
         # A dispatched batch that no report closed within a lease died with its worker; the

@@ -9,7 +9,11 @@ from carpool.config import Settings, load_settings
 from carpool.errors import ConfigError
 
 
-def test_defaults() -> None:
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in [n for n in os.environ if n.startswith("CARPOOL_")]:
+        monkeypatch.delenv(name)
     s = Settings()
     assert s.broker_url == "redis://localhost:6379/0"
     assert s.result_backend == "redis://localhost:6379/1"

@@ -131,9 +131,18 @@ def test_deadline_flush_happens_before_the_deadline_even_with_workers_busy() -> 
 def test_deadline_accounts_for_work_already_ahead() -> None:
     p = policy(max_batch=32, max_wait_s=10.0, bin_edges=())
     p.add(req(8, at=0.0, deadline=1.0))
-    # Without work ahead it could wait; with 0.95 s ahead it must leave now, at t=0.05, far before 1.0.
-    assert p.poll(0.05, free_workers=0, free_slots=0, ahead_s=0.0).batches == []
-    assert len(p.poll(0.05, free_workers=0, free_slots=0, ahead_s=0.95).batches) == 1
+    # Without work ahead it could wait; with 0.9 s ahead it must leave now, at t=0.08, far before 1.0.
+    assert p.poll(0.08, free_workers=0, free_slots=0, ahead_s=0.0).batches == []
+    assert len(p.poll(0.08, free_workers=0, free_slots=0, ahead_s=0.9).batches) == 1
+
+
+def test_a_batch_that_cannot_make_its_deadline_is_not_forced_into_a_busy_pool() -> None:
+    p = policy(max_batch=32, max_wait_s=10.0, bin_edges=())
+    r = req(8, at=0.0, deadline=1.0)
+    p.add(r)
+    # 2 s of work ahead: hopeless. No slot: it stays, then expires and fails fast.
+    assert p.poll(0.5, free_workers=0, free_slots=0, ahead_s=2.0).batches == []
+    assert p.poll(1.0, free_workers=0, free_slots=0, ahead_s=2.0).expired == [r]
 
 
 def test_expired_requests_are_never_dispatched() -> None:

@@ -85,8 +85,9 @@ def test_binned_pads_less_than_fifo_on_the_mixed_workload(mixed_lengths: list[in
 
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("kind", POLICIES)
-def test_throughput_never_exceeds_the_latency_models_bound(mixed_lengths: list[int], kind: str,
-                                                           workers: int) -> None:
+def test_throughput_never_exceeds_the_latency_models_bound(
+    mixed_lengths: list[int], kind: str, workers: int
+) -> None:
     cfg = config(kind)
     bound = capacity_bound(LATENCY, mixed_lengths, cfg, workers, batch_overhead_s=0.002)
     for fraction in (0.5, 1.0, 2.0, 10.0):
@@ -167,17 +168,20 @@ def test_trace_csv_with_and_without_header(tmp_path: Path) -> None:
     assert load_trace(named) == [Arrival(0.1, 30, 0, 0.5), Arrival(0.2, 12)]
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("0.0,0\n", "length"),
-    ("0.0,2.5\n", "length"),
-    ("-1,10\n", "arrival_s"),
-    ("0.0,10,0,-3\n", "deadline_s"),
-    ("0.0,10,0,1,extra\n", "columns"),
-    ("time,length\n0,10\n", "unknown column"),
-    ('{"arrival_s": 0.1}\n', "missing length"),
-    ('{"arrival_s": 0.1, "length": 5}\n{oops\n', ":2:"),
-    ("", "no arrivals"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("0.0,0\n", "length"),
+        ("0.0,2.5\n", "length"),
+        ("-1,10\n", "arrival_s"),
+        ("0.0,10,0,-3\n", "deadline_s"),
+        ("0.0,10,0,1,extra\n", "columns"),
+        ("time,length\n0,10\n", "unknown column"),
+        ('{"arrival_s": 0.1}\n', "missing length"),
+        ('{"arrival_s": 0.1, "length": 5}\n{oops\n', ":2:"),
+        ("", "no arrivals"),
+    ],
+)
 def test_bad_traces_name_the_problem(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "bad.csv"
     path.write_text(content)
@@ -205,8 +209,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_cli_prints_the_table_and_writes_the_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plots" / "sim.png"
-    args = parse(["simulate", "--model", "toy", "--requests", "300", "--rates", "50,150",
-                  "--latency", "0.01,0.0001", "--out", str(out)])
+    args = parse(
+        [
+            "simulate",
+            "--model",
+            "toy",
+            "--requests",
+            "300",
+            "--rates",
+            "50,150",
+            "--latency",
+            "0.01,0.0001",
+            "--out",
+            str(out),
+        ]
+    )
     assert args.func is run_cli
     assert run_cli(args) == 0
     printed = capsys.readouterr().out
@@ -219,8 +236,9 @@ def test_cli_replays_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     trace = tmp_path / "t.jsonl"
     write_trace(trace, poisson_arrivals(uniform_lengths(200, 4, 120), 80.0))
     out = tmp_path / "t.png"
-    args = parse(["simulate", "--trace", str(trace), "--policies", "fifo,binned", "--noise", "0.1",
-                  "--out", str(out)])
+    args = parse(
+        ["simulate", "--trace", str(trace), "--policies", "fifo,binned", "--noise", "0.1", "--out", str(out)]
+    )
     assert run_cli(args) == 0
     printed = capsys.readouterr().out
     assert "binned" in printed and "shortest" not in printed
