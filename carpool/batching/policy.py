@@ -297,24 +297,27 @@ class BatchPolicy:
         urgent_at = deadline - ahead_s - predicted - DEADLINE_GUARD_S
         oldest = queue.oldest_arrival()
         priority = queue.top_priority()
-        # A deadline flush bypasses the slot limit, so only when it can still make it: a batch that
-        # would finish late anyway is not worth pushing into a queue of busy workers (under overload
-        # that would flood the batch queue with doomed work); it waits for a slot or expires here.
-        if urgent_at <= now_s < deadline - ahead_s - predicted:
+        # A deadline flush bypasses the slot limit, so only while it can plausibly make it: a batch
+        # that would finish late anyway is not worth pushing into a queue of busy workers (under
+        # overload that floods the batch queue with doomed work); it waits for a slot or expires here.
+        # "Plausibly": work ahead is an estimate, so half of it is allowed to melt away.
+        if urgent_at <= now_s < deadline - predicted - ahead_s / 2:
             # Put the members about to miss their deadline in first, then fill up.
             first = list(queue._urgent(now_s + ahead_s + predicted + DEADLINE_GUARD_S))
             reqs, _ = queue.select(cfg, first=first)
             return _Candidate(key, reqs, FlushReason.DEADLINE, (0, urgent_at, -priority, oldest)), None
+        # Past the point where a deadline flush helps, the next event for this queue is its expiry.
+        next_deadline_event = urgent_at if now_s < urgent_at else deadline
         if limited:
             if free_slots > 0:
                 return _Candidate(key, head, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
-            return None, urgent_at
+            return None, next_deadline_event
         ready_at = oldest + min(cfg.max_wait_s, cfg.wait_factor * predicted)
         if free_workers > 0 and free_slots > 0:
             if now_s >= ready_at:
                 return _Candidate(key, head, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None
-            return None, min(ready_at, urgent_at)
-        return None, urgent_at
+            return None, min(ready_at, next_deadline_event)
+        return None, next_deadline_event
 
     def drain(self) -> list[Request]:
         """Remove and return every queued request (shutdown hands them back to the broker)."""
