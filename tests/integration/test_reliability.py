@@ -321,3 +321,18 @@ def test_expired_requests_fail_with_deadline_exceeded(processes: Processes) -> N
     with pytest.raises(DeadlineExceeded, match="deadline passed"):
         result.get(timeout=10)
     assert time.monotonic() - t0 < 5
+
+
+def test_sigterm_worker_finishes_its_batch(processes: Processes) -> None:
+    env = {**SLOW_ENV, "SLOW_TOY_DELAY_S": "1.5"}
+    start_stack(processes, **env)
+    texts = [f"finish me {i}" for i in range(6)]
+    results = send(texts)
+    client = redis.Redis(port=processes.server.port)
+    # wait until a worker has claimed the batch (owner marked with '!'), then ask it to stop
+    wait_for(lambda: any(v.endswith(b"!") for v in client.hvals(KEYS.inflight_owner)), 30, "no claim")
+    assert processes.stop("worker0", sig=signal.SIGTERM, timeout_s=30) == 0
+    done = [r for r in results if r.ready()]
+    assert done, "the batch that was running should have finished before the worker exited"
+    for r in done:
+        assert r.successful()

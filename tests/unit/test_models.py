@@ -67,3 +67,36 @@ def test_unknown_model_names_the_choices() -> None:
         get_model("nonsense")
     with pytest.raises(UnknownModel, match="cannot be imported"):
         get_model("no_such_package.mod:Thing")
+
+
+class RunsOutOfMemory:
+    """A model whose batches of more than 4 rows do not fit in (pretend) accelerator memory."""
+
+    max_length = 16
+    pad_id = 0
+    needs_token_ids = True
+    calls: list[int] = []
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [[1] * len(t.split()) or [1] for t in texts]
+
+    def load(self, device: str) -> None:
+        pass
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[int]:
+        import torch
+
+        self.calls.append(len(input_ids))
+        if len(input_ids) > 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return [int(n) for n in attention_mask.sum(axis=1)]
+
+
+def test_out_of_memory_splits_and_retries_smaller_until_it_fits() -> None:
+    model = RunsOutOfMemory()
+    texts = [" ".join(["w"] * (i + 1)) for i in range(16)]
+    ids = model.encode(texts)
+    outcomes = run_isolating(model, ids, [len(i) for i in ids])
+    assert all(ok for ok, _ in outcomes)
+    assert [out for _, out in outcomes] == [i + 1 for i in range(16)]
+    assert model.calls[0] == 16 and max(model.calls[1:]) <= 8 and 4 in model.calls
