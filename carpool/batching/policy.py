@@ -12,7 +12,9 @@ Rules, in order of precedence for a (model, bin) queue:
    (only while it can still make it: otherwise it waits for a slot like any batch, or expires);
 3. full: ``max_batch`` requests, or one more would pass ``max_tokens``, leaves when a slot is free;
 4. wait: with a worker idle, a partial batch leaves once its oldest member waited
-   ``min(max_wait_s, wait_factor * predicted run time)``. With every worker busy it keeps filling.
+   ``min(max_wait_s, wait_factor * predicted run time)``, or at once when the recent arrival rate
+   says fewer than one more request would arrive in that time (light traffic: waiting only adds
+   latency). With every worker busy it keeps filling.
 Requests of different models never share a batch.
 """
 
@@ -33,6 +35,8 @@ PolicyKind = Literal["binned", "fifo", "shortest"]
 
 # Seconds of margin kept between a deadline flush and the deadline itself, for the hand-off.
 DEADLINE_GUARD_S = 0.01
+# Arrivals remembered per model to estimate the arrival rate.
+ARRIVAL_WINDOW = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +197,8 @@ class BatchPolicy:
         self.latency = latency or LatencyModel()
         self._fixed_bins = LengthBins(config.bin_edges if config.kind == "binned" else ())
         self._model_bins: dict[str, LengthBins] = {}
+        # Recent arrival times per model: the arrival rate says whether waiting can gain company.
+        self._arrivals: dict[str, deque[float]] = {}
         self._queues: dict[tuple[str, str], _Queue] = {}
 
     def __len__(self) -> int:
@@ -211,6 +217,10 @@ class BatchPolicy:
         return bins
 
     def add(self, req: Request) -> None:
+        recent = self._arrivals.get(req.model)
+        if recent is None:
+            recent = self._arrivals[req.model] = deque(maxlen=ARRIVAL_WINDOW)
+        recent.append(req.arrival_s)
         bins = self.bins_for(req.model)
         bins.observe(req.length)
         # Keyed by label, not index: after a refit, queues under old edges drain under their old key.
@@ -219,6 +229,17 @@ class BatchPolicy:
         if queue is None:
             queue = self._queues[key] = _Queue(order_by_length=self.config.kind == "shortest")
         queue.add(req)
+
+    def expected_arrivals(self, model: str, now_s: float, within_s: float) -> float:
+        """How many more requests for ``model`` to expect in the next ``within_s`` seconds."""
+        recent = self._arrivals.get(model)
+        if not recent:
+            return 0.0
+        # The long-window rate remembers a burst for a while; arrivals in the last `within_s` catch
+        # the start of one at once (the newest arrival is the one asking, so it does not count).
+        span = max(now_s - recent[0], 1e-6)
+        just_now = sum(1 for t in itertools.takewhile(lambda t: t >= now_s - within_s, reversed(recent)))
+        return max(len(recent) / span * within_s, just_now - 1.0)
 
     def predict_s(self, model: str, requests: list[Request]) -> float:
         longest = max(r.length for r in requests)
@@ -312,7 +333,10 @@ class BatchPolicy:
             if free_slots > 0:
                 return _Candidate(key, head, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
             return None, next_deadline_event
-        ready_at = oldest + min(cfg.max_wait_s, cfg.wait_factor * predicted)
+        wait_s = min(cfg.max_wait_s, cfg.wait_factor * predicted)
+        if self.expected_arrivals(model, now_s, wait_s) < 1.0:
+            wait_s = 0.0  # light traffic: no company is coming, waiting would only add latency
+        ready_at = oldest + wait_s
         if free_workers > 0 and free_slots > 0:
             if now_s >= ready_at:
                 return _Candidate(key, head, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None

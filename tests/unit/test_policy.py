@@ -314,3 +314,21 @@ def test_auto_binned_policy_keeps_every_request() -> None:
         if not len(p):
             break
     assert sorted(r.id for r in seen) == sorted(r.id for r in rs)
+
+
+def test_light_traffic_dispatches_at_once_when_a_worker_is_idle() -> None:
+    p = policy(max_batch=32, max_wait_s=1.0, wait_factor=10.0, bin_edges=())
+    # The very first request knows no rate yet: it waits its share.
+    p.add(req(8, at=0.0))
+    assert p.poll(0.0, free_workers=1, free_slots=1).batches == []
+    assert len(p.poll(0.2, free_workers=1, free_slots=1).batches) == 1
+    # Then one request a second: nothing would join a batch within the wait, so no waiting.
+    for t in range(1, 10):
+        p.add(req(8, at=float(t)))
+        plan = p.poll(float(t), free_workers=1, free_slots=1)
+        assert [b.size for b in plan.batches] == [1]
+        assert plan.batches[0].flush_reason is FlushReason.WAIT
+    # a burst: company is coming, so the partial batch waits its share
+    for _ in range(3):
+        p.add(req(8, at=10.0))
+    assert p.poll(10.0, free_workers=1, free_slots=1).batches == []
