@@ -1,9 +1,18 @@
 """Shared set-up. The producer-side Celery app reads CARPOOL_* at import, so the test session points
-it at its own embedded redis-server before anything imports ``carpool.celery_app``."""
+it at its own redis-server's address before anything imports ``carpool.celery_app`` (unit tests may
+import it first; they never connect). The integration fixture starts the server on that port, so no
+test ever talks to a Redis on the default port that happens to run on the machine."""
 
 from __future__ import annotations
 
 import os
+
+from carpool.embedded import free_port
+
+TEST_REDIS_PORT = free_port()
+os.environ["CARPOOL_TEST_REDIS_PORT"] = str(TEST_REDIS_PORT)
+os.environ["CARPOOL_BROKER_URL"] = f"redis://127.0.0.1:{TEST_REDIS_PORT}/0"
+os.environ["CARPOOL_RESULT_BACKEND"] = f"redis://127.0.0.1:{TEST_REDIS_PORT}/1"
 
 # Every model the integration stacks may serve; validation at .delay() accepts these.
 os.environ.setdefault(

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis() as server:
+    # tests/conftest.py already pointed CARPOOL_BROKER_URL at this port for the whole session.
+    with EmbeddedRedis(port=int(os.environ["CARPOOL_TEST_REDIS_PORT"])) as server:
         os.environ["CARPOOL_BROKER_URL"] = server.url(0)
         os.environ["CARPOOL_RESULT_BACKEND"] = server.url(1)
         yield server
