@@ -20,6 +20,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import IO, Any
 
+from carpool.bench.measure import percentile
 from carpool.embedded import EmbeddedRedis
 
 
@@ -40,14 +41,6 @@ class RunStats:
     @property
     def padding_ratio(self) -> float:
         return self.padded_tokens / self.real_tokens if self.real_tokens else 0.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 class Stack:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from carpool.batching import Batch, BatchPolicy, LatencyModel, PolicyConfig, Request, padded_length
 from carpool.batching.policy import PolicyKind
+from carpool.bench.measure import percentile
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -298,15 +299,6 @@ class SimResult:
     @property
     def p99_s(self) -> float:
         return self.latency_percentile(99)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, the same definition ``carpool demo`` reports."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 @dataclass(order=True, slots=True)

@@ -14,7 +14,7 @@ SHORT_TEXT = "The quick brown fox jumps over the lazy dog."
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``carpool demo`` uses the same)."""
+    """Nearest-rank percentile: the one definition ``carpool demo``, ``simulate`` and ``bench`` report."""
     ordered = sorted(values)
     if not ordered:
         return 0.0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from carpool.bench.measure import RunRecord, make_record, one_by_one_padding, poisson_arrivals
+from carpool.demo import release_result_consumer
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -91,7 +91,7 @@ class BenchEnv:
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
         if self.app is not None:
-            release_consumer(self.app)
+            release_result_consumer(self.app)
         if self.redis is not None:
             self.redis.cleanup()
         for f in self._logs:
@@ -225,16 +225,6 @@ def cpu_usage(before: dict[str, float], after: dict[str, float], requests: int) 
         other = (after["_busy"] - before["_busy"]) - sum(after[k] - before[k] for k in ours)
         out["background_cpu_cores"] = round(max(0.0, other) / wall, 3)
     return out
-
-
-def release_consumer(app: Celery) -> None:
-    """Let go of the result pub/sub connection before its redis-server stops (see carpool.demo)."""
-    gc.collect()
-    consumer = app.backend.result_consumer
-    with contextlib.suppress(Exception):
-        consumer.stop()
-    consumer._pubsub = None
-    consumer.subscribed_to.clear()
 
 
 def _done_at(result: AsyncResult) -> float:
