@@ -61,7 +61,9 @@ class MiniLM:
     def load(self, device: str, autocast_bf16: bool = False) -> None:
         import torch
         from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # a progress bar per worker start is noise in logs and demos
         model = AutoModel.from_pretrained(str(self.path), local_files_only=True)
         self._model = model.eval().to(device)
         self._device = device
