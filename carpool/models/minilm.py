@@ -63,7 +63,8 @@ class MiniLM:
         from transformers import AutoModel
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # a progress bar per worker start is noise in logs and demos
+        # A progress bar per worker start is noise in logs and demos.
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         model = AutoModel.from_pretrained(str(self.path), local_files_only=True)
         self._model = model.eval().to(device)
         self._device = device
