@@ -341,56 +341,69 @@ class Coordinator:
             self._publish(plan.batches, now)
 
     def _publish(self, batches: list[Batch], now: float) -> None:
+        sent = 0
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for batch in batches:
+                    self._publish_one(batch, producer, now)
+                    sent += 1
+        except Exception:
+            # The broker went away mid-plan: what was not handed on goes back into the policy
+            # (still held and leased by us), to leave with the next plan once Redis answers again.
+            for batch in batches[sent:]:
+                for req in batch.requests:
+                    self.policy.add(req)
+            raise
+
+    def _publish_one(self, batch: Batch, producer: Any, now: float) -> None:
         wall_now = self.wall()
-        with self.app.producer_or_acquire() as producer:
-            for batch in batches:
-                batch_id = uuid.uuid4().hex
-                ids = [r.id for r in batch.requests]
-                self.store.assign(batch_id, ids)
-                label = batch.bin_label
-                padding = batch.padded_tokens / max(1, batch.real_tokens)
-                message = {
-                    "id": batch_id,
-                    "model": batch.model,
-                    "bin": label,
-                    "flush": batch.flush_reason.value,
-                    "padded_len": batch.padded_len,
-                    "dispatched_at": wall_now,
-                    "coordinator": self.hostname,
-                    "requests": [r.payload for r in batch.requests],
-                }
-                # Flower shows argsrepr; the token ids it would otherwise show help nobody.
-                summary = (
-                    f"size={batch.size} bin={label} width={batch.padded_len} "
-                    f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}"
-                )
-                self.app.send_task(
-                    RUN_BATCH,
-                    args=[message],
-                    queue=self.settings.batch_queue,
-                    producer=producer,
-                    ignore_result=True,
-                    argsrepr=summary,
-                    kwargsrepr="{}",
-                )
-                predicted = self.latency.predict(batch.model, batch.padded_tokens)
-                self.outstanding[batch_id] = _Outstanding(ids, batch.model, predicted, now)
-                self._held.difference_update(ids)
-                self.stats.batches += 1
-                self.stats.dispatched += batch.size
-                self.stats.padded_tokens += batch.padded_tokens
-                self.stats.real_tokens += batch.real_tokens
-                self.stats.flush[batch.flush_reason.value] += 1
-                self.stats.sizes[batch.size] += 1
-                self.metrics.batch_dispatched(
-                    batch.model,
-                    label,
-                    batch.size,
-                    batch.padded_tokens,
-                    batch.real_tokens,
-                    batch.flush_reason.value,
-                    [now - r.arrival_s for r in batch.requests],
-                )
+        batch_id = uuid.uuid4().hex
+        ids = [r.id for r in batch.requests]
+        self.store.assign(batch_id, ids)
+        label = batch.bin_label
+        padding = batch.padded_tokens / max(1, batch.real_tokens)
+        message = {
+            "id": batch_id,
+            "model": batch.model,
+            "bin": label,
+            "flush": batch.flush_reason.value,
+            "padded_len": batch.padded_len,
+            "dispatched_at": wall_now,
+            "coordinator": self.hostname,
+            "requests": [r.payload for r in batch.requests],
+        }
+        # Flower shows argsrepr; the token ids it would otherwise show help nobody.
+        summary = (
+            f"size={batch.size} bin={label} width={batch.padded_len} "
+            f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}"
+        )
+        self.app.send_task(
+            RUN_BATCH,
+            args=[message],
+            queue=self.settings.batch_queue,
+            producer=producer,
+            ignore_result=True,
+            argsrepr=summary,
+            kwargsrepr="{}",
+        )
+        predicted = self.latency.predict(batch.model, batch.padded_tokens)
+        self.outstanding[batch_id] = _Outstanding(ids, batch.model, predicted, now)
+        self._held.difference_update(ids)
+        self.stats.batches += 1
+        self.stats.dispatched += batch.size
+        self.stats.padded_tokens += batch.padded_tokens
+        self.stats.real_tokens += batch.real_tokens
+        self.stats.flush[batch.flush_reason.value] += 1
+        self.stats.sizes[batch.size] += 1
+        self.metrics.batch_dispatched(
+            batch.model,
+            label,
+            batch.size,
+            batch.padded_tokens,
+            batch.real_tokens,
+            batch.flush_reason.value,
+            [now - r.arrival_s for r in batch.requests],
+        )
 
     # --- housekeeping ----------------------------------------------------------------------
     def housekeeping(self, now: float) -> None:

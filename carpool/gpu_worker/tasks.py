@@ -84,6 +84,14 @@ class WorkerRuntime:
                 log.warning("heartbeat failed: %s", exc)
 
     def run(self, batch: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._run(batch)
+        finally:
+            # Whatever happened, stop renewing this batch's leases: if it did not finish, its
+            # requests must come back through recovery instead of being held forever.
+            self._running = []
+
+    def _run(self, batch: dict[str, Any]) -> dict[str, Any]:
         batch_id = batch["id"]
         requests = batch["requests"]
         owned = self.store.claim(batch_id, [r["id"] for r in requests])
@@ -139,7 +147,9 @@ class WorkerRuntime:
                     entries.append((r["id"], SUCCESS, out))
                 else:
                     entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
-        self.backend.store_many(entries)
+        # Redis may be restarting: the results are computed, so keep trying to hand them over for a
+        # while before giving the batch up to recovery.
+        _retrying(lambda: self.backend.store_many(entries))
         per_request_s = run_s or 0.0
         for task_id, state, value in entries:
             if state == SUCCESS:
@@ -163,9 +173,24 @@ class WorkerRuntime:
             "failed_deadline": sum(1 for e in entries if isinstance(e[2], DeadlineExceeded)),
             "done_at": time.time(),
         }
-        self.store.ack([r["id"] for r in mine], report, coordinator=batch.get("coordinator", ""))
-        self._running = []
+        coordinator = batch.get("coordinator", "")
+        _retrying(lambda: self.store.ack([r["id"] for r in mine], report, coordinator=coordinator))
         return report
+
+
+def _retrying(call: Any, attempts: int = 8, first_pause_s: float = 0.1) -> Any:
+    """``call()``, retried with backoff (about 25 s in all) while Redis is unreachable."""
+    pause = first_pause_s
+    for attempt in range(attempts):
+        try:
+            return call()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if attempt == attempts - 1:
+                raise
+            log.warning("redis unavailable (%s); retrying in %.1fs", exc, pause)
+            time.sleep(pause)
+            pause = min(5.0, pause * 2)
+    return None
 
 
 _runtime: WorkerRuntime | None = None
