@@ -124,7 +124,7 @@ def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis
         t0 = time.perf_counter()
         assert r.get(timeout=10) == n
         slowest = max(slowest, time.perf_counter() - t0)
-    assert slowest < 0.1, f"slowest .get(): {slowest:.3f}s"
+    assert slowest < 0.25, f"slowest .get(): {slowest:.3f}s"  # the stock backend: ~1 s
 
 
 def test_results_are_stored_once(clean_redis) -> None:  # type: ignore[no-untyped-def]
