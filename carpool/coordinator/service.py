@@ -173,8 +173,6 @@ class Coordinator:
         taken = self.store.take(self.settings.take_max)
         if taken:
             self._admit(taken, self.clock())
-            # Received must reach Flower before a fast worker's started/succeeded for the same task.
-            self.events.flush()
         now = self.clock()
         self._dispatch(now)
         self.events.flush()
@@ -338,6 +336,9 @@ class Coordinator:
                 )
             self._fail(failures, ["deadline"] * len(failures))
         if plan.batches:
+            # Received events must reach Flower before a fast worker's started/succeeded for the same
+            # tasks, so they go out now, in one publish with whatever else this step buffered.
+            self.events.flush()
             self._publish(plan.batches, now)
 
     def _publish(self, batches: list[Batch], now: float) -> None:

@@ -31,6 +31,7 @@ from carpool.store import RequestStore
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+LIVE_STARTED_S = 0.5  # batches longer than this publish their STARTED events before running
 
 
 class WorkerRuntime:
@@ -49,6 +50,7 @@ class WorkerRuntime:
             app, f"carpool-gpu-{os.getpid()}@{socket.gethostname()}", enabled=self.settings.events
         )
         self._running: list[str] = []
+        self._last_run_s: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.settings.torch_threads:
@@ -128,14 +130,19 @@ class WorkerRuntime:
         padded_len = 0
         if live:
             self._running = [r["id"] for r in live]
+            # Timestamped now; published now only when the batch is expected to run long enough
+            # for someone to watch it as STARTED, otherwise together with the results (one publish
+            # per batch instead of two; Flower still sees received -> started -> succeeded).
             self.events.started(self._running)
-            self.events.flush()
+            if self._last_run_s.get(batch["model"], 0.0) > LIVE_STARTED_S:
+                self.events.flush()
             try:
                 model = loaded_model(batch["model"], self.device, self.settings.autocast_bf16)
                 lengths = [r["len"] for r in live]
                 t0 = time.perf_counter()
                 outcomes = run_isolating(model, [r["ids"] for r in live], lengths)
                 elapsed = time.perf_counter() - t0
+                self._last_run_s[batch["model"]] = elapsed
                 if all(ok for ok, _ in outcomes):
                     run_s = elapsed  # a split batch's time says nothing about the latency model
                 padded_len = padded_length(max(lengths))
