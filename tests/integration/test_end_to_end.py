@@ -87,7 +87,14 @@ def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
     """Length bins complete requests out of order; .get() in submission order must not stall."""
     from carpool.tasks import infer
 
-    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy", CARPOOL_MAX_BATCH="16")
+    # One torch thread: on two cores, spinning OpenMP threads would starve this producer at random.
+    start_stack(
+        processes,
+        CARPOOL_MODEL="toy",
+        CARPOOL_MODELS="toy",
+        CARPOOL_MAX_BATCH="16",
+        CARPOOL_TORCH_THREADS="1",
+    )
     import redis
 
     results_db = redis.Redis(port=processes.server.port, db=1)
@@ -105,8 +112,13 @@ def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
     out_of_order = sum(1 for a, b in itertools.pairwise(done_times) if b < a)
     assert out_of_order > 10, "the workload should complete out of submission order"
     assert len(stored_gets) > 50, "most results should be stored before their .get() is called"
-    # Celery's stock backend stalls ~1 s here; a result already stored must come back in milliseconds.
-    assert max(stored_gets) < 0.25, f"slowest .get() of a stored result: {max(stored_gets):.3f}s"
+    # Celery's stock backend stalls up to its 1 s drain timeout on most of these calls. A result
+    # already stored must come back in milliseconds: nearly always (p95), and never near that 1 s
+    # (the slowest; on a shared 2-core machine one call can lose a few hundred ms to scheduling).
+    ordered = sorted(stored_gets)
+    p95 = ordered[int(0.95 * (len(ordered) - 1))]
+    assert p95 < 0.05, f"p95 .get() of a stored result: {p95:.3f}s"
+    assert ordered[-1] < 0.9, f"slowest .get() of a stored result: {ordered[-1]:.3f}s"
 
 
 def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis) -> None:  # type: ignore[no-untyped-def]

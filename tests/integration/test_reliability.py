@@ -268,7 +268,8 @@ def test_garbage_in_the_request_queue_is_dead_lettered(processes: Processes) -> 
     reasons = [e.decode() for e in client.lrange(KEYS.dead_letter, 0, -1)]
     assert any("not JSON" in r for r in reasons)
     assert any("unknown task name 'someone.else'" in r for r in reasons)
-    assert in_flight(processes) == 0
+    # the good request is acked just after its result is stored: allow the worker that moment
+    wait_for(lambda: in_flight(processes) == 0, 5, "in-flight entries left behind")
 
 
 def test_a_model_error_fails_only_the_culprits(processes: Processes) -> None:
