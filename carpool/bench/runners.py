@@ -263,7 +263,32 @@ class CelerySystem:
         raise NotImplementedError
 
     def send(self, texts: Sequence[str], sent_at: float) -> list[AsyncResult]:
-        raise NotImplementedError
+        """``carpool.infer`` for every text, published in one round trip, stamped with ``sent_at``."""
+        from carpool.client import SENT_AT_HEADER, submit_many
+
+        return submit_many(texts, model=self.model, app=self.env.app, headers={SENT_AT_HEADER: sent_at})
+
+    def spawn_celery_worker(self, name: str, hostname: str, queue: str, *extra: str) -> None:
+        """A baseline ``celery worker`` (solo pool, no gossip/mingle/heartbeat) on ``queue``."""
+        argv = [
+            "celery",
+            "-A",
+            "carpool.bench.baselines",
+            "worker",
+            "-Q",
+            queue,
+            "--pool",
+            "solo",
+            *extra,
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "--loglevel",
+            "warning",
+            "-n",
+            f"{hostname}-{os.getpid()}@%h",
+        ]
+        self.env.spawn(name, argv, self.env.child_env())
 
     def snapshot(self) -> dict[str, float]:
         return {}
@@ -484,11 +509,6 @@ class CarpoolSystem(CelerySystem):
                 raise BenchError(f"carpool workers not up in {timeout_s:.0f}s")
             time.sleep(0.1)
 
-    def send(self, texts: Sequence[str], sent_at: float) -> list[AsyncResult]:
-        from carpool.client import SENT_AT_HEADER, submit_many
-
-        return submit_many(texts, model=self.model, app=self.env.app, headers={SENT_AT_HEADER: sent_at})
-
     def snapshot(self) -> dict[str, float]:
         from carpool.keys import Keys
 
@@ -509,34 +529,8 @@ class PlainCelerySystem(CelerySystem):
     def start(self) -> None:
         from carpool.workload import mixed_texts
 
-        env = self.env.child_env()
-        self.env.spawn(
-            "celery-plain",
-            [
-                "celery",
-                "-A",
-                "carpool.bench.baselines",
-                "worker",
-                "-Q",
-                self.env.settings.request_queue,
-                "--pool",
-                "solo",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "--loglevel",
-                "warning",
-                "-n",
-                f"bench-plain-{os.getpid()}@%h",
-            ],
-            env,
-        )
+        self.spawn_celery_worker("celery-plain", "bench-plain", self.env.settings.request_queue)
         self.warm_up(mixed_texts(8, seed=999))
-
-    def send(self, texts: Sequence[str], sent_at: float) -> list[AsyncResult]:
-        from carpool.client import SENT_AT_HEADER, submit_many
-
-        return submit_many(texts, model=self.model, app=self.env.app, headers={SENT_AT_HEADER: sent_at})
 
     def batches_since(
         self, before: dict[str, float], lengths: Sequence[int]
@@ -553,29 +547,9 @@ class CeleryBatchesSystem(CelerySystem):
     def start(self) -> None:
         from carpool.workload import mixed_texts
 
-        env = self.env.child_env()
-        self.env.spawn(
-            "celery-batches",
-            [
-                "celery",
-                "-A",
-                "carpool.bench.baselines",
-                "worker",
-                "-Q",
-                self._queue(),
-                "--pool",
-                "solo",
-                "--prefetch-multiplier",
-                "10000",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "--loglevel",
-                "warning",
-                "-n",
-                f"bench-batches-{os.getpid()}@%h",
-            ],
-            env,
+        # A prefetch of 0 reads as "not given" on the CLI; 10000 lets a flush fill up (see docs).
+        self.spawn_celery_worker(
+            "celery-batches", "bench-batches", self._queue(), "--prefetch-multiplier", "10000"
         )
         self.warm_up(mixed_texts(4 * self.env.max_batch, seed=999))
 
