@@ -47,6 +47,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import TimeoutError as CeleryTimeoutError
@@ -143,14 +144,89 @@ def publish_tasks(
     direct exchange (``carpool bench`` sends its celery-batches baseline with it). ``queue`` overrides
     the task's route; ``sent_events`` defaults to the app's ``task_send_sent_event``.
     """
+    app = app or _default_app()
+    if not calls:
+        return []
+    built = build_task_messages(
+        name,
+        calls,
+        app=app,
+        queue=queue,
+        priority=priority,
+        expires=expires,
+        headers=headers,
+        sent_events=sent_events,
+    )
+    if subscribe:
+        subscribe_results(app.backend, built.ids)
+    try:
+        with app.producer_or_acquire() as producer:
+            channel = producer.channel
+            with (
+                producer.connection._reraise_as_library_errors(),
+                channel.conn_or_acquire() as client,
+                client.pipeline(transaction=True) as pipe,
+            ):
+                # LPUSH k a b c == LPUSH k a; LPUSH k b; LPUSH k c: same order, one command per list.
+                for key, raws in built.pushes.items():
+                    for start in range(0, len(raws), _LPUSH_CHUNK):
+                        pipe.lpush(key, *raws[start : start + _LPUSH_CHUNK])
+                for topic, raw in built.events:
+                    pipe.publish(topic, raw)
+                pipe.execute()
+    except BaseException:
+        if subscribe:
+            unsubscribe_results(app.backend, built.ids)
+        raise
+    built.published()
+    return [app.AsyncResult(task_id) for task_id in built.ids]
+
+
+@dataclass
+class TaskMessages:
+    """Celery task messages built for a Redis queue, ready to be pushed by whoever sends them."""
+
+    name: str
+    queue: str
+    ids: list[str]
+    pushes: dict[str, list[str]]  # request list (one per priority step) -> envelopes, in send order
+    events: list[tuple[str, str]]  # (topic, raw) of the task-sent events
+    _after: list[tuple[Any, dict[str, Any]]]
+
+    def published(self) -> None:
+        """Send Celery's ``after_task_publish`` signal for each message (call once they are sent)."""
+        from celery import signals
+
+        for body, task_headers in self._after:
+            signals.after_task_publish.send(
+                sender=self.name, body=body, headers=task_headers, exchange="", routing_key=self.queue
+            )
+
+
+def build_task_messages(
+    name: str,
+    calls: Sequence[tuple[Sequence[Any], Mapping[str, Any]]],
+    *,
+    app: Celery,
+    queue: str | None = None,
+    priority: int | None = None,
+    expires: Any = None,
+    headers: Mapping[str, Any] | None = None,
+    sent_events: bool | None = None,
+    task_ids: Sequence[str] | None = None,
+    argsreprs: Sequence[str] | None = None,
+) -> TaskMessages:
+    """The messages ``app.send_task`` would publish for each call, without publishing them.
+
+    ``task_ids`` and ``argsreprs`` (one per call) replace the generated id and the computed repr;
+    Celery's ``before_task_publish`` receivers run here, ``after_task_publish`` ones on
+    :meth:`TaskMessages.published`.
+    """
     from kombu.entity import maybe_delivery_mode
     from kombu.serialization import dumps as serialize
     from kombu.utils.json import dumps as envelope_dumps
     from kombu.utils.uuid import uuid
 
-    app = app or _default_app()
-    if not calls:
-        return []
     conf = app.conf
     route = app.amqp.router.route({"queue": queue} if queue else {}, name, (), {})
     target = route["queue"]
@@ -175,79 +251,64 @@ def publish_tasks(
 
     before = signals.before_task_publish.receivers
     after = signals.after_task_publish.receivers
-    ids: list[str] = []
-    bodies: list[tuple[Any, dict[str, Any]]] = []
+    built = TaskMessages(name=name, queue=qname, ids=[], pushes={}, events=[], _after=[])
     argsrepr_max = app.amqp.argsrepr_maxsize
-    with app.producer_or_acquire() as producer:
-        channel = producer.channel
-        with producer.connection._reraise_as_library_errors():
-            pushes: dict[str, list[str]] = {}
-            events: list[tuple[str, str]] = []
-            for args, kwargs in calls:
-                task_id = uuid()
-                args = tuple(args)  # as Task.delay passes them (argsrepr shows a tuple)
-                task_headers, properties, body, sent_event = app.amqp.create_task_message(
-                    task_id,
-                    name,
-                    args,
-                    dict(kwargs),
-                    expires=expires,
-                    reply_to=reply_to,
-                    create_sent_event=sent_events,
-                    argsrepr=_fast_repr(args, argsrepr_max),
-                    kwargsrepr="{}" if not kwargs else None,
-                )
-                task_headers.update(extra_headers)
-                if before:
-                    signals.before_task_publish.send(
-                        sender=name,
-                        body=body,
-                        exchange="",
-                        routing_key=qname,
-                        declare=[target],
-                        headers=task_headers,
-                        properties=properties,
-                        retry_policy=None,
-                    )
-                content_type, content_encoding, data = serialize(body, serializer=serializer)
-                if compression:
-                    from kombu.compression import compress
-
-                    data, task_headers["compression"] = compress(data, compression)
-                properties["delivery_mode"] = delivery_mode
-                message = channel.prepare_message(
-                    data, priority, content_type, content_encoding, task_headers, properties
-                )
-                channel._inplace_augment_message(message, "", qname)
-                key = channel._q_for_pri(qname, channel._get_message_priority(message, reverse=False))
-                pushes.setdefault(key, []).append(envelope_dumps(message))
-                if evd is not None and sent_event is not None:
-                    sent_event.update(queue=qname, exchange="", routing_key=qname)
-                    events.append(_sent_event(channel, evd, sent_event))
-                ids.append(task_id)
-                if after:
-                    bodies.append((body, task_headers))
-            if subscribe:
-                subscribe_results(app.backend, ids)
-            try:
-                with channel.conn_or_acquire() as client, client.pipeline(transaction=True) as pipe:
-                    # LPUSH k a b c == LPUSH k a; LPUSH k b; LPUSH k c: same order, one command per list.
-                    for key, raws in pushes.items():
-                        for start in range(0, len(raws), _LPUSH_CHUNK):
-                            pipe.lpush(key, *raws[start : start + _LPUSH_CHUNK])
-                    for topic, raw in events:
-                        pipe.publish(topic, raw)
-                    pipe.execute()
-            except BaseException:
-                if subscribe:
-                    unsubscribe_results(app.backend, ids)
-                raise
-    if after:
-        for body, task_headers in bodies:
-            signals.after_task_publish.send(
-                sender=name, body=body, headers=task_headers, exchange="", routing_key=qname
+    channel = _channel(app)
+    for index, (args, kwargs) in enumerate(calls):
+        task_id = task_ids[index] if task_ids is not None else uuid()
+        args = tuple(args)  # as Task.delay passes them (argsrepr shows a tuple)
+        task_headers, properties, body, sent_event = app.amqp.create_task_message(
+            task_id,
+            name,
+            args,
+            dict(kwargs),
+            expires=expires,
+            reply_to=reply_to,
+            create_sent_event=sent_events,
+            argsrepr=argsreprs[index] if argsreprs is not None else _fast_repr(args, argsrepr_max),
+            kwargsrepr="{}" if not kwargs else None,
+        )
+        task_headers.update(extra_headers)
+        if before:
+            signals.before_task_publish.send(
+                sender=name,
+                body=body,
+                exchange="",
+                routing_key=qname,
+                declare=[target],
+                headers=task_headers,
+                properties=properties,
+                retry_policy=None,
             )
-    return [app.AsyncResult(task_id) for task_id in ids]
+        content_type, content_encoding, data = serialize(body, serializer=serializer)
+        if compression:
+            from kombu.compression import compress
+
+            data, task_headers["compression"] = compress(data, compression)
+        properties["delivery_mode"] = delivery_mode
+        message = channel.prepare_message(
+            data, priority, content_type, content_encoding, task_headers, properties
+        )
+        channel._inplace_augment_message(message, "", qname)
+        key = channel._q_for_pri(qname, channel._get_message_priority(message, reverse=False))
+        built.pushes.setdefault(key, []).append(envelope_dumps(message))
+        if evd is not None and sent_event is not None:
+            sent_event.update(queue=qname, exchange="", routing_key=qname)
+            built.events.append(_sent_event(channel, evd, sent_event))
+        built.ids.append(task_id)
+        if after:
+            built._after.append((body, task_headers))
+    return built
+
+
+def _channel(app: Celery) -> Any:
+    """A kombu Redis channel of ``app``'s broker, kept per app: only its message-building methods are
+    used here (no I/O), and opening one costs a connection and a PING."""
+    channel = getattr(app, "_carpool_build_channel", None)
+    if channel is None:
+        channel = app.connection_for_write().default_channel
+        app._carpool_build_channel = channel
+    return channel
 
 
 def _fast_repr(args: tuple[Any, ...], limit: int) -> str | None:

@@ -121,6 +121,18 @@ class Settings(BaseSettings):
         """The default model first, then any others in ``models``."""
         return (self.model, *(m for m in self.models if m != self.model))
 
+    def shared_server_dbs(self) -> tuple[int, int] | None:
+        """(broker db, results db) when the broker and the result backend are one Redis server.
+
+        Then a worker claims a batch in one script and finishes it (results, acks, report, events) in
+        another, switching databases inside the script; otherwise it needs a few more round trips.
+        """
+        from redis.connection import parse_url
+
+        broker, results = parse_url(self.broker_url), parse_url(self.result_backend)
+        broker_db, results_db = int(broker.pop("db", 0) or 0), int(results.pop("db", 0) or 0)
+        return (broker_db, results_db) if broker == results else None
+
     @field_validator("bin_edges")
     @classmethod
     def _check_edges(cls, edges: tuple[int, ...]) -> tuple[int, ...]:

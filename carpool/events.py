@@ -4,97 +4,135 @@ Nobody runs ``carpool.infer`` as a Celery task, so nobody would send its events;
 sends ``task-received`` when it takes a request, the worker ``task-started`` and then
 ``task-succeeded``/``task-failed`` with the batch's run time. Events are buffered and published as
 one list message per flush (Celery's ``task.multi``; Flower and ``celery events`` accept lists),
-so a batch of 32 costs one publish, not 96. Events are telemetry: a failure to send is logged and
-dropped, never allowed to stop serving.
+so a batch of 32 costs one publish, not 96.
+
+Cost. Going through ``app.events.Dispatcher`` cost about 0.18 ms of CPU per request (the event
+object, Celery's per-event bookkeeping, and kombu's publish building a new Redis client per message):
+half of the pipeline's own cost on the null model (docs/PERFORMANCE.md). Here an event is a dict with
+the fields ``celery.events.Event`` would give it (type, timestamp, hostname, utcoffset, pid, Lamport
+clock from ``app.clock``), and a flush is one ``json.dumps`` into kombu's envelope
+(:mod:`carpool.wire`) that the caller can PUBLISH inside a pipeline it sends anyway.
+
+Events are telemetry: a failure to build or send them is logged and dropped, never allowed to stop
+serving.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
 from celery import Celery
-from celery.utils.saferepr import saferepr
 
 log = logging.getLogger(__name__)
 
 TASK_NAME = "carpool.infer"
 REPR_LIMIT = 200  # characters of a result or argument shown in Flower
+_UTCOFFSET_REFRESH_S = 60.0  # the offset changes only at DST transitions
+
+
+def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
+    """A repr of ``value`` cut to ``limit`` characters, without building the whole repr of a long list.
+
+    An embedding is a list of hundreds of floats; ``repr`` of all of it to show 200 characters cost
+    more than everything else the worker does per request on the null model.
+    """
+    if isinstance(value, list | tuple) and len(value) > 16:
+        head = ", ".join(repr(v) for v in value[:16])
+        text = f"[{head}, ... ({len(value)} items)]"
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class TaskEvents:
-    def __init__(self, app: Celery, hostname: str, enabled: bool = True) -> None:
+    def __init__(self, app: Celery, hostname: str, enabled: bool = True, client: Any = None) -> None:
         self.enabled = enabled
         self.hostname = hostname
         self._app = app
-        self._conn: Any = None
-        self._dispatcher: Any = None
-        self._pending = 0
+        self._client = client  # a redis.Redis on the broker, for flush()
+        self._encoder: Any = None
+        self._pid = os.getpid()
+        self._buffer: list[dict[str, Any]] = []
+        self._utcoffset = 0
+        self._utcoffset_at = -_UTCOFFSET_REFRESH_S
 
-    def _get(self) -> Any:
-        if self._dispatcher is None:
-            self._conn = self._app.connection_for_write()
-            self._dispatcher = self._app.events.Dispatcher(
-                self._conn, hostname=self.hostname, buffer_group=["task"], buffer_limit=100_000
-            )
-        return self._dispatcher
-
-    def _send(self, type_: str, **fields: Any) -> None:
+    def _event(self, type_: str, fields: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        try:
-            self._get().send(type_, **fields)
-            self._pending += 1
-        except Exception as exc:  # telemetry must never stop serving
-            log.debug("could not buffer event %s: %s", type_, exc)
+        now = time.time()
+        if now - self._utcoffset_at > _UTCOFFSET_REFRESH_S:
+            from celery.utils.time import utcoffset
+
+            self._utcoffset = utcoffset()
+            self._utcoffset_at = now
+        fields["type"] = type_
+        fields["hostname"] = self.hostname
+        fields["utcoffset"] = self._utcoffset
+        fields["pid"] = self._pid
+        fields["clock"] = self._app.clock.forward()
+        fields["timestamp"] = now
+        self._buffer.append(fields)
 
     def received(self, task_id: str, argsrepr: str, kwargsrepr: str = "{}") -> None:
-        self._send(
+        self._event(
             "task-received",
-            uuid=task_id,
-            name=TASK_NAME,
-            args=argsrepr,
-            kwargs=kwargsrepr,
-            retries=0,
-            eta=None,
-            expires=None,
-            root_id=task_id,
-            parent_id=None,
+            {
+                "uuid": task_id,
+                "name": TASK_NAME,
+                "args": argsrepr,
+                "kwargs": kwargsrepr,
+                "retries": 0,
+                "eta": None,
+                "expires": None,
+                "root_id": task_id,
+                "parent_id": None,
+            },
         )
 
     def started(self, task_ids: Iterable[str]) -> None:
         for task_id in task_ids:
-            self._send("task-started", uuid=task_id)
+            self._event("task-started", {"uuid": task_id})
 
     def succeeded(self, task_id: str, result: Any, runtime_s: float) -> None:
-        self._send("task-succeeded", uuid=task_id, result=saferepr(result, REPR_LIMIT), runtime=runtime_s)
+        self._event("task-succeeded", {"uuid": task_id, "result": short_repr(result), "runtime": runtime_s})
 
     def failed(self, task_id: str, exc: BaseException, runtime_s: float | None = None) -> None:
-        self._send(
+        self._event(
             "task-failed",
-            uuid=task_id,
-            exception=saferepr(exc, REPR_LIMIT),
-            traceback=None,
-            runtime=runtime_s,
+            {"uuid": task_id, "exception": short_repr(exc), "traceback": None, "runtime": runtime_s},
         )
 
-    def flush(self) -> None:
-        if not self._pending or self._dispatcher is None:
-            return
-        self._pending = 0
+    def pending(self) -> int:
+        return len(self._buffer)
+
+    def take(self) -> tuple[str, bytes] | None:
+        """The buffered events as one ``task.multi`` message: (topic, raw) to PUBLISH; None if none.
+
+        The buffer is emptied either way: events that cannot be encoded are dropped (telemetry).
+        """
+        if not self._buffer:
+            return None
+        events, self._buffer = self._buffer, []
         try:
-            self._dispatcher.flush()
+            if self._encoder is None:
+                from carpool.wire import event_encoder
+
+                self._encoder = event_encoder(self._app, "task.multi", self.hostname)
+            return self._encoder.topic, self._encoder.encode(events)
+        except Exception as exc:
+            log.warning("could not encode %d task events (Flower will miss them): %s", len(events), exc)
+            return None
+
+    def flush(self) -> None:
+        """Publish what is buffered, on the client given at construction."""
+        message = self.take()
+        if message is None or self._client is None:
+            return
+        try:
+            self._client.publish(*message)
         except Exception as exc:
             log.warning("could not publish task events (Flower will miss them): %s", exc)
-            self.close()
-
-    def close(self) -> None:
-        if self._dispatcher is not None:
-            try:
-                self._dispatcher.close()
-                self._conn.release()
-            except Exception:  # already broken; we are letting go of it
-                pass
-        self._dispatcher = None
-        self._conn = None

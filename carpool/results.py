@@ -16,6 +16,8 @@ same request never overwrites the first answer) and PUBLISHes it to wake waiting
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -56,8 +58,26 @@ class CarpoolRedisBackend(RedisBackend):
         super().__init__(*args, **kwargs)
         self._store_once = self.client.register_script(_STORE_ONCE)
 
-    def meta_for(self, task_id: str, state: str, result: Any) -> bytes:
-        """Encoded result meta, as Celery's own ``store_result`` would write it."""
+    def meta_for(self, task_id: str, state: str, result: Any, date_done: str | None = None) -> bytes:
+        """Encoded result meta, as Celery's own ``store_result`` would write it.
+
+        A success is encoded directly (the five fields of ``_get_result_meta`` plus the task id, with
+        ``date_done`` computed once per batch by :meth:`store_args`): Celery's general path costs
+        about 35 us per result on the 2-core machine, several times the encoding itself. Failures
+        (rare) take Celery's path, which knows how to serialise exceptions.
+        """
+        if state == SUCCESS and date_done is not None and self.serializer == "json":
+            with contextlib.suppress(TypeError, ValueError):  # not plain JSON: Celery's encoder decides
+                return json.dumps(
+                    {
+                        "status": state,
+                        "result": result,
+                        "traceback": None,
+                        "children": None,
+                        "date_done": date_done,
+                        "task_id": task_id,
+                    }
+                ).encode("utf-8")
         meta = self._get_result_meta(
             result=self.encode_result(result, state), state=state, traceback=None, request=None
         )
@@ -65,17 +85,27 @@ class CarpoolRedisBackend(RedisBackend):
         encoded = self.encode(meta)
         return encoded if isinstance(encoded, bytes) else encoded.encode("utf-8")
 
-    def store_many(self, entries: Iterable[tuple[str, str, Any]]) -> list[str]:
+    def store_args(self, entries: Sequence[tuple[str, str, Any]]) -> tuple[list[str], list[Any]]:
+        """(keys, args) of the write-once script for (task_id, state, result-or-exception) triples."""
+        date_done = self.app.now().isoformat()
+        keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
+        payloads = [self.meta_for(task_id, state, result, date_done) for task_id, state, result in entries]
+        return keys, [int(self.expires or 86400), *payloads]
+
+    def store_many(self, entries: Iterable[tuple[str, str, Any]], client: Any = None) -> Any:
         """Store (task_id, state, result-or-exception) triples; return the ids actually stored.
 
-        A task id that already has a result keeps it: at-least-once execution, one answer.
+        A task id that already has a result keeps it: at-least-once execution, one answer. With
+        ``client`` a pipeline, the script is queued on it and the pipeline is returned instead
+        (``execute()`` then gives the 1-based indexes of the entries stored).
         """
         entries = list(entries)
         if not entries:
-            return []
-        keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
-        payloads = [self.meta_for(task_id, state, result) for task_id, state, result in entries]
-        stored = self._store_once(keys=keys, args=[int(self.expires or 86400), *payloads])
+            return [] if client is None else client
+        keys, args = self.store_args(entries)
+        if client is not None:
+            return self._store_once(keys=keys, args=args, client=client)
+        stored = self._store_once(keys=keys, args=args)
         return [entries[int(i) - 1][0] for i in stored]
 
     def existing(self, task_ids: Sequence[str]) -> set[str]:

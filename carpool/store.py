@@ -28,15 +28,18 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: lease, raw, request lists in drain order. ARGV: max count, lease ms.
-# Returns a flat list id1, raw1, id2, raw2, ...
+# KEYS: lease, raw, this coordinator's report list, request lists in drain order.
+# ARGV: max count, lease ms, max reports.
+# Returns {flat list id1, raw1, id2, raw2, ..., reports (newest last)}: a step's intake in one trip.
 _TAKE = (
     _NOW_MS
     + """
 local expiry = now + tonumber(ARGV[2])
 local want = tonumber(ARGV[1])
 local out = {}
-for i = 3, #KEYS do
+local reports = {}
+if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or {} end
+for i = 4, #KEYS do
   local left = want - #out / 2
   if left <= 0 then break end
   local got = redis.call('RPOP', KEYS[i], left)
@@ -60,7 +63,38 @@ for i = 3, #KEYS do
     end
   end
 end
-return out
+return {out, reports}
+"""
+)
+
+# KEYS: lease, owner, batch queue list. ARGV: lease ms, events topic ('' = none), events message,
+# then per batch: batch id, n, n request ids, the batch's task message.
+# Publishes the events first (Flower sees requests received before any worker starts them), then
+# per batch records its owner on the requests still in flight, renews their leases and pushes its
+# message: the whole dispatch of a coordinator step is one atomic round trip, and a worker never
+# sees a batch whose ownership is not recorded yet. Returns how many requests were assigned.
+_DISPATCH = (
+    _NOW_MS
+    + """
+local expiry = now + tonumber(ARGV[1])
+if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
+local n = 0
+local i = 4
+while i <= #ARGV do
+  local batch = ARGV[i]
+  local count = tonumber(ARGV[i + 1])
+  for j = i + 2, i + 1 + count do
+    local id = ARGV[j]
+    if redis.call('ZSCORE', KEYS[1], id) then
+      redis.call('HSET', KEYS[2], id, batch)
+      redis.call('ZADD', KEYS[1], 'XX', expiry, id)
+      n = n + 1
+    end
+  end
+  redis.call('LPUSH', KEYS[3], ARGV[i + 2 + count])
+  i = i + 3 + count
+end
+return n
 """
 )
 
@@ -113,6 +147,69 @@ end
 return out
 """
 )
+
+# KEYS: lease, owner, then one result key per id. ARGV: batch id, lease ms, results db, ids...
+# As _CLAIM, and also says which of the claimed ids already have a result (a rerun after recovery):
+# 0 = not this batch's any more, 1 = claimed and unanswered, 2 = claimed but answered already.
+_CLAIM_FRESH = (
+    _NOW_MS
+    + """
+local expiry = now + tonumber(ARGV[2])
+local batch = ARGV[1]
+local out = {}
+for i = 4, #ARGV do
+  local id = ARGV[i]
+  local owner = redis.call('HGET', KEYS[2], id)
+  if (owner == batch or owner == batch .. '!') and redis.call('ZSCORE', KEYS[1], id) then
+    redis.call('HSET', KEYS[2], id, batch .. '!')
+    redis.call('ZADD', KEYS[1], 'XX', expiry, id)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+redis.call('SELECT', ARGV[3])
+for i = 1, #out do
+  if out[i] == 1 and redis.call('EXISTS', KEYS[i + 2]) == 1 then out[i] = 2 end
+end
+return out
+"""
+)
+
+# One round trip to finish a batch, across the result and broker databases of one Redis server
+# (SELECT inside a script switches only the script's database, never the caller's; Redis >= 2.8.12).
+# KEYS: lease, raw, owner, report list, then one result key per stored result.
+# ARGV: results db, broker db, result expiry s, report json ('' = none), events topic ('' = none),
+#       events message, number of results n, n encoded results, then the ids to acknowledge.
+# Stores each result unless one is stored already (write-once) and PUBLISHes it, forgets the acked
+# ids, pushes the report, publishes the events. Returns the 1-based indexes of the results stored.
+_FINISH = """
+local n = tonumber(ARGV[7])
+redis.call('SELECT', ARGV[1])
+local stored = {}
+for i = 1, n do
+  local key = KEYS[4 + i]
+  local meta = ARGV[7 + i]
+  if redis.call('SET', key, meta, 'NX', 'EX', ARGV[3]) then
+    redis.call('PUBLISH', key, meta)
+    stored[#stored + 1] = i
+  end
+end
+redis.call('SELECT', ARGV[2])
+for i = 8 + n, #ARGV do
+  local id = ARGV[i]
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+end
+if ARGV[4] ~= '' then
+  redis.call('LPUSH', KEYS[4], ARGV[4])
+  redis.call('LTRIM', KEYS[4], 0, 9999)
+  redis.call('EXPIRE', KEYS[4], %d)
+end
+if ARGV[5] ~= '' then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
+return stored
+"""
 
 # KEYS: lease. ARGV: lease ms, ids... Renews leases of ids still in flight (a running batch).
 _RENEW = (
@@ -171,16 +268,47 @@ class RequestStore:
         self._take = client.register_script(_TAKE)
         self._assign = client.register_script(_ASSIGN)
         self._claim = client.register_script(_CLAIM)
+        self._dispatch = client.register_script(_DISPATCH)
+        self._claim_fresh = client.register_script(_CLAIM_FRESH)
+        self._finish = client.register_script(_FINISH % REPORTS_TTL_S)
         self._renew = client.register_script(_RENEW)
         self._requeue = client.register_script(_REQUEUE)
         self._heartbeat = client.register_script(_HEARTBEAT)
 
     # --- coordinator ---------------------------------------------------------------------
-    def take(self, count: int) -> list[tuple[str, bytes]]:
-        """Atomically move up to ``count`` requests (highest priority list first) into flight."""
-        keys = [self.keys.inflight_lease, self.keys.inflight_raw, *self.keys.request_lists]
-        flat = self._take(keys=keys, args=[count, self.lease_ms])
-        return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+    def take(
+        self, count: int, reports_of: str | None = None, max_reports: int = 1000
+    ) -> tuple[list[tuple[str, bytes]], list[dict[str, Any]]]:
+        """Atomically move up to ``count`` requests (highest priority list first) into flight, and pop
+        the batch reports waiting for coordinator ``reports_of`` (none if None): one round trip."""
+        keys = [
+            self.keys.inflight_lease,
+            self.keys.inflight_raw,
+            self.keys.reports_for(reports_of or ""),
+            *self.keys.request_lists,
+        ]
+        flat, raw_reports = self._take(
+            keys=keys, args=[count, self.lease_ms, max_reports if reports_of is not None else 0]
+        )
+        taken = [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+        return taken, [json.loads(r) for r in raw_reports]
+
+    def dispatch(
+        self,
+        queue_list: str,
+        batches: Sequence[tuple[str, Sequence[str], str | bytes]],
+        events: tuple[str, bytes] | None = None,
+    ) -> int:
+        """Publish ``events`` (topic, raw), then for each (batch id, request ids, task message): record
+        the batch as owner of its requests still in flight, renew their leases and LPUSH the message
+        onto ``queue_list``. One script: atomic, one round trip. Returns the requests assigned."""
+        topic, raw = events if events is not None else ("", b"")
+        args: list[Any] = [self.lease_ms, topic, raw]
+        for batch_id, ids, message in batches:
+            args += [batch_id, len(ids), *ids, message]
+        return int(
+            self._dispatch(keys=[self.keys.inflight_lease, self.keys.inflight_owner, queue_list], args=args)
+        )
 
     def assign(self, batch_id: str, ids: Sequence[str]) -> int:
         """Record ``batch_id`` as the owner of ``ids`` and renew their leases."""
@@ -240,6 +368,57 @@ class RequestStore:
         )
         return [bool(int(f)) for f in flags]
 
+    def claim_fresh(
+        self, batch_id: str, ids: Sequence[str], result_keys: Sequence[str], results_db: int
+    ) -> list[int]:
+        """:meth:`claim` and a check for stored results in one round trip: per id 0 (not this
+        batch's), 1 (claimed, to run) or 2 (claimed, already answered). ``result_keys[i]`` is the
+        result key of ``ids[i]`` in database ``results_db`` of this same Redis server."""
+        if not ids:
+            return []
+        flags = self._claim_fresh(
+            keys=[self.keys.inflight_lease, self.keys.inflight_owner, *result_keys],
+            args=[batch_id, self.lease_ms, results_db, *ids],
+        )
+        return [int(f) for f in flags]
+
+    def finish(
+        self,
+        *,
+        results_db: int,
+        broker_db: int,
+        result_keys: Sequence[str],
+        results: Sequence[bytes],
+        expires_s: int,
+        ack_ids: Sequence[str],
+        report: dict[str, Any] | None,
+        coordinator: str,
+        events: tuple[str, bytes] | None,
+    ) -> list[int]:
+        """Store results write-once (publishing each), acknowledge ``ack_ids``, push the report and
+        publish ``events`` (topic, raw): one script, one round trip. Results live in database
+        ``results_db`` of this server. Returns the 1-based indexes of the results stored."""
+        topic, raw = events if events is not None else ("", b"")
+        keys = [
+            self.keys.inflight_lease,
+            self.keys.inflight_raw,
+            self.keys.inflight_owner,
+            self.keys.reports_for(coordinator),
+            *result_keys,
+        ]
+        args = [
+            results_db,
+            broker_db,
+            expires_s,
+            json.dumps(report) if report is not None else "",
+            topic,
+            raw,
+            len(results),
+            *results,
+            *ack_ids,
+        ]
+        return [int(i) for i in self._finish(keys=keys, args=args)]
+
     def renew_running(self, ids: Sequence[str]) -> None:
         if ids:
             self._renew(keys=[self.keys.inflight_lease], args=[self.lease_ms, *ids])
@@ -247,13 +426,19 @@ class RequestStore:
     def ack(self, ids: Sequence[str], report: dict[str, Any] | None = None, coordinator: str = "") -> None:
         """Forget answered requests, and send the batch report to its coordinator, in one trip."""
         with self.client.pipeline(transaction=False) as pipe:
-            self._ack_into(pipe, ids)
-            if report is not None:
-                key = self.keys.reports_for(coordinator)
-                pipe.lpush(key, json.dumps(report))
-                pipe.ltrim(key, 0, 9_999)
-                pipe.expire(key, REPORTS_TTL_S)  # a dead coordinator's reports do not pile up
+            self.ack_into(pipe, ids, report, coordinator)
             pipe.execute()
+
+    def ack_into(
+        self, pipe: Any, ids: Sequence[str], report: dict[str, Any] | None = None, coordinator: str = ""
+    ) -> None:
+        """Queue :meth:`ack`'s commands on ``pipe`` (the caller adds its own and executes)."""
+        self._ack_into(pipe, ids)
+        if report is not None:
+            key = self.keys.reports_for(coordinator)
+            pipe.lpush(key, json.dumps(report))
+            pipe.ltrim(key, 0, 9_999)
+            pipe.expire(key, REPORTS_TTL_S)  # a dead coordinator's reports do not pile up
 
     def _ack_into(self, pipe: Any, ids: Sequence[str]) -> None:
         if ids:

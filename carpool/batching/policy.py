@@ -104,9 +104,6 @@ class _Queue:
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0]
 
-    def top_priority(self) -> int:
-        return max(r.priority for r in self._served(1))
-
     def pop_expired(self, now_s: float) -> list[Request]:
         out = []
         while self.live and self.earliest_deadline() <= now_s:
@@ -256,12 +253,19 @@ class BatchPolicy:
         self._queues = {k: q for k, q in self._queues.items() if q}
         plan = Plan(expired=self.expire(now_s))
         wake: float | None = None
+        # A queue's head batch changes only when a batch is cut from it: select once per queue and
+        # again only for the queue just cut, not for every queue after every batch (with thousands
+        # queued and dozens of batches per poll, re-selecting everything was most of the poll's cost).
+        heads: dict[tuple[str, str], tuple[list[Request], bool]] = {}
         while True:
             best: _Candidate | None = None
             for key, queue in self._queues.items():
                 if not queue:
                     continue
-                cand, wake_at = self._evaluate(key, queue, now_s, free_workers, free_slots, ahead_s)
+                head = heads.get(key)
+                if head is None:
+                    head = heads[key] = queue.select(self.config)
+                cand, wake_at = self._evaluate(key, queue, head, now_s, free_workers, free_slots, ahead_s)
                 if wake_at is not None and (wake is None or wake_at < wake):
                     wake = wake_at
                 if cand is not None and (best is None or cand.rank < best.rank):
@@ -271,6 +275,7 @@ class BatchPolicy:
             wake = None  # recomputed on the next pass over the queues
             queue = self._queues[best.key]
             queue.remove(best.requests)
+            heads.pop(best.key, None)
             longest = max(r.length for r in best.requests)
             plan.batches.append(
                 Batch(
@@ -305,6 +310,7 @@ class BatchPolicy:
         self,
         key: tuple[str, str],
         queue: _Queue,
+        selected: tuple[list[Request], bool],
         now_s: float,
         free_workers: int,
         free_slots: int,
@@ -312,12 +318,12 @@ class BatchPolicy:
     ) -> tuple[_Candidate | None, float | None]:
         cfg = self.config
         model = key[0]
-        head, limited = queue.select(cfg)
+        head, limited = selected
         predicted = self.predict_s(model, head)
         deadline = queue.earliest_deadline()
         urgent_at = deadline - ahead_s - predicted - DEADLINE_GUARD_S
         oldest = queue.oldest_arrival()
-        priority = queue.top_priority()
+        priority = head[0].priority  # served order puts the highest priority first
         # A deadline flush bypasses the slot limit, so only while it can plausibly make it: a batch
         # that would finish late anyway is not worth pushing into a queue of busy workers (under
         # overload that floods the batch queue with doomed work); it waits for a slot or expires here.

@@ -24,6 +24,7 @@ import redis
 from celery import Celery
 
 from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan, PolicyConfig, Request
+from carpool.client import build_task_messages
 from carpool.config import Settings
 from carpool.coordinator import protocol
 from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, MalformedMessage, QueueFull
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 RUN_BATCH = "carpool.run_batch"
 STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
+FORCED_POLL_S = 0.1  # the policy is asked at least this often, even when nothing seems to change
 
 
 @dataclass(slots=True)
@@ -102,9 +104,11 @@ class Coordinator:
         self._written: dict[str, int] = {}
         self._depth_keys: set[tuple[str, str]] = set()
         self._wake_at: float | None = None
+        self._changed = True  # something the policy's last plan did not know of happened
+        self._next_poll = 0.0
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
-        self.events = TaskEvents(app, self.hostname, enabled=settings.events)
+        self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
         self.metrics = CoordinatorMetrics()
 
     # --- main loop -------------------------------------------------------------------------
@@ -168,13 +172,22 @@ class Coordinator:
         if now >= self._next_stats:
             self._write_stats()
             self._next_stats = now + STATS_INTERVAL_S
-        if self.outstanding:  # idle polls cost one round trip, not two
-            self._read_reports()
-        taken = self.store.take(self.settings.take_max)
+        # One round trip: new requests, and the reports of batches still out (none asked when none are).
+        taken, reports = self.store.take(
+            self.settings.take_max, reports_of=self.hostname if self.outstanding else None
+        )
+        if reports:
+            self._apply_reports(reports)
         if taken:
             self._admit(taken, self.clock())
+            self._changed = True
         now = self.clock()
-        self._dispatch(now)
+        # The policy's answer changes only with new requests, freed slots, or time reaching the wake
+        # time of its last plan: polling it otherwise costs CPU (it walks every queue) for nothing.
+        if self._changed or (self._wake_at is not None and now >= self._wake_at) or now >= self._next_poll:
+            self._changed = False
+            self._next_poll = now + FORCED_POLL_S
+            self._dispatch(now)
         self.events.flush()
         if taken:
             return 0.0
@@ -336,57 +349,70 @@ class Coordinator:
                 )
             self._fail(failures, ["deadline"] * len(failures))
         if plan.batches:
-            # Received events must reach Flower before a fast worker's started/succeeded for the same
-            # tasks, so they go out now, in one publish with whatever else this step buffered.
-            self.events.flush()
             self._publish(plan.batches, now)
 
     def _publish(self, batches: list[Batch], now: float) -> None:
-        sent = 0
+        """Hand ``batches`` on: every batch's task message, ownership and lease renewal, and the events
+        buffered so far (published first, so Flower sees requests received before started), in one
+        script call. The messages are the ones ``app.send_task`` would send (built by
+        :func:`carpool.client.build_task_messages`), without kombu's per-publish overhead."""
+        wall_now = self.wall()
+        batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
+        calls = []
+        summaries = []
+        for batch_id, batch in zip(batch_ids, batches, strict=True):
+            padding = batch.padded_tokens / max(1, batch.real_tokens)
+            message = {
+                "id": batch_id,
+                "model": batch.model,
+                "bin": batch.bin_label,
+                "flush": batch.flush_reason.value,
+                "padded_len": batch.padded_len,
+                "dispatched_at": wall_now,
+                "coordinator": self.hostname,
+                "requests": [r.payload for r in batch.requests],
+            }
+            calls.append(([message], {}))
+            # Flower shows argsrepr; the token ids it would otherwise show help nobody.
+            summaries.append(
+                f"size={batch.size} bin={batch.bin_label} width={batch.padded_len} "
+                f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}"
+            )
         try:
-            with self.app.producer_or_acquire() as producer:
-                for batch in batches:
-                    self._publish_one(batch, producer, now)
-                    sent += 1
+            built = build_task_messages(
+                RUN_BATCH,
+                calls,
+                app=self.app,
+                queue=self.settings.batch_queue,
+                sent_events=False,
+                task_ids=batch_ids,
+                argsreprs=summaries,
+            )
+            (queue_list, raws), *others = built.pushes.items()
+            if others:
+                raise RuntimeError("batch messages must all go to one list (no priorities on batches)")
+            self.store.dispatch(
+                queue_list,
+                [
+                    (bid, [r.id for r in b.requests], raw)
+                    for bid, b, raw in zip(batch_ids, batches, raws, strict=True)
+                ],
+                self.events.take(),
+            )
         except Exception:
-            # The broker went away mid-plan: what was not handed on goes back into the policy
+            # The broker went away: nothing of the script ran, so the batches go back into the policy
             # (still held and leased by us), to leave with the next plan once Redis answers again.
-            for batch in batches[sent:]:
+            for batch in batches:
                 for req in batch.requests:
                     self.policy.add(req)
+            self._changed = True
             raise
+        built.published()
+        for batch_id, batch in zip(batch_ids, batches, strict=True):
+            self._dispatched(batch_id, batch, now)
 
-    def _publish_one(self, batch: Batch, producer: Any, now: float) -> None:
-        wall_now = self.wall()
-        batch_id = uuid.uuid4().hex
+    def _dispatched(self, batch_id: str, batch: Batch, now: float) -> None:
         ids = [r.id for r in batch.requests]
-        self.store.assign(batch_id, ids)
-        label = batch.bin_label
-        padding = batch.padded_tokens / max(1, batch.real_tokens)
-        message = {
-            "id": batch_id,
-            "model": batch.model,
-            "bin": label,
-            "flush": batch.flush_reason.value,
-            "padded_len": batch.padded_len,
-            "dispatched_at": wall_now,
-            "coordinator": self.hostname,
-            "requests": [r.payload for r in batch.requests],
-        }
-        # Flower shows argsrepr; the token ids it would otherwise show help nobody.
-        summary = (
-            f"size={batch.size} bin={label} width={batch.padded_len} "
-            f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}"
-        )
-        self.app.send_task(
-            RUN_BATCH,
-            args=[message],
-            queue=self.settings.batch_queue,
-            producer=producer,
-            ignore_result=True,
-            argsrepr=summary,
-            kwargsrepr="{}",
-        )
         predicted = self.latency.predict(batch.model, batch.padded_tokens)
         self.outstanding[batch_id] = _Outstanding(ids, batch.model, predicted, now)
         self._held.difference_update(ids)
@@ -398,7 +424,7 @@ class Coordinator:
         self.stats.sizes[batch.size] += 1
         self.metrics.batch_dispatched(
             batch.model,
-            label,
+            batch.bin_label,
             batch.size,
             batch.padded_tokens,
             batch.real_tokens,
@@ -409,6 +435,7 @@ class Coordinator:
     # --- housekeeping ----------------------------------------------------------------------
     def housekeeping(self, now: float) -> None:
         self._read_reports()  # also those of batches already given up on, for the latency model
+        self._changed = True  # worker count, given-up batches and recovered requests change slots
         self.workers = self.store.live_workers()
         self.metrics.workers.set(self.workers)
         # A dispatched batch that no report closed within a lease died with its worker; the
@@ -429,7 +456,11 @@ class Coordinator:
             log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
 
     def _read_reports(self) -> None:
-        for report in self.store.pop_reports(self.hostname):
+        self._apply_reports(self.store.pop_reports(self.hostname))
+
+    def _apply_reports(self, reports: list[dict[str, Any]]) -> None:
+        for report in reports:
+            self._changed = True  # a slot freed, and the latency model learnt something
             out = self.outstanding.pop(report.get("batch_id", ""), None)
             if report.get("padded_tokens") and report.get("run_s") is not None:
                 self.latency.observe(report["model"], int(report["padded_tokens"]), float(report["run_s"]))

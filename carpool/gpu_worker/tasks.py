@@ -1,9 +1,11 @@
 """``carpool.run_batch``: the Celery task a GPU worker runs for each micro-batch.
 
 Per batch: claim the requests this batch still owns (a recovered request may already be someone
-else's), skip those already answered, fail those past their deadline, run the rest padded to a
-multiple of 8, store every request's result under its own task id in one write-once script call,
-then acknowledge and report the batch's timing to the coordinator's latency model.
+else's) and learn which are answered already, in one script; fail those past their deadline; run the
+rest padded to a multiple of 8; then, in one more script, store every request's result under its own
+task id (write-once), acknowledge the batch's requests, report its timing to the coordinator's
+latency model and publish the per-request task events. Two Redis round trips per batch when the
+result backend is a database of the broker's server (the default), a few more otherwise.
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ class WorkerRuntime:
         self.device = pick_device(self.settings.device)
         self.hostname = f"{socket.gethostname()}:{os.getpid()}"
         self.events = TaskEvents(
-            app, f"carpool-gpu-{os.getpid()}@{socket.gethostname()}", enabled=self.settings.events
+            app,
+            f"carpool-gpu-{os.getpid()}@{socket.gethostname()}",
+            enabled=self.settings.events,
+            client=self.client,
         )
+        # (broker db, results db) when both live on one server: two round trips per batch.
+        self.dbs = self.settings.shared_server_dbs()
         self._running: list[str] = []
         self._last_run_s: dict[str, float] = {}
         self._stop = threading.Event()
@@ -96,8 +103,15 @@ class WorkerRuntime:
     def _run(self, batch: dict[str, Any]) -> dict[str, Any]:
         batch_id = batch["id"]
         requests = batch["requests"]
-        owned = self.store.claim(batch_id, [r["id"] for r in requests])
-        mine = [r for r, ok in zip(requests, owned, strict=True) if ok]
+        ids = [r["id"] for r in requests]
+        result_keys = [self.backend.get_key_for_task(i) for i in ids]
+        if self.dbs is not None:
+            flags = self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1])
+        else:  # results on another server: claim, then look for stored results there
+            owned = self.store.claim(batch_id, ids)
+            answered = self.backend.existing([i for i, ok in zip(ids, owned, strict=True) if ok])
+            flags = [(2 if i in answered else 1) if ok else 0 for i, ok in zip(ids, owned, strict=True)]
+        mine = [r for r, f in zip(requests, flags, strict=True) if f]
         if len(mine) < len(requests):
             log.info(
                 "batch %s: %d of %d requests now belong elsewhere; skipped",
@@ -105,12 +119,11 @@ class WorkerRuntime:
                 len(requests) - len(mine),
                 len(requests),
             )
-        answered = self.backend.existing([r["id"] for r in mine])
         now = time.time()
         entries: list[tuple[str, str, Any]] = []
         live = []
-        for r in mine:
-            if r["id"] in answered:
+        for r, flag in zip(requests, flags, strict=True):
+            if flag != 1:  # another batch's now, or answered already (a rerun after recovery)
                 continue
             if r["deadline"] < now:
                 entries.append(
@@ -154,16 +167,12 @@ class WorkerRuntime:
                     entries.append((r["id"], SUCCESS, out))
                 else:
                     entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
-        # Redis may be restarting: the results are computed, so keep trying to hand them over for a
-        # while before giving the batch up to recovery.
-        _retrying(lambda: self.backend.store_many(entries))
         per_request_s = run_s or 0.0
         for task_id, state, value in entries:
             if state == SUCCESS:
                 self.events.succeeded(task_id, value, per_request_s)
             else:
                 self.events.failed(task_id, value, per_request_s)
-        self.events.flush()
         report = {
             "batch_id": batch_id,
             "model": batch["model"],
@@ -180,9 +189,44 @@ class WorkerRuntime:
             "failed_deadline": sum(1 for e in entries if isinstance(e[2], DeadlineExceeded)),
             "done_at": time.time(),
         }
-        coordinator = batch.get("coordinator", "")
-        _retrying(lambda: self.store.ack([r["id"] for r in mine], report, coordinator=coordinator))
+        # Redis may be restarting: the results are computed, so keep trying to hand them over for a
+        # while before giving the batch up to recovery.
+        _retrying(
+            lambda: self._finish(entries, [r["id"] for r in mine], report, batch.get("coordinator", ""))
+        )
         return report
+
+    def _finish(
+        self,
+        entries: list[tuple[str, str, Any]],
+        ack_ids: list[str],
+        report: dict[str, Any],
+        coordinator: str,
+    ) -> None:
+        """Results (write-once), acks, the report and the task events: one round trip when the
+        results live on the broker's server, else a store on the backend and one trip for the rest.
+        The events are taken once, so a retry after a lost connection does not repeat them."""
+        events = self.events.take()
+        if self.dbs is not None:
+            result_keys, args = self.backend.store_args(entries) if entries else ([], [0])
+            self.store.finish(
+                results_db=self.dbs[1],
+                broker_db=self.dbs[0],
+                result_keys=result_keys,
+                results=args[1:],
+                expires_s=args[0],
+                ack_ids=ack_ids,
+                report=report,
+                coordinator=coordinator,
+                events=events,
+            )
+            return
+        self.backend.store_many(entries)
+        with self.client.pipeline(transaction=False) as pipe:
+            self.store.ack_into(pipe, ack_ids, report, coordinator)
+            if events is not None:
+                pipe.publish(*events)
+            pipe.execute()
 
 
 def _retrying(call: Any, attempts: int = 8, first_pause_s: float = 0.1) -> Any:
