@@ -23,8 +23,10 @@ which compares a ``submit_many`` message with an ``infer.delay()`` one field by 
   ``basic_publish`` finishes it (base64 body, delivery tag, delivery info);
 - the envelope is JSON-encoded and LPUSHed to the list ``Channel._put`` would pick for its priority
   (``carpool.requests`` or ``carpool.requests\\x06\\x16<step>``);
-- when ``task_send_sent_event`` is on (carpool turns it on, for flower), the ``task-sent`` event is
-  PUBLISHed to the event fanout topic, as Celery's default event dispatcher would.
+- when ``task_send_sent_event`` is on (carpool turns it on, for flower), the ``task-sent`` events,
+  with the fields Celery's event dispatcher gives them, are PUBLISHed to the event fanout topic as
+  ``task.multi`` lists of up to 1,000 (what Celery's buffered dispatcher sends; Flower and ``celery
+  events`` unpack them), one PUBLISH per chunk instead of one per request.
 
 Every LPUSH and PUBLISH of one call goes in ONE ``MULTI``/``EXEC`` pipeline: one round trip, and the
 coordinator sees all of the messages or none of them. Every request is validated before anything is
@@ -45,7 +47,7 @@ see its docstring for why it does not wrap ``gather`` in ``run_in_executor``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,6 +66,7 @@ SUPPORTED_OPTIONS = frozenset({"priority", "expires", "headers", "queue"})
 _MGET_CHUNK = 5000
 _SUBSCRIBE_CHUNK = 5000
 _LPUSH_CHUNK = 10_000
+_EVENTS_CHUNK = 1000  # task-sent events per task.multi message
 
 
 def _default_app() -> Celery:
@@ -254,6 +257,8 @@ def build_task_messages(
     built = TaskMessages(name=name, queue=qname, ids=[], pushes={}, events=[], _after=[])
     argsrepr_max = app.amqp.argsrepr_maxsize
     channel = _channel(app)
+    sent: list[dict[str, Any]] = []
+    utc_offset = _utcoffset() if evd is not None else 0
     for index, (args, kwargs) in enumerate(calls):
         task_id = task_ids[index] if task_ids is not None else uuid()
         args = tuple(args)  # as Task.delay passes them (argsrepr shows a tuple)
@@ -294,10 +299,18 @@ def build_task_messages(
         built.pushes.setdefault(key, []).append(envelope_dumps(message))
         if evd is not None and sent_event is not None:
             sent_event.update(queue=qname, exchange="", routing_key=qname)
-            built.events.append(_sent_event(channel, evd, sent_event))
+            sent.append(_sent_event_fields(evd, sent_event, utc_offset))
         built.ids.append(task_id)
         if after:
             built._after.append((body, task_headers))
+    if sent:
+        # One task.multi list message per chunk, as Celery's buffered event dispatcher sends them
+        # (Flower and `celery events` unpack lists), instead of one PUBLISH per request.
+        from carpool.wire import FanoutEncoder
+
+        encoder = FanoutEncoder(channel, evd.exchange.name, "task.multi", dict(evd.headers))
+        for start in range(0, len(sent), _EVENTS_CHUNK):
+            built.events.append((encoder.topic, encoder.encode(sent[start : start + _EVENTS_CHUNK]).decode()))
     return built
 
 
@@ -326,28 +339,23 @@ def _event_dispatcher(app: Celery) -> Any:
     return evd if evd is not None else app.events.Dispatcher(enabled=False)
 
 
-def _sent_event(channel: Any, evd: Any, fields: dict[str, Any]) -> tuple[str, str]:
-    """(topic, raw) of a task-sent event, as ``EventDispatcher.publish`` through kombu would send it."""
-    from celery.events.event import Event
+def _utcoffset() -> int:
     from celery.utils.time import utcoffset
-    from kombu.serialization import dumps as serialize
-    from kombu.utils.json import dumps as envelope_dumps
 
-    event = Event(
-        "task-sent",
+    return int(utcoffset())
+
+
+def _sent_event_fields(evd: Any, fields: dict[str, Any], utc_offset: int) -> dict[str, Any]:
+    """A task-sent event as ``celery.events.Event`` makes it in ``EventDispatcher.publish``."""
+    fields.update(
+        type="task-sent",
         hostname=evd.hostname,
-        utcoffset=utcoffset(),
+        utcoffset=utc_offset,
         pid=evd.pid,
         clock=evd.clock.forward(),
-        **fields,
+        timestamp=time.time(),
     )
-    content_type, content_encoding, data = serialize(event, serializer=evd.serializer)
-    message = channel.prepare_message(
-        data, 0, content_type, content_encoding, dict(evd.headers), {"delivery_mode": evd.delivery_mode}
-    )
-    exchange = evd.exchange.name
-    channel._inplace_augment_message(message, exchange, "task.sent")
-    return channel._get_publish_topic(exchange, "task.sent"), envelope_dumps(message)
+    return fields
 
 
 # --- result subscriptions ----------------------------------------------------------------------
@@ -525,7 +533,7 @@ def gather(
                 if not return_exceptions:
                     _raise_first_failure(results, ready)
             _wait(backend, consumer, results, waiting, deadline, return_exceptions)
-        _drain_delivered(consumer, limit=2 * len(results) + 100)
+        _drain_delivered(backend, consumer, limit=2 * len(results) + 100, ignore={r.id for r in results})
     return _values(results, return_exceptions)
 
 
@@ -538,7 +546,6 @@ def _wait(
     return_exceptions: bool,
 ) -> None:
     ready: set[str] = set()
-    arrived: list[str] = []
     for task_id, rs in list(waiting.items()):
         for r in rs:
             # Registers r for the consumer; a result that arrived earlier for nobody waiting sits in
@@ -549,30 +556,66 @@ def _wait(
             ready.add(task_id)
     if not return_exceptions:
         _raise_first_failure(results, ready)
-    previous = consumer.on_message
-    consumer.on_message = lambda meta: arrived.append(meta.get("task_id"))
-    try:
-        while waiting:
-            left = 1.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise CeleryTimeoutError("The operation timed out.")
-            consumer.drain_events(timeout=min(left, 1.0))
-            if not arrived:
-                continue
-            ready = set()
-            for task_id in arrived:
-                group = waiting.get(task_id)
-                if group is not None and all(r._cache is not None for r in group):
-                    del waiting[task_id]
-                    ready.add(task_id)
-            arrived.clear()
-            if not return_exceptions:
-                _raise_first_failure(results, ready)
-    finally:
-        consumer.on_message = previous
+    ours = {r.id for r in results}  # a message for one of these no longer waited for: a duplicate
+    while waiting:
+        left = 1.0 if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise CeleryTimeoutError("The operation timed out.")
+        ready = set()
+        _pump(backend, consumer, waiting, ready, timeout=min(left, 1.0), ignore=ours)
+        if not return_exceptions:
+            _raise_first_failure(results, ready)
 
 
-def _drain_delivered(consumer: Any, limit: int) -> None:
+def _pump(
+    backend: Any,
+    consumer: Any,
+    waiting: dict[str, list[AsyncResult]],
+    ready: set[str],
+    timeout: float,
+    limit: int = 10_000,
+    ignore: Container[str] = (),
+) -> int:
+    """Read the result messages delivered to Celery's pub/sub connection: wait up to ``timeout`` for
+    the first, then take whatever else is already there, up to ``limit``. Returns messages read.
+
+    Why not ``consumer.drain_events``: it handles one message per call and ends each with
+    ``sleep(0)`` (celery/backends/asynchronous.py), about 0.1 ms per result on a busy 2-core machine;
+    a burst of thousands spent most of its producer time there. Results this gather waits for are
+    settled here (their unsubscriptions go out in bulk, see ``_bulk_cancel``); those in ``ignore``
+    (settled already) are dropped undecoded; a message for anything else is handed to Celery's
+    consumer as it would have been, so other waiters lose nothing.
+    """
+    import redis
+
+    pubsub = consumer._pubsub
+    if pubsub is None:
+        return 0
+    prefix = backend.task_keyprefix
+    prefix = prefix.encode() if isinstance(prefix, str) else prefix
+    count = 0
+    with consumer.reconnect_on_error():
+        message = pubsub.get_message(timeout=timeout)
+        while message is not None and count < limit:
+            count += 1
+            if message.get("type") == "message":
+                channel = message["channel"]
+                channel = channel.encode() if isinstance(channel, str) else channel
+                task_id = channel[len(prefix) :].decode() if channel.startswith(prefix) else ""
+                if task_id in waiting:
+                    settled = _settle(waiting, backend.decode_result(message["data"]), ready)
+                    if settled is not None:
+                        consumer.cancel_for(settled)
+                elif task_id not in ignore:
+                    consumer.on_state_change(backend.decode_result(message["data"]), message)
+            try:
+                message = pubsub.get_message(timeout=0)
+            except (redis.RedisError, OSError):
+                break
+    return count
+
+
+def _drain_delivered(backend: Any, consumer: Any, limit: int, ignore: Container[str]) -> None:
     """Read result messages already delivered to this process, so the subscriber socket never backs up.
 
     A result found by MGET may also have been published to us before its unsubscription; left unread,
@@ -580,15 +623,10 @@ def _drain_delivered(consumer: Any, limit: int) -> None:
     """
     import redis
 
-    pubsub = getattr(consumer, "_pubsub", None)
-    if pubsub is None:
+    if getattr(consumer, "_pubsub", None) is None:
         return
     try:
-        for _ in range(limit):
-            conn = pubsub.connection
-            if conn is None or not conn.can_read(timeout=0):
-                return
-            consumer.drain_events(timeout=0)
+        _pump(backend, consumer, {}, set(), timeout=0, limit=limit, ignore=ignore)
     except (redis.RedisError, OSError):
         return
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import subprocess
 import sys
@@ -137,6 +138,9 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  #
     submit_many(["warm up"], model="toy")  # first use opens the producer's connection
     client.delete("carpool.requests")
     texts = mixed_texts(400, seed=11)
+    events = client.pubsub()
+    events.psubscribe("/0.celeryev/*")  # where kombu's Redis transport publishes the event exchange
+    events.get_message(timeout=1)
     before = _commandstats(client)
     with _count_sends(db=0) as broker_sends, _count_sends(db=1) as backend_sends:
         results = submit_many(texts, model="toy")
@@ -146,7 +150,21 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  #
     assert len(backend_sends) == 1, "one SUBSCRIBE for all results"
     assert delta.get("cmdstat_multi") == 1 and delta.get("cmdstat_exec") == 1
     assert delta.get("cmdstat_lpush") == 1, "one multi-value LPUSH per priority list"
-    assert delta.get("cmdstat_publish") == len(texts), "one task-sent event per request"
+    assert delta.get("cmdstat_publish") == 1, "the task-sent events in one task.multi list message"
+    message = events.get_message(timeout=5)
+    assert message is not None and message["type"] == "pmessage", message
+    assert message["channel"].endswith(b"task.multi")
+    envelope = json.loads(message["data"])
+    assert envelope["properties"]["delivery_info"]["routing_key"] == "task.multi"
+    sent = json.loads(
+        base64.b64decode(envelope["properties"]["body_encoding"] == "base64" and envelope["body"])
+    )
+    assert [e["uuid"] for e in sent] == [r.id for r in results], "one task-sent event per request, in order"
+    for event in sent[:3]:
+        assert event["type"] == "task-sent" and event["name"] == "carpool.infer"
+        assert event["queue"] == "carpool.requests" and event["hostname"] and event["clock"] > 0
+        assert abs(event["timestamp"] - time.time()) < 60 and event["args"].startswith("(")
+    events.close()
     # All landed, in submission order for the coordinator (it pops from the right).
     raws = client.lrange("carpool.requests", 0, -1)
     ids = [json.loads(r)["headers"]["id"] for r in reversed(raws)]
