@@ -208,6 +208,8 @@ class Coordinator:
         for request_id, raw in taken:
             try:
                 msg = protocol.decode(raw)
+                if msg.id != request_id:  # in-flight bookkeeping is keyed by the id the take found
+                    raise MalformedMessage(f"task id {msg.id!r} is not the message's only id key")
             except MalformedMessage as exc:
                 log.warning("dead-lettering message %s: %s", request_id, exc)
                 self.store.dead_letter(request_id, raw, str(exc))

@@ -50,3 +50,30 @@ def test_delay_writes_to_the_request_list_and_decodes(clean_redis) -> None:  # t
 def test_garbage_is_named(raw: bytes, needle: str) -> None:
     with pytest.raises(MalformedMessage, match=needle):
         protocol.decode(raw)
+
+
+def test_take_finds_the_task_id_however_the_message_is_written(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    """The take script reads the id by a plain search when the message has one "id" key, and decodes
+    the JSON when it has several (a custom header holding an "id") or none, so in-flight bookkeeping
+    is always keyed by headers.id."""
+    import json
+
+    from carpool.store import RequestStore
+    from carpool.tasks import infer
+
+    client = redis.Redis(port=clean_redis.port)
+    store = RequestStore(client, Keys("carpool.requests"), 30)
+    plain = infer.delay("plain")
+    nested = infer.apply_async(("nested",), headers={"trace": {"id": "not-the-task-id"}})
+    infer.delay("compact")
+    compact_raw = client.lpop("carpool.requests")  # the newest: re-push it written compactly
+    compact_id = json.loads(compact_raw)["headers"]["id"]
+    client.lpush("carpool.requests", json.dumps(json.loads(compact_raw), separators=(",", ":")))
+    client.lpush("carpool.requests", b'{"headers": {"task": "carpool.infer"}}')  # no id at all
+    taken, _ = store.take(10)
+    ids = [request_id for request_id, _ in taken]
+    assert ids[:3] == [plain.id, nested.id, compact_id]
+    assert ids[3].startswith("carpool-garbage-")
+    for request_id, raw in taken[:3]:
+        assert protocol.decode(raw).id == request_id
+        assert client.hget(Keys("carpool.requests").inflight_raw, request_id) == raw
