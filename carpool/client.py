@@ -46,6 +46,11 @@ see its docstring for why it does not wrap ``gather`` in ``run_in_executor``.
 
 from __future__ import annotations
 
+import base64
+import copy
+import json
+import logging
+import re
 import time
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -53,8 +58,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.utils.saferepr import saferepr
 
 from carpool.validation import bind_infer_args, validate_infer
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -224,7 +232,15 @@ def build_task_messages(
     ``task_ids`` and ``argsreprs`` (one per call) replace the generated id and the computed repr;
     Celery's ``before_task_publish`` receivers run here, ``after_task_publish`` ones on
     :meth:`TaskMessages.published`.
+
+    Cost: Celery builds the first two messages; when the second equals what the first, used as a
+    template, gives for it (checked field by field), the rest are rendered from that template (the
+    id, reprs, body and delivery tag substituted into pre-serialised JSON): about a fifth of the CPU
+    of building each through Celery and kombu. With publish signal receivers, compression or a
+    mismatch, every message is built by Celery.
     """
+    from datetime import timedelta
+
     from kombu.entity import maybe_delivery_mode
     from kombu.serialization import dumps as serialize
     from kombu.utils.json import dumps as envelope_dumps
@@ -246,6 +262,9 @@ def build_task_messages(
     compression = conf.task_compression
     if sent_events is None:
         sent_events = bool(conf.task_send_sent_event)
+    if isinstance(expires, int | float) and not isinstance(expires, bool):
+        # Seconds from now, fixed once for the whole call (Celery would add them per message).
+        expires = app.now() + timedelta(seconds=expires)
     extra_headers = dict(headers or {})
     reply_to = app.thread_oid
     evd = _event_dispatcher(app) if sent_events else None
@@ -259,18 +278,19 @@ def build_task_messages(
     channel = _channel(app)
     sent: list[dict[str, Any]] = []
     utc_offset = _utcoffset() if evd is not None else 0
-    for index, (args, kwargs) in enumerate(calls):
-        task_id = task_ids[index] if task_ids is not None else uuid()
-        args = tuple(args)  # as Task.delay passes them (argsrepr shows a tuple)
+
+    def celery_built(
+        task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], argsrepr: str | None
+    ) -> Any:
         task_headers, properties, body, sent_event = app.amqp.create_task_message(
             task_id,
             name,
             args,
-            dict(kwargs),
+            kwargs,
             expires=expires,
             reply_to=reply_to,
             create_sent_event=sent_events,
-            argsrepr=argsreprs[index] if argsreprs is not None else _fast_repr(args, argsrepr_max),
+            argsrepr=argsrepr,
             kwargsrepr="{}" if not kwargs else None,
         )
         task_headers.update(extra_headers)
@@ -295,14 +315,53 @@ def build_task_messages(
             data, priority, content_type, content_encoding, task_headers, properties
         )
         channel._inplace_augment_message(message, "", qname)
-        key = channel._q_for_pri(qname, channel._get_message_priority(message, reverse=False))
-        built.pushes.setdefault(key, []).append(envelope_dumps(message))
+        return message, body, task_headers, sent_event
+
+    template: _MessageTemplate | None = None
+    key = ""
+    for index, (call_args, call_kwargs) in enumerate(calls):
+        task_id = task_ids[index] if task_ids is not None else uuid()
+        args = tuple(call_args)  # as Task.delay passes them (argsrepr shows a tuple)
+        kwargs = dict(call_kwargs)
+        argsrepr = argsreprs[index] if argsreprs is not None else _fast_repr(args, argsrepr_max)
+        if template is not None:
+            if argsrepr is None:
+                argsrepr = saferepr(args, argsrepr_max)
+            kwargsrepr = "{}" if not kwargs else saferepr(kwargs, argsrepr_max)
+            raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, uuid())
+            sent_event = template.sent_event(task_id, argsrepr, kwargsrepr) if evd is not None else None
+        else:
+            message, body, task_headers, sent_event = celery_built(task_id, args, kwargs, argsrepr)
+            key = channel._q_for_pri(qname, channel._get_message_priority(message, reverse=False))
+            raw = envelope_dumps(message)
+            if after:
+                built._after.append((body, task_headers))
+            if index == 0 and not (before or after or compression) and len(calls) > 2:
+                template = _MessageTemplate.maybe(message, body, sent_event)
+            elif index == 1 and template is not None:
+                # Trust the template only if it renders this Celery-built message exactly.
+                again = template.render(
+                    task_id,
+                    args,
+                    kwargs,
+                    message["headers"]["argsrepr"],
+                    message["headers"]["kwargsrepr"],
+                    message["properties"]["delivery_tag"],
+                )
+                if json.loads(again) != json.loads(raw) or (
+                    evd is not None
+                    and template.sent_event(
+                        task_id, message["headers"]["argsrepr"], message["headers"]["kwargsrepr"]
+                    )
+                    != sent_event
+                ):
+                    log.debug("message template for %s does not match Celery's message; not used", name)
+                    template = None
+        built.pushes.setdefault(key, []).append(raw)
         if evd is not None and sent_event is not None:
             sent_event.update(queue=qname, exchange="", routing_key=qname)
             sent.append(_sent_event_fields(evd, sent_event, utc_offset))
         built.ids.append(task_id)
-        if after:
-            built._after.append((body, task_headers))
     if sent:
         # One task.multi list message per chunk, as Celery's buffered event dispatcher sends them
         # (Flower and `celery events` unpack lists), instead of one PUBLISH per request.
@@ -312,6 +371,77 @@ def build_task_messages(
         for start in range(0, len(sent), _EVENTS_CHUNK):
             built.events.append((encoder.topic, encoder.encode(sent[start : start + _EVENTS_CHUNK]).decode()))
     return built
+
+
+class _MessageTemplate:
+    """A Celery-built envelope serialised once, with its per-message fields left as slots."""
+
+    _SLOT = re.compile(r'"@@carpool-slot:(\w+)@@"')
+
+    def __init__(self, message: dict[str, Any], body: Any, sent_event: dict[str, Any] | None) -> None:
+        from kombu.utils.json import dumps as envelope_dumps
+
+        task_id = message["headers"]["id"]
+        msg = copy.deepcopy(message)
+        slot = "@@carpool-slot:{}@@".format
+        msg["body"] = slot("body")
+        headers, props = msg["headers"], msg["properties"]
+        headers["id"] = slot("id")
+        if headers.get("root_id") == task_id:
+            headers["root_id"] = slot("id")
+        if props.get("correlation_id") == task_id:
+            props["correlation_id"] = slot("id")
+        headers["argsrepr"] = slot("argsrepr")
+        headers["kwargsrepr"] = slot("kwargsrepr")
+        props["delivery_tag"] = slot("tag")
+        parts = self._SLOT.split(envelope_dumps(msg))
+        self._literals = parts[0::2]
+        self._slots = parts[1::2]
+        self._embed = body[2]
+        self._sent = dict(sent_event) if sent_event is not None else None
+        self._root_is_id = sent_event is not None and sent_event.get("root_id") == task_id
+
+    @classmethod
+    def maybe(cls, message: dict[str, Any], body: Any, sent_event: Any) -> _MessageTemplate | None:
+        props = message.get("properties", {})
+        if props.get("body_encoding") != "base64" or message.get("content-type") != "application/json":
+            return None
+        if not (isinstance(body, tuple | list) and len(body) == 3):
+            return None
+        return cls(message, body, sent_event)
+
+    def render(
+        self,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        argsrepr: str,
+        kwargsrepr: str,
+        tag: str,
+    ) -> str:
+        from kombu.utils.json import dumps
+
+        data = dumps((args, kwargs, self._embed)).encode("utf-8")
+        values = {
+            "id": task_id,
+            "body": base64.b64encode(data).decode("ascii"),
+            "argsrepr": argsrepr,
+            "kwargsrepr": kwargsrepr,
+            "tag": tag,
+        }
+        out = [self._literals[0]]
+        for slot, literal in zip(self._slots, self._literals[1:], strict=True):
+            out.append(json.dumps(values[slot]))
+            out.append(literal)
+        return "".join(out)
+
+    def sent_event(self, task_id: str, argsrepr: str, kwargsrepr: str) -> dict[str, Any] | None:
+        if self._sent is None:
+            return None
+        event = dict(self._sent, uuid=task_id, args=argsrepr, kwargs=kwargsrepr)
+        if self._root_is_id:
+            event["root_id"] = task_id
+        return event
 
 
 def _channel(app: Celery) -> Any:

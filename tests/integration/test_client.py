@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -127,6 +128,55 @@ def test_messages_are_the_ones_delay_sends(clean_redis) -> None:  # type: ignore
     decoded = protocol.decode(json.dumps(raw_kw).encode())
     assert decoded.kwargs == {"text": "kw", "model": "toy"} and decoded.args == []
     assert decoded.expires_at is not None and 20 < decoded.expires_at - time.time() <= 31
+
+
+def test_templated_messages_equal_celery_built_ones(clean_redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Past the first two, bulk messages are rendered from a template; each must equal the message
+    Celery itself builds for the same call (same id), field by field, task-sent event included."""
+    from carpool import client as bulk
+    from carpool.celery_app import app
+
+    texts = [*mixed_texts(60, seed=3), 'quote " and \\ backslash', "Ünïcödé 東京 🚀", "x" * 3000]
+    calls = [([t], {}) for t in texts] + [([], {"text": "kw", "model": "toy"}), (["two", "toy"], {})]
+    ids = [f"00000000-0000-4000-8000-{i:012d}" for i in range(len(calls))]
+    # expires as a datetime: seconds would be "from now", a different instant in each build below
+    expires = datetime.now(UTC) + timedelta(seconds=30)
+    options = {
+        "app": app,
+        "task_ids": ids,
+        "expires": expires,
+        "priority": 3,
+        "headers": {"carpool_sent_at": 1.0},
+    }
+    rendered = []
+    real = bulk._MessageTemplate.render
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rendered.append(args[0])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(bulk._MessageTemplate, "render", spy)
+    fast = bulk.build_task_messages("carpool.infer", calls, **options)
+    assert len(rendered) == len(calls) - 1, "the template renders every message after the first"
+    monkeypatch.setattr(bulk._MessageTemplate, "maybe", classmethod(lambda cls, *a: None))
+    slow = bulk.build_task_messages("carpool.infer", calls, **options)
+    assert fast.ids == slow.ids == ids and list(fast.pushes) == list(slow.pushes)
+    (fast_raws,), (slow_raws,) = fast.pushes.values(), slow.pushes.values()
+    for task_id, f, s in zip(ids, fast_raws, slow_raws, strict=True):
+        a, b = _flat(json.loads(f)), _flat(json.loads(s))
+        assert {k for k in a if a[k] != b.get(k)} <= {"properties.delivery_tag"}, task_id
+        assert set(a) == set(b) and a["headers.id"] == task_id
+    fast_events = [e for _, raw in fast.events for e in _event_list(raw)]
+    slow_events = [e for _, raw in slow.events for e in _event_list(raw)]
+    for e in fast_events + slow_events:
+        del e["clock"], e["timestamp"]
+    assert fast_events == slow_events and len(fast_events) == len(calls)
+
+
+def _event_list(raw: str) -> list[dict[str, Any]]:
+    envelope = json.loads(raw)
+    events: list[dict[str, Any]] = json.loads(base64.b64decode(envelope["body"]))
+    return events
 
 
 def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  # type: ignore[no-untyped-def]
