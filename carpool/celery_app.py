@@ -51,6 +51,10 @@ def create_app(settings: Settings | None = None) -> Celery:
         # Batches are acked when they start; a worker that dies mid-batch is covered by carpool's own
         # lease on each request (CARPOOL_RECOVERY_TIMEOUT_S), not by kombu's hour-long visibility timeout.
         task_acks_late=False,
+        # ...and so kombu's ack emulation (each fetched message copied into an "unacked" hash, then
+        # removed on ack: two more round trips per batch) protects nothing carpool needs; a batch
+        # message lost with a killed worker is recovered through the leases of its requests.
+        broker_transport_options={"ack_emulation": False},
         broker_connection_retry_on_startup=True,
         task_send_sent_event=True,
         worker_send_task_events=True,

@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 
 RUN_BATCH = "carpool.run_batch"
 STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
+BUSY_POLL_S = 0.002  # poll interval while requests are held for a partial batch (or Redis < 6.2)
+# Redis ends blocking commands on timeout from its event loop, which an otherwise idle server runs
+# every 1/hz = 0.1 s: a blocking wait may last that long past its timeout. Waits that must end on time
+# (a deadline, a partial batch's wait) sleep here instead.
+REDIS_TIMEOUT_GRAIN_S = 0.1
 FORCED_POLL_S = 0.1  # the policy is asked at least this often, even when nothing seems to change
 
 
@@ -105,6 +110,8 @@ class Coordinator:
         self._depth_keys: set[tuple[str, str]] = set()
         self._wake_at: float | None = None
         self._changed = True  # something the policy's last plan did not know of happened
+        self._block_on: str | None = None  # the list whose next element ends the current wait
+        self._can_block = True
         self._next_poll = 0.0
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
@@ -141,7 +148,7 @@ class Coordinator:
                 backoff = min(5.0, backoff * 2)
                 continue
             if pause > 0:
-                self.stopping.wait(pause)
+                self._wait(pause)
         self.shutdown()
 
     def install_signal_handlers(self) -> None:
@@ -189,12 +196,45 @@ class Coordinator:
             self._next_poll = now + FORCED_POLL_S
             self._dispatch(now)
         self.events.flush()
+        self._block_on = None
         if taken:
             return 0.0
+        # Nothing came in. Wait for what can change the plan, in Redis where possible, so an idle or
+        # saturated coordinator neither burns CPU polling nor reacts late:
+        # - every slot taken: the next batch report (it frees a slot);
+        # - nothing held: the next request at the default priority (the other priority lists and
+        #   reports are looked at when the wait times out: after idle_poll_s, or up to 0.1 s on an
+        #   otherwise idle Redis, see REDIS_TIMEOUT_GRAIN_S);
+        # - otherwise (requests held for a partial batch's wait) poll briefly: arrivals may fill it.
         pause = self.settings.idle_poll_s
-        if self._wake_at is not None:
-            pause = min(pause, max(0.0, self._wake_at - now))
+        until_wake = None if self._wake_at is None else max(0.0, self._wake_at - now)
+        free_slots = self._capacity(now)[1] if self.workers else 0
+        if until_wake is not None and until_wake < REDIS_TIMEOUT_GRAIN_S:
+            pass  # a deadline or wait is due soon: Redis would time a blocking wait out too late
+        elif self.outstanding and self.workers and not free_slots:
+            self._block_on = self.keys.reports_for(self.hostname)
+        elif not len(self.policy):
+            self._block_on = self.keys.request_queue
+        if self._block_on is None:
+            pause = min(pause, BUSY_POLL_S)
+        if until_wake is not None:
+            pause = min(pause, until_wake)
         return pause
+
+    def _wait(self, pause: float) -> None:
+        """Sleep up to ``pause`` s, or until ``_block_on`` (a list) has an element: BLMOVE from the
+        list to its own tail is an atomic no-op rotation, so waiting takes nothing out of Redis."""
+        key = self._block_on
+        if key is not None and self._can_block and pause >= 0.001:
+            try:
+                self.client.blmove(key, key, round(pause, 3), "RIGHT", "RIGHT")
+                return
+            except redis.ResponseError:  # Redis < 6.2: no BLMOVE; poll instead
+                log.info("this Redis has no BLMOVE (6.2+); polling every %.3fs instead", BUSY_POLL_S)
+                self._can_block = False
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass  # the next step meets the same error and backs off; nothing was taken here
+        self.stopping.wait(min(pause, BUSY_POLL_S) if key is not None else pause)
 
     # --- intake ----------------------------------------------------------------------------
     def _admit(self, taken: list[tuple[str, bytes]], now: float) -> None:

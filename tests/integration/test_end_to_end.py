@@ -163,3 +163,31 @@ def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
     out = proc.stdout
     for needle in ("end-to-end throughput", "offline limit", "latency p99", "batch sizes", "padding ratio"):
         assert needle in out
+
+
+def _commands(client, *names: str) -> int:  # type: ignore[no-untyped-def]
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{n}", {}).get("calls", 0)) for n in names)
+
+
+def test_an_idle_coordinator_waits_in_redis_and_a_request_wakes_it(processes: Processes) -> None:
+    """Idle, the coordinator blocks (BLMOVE on the request list) instead of polling every few ms,
+    and a request at the default priority still gets served; so does one with a priority, which is
+    looked at when the wait times out."""
+    import redis
+
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy")
+    client = redis.Redis(port=processes.server.port)
+    assert infer.delay("warm up").get(timeout=30) is not None
+    time.sleep(0.5)  # the coordinator settles into waiting
+    before_takes, before_blocks = _commands(client, "evalsha"), _commands(client, "blmove")
+    time.sleep(2.0)
+    takes, blocks = _commands(client, "evalsha") - before_takes, _commands(client, "blmove") - before_blocks
+    # Waits end after idle_poll_s (20 ms): about 50 per second, each followed by one take; polling
+    # every 2 ms, as before, made about 500 takes a second. (The worker's heartbeat adds ~2/s.)
+    assert blocks > 0, "the idle coordinator never blocked in Redis"
+    assert takes < 2 * 2.0 * 60, f"{takes} scripts in 2 s idle: the coordinator is polling"
+    assert infer.delay("after a rest").get(timeout=10) is not None
+    assert infer.apply_async(("urgent",), priority=9).get(timeout=10) is not None
