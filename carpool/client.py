@@ -75,6 +75,7 @@ _MGET_CHUNK = 5000
 _SUBSCRIBE_CHUNK = 5000
 _LPUSH_CHUNK = 10_000
 _EVENTS_CHUNK = 1000  # task-sent events per task.multi message
+_MESSAGE_READ_S = 1.0  # time allowed for the rest of a result message that has started to arrive
 
 
 def _default_app() -> Celery:
@@ -700,7 +701,10 @@ def _wait(
         if left <= 0:
             raise CeleryTimeoutError("The operation timed out.")
         ready = set()
-        _pump(backend, consumer, waiting, ready, timeout=min(left, 1.0), ignore=ours)
+        if not _pump(backend, consumer, waiting, ready, timeout=min(left, 1.0), ignore=ours):
+            # Celery replaced the connection after an error: what was published meanwhile is lost
+            # to us, but stored; read it.
+            ready |= _read_stored(backend, waiting, list(waiting))
         if not return_exceptions:
             _raise_first_failure(results, ready)
 
@@ -713,9 +717,10 @@ def _pump(
     timeout: float,
     limit: int = 10_000,
     ignore: Container[str] = (),
-) -> int:
+) -> bool:
     """Read the result messages delivered to Celery's pub/sub connection: wait up to ``timeout`` for
-    the first, then take whatever else is already there, up to ``limit``. Returns messages read.
+    the first, then take whatever else is already there, up to ``limit``. Returns False when the
+    connection had to be replaced (messages may have been lost: the caller re-reads stored results).
 
     Why not ``consumer.drain_events``: it handles one message per call and ends each with
     ``sleep(0)`` (celery/backends/asynchronous.py), about 0.1 ms per result on a busy 2-core machine;
@@ -723,18 +728,30 @@ def _pump(
     settled here (their unsubscriptions go out in bulk, see ``_bulk_cancel``); those in ``ignore``
     (settled already) are dropped undecoded; a message for anything else is handed to Celery's
     consumer as it would have been, so other waiters lose nothing.
-    """
-    import redis
 
+    Reading the next message: ``get_message(timeout=0)`` must not be used. redis-py reads the rest of
+    a message with the same timeout, so a ~7 KB embedding that had only partly arrived raised
+    TimeoutError half-way and left the parser out of step, and the following results were never
+    seen (measured: a gather of 300 MiniLM results waited forever for 31 already stored). Here a
+    non-blocking ``can_read`` says whether anything is there, and the message is then read with a
+    timeout that lets its remainder arrive.
+    """
     pubsub = consumer._pubsub
     if pubsub is None:
-        return 0
+        return True
     prefix = backend.task_keyprefix
     prefix = prefix.encode() if isinstance(prefix, str) else prefix
     count = 0
-    with consumer.reconnect_on_error():
-        message = pubsub.get_message(timeout=timeout)
-        while message is not None and count < limit:
+    wait = timeout
+    with consumer.reconnect_on_error():  # on a connection error: new connection, resubscribed
+        while count < limit:
+            conn = pubsub.connection
+            if conn is None or not conn.can_read(timeout=wait):  # only buffers bytes: safe to time out
+                break
+            wait = 0.0
+            message = pubsub.get_message(timeout=_MESSAGE_READ_S)
+            if message is None:  # a (un)subscribe confirmation: look for more
+                continue
             count += 1
             if message.get("type") == "message":
                 channel = message["channel"]
@@ -746,11 +763,7 @@ def _pump(
                         consumer.cancel_for(settled)
                 elif task_id not in ignore:
                     consumer.on_state_change(backend.decode_result(message["data"]), message)
-            try:
-                message = pubsub.get_message(timeout=0)
-            except (redis.RedisError, OSError):
-                break
-    return count
+    return consumer._pubsub is pubsub
 
 
 def _drain_delivered(backend: Any, consumer: Any, limit: int, ignore: Container[str]) -> None:

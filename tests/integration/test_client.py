@@ -300,6 +300,34 @@ def test_gather_waits_for_results_published_later(clean_redis) -> None:  # type:
     worker.join()
 
 
+def test_gather_collects_large_results_published_in_bursts(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    """Embeddings are ~7 KB messages that reach the subscriber in several TCP segments, published by
+    another process while gather reads. None may be lost: reading the next message with a zero
+    timeout once gave up half-way through one (redis-py reads the rest with the same timeout),
+    dropping it, and a single long gather then waited forever for results already stored."""
+    import json
+
+    from carpool.client import gather, submit_many
+
+    n = 1500
+    results = submit_many([f"big {i}" for i in range(n)], model="toy")
+    store = (
+        "import json, sys, time\n"
+        "from carpool.celery_app import app\n"
+        "ids = json.loads(sys.argv[1])\n"
+        "for start in range(0, len(ids), 32):\n"
+        "    time.sleep(0.005)\n"
+        "    app.backend.store_many([(t, 'SUCCESS', [i / 7.0 + k for k in range(384)])\n"
+        "                            for i, t in enumerate(ids[start:start + 32], start)])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", store, json.dumps([r.id for r in results])])
+    try:
+        got = gather(results, timeout=60)
+    finally:
+        proc.wait(timeout=60)
+    assert got == [[i / 7.0 + k for k in range(384)] for i in range(n)]
+
+
 def test_submit_many_results_equal_delay_results(processes: Processes) -> None:
     from carpool.client import gather, submit_many
     from carpool.tasks import infer
