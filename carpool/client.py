@@ -362,6 +362,7 @@ def build_task_messages(
         # (Flower and `celery events` unpack lists), instead of one PUBLISH per request.
         from carpool.wire import FanoutEncoder
 
+        assert evd is not None  # events are only collected with a dispatcher
         encoder = FanoutEncoder(channel, evd.exchange.name, "task.multi", dict(evd.headers))
         for start in range(0, len(sent), _EVENTS_CHUNK):
             built.events.append((encoder.topic, encoder.encode(sent[start : start + _EVENTS_CHUNK]).decode()))

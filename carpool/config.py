@@ -138,7 +138,8 @@ class Settings(BaseSettings):
         """
         from redis.connection import parse_url
 
-        broker, results = parse_url(self.broker_url), parse_url(self.result_backend)
+        broker = parse_url(self.broker_url)  # type: ignore[no-untyped-call]
+        results = parse_url(self.result_backend)  # type: ignore[no-untyped-call]
         broker_db, results_db = int(broker.pop("db", 0) or 0), int(results.pop("db", 0) or 0)
         return (broker_db, results_db) if broker == results else None
 

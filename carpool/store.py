@@ -427,7 +427,7 @@ class RequestStore:
             self.keys.reports_for(coordinator),
             *result_keys,
         ]
-        args = [
+        args: list[Any] = [
             results_db,
             broker_db,
             expires_s,

@@ -59,6 +59,8 @@ def decode(raw: bytes) -> Incoming:
                 raise MalformedMessage("message body is missing")
             body = base64.b64decode(body, validate=True)
         content_type = envelope.get("content-type", "application/json")
+        if not isinstance(body, str | bytes):
+            raise MalformedMessage("message body is missing")
         if content_type == "application/json" and envelope.get("content-encoding", "utf-8") == "utf-8":
             # What every Celery producer sends: plain json.loads, without kombu's registry lookups
             # (which cost as much again as the decoding, per request). The args are strings; kombu's

@@ -227,7 +227,8 @@ class Coordinator:
         key = self._block_on
         if key is not None and self._can_block and pause >= 0.001:
             try:
-                self.client.blmove(key, key, round(pause, 3), "RIGHT", "RIGHT")
+                # Redis >= 6 takes a fractional timeout; redis-py's stub says int.
+                self.client.blmove(key, key, round(pause, 3), "RIGHT", "RIGHT")  # type: ignore[arg-type]
                 return
             except redis.ResponseError:  # Redis < 6.2: no BLMOVE; poll instead
                 log.info("this Redis has no BLMOVE (6.2+); polling every %.3fs instead", BUSY_POLL_S)
@@ -400,8 +401,8 @@ class Coordinator:
         :func:`carpool.client.build_task_messages`), without kombu's per-publish overhead."""
         wall_now = self.wall()
         batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
-        calls = []
-        summaries = []
+        calls: list[tuple[list[Any], dict[str, Any]]] = []
+        summaries: list[str] = []
         for batch_id, batch in zip(batch_ids, batches, strict=True):
             padding = batch.padded_tokens / max(1, batch.real_tokens)
             message = {
