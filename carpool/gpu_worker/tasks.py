@@ -205,7 +205,8 @@ class WorkerRuntime:
     ) -> None:
         """Results (write-once), acks, the report and the task events: one round trip when the
         results live on the broker's server, else a store on the backend and one trip for the rest.
-        The events are taken once, so a retry after a lost connection does not repeat them."""
+        The events leave the buffer on the first attempt: a retry after a lost connection sends none
+        (they are telemetry; the results, acks and report are what a retry must deliver)."""
         events = self.events.take()
         if self.dbs is not None:
             result_keys, args = self.backend.store_args(entries) if entries else ([], [0])
