@@ -146,15 +146,12 @@ return n
 """
 )
 
-# KEYS: lease, owner. ARGV: batch id, lease ms, ids... Marks the ids this batch still owns as claimed
-# (owner 'batch!') and renews their lease. Returns 1/0 per id.
-_CLAIM = (
-    _NOW_MS
-    + """
+# The claim loop shared by _CLAIM and _CLAIM_FRESH; FIRST_ID is the ARGV index of the first id.
+_CLAIM_LOOP = """
 local expiry = now + tonumber(ARGV[2])
 local batch = ARGV[1]
 local out = {}
-for i = 3, #ARGV do
+for i = FIRST_ID, #ARGV do
   local id = ARGV[i]
   local owner = redis.call('HGET', KEYS[2], id)
   if (owner == batch or owner == batch .. '!') and redis.call('ZSCORE', KEYS[1], id) then
@@ -165,30 +162,19 @@ for i = 3, #ARGV do
     out[#out + 1] = 0
   end
 end
-return out
 """
-)
+
+# KEYS: lease, owner. ARGV: batch id, lease ms, ids... Marks the ids this batch still owns as claimed
+# (owner 'batch!') and renews their lease. Returns 1/0 per id.
+_CLAIM = _NOW_MS + _CLAIM_LOOP.replace("FIRST_ID", "3") + "return out\n"
 
 # KEYS: lease, owner, then one result key per id. ARGV: batch id, lease ms, results db, ids...
 # As _CLAIM, and also says which of the claimed ids already have a result (a rerun after recovery):
 # 0 = not this batch's any more, 1 = claimed and unanswered, 2 = claimed but answered already.
 _CLAIM_FRESH = (
     _NOW_MS
+    + _CLAIM_LOOP.replace("FIRST_ID", "4")
     + """
-local expiry = now + tonumber(ARGV[2])
-local batch = ARGV[1]
-local out = {}
-for i = 4, #ARGV do
-  local id = ARGV[i]
-  local owner = redis.call('HGET', KEYS[2], id)
-  if (owner == batch or owner == batch .. '!') and redis.call('ZSCORE', KEYS[1], id) then
-    redis.call('HSET', KEYS[2], id, batch .. '!')
-    redis.call('ZADD', KEYS[1], 'XX', expiry, id)
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
-  end
-end
 redis.call('SELECT', ARGV[3])
 for i = 1, #out do
   if out[i] == 1 and redis.call('EXISTS', KEYS[i + 2]) == 1 then out[i] = 2 end

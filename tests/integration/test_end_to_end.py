@@ -201,3 +201,42 @@ def test_an_idle_coordinator_waits_in_redis_and_a_request_wakes_it(processes: Pr
     assert takes < 2 * 2.0 * 60, f"{takes} scripts in 2 s idle: the coordinator is polling"
     assert infer.delay("after a rest").get(timeout=10) is not None
     assert infer.apply_async(("urgent",), priority=9).get(timeout=10) is not None
+
+
+def test_results_on_another_redis_server(processes: Processes) -> None:
+    """With the result backend on a different server than the broker, workers cannot claim and finish
+    a batch in single scripts; they take the longer path (claim, look up, store, acknowledge) and
+    every result still lands under its request's id, where the producer's backend reads it."""
+    from carpool.celery_app import create_app
+    from carpool.client import gather, submit_many
+    from carpool.config import load_settings
+    from carpool.demo import release_result_consumer
+    from carpool.embedded import EmbeddedRedis, free_port
+
+    results_server = EmbeddedRedis(port=free_port()).start()
+    try:
+        backend_url = results_server.url(0)
+        app = create_app(load_settings(broker_url=processes.server.url(0), result_backend=backend_url))
+        assert app.carpool_settings.shared_server_dbs() is None
+        start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_RESULT_BACKEND=backend_url)
+        texts = mixed_texts(64, seed=31)
+        try:
+            got = gather(submit_many(texts, app=app), timeout=60)
+        finally:
+            release_result_consumer(app)
+        from carpool.gpu_worker.runner import run_single
+
+        assert got == [run_single("toy", t) for t in texts]
+        import redis
+
+        from carpool.keys import Keys
+
+        # Nothing left in flight on the broker: the acknowledgements (sent just after the results, in
+        # this path) went to the broker's server.
+        lease, broker = Keys("carpool.requests").inflight_lease, redis.Redis(port=processes.server.port)
+        deadline = time.monotonic() + 10
+        while broker.zcard(lease) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert broker.zcard(lease) == 0
+    finally:
+        results_server.cleanup()
