@@ -1,7 +1,7 @@
 """Redis state shared by coordinators and workers: in-flight requests, leases, heartbeats, reports.
 
 A request's life in Redis:
-  request list --take--> in flight (raw kept, lease set) --assign--> owned by a batch
+  request list --take--> in flight (raw kept, lease set) --dispatch--> owned by a batch
     --claim (worker)--> running --ack--> gone (its result is in the result backend)
   and from any in-flight state, when its lease runs out (the holder died): --reap--> back at the
   front of the request list, verbatim.
@@ -119,24 +119,18 @@ return n
 """
 )
 
-# KEYS: lease, owner. ARGV: lease ms, batch id ('' = keep owner; only renew unowned/unclaimed), ids...
-# Renews the lease of ids still in flight and not claimed by a worker; with a batch id, records it
-# as their owner. Returns how many were renewed.
-_ASSIGN = (
+# KEYS: lease, owner. ARGV: lease ms, ids... Renews the lease of ids still in flight and not claimed by
+# a worker (a claimed request's lease is its worker's to renew). Returns how many were renewed.
+_RENEW_HELD = (
     _NOW_MS
     + """
 local expiry = now + tonumber(ARGV[1])
-local batch = ARGV[2]
 local n = 0
-for i = 3, #ARGV do
+for i = 2, #ARGV do
   local id = ARGV[i]
   if redis.call('ZSCORE', KEYS[1], id) then
     local owner = redis.call('HGET', KEYS[2], id)
-    if batch ~= '' then
-      redis.call('HSET', KEYS[2], id, batch)
-      redis.call('ZADD', KEYS[1], 'XX', expiry, id)
-      n = n + 1
-    elseif not owner or string.sub(owner, -1) ~= '!' then
+    if not owner or string.sub(owner, -1) ~= '!' then
       redis.call('ZADD', KEYS[1], 'XX', expiry, id)
       n = n + 1
     end
@@ -273,7 +267,7 @@ class RequestStore:
         self.keys = keys
         self.lease_ms = max(1, int(lease_s * 1000))
         self._take = client.register_script(_TAKE)
-        self._assign = client.register_script(_ASSIGN)
+        self._renew_held = client.register_script(_RENEW_HELD)
         self._claim = client.register_script(_CLAIM)
         self._dispatch = client.register_script(_DISPATCH)
         self._claim_fresh = client.register_script(_CLAIM_FRESH)
@@ -317,24 +311,13 @@ class RequestStore:
             self._dispatch(keys=[self.keys.inflight_lease, self.keys.inflight_owner, queue_list], args=args)
         )
 
-    def assign(self, batch_id: str, ids: Sequence[str]) -> int:
-        """Record ``batch_id`` as the owner of ``ids`` and renew their leases."""
-        if not ids:
-            return 0
-        return int(
-            self._assign(
-                keys=[self.keys.inflight_lease, self.keys.inflight_owner],
-                args=[self.lease_ms, batch_id, *ids],
-            )
-        )
-
     def renew_held(self, ids: Sequence[str]) -> int:
         """Renew leases of requests the coordinator holds or dispatched and no worker claimed yet."""
         if not ids:
             return 0
         return int(
-            self._assign(
-                keys=[self.keys.inflight_lease, self.keys.inflight_owner], args=[self.lease_ms, "", *ids]
+            self._renew_held(
+                keys=[self.keys.inflight_lease, self.keys.inflight_owner], args=[self.lease_ms, *ids]
             )
         )
 
