@@ -106,9 +106,6 @@ class TaskEvents:
             {"uuid": task_id, "exception": short_repr(exc), "traceback": None, "runtime": runtime_s},
         )
 
-    def pending(self) -> int:
-        return len(self._buffer)
-
     def take(self) -> tuple[str, bytes] | None:
         """The buffered events as one ``task.multi`` message: (topic, raw) to PUBLISH; None if none.
 

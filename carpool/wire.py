@@ -8,7 +8,7 @@ once for the topic and the envelope it would produce; each message then costs on
 and a base64 of its body, and the caller PUBLISHes it in whatever pipeline it is already sending.
 Consumers (Flower, ``celery events``) cannot tell the difference: the envelope is the one kombu's
 ``prepare_message`` / ``_inplace_augment_message`` make, checked field by field in
-tests/unit/test_wire.py.
+tests/integration/test_client.py::test_fanout_encoder_matches_what_celery_publishes.
 """
 
 from __future__ import annotations

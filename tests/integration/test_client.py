@@ -179,6 +179,38 @@ def _event_list(raw: str) -> list[dict[str, Any]]:
     return events
 
 
+def test_fanout_encoder_matches_what_celery_publishes(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    """carpool.wire builds event messages itself; Celery's own event dispatcher, publishing through
+    kombu, must produce the same envelope (all but the per-message delivery tag), on the same topic."""
+    import redis
+
+    from carpool.celery_app import app
+    from carpool.wire import event_encoder
+
+    client = redis.Redis(port=clean_redis.port)
+    listener = client.pubsub()
+    listener.psubscribe("/0.celeryev/*")
+    listener.get_message(timeout=1)
+    event = {"type": "task-started", "uuid": "abc", "hostname": "h@x", "timestamp": 1.5}
+    with app.connection_for_write() as conn:
+        dispatcher = app.events.Dispatcher(conn, hostname="h@x")
+        dispatcher.publish("task-started", {"uuid": "abc"}, dispatcher.producer)
+        dispatcher.close()
+    by_celery = listener.get_message(timeout=5)
+    encoder = event_encoder(app, "task.started", "h@x")
+    client.publish(encoder.topic, encoder.encode(event))
+    by_carpool = listener.get_message(timeout=5)
+    listener.close()
+    assert by_celery is not None and by_carpool is not None
+    assert by_carpool["channel"] == by_celery["channel"]
+    a, b = _flat(json.loads(by_celery["data"])), _flat(json.loads(by_carpool["data"]))
+    assert set(a) == set(b)
+    assert {k for k in a if a[k] != b[k]} == {"body", "properties.delivery_tag"}
+    celery_body = json.loads(base64.b64decode(a["body"]))
+    carpool_body = json.loads(base64.b64decode(b["body"]))
+    assert carpool_body == event and celery_body["type"] == "task-started" and celery_body["uuid"] == "abc"
+
+
 def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  # type: ignore[no-untyped-def]
     import redis
 
