@@ -221,10 +221,13 @@ def build_task_messages(
     sent_events: bool | None = None,
     task_ids: Sequence[str] | None = None,
     argsreprs: Sequence[str] | None = None,
+    ignore_result: bool = False,
 ) -> TaskMessages:
     """The messages ``app.send_task`` would publish for each call, without publishing them.
 
     ``task_ids`` and ``argsreprs`` (one per call) replace the generated id and the computed repr;
+    ``ignore_result`` goes into the headers, where it overrides the task's own setting on the worker
+    (as ``send_task(..., ignore_result=True)`` does);
     Celery's ``before_task_publish`` receivers run here, ``after_task_publish`` ones on
     :meth:`TaskMessages.published`.
 
@@ -287,6 +290,7 @@ def build_task_messages(
             create_sent_event=sent_events,
             argsrepr=argsrepr,
             kwargsrepr="{}" if not kwargs else None,
+            ignore_result=ignore_result,
         )
         task_headers.update(extra_headers)
         if before:
