@@ -57,9 +57,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.utils.saferepr import saferepr
 
+from carpool.codec import dumps_plain, flat_plain
 from carpool.validation import bind_infer_args, validate_infer
 
 log = logging.getLogger(__name__)
@@ -185,7 +187,10 @@ def publish_tasks(
             unsubscribe_results(app.backend, built.ids)
         raise
     built.published()
-    return [app.AsyncResult(task_id, task_name=name) for task_id in built.ids]
+    # The backend passed in: looked up per result (a thread-local property) it was most of the
+    # ~10 us each AsyncResult cost.
+    backend = app.backend
+    return [app.AsyncResult(task_id, backend=backend) for task_id in built.ids]
 
 
 @dataclass
@@ -227,150 +232,243 @@ def build_task_messages(
 
     ``task_ids`` and ``argsreprs`` (one per call) replace the generated id and the computed repr;
     ``ignore_result`` goes into the headers, where it overrides the task's own setting on the worker
-    (as ``send_task(..., ignore_result=True)`` does);
-    Celery's ``before_task_publish`` receivers run here, ``after_task_publish`` ones on
-    :meth:`TaskMessages.published`.
-
-    Cost: Celery builds the first two messages; when the second equals what the first, used as a
-    template, gives for it (checked field by field), the rest are rendered from that template (the
-    id, reprs, body and delivery tag substituted into pre-serialised JSON): about a fifth of the CPU
-    of building each through Celery and kombu. With publish signal receivers, compression or a
-    mismatch, every message is built by Celery.
+    (as ``send_task(..., ignore_result=True)`` does); Celery's ``before_task_publish`` receivers run
+    here, ``after_task_publish`` ones on :meth:`TaskMessages.published`. A one-off
+    :class:`TaskMessageBuilder`: callers that build messages of the same task again and again keep one.
     """
-    from datetime import timedelta
-
-    from kombu.entity import maybe_delivery_mode
-    from kombu.serialization import dumps as serialize
-    from kombu.utils.json import dumps as envelope_dumps
-    from kombu.utils.uuid import uuid
-
-    conf = app.conf
-    route = app.amqp.router.route({"queue": queue} if queue else {}, name, (), {})
-    target = route["queue"]
-    exchange = getattr(target, "exchange", None)
-    if route.get("exchange") or (exchange is not None and exchange.type not in (None, "direct")):
-        raise ValueError(
-            f"{name} is routed through exchange {exchange!r}; publish_tasks sends to direct queues only"
-        )
-    qname: str = target.name
-    delivery_mode = maybe_delivery_mode(
-        (exchange.delivery_mode if exchange is not None else None) or conf.task_default_delivery_mode
+    builder = TaskMessageBuilder(
+        name,
+        app=app,
+        queue=queue,
+        priority=priority,
+        expires=expires,
+        headers=headers,
+        sent_events=sent_events,
+        ignore_result=ignore_result,
     )
-    serializer = conf.task_serializer
-    compression = conf.task_compression
-    if sent_events is None:
-        sent_events = bool(conf.task_send_sent_event)
-    if isinstance(expires, int | float) and not isinstance(expires, bool):
-        # Seconds from now, fixed once for the whole call (Celery would add them per message).
-        expires = app.now() + timedelta(seconds=expires)
-    extra_headers = dict(headers or {})
-    reply_to = app.thread_oid
-    evd = _event_dispatcher(app) if sent_events else None
+    return builder.build(calls, task_ids=task_ids, argsreprs=argsreprs)
 
-    from celery import signals
 
-    before = signals.before_task_publish.receivers
-    after = signals.after_task_publish.receivers
-    built = TaskMessages(name=name, queue=qname, ids=[], pushes={}, events=[], _after=[])
-    argsrepr_max = app.amqp.argsrepr_maxsize
-    channel = _channel(app)
-    sent: list[dict[str, Any]] = []
-    utc_offset = _utcoffset() if evd is not None else 0
+class TaskMessageBuilder:
+    """Builds the messages ``app.send_task(name, ..., **options)`` would publish, options fixed.
 
-    def celery_built(
-        task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], argsrepr: str | None
-    ) -> Any:
-        task_headers, properties, body, sent_event = app.amqp.create_task_message(
+    Cost: Celery's ``create_task_message`` and kombu's ``prepare_message`` take about a millisecond
+    per message. The builder has Celery build the first message and keeps it as a template; when
+    Celery's build of a later message equals what the template renders for it (checked field by
+    field, once), every message after that is rendered from the template (the id, reprs, body and
+    delivery tag substituted into pre-serialised JSON): about a fifth of the CPU of the first build,
+    or less. The template lives as long as the builder, so a coordinator cutting one batch at a time
+    pays for Celery's build twice in its lifetime, not twice per step. With publish signal receivers,
+    compression, a mismatch, or ``expires`` in seconds (a different instant per build), every message
+    is built by Celery.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        app: Celery,
+        queue: str | None = None,
+        priority: int | None = None,
+        expires: Any = None,
+        headers: Mapping[str, Any] | None = None,
+        sent_events: bool | None = None,
+        ignore_result: bool = False,
+    ) -> None:
+        from kombu.entity import maybe_delivery_mode
+
+        conf = app.conf
+        route = app.amqp.router.route({"queue": queue} if queue else {}, name, (), {})
+        target = route["queue"]
+        exchange = getattr(target, "exchange", None)
+        if route.get("exchange") or (exchange is not None and exchange.type not in (None, "direct")):
+            raise ValueError(
+                f"{name} is routed through exchange {exchange!r}; publish_tasks sends to direct queues only"
+            )
+        self.app = app
+        self.name = name
+        self.target = target
+        self.qname: str = target.name
+        self.priority = priority
+        self.delivery_mode = maybe_delivery_mode(
+            (exchange.delivery_mode if exchange is not None else None) or conf.task_default_delivery_mode
+        )
+        self.serializer = conf.task_serializer
+        self.compression = conf.task_compression
+        self.sent_events = bool(conf.task_send_sent_event) if sent_events is None else sent_events
+        self.expires = expires
+        # Seconds from now are fixed at each build (Celery would add them per message): the messages
+        # of two builds differ there, so no template outlives a build.
+        self._relative_expiry = isinstance(expires, int | float) and not isinstance(expires, bool)
+        self.extra_headers = dict(headers or {})
+        self.ignore_result = ignore_result
+        self.reply_to = app.thread_oid
+        self._template: _MessageTemplate | None = None
+        self._trusted = False  # the template rendered one of Celery's own builds exactly
+        self._untrusted = False  # ... or failed to: Celery builds every message from then on
+
+    def build(
+        self,
+        calls: Sequence[tuple[Sequence[Any], Mapping[str, Any]]],
+        *,
+        task_ids: Sequence[str] | None = None,
+        argsreprs: Sequence[str] | None = None,
+    ) -> TaskMessages:
+        from datetime import timedelta
+
+        from celery import signals
+        from kombu.serialization import dumps as serialize
+        from kombu.utils.json import dumps as envelope_dumps
+        from kombu.utils.uuid import uuid
+
+        app, name, qname = self.app, self.name, self.qname
+        expires = self.expires
+        if self._relative_expiry:
+            expires = app.now() + timedelta(seconds=expires)
+            self._template, self._trusted = None, False
+        evd = _event_dispatcher(app) if self.sent_events else None
+        before = signals.before_task_publish.receivers
+        after = signals.after_task_publish.receivers
+        templating = not (before or after or self.compression or self._untrusted)
+        built = TaskMessages(name=name, queue=qname, ids=[], pushes={}, events=[], _after=[])
+        argsrepr_max = app.amqp.argsrepr_maxsize
+        channel = _channel(app)
+        sent: list[dict[str, Any]] = []
+        utc_offset = _utcoffset() if evd is not None else 0
+
+        def celery_built(
+            task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], argsrepr: str | None
+        ) -> Any:
+            task_headers, properties, body, sent_event = app.amqp.create_task_message(
+                task_id,
+                name,
+                args,
+                kwargs,
+                expires=expires,
+                reply_to=self.reply_to,
+                create_sent_event=self.sent_events,
+                argsrepr=argsrepr,
+                kwargsrepr="{}" if not kwargs else None,
+                ignore_result=self.ignore_result,
+            )
+            task_headers.update(self.extra_headers)
+            if before:
+                signals.before_task_publish.send(
+                    sender=name,
+                    body=body,
+                    exchange="",
+                    routing_key=qname,
+                    declare=[self.target],
+                    headers=task_headers,
+                    properties=properties,
+                    retry_policy=None,
+                )
+            content_type, content_encoding, data = serialize(body, serializer=self.serializer)
+            if self.compression:
+                from kombu.compression import compress
+
+                data, task_headers["compression"] = compress(data, self.compression)
+            properties["delivery_mode"] = self.delivery_mode
+            message = channel.prepare_message(
+                data, self.priority, content_type, content_encoding, task_headers, properties
+            )
+            channel._inplace_augment_message(message, "", qname)
+            return message, body, task_headers, sent_event
+
+        for index, (call_args, call_kwargs) in enumerate(calls):
+            task_id = task_ids[index] if task_ids is not None else uuid()
+            args = tuple(call_args)  # as Task.delay passes them (argsrepr shows a tuple)
+            kwargs = dict(call_kwargs)
+            argsrepr = argsreprs[index] if argsreprs is not None else _fast_repr(args, argsrepr_max)
+            template = self._template if templating and self._trusted else None
+            if template is not None:
+                if argsrepr is None:
+                    argsrepr = saferepr(args, argsrepr_max)
+                kwargsrepr = "{}" if not kwargs else saferepr(kwargs, argsrepr_max)
+                raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, uuid())
+                sent_event = template.sent_event(task_id, argsrepr, kwargsrepr) if evd is not None else None
+                key = template.key
+            else:
+                message, body, task_headers, sent_event = celery_built(task_id, args, kwargs, argsrepr)
+                key = channel._q_for_pri(qname, channel._get_message_priority(message, reverse=False))
+                raw = envelope_dumps(message)
+                if after:
+                    built._after.append((body, task_headers))
+                if templating:
+                    self._learn(message, body, sent_event, raw, key, task_id, args, kwargs, evd is not None)
+            built.pushes.setdefault(key, []).append(raw)
+            if evd is not None and sent_event is not None:
+                sent_event.update(queue=qname, exchange="", routing_key=qname)
+                sent.append(_sent_event_fields(evd, sent_event, utc_offset))
+            built.ids.append(task_id)
+        if sent:
+            # One task.multi list message per chunk, as Celery's buffered event dispatcher sends them
+            # (Flower and `celery events` unpack lists), instead of one PUBLISH per request.
+            from carpool.wire import FanoutEncoder
+
+            assert evd is not None  # events are only collected with a dispatcher
+            encoder = FanoutEncoder(channel, evd.exchange.name, "task.multi", dict(evd.headers))
+            for start in range(0, len(sent), _EVENTS_CHUNK):
+                built.events.append(
+                    (encoder.topic, encoder.encode(sent[start : start + _EVENTS_CHUNK]).decode())
+                )
+        return built
+
+    def _learn(
+        self,
+        message: dict[str, Any],
+        body: Any,
+        sent_event: Any,
+        raw: str,
+        key: str,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        with_events: bool,
+    ) -> None:
+        """Make a template from Celery's first message; trust it once it renders Celery's second."""
+        template = self._template
+        if template is None:
+            self._template = _MessageTemplate.maybe(message, body, sent_event, key)
+            if self._template is None:
+                self._untrusted = True
+            return
+        headers = message["headers"]
+        again = template.render(
             task_id,
-            name,
             args,
             kwargs,
-            expires=expires,
-            reply_to=reply_to,
-            create_sent_event=sent_events,
-            argsrepr=argsrepr,
-            kwargsrepr="{}" if not kwargs else None,
-            ignore_result=ignore_result,
+            headers["argsrepr"],
+            headers["kwargsrepr"],
+            message["properties"]["delivery_tag"],
         )
-        task_headers.update(extra_headers)
-        if before:
-            signals.before_task_publish.send(
-                sender=name,
-                body=body,
-                exchange="",
-                routing_key=qname,
-                declare=[target],
-                headers=task_headers,
-                properties=properties,
-                retry_policy=None,
+        if (
+            key != template.key
+            or _decoded(again) != _decoded(raw)
+            or (
+                with_events
+                and template.sent_event(task_id, headers["argsrepr"], headers["kwargsrepr"]) != sent_event
             )
-        content_type, content_encoding, data = serialize(body, serializer=serializer)
-        if compression:
-            from kombu.compression import compress
-
-            data, task_headers["compression"] = compress(data, compression)
-        properties["delivery_mode"] = delivery_mode
-        message = channel.prepare_message(
-            data, priority, content_type, content_encoding, task_headers, properties
-        )
-        channel._inplace_augment_message(message, "", qname)
-        return message, body, task_headers, sent_event
-
-    template: _MessageTemplate | None = None
-    key = ""
-    for index, (call_args, call_kwargs) in enumerate(calls):
-        task_id = task_ids[index] if task_ids is not None else uuid()
-        args = tuple(call_args)  # as Task.delay passes them (argsrepr shows a tuple)
-        kwargs = dict(call_kwargs)
-        argsrepr = argsreprs[index] if argsreprs is not None else _fast_repr(args, argsrepr_max)
-        if template is not None:
-            if argsrepr is None:
-                argsrepr = saferepr(args, argsrepr_max)
-            kwargsrepr = "{}" if not kwargs else saferepr(kwargs, argsrepr_max)
-            raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, uuid())
-            sent_event = template.sent_event(task_id, argsrepr, kwargsrepr) if evd is not None else None
+        ):
+            log.debug("message template for %s does not match Celery's message; not used", self.name)
+            self._template, self._untrusted = None, True
         else:
-            message, body, task_headers, sent_event = celery_built(task_id, args, kwargs, argsrepr)
-            key = channel._q_for_pri(qname, channel._get_message_priority(message, reverse=False))
-            raw = envelope_dumps(message)
-            if after:
-                built._after.append((body, task_headers))
-            if index == 0 and not (before or after or compression) and len(calls) > 2:
-                template = _MessageTemplate.maybe(message, body, sent_event)
-            elif index == 1 and template is not None:
-                # Trust the template only if it renders this Celery-built message exactly.
-                again = template.render(
-                    task_id,
-                    args,
-                    kwargs,
-                    message["headers"]["argsrepr"],
-                    message["headers"]["kwargsrepr"],
-                    message["properties"]["delivery_tag"],
-                )
-                if json.loads(again) != json.loads(raw) or (
-                    evd is not None
-                    and template.sent_event(
-                        task_id, message["headers"]["argsrepr"], message["headers"]["kwargsrepr"]
-                    )
-                    != sent_event
-                ):
-                    log.debug("message template for %s does not match Celery's message; not used", name)
-                    template = None
-        built.pushes.setdefault(key, []).append(raw)
-        if evd is not None and sent_event is not None:
-            sent_event.update(queue=qname, exchange="", routing_key=qname)
-            sent.append(_sent_event_fields(evd, sent_event, utc_offset))
-        built.ids.append(task_id)
-    if sent:
-        # One task.multi list message per chunk, as Celery's buffered event dispatcher sends them
-        # (Flower and `celery events` unpack lists), instead of one PUBLISH per request.
-        from carpool.wire import FanoutEncoder
+            self._trusted = True
 
-        assert evd is not None  # events are only collected with a dispatcher
-        encoder = FanoutEncoder(channel, evd.exchange.name, "task.multi", dict(evd.headers))
-        for start in range(0, len(sent), _EVENTS_CHUNK):
-            built.events.append((encoder.topic, encoder.encode(sent[start : start + _EVENTS_CHUNK]).decode()))
-    return built
+
+def _decoded(raw: str) -> dict[str, Any]:
+    """An envelope with its body decoded: the rendered body is compact JSON (orjson), Celery's has
+    spaces after separators; consumers see the same values."""
+    message: dict[str, Any] = json.loads(raw)
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    return message
+
+
+def _json_str(value: str) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:  # a lone surrogate: orjson refuses, json escapes it
+        return json.dumps(value)
 
 
 class _MessageTemplate:
@@ -378,8 +476,12 @@ class _MessageTemplate:
 
     _SLOT = re.compile(r'"@@carpool-slot:(\w+)@@"')
 
-    def __init__(self, message: dict[str, Any], body: Any, sent_event: dict[str, Any] | None) -> None:
+    def __init__(
+        self, message: dict[str, Any], body: Any, sent_event: dict[str, Any] | None, key: str
+    ) -> None:
         from kombu.utils.json import dumps as envelope_dumps
+
+        self.key = key  # the Redis list the messages go to (one per priority step)
 
         task_id = message["headers"]["id"]
         msg = copy.deepcopy(message)
@@ -402,13 +504,13 @@ class _MessageTemplate:
         self._root_is_id = sent_event is not None and sent_event.get("root_id") == task_id
 
     @classmethod
-    def maybe(cls, message: dict[str, Any], body: Any, sent_event: Any) -> _MessageTemplate | None:
+    def maybe(cls, message: dict[str, Any], body: Any, sent_event: Any, key: str) -> _MessageTemplate | None:
         props = message.get("properties", {})
         if props.get("body_encoding") != "base64" or message.get("content-type") != "application/json":
             return None
         if not (isinstance(body, tuple | list) and len(body) == 3):
             return None
-        return cls(message, body, sent_event)
+        return cls(message, body, sent_event, key)
 
     def render(
         self,
@@ -419,9 +521,13 @@ class _MessageTemplate:
         kwargsrepr: str,
         tag: str,
     ) -> str:
-        from kombu.utils.json import dumps
+        # Plain arguments (texts, a model name) are encoded by orjson: the same JSON values as
+        # kombu's encoder, which is kept for anything it would tag (datetime, UUID, ...).
+        data = dumps_plain((args, kwargs, self._embed)) if flat_plain(args, kwargs) else None
+        if data is None:
+            from kombu.utils.json import dumps
 
-        data = dumps((args, kwargs, self._embed)).encode("utf-8")
+            data = dumps((args, kwargs, self._embed)).encode("utf-8")
         values = {
             "id": task_id,
             "body": base64.b64encode(data).decode("ascii"),
@@ -431,7 +537,7 @@ class _MessageTemplate:
         }
         out = [self._literals[0]]
         for slot, literal in zip(self._slots, self._literals[1:], strict=True):
-            out.append(json.dumps(values[slot]))
+            out.append(_json_str(values[slot]))
             out.append(literal)
         return "".join(out)
 

@@ -10,7 +10,7 @@ Cost. Going through ``app.events.Dispatcher`` cost about 0.18 ms of CPU per requ
 object, Celery's per-event bookkeeping, and kombu's publish building a new Redis client per message):
 half of the pipeline's own cost on the null model (docs/PERFORMANCE.md). Here an event is a dict with
 the fields ``celery.events.Event`` would give it (type, timestamp, hostname, utcoffset, pid, Lamport
-clock from ``app.clock``), and a flush is one ``json.dumps`` into kombu's envelope
+clock from ``app.clock``), and a flush is one JSON encoding into kombu's envelope
 (:mod:`carpool.wire`) that the caller can PUBLISH inside a pipeline it sends anyway.
 
 Events are telemetry: a failure to build or send them is logged and dropped, never allowed to stop
@@ -77,19 +77,29 @@ class TaskEvents:
         fields["timestamp"] = now
         self._buffer.append(fields)
 
-    def received(self, task_id: str, argsrepr: str, kwargsrepr: str = "{}") -> None:
+    def received(
+        self,
+        task_id: str,
+        argsrepr: str,
+        kwargsrepr: str = "{}",
+        *,
+        name: str = TASK_NAME,
+        root_id: str | None = None,
+        parent_id: str | None = None,
+        retries: int = 0,
+    ) -> None:
         self._event(
             "task-received",
             {
                 "uuid": task_id,
-                "name": TASK_NAME,
+                "name": name,
                 "args": argsrepr,
                 "kwargs": kwargsrepr,
-                "retries": 0,
+                "retries": retries,
                 "eta": None,
                 "expires": None,
-                "root_id": task_id,
-                "parent_id": None,
+                "root_id": root_id or task_id,
+                "parent_id": parent_id,
             },
         )
 
@@ -97,13 +107,21 @@ class TaskEvents:
         for task_id in task_ids:
             self._event("task-started", {"uuid": task_id})
 
-    def succeeded(self, task_id: str, result: Any, runtime_s: float) -> None:
-        self._event("task-succeeded", {"uuid": task_id, "result": short_repr(result), "runtime": runtime_s})
+    def succeeded(self, task_id: str, result: Any, runtime_s: float, limit: int = REPR_LIMIT) -> None:
+        self._event(
+            "task-succeeded", {"uuid": task_id, "result": short_repr(result, limit), "runtime": runtime_s}
+        )
 
-    def failed(self, task_id: str, exc: BaseException, runtime_s: float | None = None) -> None:
+    def failed(
+        self,
+        task_id: str,
+        exc: BaseException,
+        runtime_s: float | None = None,
+        traceback: str | None = None,
+    ) -> None:
         self._event(
             "task-failed",
-            {"uuid": task_id, "exception": short_repr(exc), "traceback": None, "runtime": runtime_s},
+            {"uuid": task_id, "exception": short_repr(exc), "traceback": traceback, "runtime": runtime_s},
         )
 
     def take(self) -> tuple[str, bytes] | None:

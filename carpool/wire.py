@@ -4,8 +4,9 @@ Why not ``Producer.publish``: on the Redis transport every fanout publish goes t
 ``Channel._put_fanout``, which builds a new ``redis.Redis`` client each time, plus the serializer
 registry, compression lookup and publish retry wrappers: about 0.3 ms per message on the 2-core
 machine of docs/PERFORMANCE.md, paid several times per batch. Here a real kombu channel is asked
-once for the topic and the envelope it would produce; each message then costs one ``json.dumps``
-and a base64 of its body, and the caller PUBLISHes it in whatever pipeline it is already sending.
+once for the topic and the envelope it would produce; each message then costs one JSON encoding
+(orjson, :mod:`carpool.codec`) and a base64 of its body, and the caller PUBLISHes it in whatever
+pipeline it is already sending.
 Consumers (Flower, ``celery events``) cannot tell the difference: the envelope is the one kombu's
 ``prepare_message`` / ``_inplace_augment_message`` make, checked field by field in
 tests/integration/test_client.py::test_fanout_encoder_matches_what_celery_publishes.
@@ -14,9 +15,12 @@ tests/integration/test_client.py::test_fanout_encoder_matches_what_celery_publis
 from __future__ import annotations
 
 import base64
-import json
 import uuid
 from typing import Any
+
+import orjson
+
+from carpool.codec import dumps_lenient
 
 
 class FanoutEncoder:
@@ -32,13 +36,13 @@ class FanoutEncoder:
 
     def encode(self, body: Any) -> bytes:
         """The raw message to PUBLISH on :attr:`topic` for ``body`` (any JSON-serialisable value)."""
-        data = json.dumps(body, separators=(",", ":"), default=str).encode("utf-8")
+        data = dumps_lenient(body)
         message = dict(self._template)
         properties = dict(message["properties"])
         properties["delivery_tag"] = str(uuid.uuid4())
         message["properties"] = properties
         message["body"] = base64.b64encode(data).decode("ascii")
-        return json.dumps(message).encode("utf-8")
+        return orjson.dumps(message)
 
 
 def event_encoder(app: Any, routing_key: str, hostname: str) -> FanoutEncoder:

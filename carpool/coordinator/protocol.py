@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
 
+from carpool.codec import loads as json_loads
 from carpool.errors import MalformedMessage
 
 TASK_NAME = "carpool.infer"
@@ -39,7 +39,7 @@ class Incoming:
 def decode(raw: bytes) -> Incoming:
     """Decode ``raw`` or raise :class:`MalformedMessage` naming what is wrong with it."""
     try:
-        envelope = json.loads(raw)
+        envelope = json_loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise MalformedMessage("not a Celery message: the envelope is not JSON") from None
     if not isinstance(envelope, dict) or not isinstance(envelope.get("headers"), dict):
@@ -62,10 +62,10 @@ def decode(raw: bytes) -> Incoming:
         if not isinstance(body, str | bytes):
             raise MalformedMessage("message body is missing")
         if content_type == "application/json" and envelope.get("content-encoding", "utf-8") == "utf-8":
-            # What every Celery producer sends: plain json.loads, without kombu's registry lookups
+            # What every Celery producer sends: plain JSON decoding, without kombu's registry lookups
             # (which cost as much again as the decoding, per request). The args are strings; kombu's
             # tagged types ({"__type__": ...}) would only reach validation, which names the problem.
-            decoded = json.loads(body)
+            decoded = json_loads(body)
         else:
             decoded = loads(
                 body, content_type, envelope.get("content-encoding", "utf-8"), accept={"application/json"}

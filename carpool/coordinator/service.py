@@ -24,7 +24,7 @@ import redis
 from celery import Celery
 
 from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan, PolicyConfig, Request
-from carpool.client import build_task_messages
+from carpool.client import TaskMessageBuilder
 from carpool.config import Settings
 from carpool.coordinator import protocol
 from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, MalformedMessage, QueueFull
@@ -117,6 +117,17 @@ class Coordinator:
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
         self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
         self.metrics = CoordinatorMetrics()
+        # Kept for the process's life: after Celery has built two batch messages and the template
+        # rendered the second exactly, every batch message is rendered (docs/PERFORMANCE.md, round 3).
+        self._messages = TaskMessageBuilder(
+            RUN_BATCH,
+            app=app,
+            queue=settings.batch_queue,
+            sent_events=False,
+            # The header overrides run_batch's own ignore_result on the worker: without it Celery
+            # stored every batch's report in the result backend (1.3 ms per batch).
+            ignore_result=True,
+        )
 
     # --- main loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -398,7 +409,7 @@ class Coordinator:
         """Hand ``batches`` on: every batch's task message, ownership and lease renewal, and the events
         buffered so far (published first, so Flower sees requests received before started), in one
         script call. The messages are the ones ``app.send_task`` would send (built by
-        :func:`carpool.client.build_task_messages`), without kombu's per-publish overhead."""
+        :class:`carpool.client.TaskMessageBuilder`), without kombu's per-publish overhead."""
         wall_now = self.wall()
         batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
         calls: list[tuple[list[Any], dict[str, Any]]] = []
@@ -422,18 +433,7 @@ class Coordinator:
                 f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}"
             )
         try:
-            built = build_task_messages(
-                RUN_BATCH,
-                calls,
-                app=self.app,
-                queue=self.settings.batch_queue,
-                sent_events=False,
-                task_ids=batch_ids,
-                argsreprs=summaries,
-                # The header overrides run_batch's own ignore_result on the worker: without it
-                # Celery stored every batch's report in the result backend (1.3 ms per batch).
-                ignore_result=True,
-            )
+            built = self._messages.build(calls, task_ids=batch_ids, argsreprs=summaries)
             (queue_list, raws), *others = built.pushes.items()
             if others:
                 raise RuntimeError("batch messages must all go to one list (no priorities on batches)")

@@ -33,6 +33,14 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _with_body(raw: str) -> dict[str, Any]:
+    """A Redis-transport envelope with its base64 body decoded (bodies are compared as JSON values:
+    rendered ones are compact, Celery's have spaces)."""
+    message: dict[str, Any] = json.loads(raw)
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    return message
+
+
 def _commandstats(client: Any) -> dict[str, int]:
     return {k: int(v["calls"]) for k, v in client.info("commandstats").items()}
 
@@ -163,7 +171,7 @@ def test_templated_messages_equal_celery_built_ones(clean_redis, monkeypatch) ->
     assert fast.ids == slow.ids == ids and list(fast.pushes) == list(slow.pushes)
     (fast_raws,), (slow_raws,) = fast.pushes.values(), slow.pushes.values()
     for task_id, f, s in zip(ids, fast_raws, slow_raws, strict=True):
-        a, b = _flat(json.loads(f)), _flat(json.loads(s))
+        a, b = _flat(_with_body(f)), _flat(_with_body(s))
         assert {k for k in a if a[k] != b.get(k)} <= {"properties.delivery_tag"}, task_id
         assert set(a) == set(b) and a["headers.id"] == task_id
     fast_events = [e for _, raw in fast.events for e in _event_list(raw)]
@@ -171,6 +179,44 @@ def test_templated_messages_equal_celery_built_ones(clean_redis, monkeypatch) ->
     for e in fast_events + slow_events:
         del e["clock"], e["timestamp"]
     assert fast_events == slow_events and len(fast_events) == len(calls)
+
+
+def test_a_kept_builder_renders_every_message_of_later_builds(clean_redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator keeps one TaskMessageBuilder for its batch messages, cut one or two at a time:
+    once Celery built two and the template matched, later builds are rendered whole, and still equal
+    what Celery builds."""
+    from carpool import client as bulk
+    from carpool.celery_app import app
+
+    celery_builds = []
+    real = app.amqp.create_task_message
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        celery_builds.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app.amqp, "create_task_message", counting)
+    options = {"app": app, "queue": "carpool.batches", "sent_events": False, "ignore_result": True}
+    builder = bulk.TaskMessageBuilder("carpool.run_batch", **options)
+    batches = [([{"id": f"b{i}", "requests": [{"id": f"r{i}", "len": i}]}], {}) for i in range(5)]
+    ids = [f"00000000-0000-4000-8000-{i:012d}" for i in range(5)]
+    reprs = [f"size=1 bin={i}" for i in range(5)]
+    out = []
+    for i in range(5):  # one batch per build, as a saturated coordinator cuts them
+        out.extend(
+            builder.build(
+                batches[i : i + 1], task_ids=ids[i : i + 1], argsreprs=reprs[i : i + 1]
+            ).pushes.items()
+        )
+    assert celery_builds == ids[:2], "Celery builds the first two messages only"
+    monkeypatch.setattr(app.amqp, "create_task_message", real)
+    slow = bulk.build_task_messages("carpool.run_batch", batches, task_ids=ids, argsreprs=reprs, **options)
+    (key, slow_raws), *_ = slow.pushes.items()
+    assert [k for k, _ in out] == [key] * 5
+    for task_id, (_, (fast,)), s in zip(ids, out, slow_raws, strict=True):
+        a, b = _flat(_with_body(fast)), _flat(_with_body(s))
+        assert {k for k in a if a[k] != b.get(k)} <= {"properties.delivery_tag"}, task_id
+        assert set(a) == set(b) and a["headers.id"] == task_id and a["headers.ignore_result"] is True
 
 
 def _event_list(raw: str) -> list[dict[str, Any]]:
