@@ -44,7 +44,9 @@ STAGES = ("producer_submit_us", "coordinator_us", "worker_us", "producer_gather_
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the figures (every round, min, median) here")
@@ -167,7 +169,8 @@ def main() -> int:
     for key in rounds[0]:
         values = [r[key] for r in rounds]
         best = max(values) if key.endswith("_rps") else min(values)
-        summary[key] = {"min" if not key.endswith("_rps") else "max": best, "median": statistics.median(values)}
+        label = "max" if key.endswith("_rps") else "min"
+        summary[key] = {label: best, "median": statistics.median(values)}
         print(f"{key:24s} {best:10.1f} {statistics.median(values):10.1f}")
     per_core = {k: round(1e6 / summary[k]["min"]) for k in STAGES}
     per_core_median = {k: round(1e6 / summary[k]["median"]) for k in STAGES}
