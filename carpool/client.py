@@ -712,10 +712,23 @@ def _settle(
     return task_id
 
 
-def _raise_first_failure(results: Sequence[AsyncResult], newly: set[str]) -> None:
+def _raise_first_failure(
+    results: Sequence[AsyncResult], newly: set[str], index: Mapping[str, list[AsyncResult]] | None = None
+) -> None:
+    """Raise the stored exception of the earliest result in ``results`` that ``newly`` failed.
+
+    ``index`` (task id -> its results) lets the common case, nothing failed, cost what was just
+    learnt instead of a scan of every result: gathering thousands, that scan ran once per message.
+    """
     from celery import states
 
     if not newly:
+        return
+    if index is not None and not any(
+        r._cache is not None and r._cache["status"] in states.PROPAGATE_STATES
+        for task_id in newly
+        for r in index.get(task_id, ())
+    ):
         return
     for r in results:
         if r.id in newly and r._cache is not None and r._cache["status"] in states.PROPAGATE_STATES:
@@ -766,10 +779,11 @@ def gather(
     backend = _same_backend(results)
     consumer = _consumer(backend)
     waiting = _unresolved(results)
+    index = dict(waiting)  # waiting loses entries as they settle; the index keeps them
     with _bulk_cancel(backend):
         ready = _read_stored(backend, waiting, list(waiting))
         if not return_exceptions:
-            _raise_first_failure(results, ready)
+            _raise_first_failure(results, ready, index)
         if waiting:
             if consumer is None:  # not an async (pub/sub) backend: Celery's own wait, per result
                 for rs in list(waiting.values()):
@@ -781,8 +795,8 @@ def gather(
             if fresh:  # subscribed only now: what was stored in between is read, not missed
                 ready = _read_stored(backend, waiting, fresh)
                 if not return_exceptions:
-                    _raise_first_failure(results, ready)
-            _wait(backend, consumer, results, waiting, deadline, return_exceptions)
+                    _raise_first_failure(results, ready, index)
+            _wait(backend, consumer, results, waiting, index, deadline, return_exceptions)
         _drain_delivered(backend, consumer, limit=2 * len(results) + 100, ignore={r.id for r in results})
     return _values(results, return_exceptions)
 
@@ -792,6 +806,7 @@ def _wait(
     consumer: Any,
     results: Sequence[AsyncResult],
     waiting: dict[str, list[AsyncResult]],
+    index: Mapping[str, list[AsyncResult]],
     deadline: float | None,
     return_exceptions: bool,
 ) -> None:
@@ -805,7 +820,7 @@ def _wait(
             del waiting[task_id]
             ready.add(task_id)
     if not return_exceptions:
-        _raise_first_failure(results, ready)
+        _raise_first_failure(results, ready, index)
     ours = {r.id for r in results}  # a message for one of these no longer waited for: a duplicate
     while waiting:
         left = 1.0 if deadline is None else deadline - time.monotonic()
@@ -817,7 +832,7 @@ def _wait(
             # to us, but stored; read it.
             ready |= _read_stored(backend, waiting, list(waiting))
         if not return_exceptions:
-            _raise_first_failure(results, ready)
+            _raise_first_failure(results, ready, index)
 
 
 def _pump(
@@ -896,8 +911,9 @@ def _drain_delivered(backend: Any, consumer: Any, limit: int, ignore: Container[
 def _async_client(backend: Any) -> Any:
     import redis.asyncio as aioredis
 
+    protocol = backend.connparams.get("protocol", 2)  # RESP2: see CarpoolRedisBackend.__init__
     if getattr(backend, "url", None):
-        return aioredis.Redis.from_url(backend.url)
+        return aioredis.Redis.from_url(backend.url, protocol=protocol)
     params = {
         k: v
         for k, v in backend.connparams.items()
@@ -905,7 +921,7 @@ def _async_client(backend: Any) -> Any:
     }
     if "path" in params:
         params["unix_socket_path"] = params.pop("path")
-    return aioredis.Redis(**params)
+    return aioredis.Redis(**params, protocol=protocol)
 
 
 async def gather_async(
@@ -929,6 +945,7 @@ async def gather_async(
     deadline = None if timeout is None else time.monotonic() + timeout
     backend = _same_backend(results)
     waiting = _unresolved(results)
+    index = dict(waiting)
     if waiting:
         unsubscribe_results(backend, list(waiting))
         client = _async_client(backend)
@@ -946,7 +963,7 @@ async def gather_async(
                             if value is not None:
                                 _settle(waiting, backend.decode_result(value), ready)
                     if not return_exceptions:
-                        _raise_first_failure(results, ready)
+                        _raise_first_failure(results, ready, index)
                     while waiting:
                         left = 1.0 if deadline is None else deadline - time.monotonic()
                         if left <= 0:
@@ -959,7 +976,7 @@ async def gather_async(
                         ready = set()
                         _settle(waiting, backend.decode_result(message["data"]), ready)
                         if not return_exceptions:
-                            _raise_first_failure(results, ready)
+                            _raise_first_failure(results, ready, index)
         finally:
             await client.aclose()
     return _values(results, return_exceptions)

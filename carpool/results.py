@@ -23,6 +23,7 @@ from celery import states
 from celery.backends.redis import RedisBackend, ResultConsumer
 
 from carpool.codec import dumps_plain
+from carpool.codec import loads as json_loads
 
 # KEYS: result keys; ARGV[1]: expiry seconds; ARGV[i+1]: encoded meta for KEYS[i].
 # Returns the indexes (1-based) of the results actually stored.
@@ -48,6 +49,16 @@ class PromptResultConsumer(ResultConsumer):
             return iter(())
         return super().drain_events_until(p, timeout=timeout, on_interval=on_interval)
 
+    def cancel_for(self, task_id: str) -> None:
+        """Unsubscribe from ``task_id``'s result, if subscribed.
+
+        Celery sends the UNSUBSCRIBE unconditionally, and ``AsyncResult.__del__`` calls this for every
+        result object that goes away: a producer dropping 5,000 gathered results (already
+        unsubscribed in one command) sent 5,000 more UNSUBSCRIBEs, and then read 5,000 replies.
+        """
+        if self._get_key_for_task(task_id) in self.subscribed_to:
+            super().cancel_for(task_id)
+
 
 class CarpoolRedisBackend(RedisBackend):
     """Redis result backend used by the carpool Celery app (see module docstring)."""
@@ -56,7 +67,31 @@ class CarpoolRedisBackend(RedisBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # RESP2 unless the URL asks otherwise. redis-py 8 speaks RESP3 by default, where every pub/sub
+        # message is a push reply whose handler formats the whole message for a debug log line even
+        # when debug is off: for a 7 KB embedding that costs more than decoding the result.
+        self.connparams.setdefault("protocol", 2)
         self._store_once = self.client.register_script(_STORE_ONCE)
+
+    def get_key_for_task(self, task_id: Any, key: Any = "") -> Any:
+        """Celery's key (``<global prefix>celery-task-meta-<id>``), built without its generic joins:
+        gather and the worker compute thousands per second."""
+        prefix = self.task_keyprefix
+        if type(task_id) is str and task_id and not key and type(prefix) is bytes:
+            return prefix + task_id.encode()
+        return super().get_key_for_task(task_id, key)
+
+    def decode(self, payload: Any) -> Any:
+        """A stored or published result meta, decoded. Plain JSON (what carpool stores) goes through
+        orjson; anything with kombu's type tags, or another serializer, through kombu."""
+        if (
+            self.content_type == "application/json"
+            and type(payload) is bytes
+            and payload
+            and b'"__type__"' not in payload
+        ):
+            return json_loads(payload)
+        return super().decode(payload)
 
     def meta_for(self, task_id: str, state: str, result: Any, date_done: str | None = None) -> bytes:
         """Encoded result meta, as Celery's own ``store_result`` would write it.
