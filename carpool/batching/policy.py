@@ -77,6 +77,10 @@ class _Queue:
         self._deadlines: list[tuple[float, int, Request]] = []
         self._arrivals: deque[Request] = deque()
         self._seq = itertools.count()
+        # The head batch as select() last chose it; valid until the membership changes (add, remove,
+        # expiry). A saturated coordinator polls once per freed slot: re-selecting every queue's
+        # head each time was most of its per-batch cost (docs/PERFORMANCE.md, round 3).
+        self._head: tuple[list[Request], bool] | None = None
 
     def __len__(self) -> int:
         return len(self.live)
@@ -84,6 +88,7 @@ class _Queue:
     def add(self, req: Request) -> None:
         seq = next(self._seq)
         self.live[req.id] = req
+        self._head = None
         if self.order_by_length:
             heapq.heappush(self._order, (-req.priority, req.length, req.arrival_s, seq, req))
         else:
@@ -110,6 +115,8 @@ class _Queue:
             req = heapq.heappop(self._deadlines)[2]
             del self.live[req.id]
             out.append(req)
+        if out:
+            self._head = None
         return out
 
     def _served(self, limit: int) -> Iterator[Request]:
@@ -141,6 +148,12 @@ class _Queue:
             if self._alive(req):
                 yield req
 
+    def head(self, cfg: PolicyConfig) -> tuple[list[Request], bool]:
+        """``select(cfg)``, remembered until the queue's membership changes."""
+        if self._head is None:
+            self._head = self.select(cfg)
+        return self._head
+
     def select(self, cfg: PolicyConfig, first: Iterable[Request] = ()) -> tuple[list[Request], bool]:
         """The next batch (not removed) and whether a limit cut it short of the queue."""
         chosen: list[Request] = []
@@ -165,11 +178,13 @@ class _Queue:
         return chosen, limited
 
     def remove(self, reqs: Iterable[Request]) -> None:
+        self._head = None
         for req in reqs:
             del self.live[req.id]
 
     def drain(self) -> list[Request]:
         out = list(self.live.values())
+        self._head = None
         self.live.clear()
         self._order.clear()
         self._fifo.clear()
@@ -253,18 +268,16 @@ class BatchPolicy:
         self._queues = {k: q for k, q in self._queues.items() if q}
         plan = Plan(expired=self.expire(now_s))
         wake: float | None = None
-        # A queue's head batch changes only when a batch is cut from it: select once per queue and
-        # again only for the queue just cut, not for every queue after every batch (with thousands
-        # queued and dozens of batches per poll, re-selecting everything was most of the poll's cost).
-        heads: dict[tuple[str, str], tuple[list[Request], bool]] = {}
+        # A queue's head batch changes only when its membership does (a batch cut from it, arrivals,
+        # expiries): each queue remembers its head, so a poll re-selects only the queues that changed,
+        # not every queue after every batch (with thousands queued and a batch cut per freed slot,
+        # re-selecting everything was most of the coordinator's cost per batch).
         while True:
             best: _Candidate | None = None
             for key, queue in self._queues.items():
                 if not queue:
                     continue
-                head = heads.get(key)
-                if head is None:
-                    head = heads[key] = queue.select(self.config)
+                head = queue.head(self.config)
                 cand, wake_at = self._evaluate(key, queue, head, now_s, free_workers, free_slots, ahead_s)
                 if wake_at is not None and (wake is None or wake_at < wake):
                     wake = wake_at
@@ -275,7 +288,6 @@ class BatchPolicy:
             wake = None  # recomputed on the next pass over the queues
             queue = self._queues[best.key]
             queue.remove(best.requests)
-            heads.pop(best.key, None)
             longest = max(r.length for r in best.requests)
             plan.batches.append(
                 Batch(
