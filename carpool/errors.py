@@ -7,6 +7,8 @@ to a single message argument.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CarpoolError(Exception):
     """Base class of every carpool error."""
@@ -42,3 +44,17 @@ class ModelError(CarpoolError):
 
 class MalformedMessage(CarpoolError):
     """Raised when a message in the request queue is not a carpool request (it is dead-lettered)."""
+
+
+class SubmitInterrupted(CarpoolError):
+    """Raised when a chunked ``submit_many`` lost Redis part-way.
+
+    ``results`` holds the AsyncResults of the requests already sent, in order (they will run); the
+    payloads after them were not sent. Raised in the producer only, never stored as a result.
+    """
+
+    results: list[Any]
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.results = []

@@ -32,7 +32,7 @@ from carpool.bench.report import (
     summary_text,
     validate_report,
 )
-from carpool.bench.runners import POLICY_SYSTEMS, SYSTEMS
+from carpool.bench.runners import POLICY_SYSTEMS, SEND_CHUNK, SYSTEMS
 
 FULL = {
     "requests": 600,
@@ -208,6 +208,7 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "torch_threads": int(getattr(args, "torch_threads", 0) or 0),
             "light": light,
             "sweep": bool(args.sweep),
+            "send_chunk": SEND_CHUNK,  # messages per MULTI/EXEC when a burst is sent, every system
         },
         "workload": {
             "requests": n,

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
     from carpool.embedded import EmbeddedRedis
 
+# Messages per MULTI/EXEC when a burst is sent (submit_many's chunk_size): the systems start on the
+# first chunk while the producer builds the rest, as an application streaming its work would.
+SEND_CHUNK = 500
+
 
 class BenchError(RuntimeError):
     """A system could not be started or did not answer; the report records it and moves on."""
@@ -263,10 +267,18 @@ class CelerySystem:
         raise NotImplementedError
 
     def send(self, texts: Sequence[str], sent_at: float) -> list[AsyncResult]:
-        """``carpool.infer`` for every text, published in one round trip, stamped with ``sent_at``."""
+        """``carpool.infer`` for every text, stamped with ``sent_at``, streamed in chunks of
+        ``SEND_CHUNK`` (one MULTI/EXEC each) so the system under test starts on the first while the
+        rest are built; every system is sent to the same way."""
         from carpool.client import SENT_AT_HEADER, submit_many
 
-        return submit_many(texts, model=self.model, app=self.env.app, headers={SENT_AT_HEADER: sent_at})
+        return submit_many(
+            texts,
+            model=self.model,
+            app=self.env.app,
+            headers={SENT_AT_HEADER: sent_at},
+            chunk_size=SEND_CHUNK,
+        )
 
     def spawn_celery_worker(self, name: str, hostname: str, queue: str, *extra: str) -> None:
         """A baseline ``celery worker`` (solo pool, no gossip/mingle/heartbeat) on ``queue``."""
@@ -569,6 +581,7 @@ class CeleryBatchesSystem(CelerySystem):
             app=self.env.app,
             queue=BATCHED_QUEUE,
             headers={SENT_AT_HEADER: sent_at},
+            chunk_size=SEND_CHUNK,
         )
 
     def snapshot(self) -> dict[str, float]:

@@ -299,6 +299,88 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  #
     assert ids == [r.id for r in results]
 
 
+def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis) -> None:  # type: ignore[no-untyped-def]
+    """chunk_size=N: one MULTI/EXEC per N messages, in order; the messages equal unchunked ones and
+    the builder's template carries over (Celery builds only the first two of the whole call)."""
+    import redis
+
+    from carpool.celery_app import app
+    from carpool.client import submit_many
+
+    client = redis.Redis(port=clean_redis.port)
+    submit_many(["warm up"], model="toy")
+    client.delete("carpool.requests")
+    texts = mixed_texts(1050, seed=12)
+    built_by_celery = []
+    real = app.amqp.create_task_message
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        built_by_celery.append(args[0])
+        return real(*args, **kwargs)
+
+    app.amqp.create_task_message = counting
+    before = _commandstats(client)
+    try:
+        with _count_sends(db=0) as broker_sends:
+            results = submit_many(texts, model="toy", chunk_size=500, expires=60)
+    finally:
+        del app.amqp.create_task_message
+    delta = {k: v - before.get(k, 0) for k, v in _commandstats(client).items()}
+    assert len(broker_sends) == 3 and delta.get("cmdstat_exec") == 3, "1050 in chunks of 500: three"
+    assert len(built_by_celery) == 2, "the template outlives a chunk"
+    raws = client.lrange("carpool.requests", 0, -1)
+    messages = [json.loads(r) for r in reversed(raws)]
+    assert [m["headers"]["id"] for m in messages] == [r.id for r in results]
+    assert len({m["headers"]["expires"] for m in messages}) == 1, "one expiry instant for every chunk"
+    with pytest.raises(ValueError, match="chunk_size"):
+        submit_many(["a"], model="toy", chunk_size=0)
+
+
+def test_chunked_submit_interrupted_says_what_was_sent(clean_redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Redis failing after the first chunk: SubmitInterrupted carries the AsyncResults of what went out
+    (those messages are in the queue), the rest was not sent and its subscriptions are cancelled."""
+    import redis
+
+    from carpool import client as bulk
+    from carpool.celery_app import app
+    from carpool.errors import SubmitInterrupted
+
+    client = redis.Redis(port=clean_redis.port)
+    bulk.submit_many(["warm up"], model="toy")
+    client.delete("carpool.requests")
+    publisher = bulk._publisher(app)
+    real_pipeline = publisher.pipeline
+    calls = []
+
+    def failing_after_one(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) > 1:
+            raise redis.ConnectionError("Redis went away (test)")
+        return real_pipeline(*args, **kwargs)
+
+    monkeypatch.setattr(publisher, "pipeline", failing_after_one)
+    texts = mixed_texts(25, seed=13)
+    subscribed_before = set(app.backend.result_consumer.subscribed_to)
+    with pytest.raises(SubmitInterrupted, match="after 10 of 25") as info:
+        bulk.submit_many(texts, model="toy", chunk_size=10)
+    sent = info.value.results
+    assert len(sent) == 10 and isinstance(info.value.__cause__, redis.ConnectionError)
+    queued = [json.loads(r)["headers"]["id"] for r in reversed(client.lrange("carpool.requests", 0, -1))]
+    assert queued == [r.id for r in sent]
+    new_subscriptions = app.backend.result_consumer.subscribed_to - subscribed_before
+    assert new_subscriptions == {app.backend.get_key_for_task(r.id) for r in sent}, (
+        "the unsent chunk's are gone"
+    )
+    monkeypatch.undo()
+    # Nothing of a first chunk that fails was sent: the original error, not SubmitInterrupted.
+    monkeypatch.setattr(
+        publisher, "pipeline", lambda *a, **k: (_ for _ in ()).throw(redis.ConnectionError("x"))
+    )
+    with pytest.raises(redis.ConnectionError):
+        bulk.submit_many(texts, model="toy", chunk_size=10)
+    assert client.llen("carpool.requests") == 10
+
+
 def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis) -> None:  # type: ignore[no-untyped-def]
     import redis
 
