@@ -203,6 +203,32 @@ def test_an_idle_coordinator_waits_in_redis_and_a_request_wakes_it(processes: Pr
     assert infer.apply_async(("urgent",), priority=9).get(timeout=10) is not None
 
 
+def test_a_coordinator_with_every_worker_busy_waits_for_a_report(processes: Processes) -> None:
+    """Every worker running a batch and partial batches held: nothing can leave before a report, so
+    the coordinator blocks on its report list instead of polling (it polled every 2 ms); the burst is
+    still served in full, in order of the results."""
+    import redis
+
+    from carpool.client import gather, submit_many
+    from carpool.gpu_worker.runner import run_single
+    from tests.integration.models import SLOW
+
+    # 0.3 s per batch: a burst of 96 mixed texts keeps the one worker busy for a few seconds.
+    start_stack(processes, CARPOOL_MODEL=SLOW, SLOW_TOY_DELAY_S="0.3")
+    client = redis.Redis(port=processes.server.port)
+    texts = mixed_texts(96, seed=41)
+    before_takes, before_blocks = _commands(client, "evalsha"), _commands(client, "blmove")
+    start = time.monotonic()
+    got = gather(submit_many(texts, model=SLOW), timeout=120)
+    elapsed = time.monotonic() - start
+    takes, blocks = _commands(client, "evalsha") - before_takes, _commands(client, "blmove") - before_blocks
+    assert got == [run_single("toy", t) for t in texts]
+    # The worker's two scripts per batch plus, per second, about 50 takes after waits that time out
+    # (idle_poll_s = 20 ms) and the worker's heartbeat; polling every 2 ms made about 400 a second.
+    assert blocks > 0, "the coordinator never waited in Redis while the worker was busy"
+    assert takes < elapsed * 150, f"{takes} scripts in {elapsed:.1f} s with the worker busy: polling"
+
+
 def test_results_on_another_redis_server(processes: Processes) -> None:
     """With the result backend on a different server than the broker, workers cannot claim and finish
     a batch in single scripts; they take the longer path (claim, look up, store, acknowledge) and
