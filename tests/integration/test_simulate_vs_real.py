@@ -64,9 +64,10 @@ def worker_batches(processes: Processes) -> list[tuple[float, dict[str, Any]]]:
     """(Celery task seconds, batch report) per batch, from the worker's INFO log: diagnostics only."""
     out = []
     for line in (processes.log_dir / "worker0.log").read_text(errors="replace").splitlines():
-        match = re.search(r"carpool\.run_batch\[[^\]]+\] succeeded in ([0-9.e-]+)s: (\{.*\})$", line)
+        # The task returns repr(report): Celery logs the repr of that string.
+        match = re.search(r"carpool\.run_batch\[[^\]]+\] succeeded in ([0-9.e-]+)s: ('\{.*\}')$", line)
         if match:
-            out.append((float(match.group(1)), ast.literal_eval(match.group(2))))
+            out.append((float(match.group(1)), ast.literal_eval(ast.literal_eval(match.group(2)))))
     return out
 
 
