@@ -13,8 +13,9 @@ faster to encode. Two things differ, and both are kept out:
   caller takes its usual path; it is meant for values made of dicts, lists, strings and numbers
   (model outputs, result metas). ``uuid.UUID`` is the exception orjson cannot be told to refuse: it
   becomes its string, so callers holding arbitrary user values check them first
-  (:func:`flat_plain`). A non-finite float, which the standard library writes as the non-JSON
-  ``NaN``, becomes ``null`` (as in JavaScript's ``JSON.stringify``).
+  (:func:`flat_plain`); an ``Enum`` member becomes its value. A non-finite float, which the
+  standard library writes as the non-JSON ``NaN``, becomes ``null`` (as in JavaScript's
+  ``JSON.stringify``).
 """
 
 from __future__ import annotations

@@ -90,7 +90,10 @@ class CarpoolRedisBackend(RedisBackend):
             and payload
             and b'"__type__"' not in payload
         ):
-            return json_loads(payload)
+            try:
+                return json_loads(payload)
+            except ValueError:
+                pass  # not JSON after all: kombu raises its DecodeError, as before
         return super().decode(payload)
 
     def meta_for(self, task_id: str, state: str, result: Any, date_done: str | None = None) -> bytes:

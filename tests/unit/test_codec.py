@@ -1,0 +1,108 @@
+"""carpool.codec: orjson where it means the same as the standard library, the standard path elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from carpool.codec import dumps_lenient, dumps_plain, flat_plain, loads
+
+plain = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(), children, max_size=5),
+    max_leaves=20,
+)
+
+
+@given(plain)
+def test_plain_values_encode_to_what_json_decodes_back(value: Any) -> None:
+    encoded = dumps_plain(value)
+    assert encoded is not None
+    assert json.loads(encoded) == value
+    assert loads(encoded) == value
+
+
+def test_loads_falls_back_to_json_for_what_orjson_refuses() -> None:
+    lone = '["\\ud800"]'  # a lone surrogate escape: json accepts it, orjson does not
+    assert loads(lone) == json.loads(lone) == ["\ud800"]
+    assert loads("[NaN]")[0] != loads("[NaN]")[0]  # NaN, as json.loads reads it
+    assert loads(str(2**70)) == 2**70
+    with pytest.raises(ValueError):
+        loads(b"{not json")
+
+
+class Colour(StrEnum):
+    RED = "red"
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        datetime(2026, 1, 1, tzinfo=UTC),
+        Point(1),
+        {1: "int key"},
+        {"nested": [datetime(2026, 1, 1)]},
+        object(),
+    ],
+)
+def test_dumps_plain_refuses_what_kombu_would_tag_or_json_would_write_otherwise(value: Any) -> None:
+    assert dumps_plain(value) is None
+
+
+def test_non_finite_floats_become_null_as_documented() -> None:
+    assert dumps_plain([float("nan"), float("inf")]) == b"[null,null]"
+
+
+def test_flat_plain_accepts_scalar_arguments_only() -> None:
+    assert flat_plain(("a text",), {"model": "toy", "n": 1, "x": 0.5, "flag": True, "none": None})
+    assert not flat_plain((uuid.uuid4(),), {})  # orjson would write a UUID kombu tags
+    assert not flat_plain(("a",), {"when": datetime.now(UTC)})
+    assert not flat_plain((["a", "list"],), {})
+    assert not flat_plain((Colour.RED,), {})
+
+
+def test_dumps_lenient_writes_the_unencodable_as_text() -> None:
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    assert json.loads(dumps_lenient({"at": when, 3: object.__name__})) == {
+        "at": when.isoformat(),
+        "3": "object",
+    }
+
+
+def test_result_backend_keys_and_decoding_match_celery() -> None:
+    """The backend's direct key and orjson decoding give what Celery's own code gives."""
+    from celery.backends.redis import RedisBackend
+
+    from carpool.celery_app import app
+
+    backend = app.backend
+    for task_id in (str(uuid.uuid4()), "plain-id", "Ünïcödé"):
+        assert backend.get_key_for_task(task_id) == RedisBackend.get_key_for_task(backend, task_id)
+    assert backend.get_key_for_task("x", "suffix") == RedisBackend.get_key_for_task(backend, "x", "suffix")
+    with pytest.raises(ValueError):
+        backend.get_key_for_task("")
+    meta = backend.meta_for("t1", "SUCCESS", [0.5, -1.25, 3], datetime.now(UTC).isoformat())
+    assert backend.decode(meta) == RedisBackend.decode(backend, meta)
+    tagged = backend.encode(
+        {"status": "SUCCESS", "result": datetime(2026, 1, 1, tzinfo=UTC), "task_id": "t2"}
+    )
+    tagged = tagged if isinstance(tagged, bytes) else tagged.encode()
+    assert b"__type__" in tagged  # kombu tags datetimes; the fast path must not decode those
+    assert backend.decode(tagged)["result"] == datetime(2026, 1, 1, tzinfo=UTC)
