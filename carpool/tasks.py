@@ -28,7 +28,7 @@ _DIRECT_OPTIONS = frozenset({"priority", "expires", "queue"})
 class InferTask(Task):
     """``carpool.infer`` with validation at the producer, and a cheaper publish.
 
-    The message is the one Celery would send (built by :func:`carpool.client.build_task_messages`
+    The message is the one Celery would send (built by :class:`carpool.client.TaskMessageBuilder`
     from Celery's own ``create_task_message``), published with its task-sent event in one MULTI/EXEC
     on a kept Redis client: one round trip instead of kombu's two, each of which also builds a new
     ``redis.Redis`` (about 1.1 ms of CPU per ``.delay()`` before, about a quarter of that after;
