@@ -176,12 +176,7 @@ def publish_tasks(
         return []
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of messages, not {chunk_size!r}")
-    if isinstance(expires, int | float) and not isinstance(expires, bool):
-        # Seconds from now: one instant for every chunk, as for a single publish.
-        from datetime import timedelta
-
-        expires = app.now() + timedelta(seconds=expires)
-    builder = TaskMessageBuilder(
+    builder = TaskMessageBuilder(  # expires in seconds: one instant for every chunk
         name,
         app=app,
         queue=queue,
@@ -248,41 +243,6 @@ class TaskMessages:
             )
 
 
-def build_task_messages(
-    name: str,
-    calls: Sequence[tuple[Sequence[Any], Mapping[str, Any]]],
-    *,
-    app: Celery,
-    queue: str | None = None,
-    priority: int | None = None,
-    expires: Any = None,
-    headers: Mapping[str, Any] | None = None,
-    sent_events: bool | None = None,
-    task_ids: Sequence[str] | None = None,
-    argsreprs: Sequence[str] | None = None,
-    ignore_result: bool = False,
-) -> TaskMessages:
-    """The messages ``app.send_task`` would publish for each call, without publishing them.
-
-    ``task_ids`` and ``argsreprs`` (one per call) replace the generated id and the computed repr;
-    ``ignore_result`` goes into the headers, where it overrides the task's own setting on the worker
-    (as ``send_task(..., ignore_result=True)`` does); Celery's ``before_task_publish`` receivers run
-    here, ``after_task_publish`` ones on :meth:`TaskMessages.published`. A one-off
-    :class:`TaskMessageBuilder`: callers that build messages of the same task again and again keep one.
-    """
-    builder = TaskMessageBuilder(
-        name,
-        app=app,
-        queue=queue,
-        priority=priority,
-        expires=expires,
-        headers=headers,
-        sent_events=sent_events,
-        ignore_result=ignore_result,
-    )
-    return builder.build(calls, task_ids=task_ids, argsreprs=argsreprs)
-
-
 class TaskMessageBuilder:
     """Builds the messages ``app.send_task(name, ..., **options)`` would publish, options fixed.
 
@@ -293,8 +253,12 @@ class TaskMessageBuilder:
     delivery tag substituted into pre-serialised JSON): about a fifth of the CPU of the first build,
     or less. The template lives as long as the builder, so a coordinator cutting one batch at a time
     pays for Celery's build twice in its lifetime, not twice per step. With publish signal receivers,
-    compression, a mismatch, or ``expires`` in seconds (a different instant per build), every message
-    is built by Celery.
+    compression or a mismatch, every message is built by Celery. ``expires`` in seconds is turned into
+    one instant when the builder is made. ``ignore_result`` goes into the headers, where it overrides
+    the task's own setting on the worker (as ``send_task(..., ignore_result=True)`` does). Celery's
+    ``before_task_publish`` receivers run in :meth:`build`, ``after_task_publish`` ones on
+    :meth:`TaskMessages.published`; ``build``'s ``task_ids`` and ``argsreprs`` (one per call) replace
+    the generated id and the computed repr.
     """
 
     def __init__(
@@ -330,10 +294,13 @@ class TaskMessageBuilder:
         self.serializer = conf.task_serializer
         self.compression = conf.task_compression
         self.sent_events = bool(conf.task_send_sent_event) if sent_events is None else sent_events
+        if isinstance(expires, int | float) and not isinstance(expires, bool):
+            # Seconds from now become one instant, fixed here for every message the builder makes
+            # (Celery would add them per message).
+            from datetime import timedelta
+
+            expires = app.now() + timedelta(seconds=expires)
         self.expires = expires
-        # Seconds from now are fixed at each build (Celery would add them per message): the messages
-        # of two builds differ there, so no template outlives a build.
-        self._relative_expiry = isinstance(expires, int | float) and not isinstance(expires, bool)
         self.extra_headers = dict(headers or {})
         self.ignore_result = ignore_result
         self.reply_to = app.thread_oid
@@ -348,8 +315,6 @@ class TaskMessageBuilder:
         task_ids: Sequence[str] | None = None,
         argsreprs: Sequence[str] | None = None,
     ) -> TaskMessages:
-        from datetime import timedelta
-
         from celery import signals
         from kombu.serialization import dumps as serialize
         from kombu.utils.json import dumps as envelope_dumps
@@ -357,9 +322,6 @@ class TaskMessageBuilder:
 
         app, name, qname = self.app, self.name, self.qname
         expires = self.expires
-        if self._relative_expiry:
-            expires = app.now() + timedelta(seconds=expires)
-            self._template, self._trusted = None, False
         evd = _event_dispatcher(app) if self.sent_events else None
         before = signals.before_task_publish.receivers
         after = signals.after_task_publish.receivers

@@ -41,6 +41,13 @@ def _with_body(raw: str) -> dict[str, Any]:
     return message
 
 
+def _build(name: str, calls: Any, task_ids: Any = None, argsreprs: Any = None, **options: Any) -> Any:
+    """A one-off TaskMessageBuilder's messages for ``calls``."""
+    from carpool.client import TaskMessageBuilder
+
+    return TaskMessageBuilder(name, **options).build(calls, task_ids=task_ids, argsreprs=argsreprs)
+
+
 def _commandstats(client: Any) -> dict[str, int]:
     return {k: int(v["calls"]) for k, v in client.info("commandstats").items()}
 
@@ -164,10 +171,10 @@ def test_templated_messages_equal_celery_built_ones(clean_redis, monkeypatch) ->
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(bulk._MessageTemplate, "render", spy)
-    fast = bulk.build_task_messages("carpool.infer", calls, **options)
+    fast = _build("carpool.infer", calls, **options)
     assert len(rendered) == len(calls) - 1, "the template renders every message after the first"
     monkeypatch.setattr(bulk._MessageTemplate, "maybe", classmethod(lambda cls, *a: None))
-    slow = bulk.build_task_messages("carpool.infer", calls, **options)
+    slow = _build("carpool.infer", calls, **options)
     assert fast.ids == slow.ids == ids and list(fast.pushes) == list(slow.pushes)
     (fast_raws,), (slow_raws,) = fast.pushes.values(), slow.pushes.values()
     for task_id, f, s in zip(ids, fast_raws, slow_raws, strict=True):
@@ -210,7 +217,7 @@ def test_a_kept_builder_renders_every_message_of_later_builds(clean_redis, monke
         )
     assert celery_builds == ids[:2], "Celery builds the first two messages only"
     monkeypatch.setattr(app.amqp, "create_task_message", real)
-    slow = bulk.build_task_messages("carpool.run_batch", batches, task_ids=ids, argsreprs=reprs, **options)
+    slow = _build("carpool.run_batch", batches, task_ids=ids, argsreprs=reprs, **options)
     (key, slow_raws), *_ = slow.pushes.items()
     assert [k for k, _ in out] == [key] * 5
     for task_id, (_, (fast,)), s in zip(ids, out, slow_raws, strict=True):
