@@ -12,6 +12,7 @@ from typing import Any
 from celery import Celery
 
 from carpool.config import Settings, load_settings
+from carpool.names import INFER_TASK, RUN_BATCH_TASK
 
 
 class CarpoolCelery(Celery):  # type: ignore[misc]
@@ -41,8 +42,8 @@ def create_app(settings: Settings | None = None) -> Celery:
         accept_content=["json"],
         result_accept_content=["json"],
         task_routes={
-            "carpool.infer": {"queue": settings.request_queue},
-            "carpool.run_batch": {"queue": settings.batch_queue},
+            INFER_TASK: {"queue": settings.request_queue},
+            RUN_BATCH_TASK: {"queue": settings.batch_queue},
         },
         task_default_queue=settings.batch_queue,
         result_expires=settings.result_expires_s,

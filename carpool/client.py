@@ -62,6 +62,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.utils.saferepr import saferepr
 
 from carpool.codec import dumps_plain, flat_plain
+from carpool.names import INFER_TASK, SENT_AT_HEADER
 from carpool.validation import bind_infer_args, validate_infer
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,6 @@ if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
 
-SENT_AT_HEADER = "carpool_sent_at"  # as carpool.tasks stamps it
-INFER_TASK = "carpool.infer"
 SUPPORTED_OPTIONS = frozenset({"priority", "expires", "headers", "queue"})
 _MGET_CHUNK = 5000
 _SUBSCRIBE_CHUNK = 5000

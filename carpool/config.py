@@ -12,12 +12,11 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from carpool.errors import ConfigError
+from carpool.names import DEFAULT_BIN_EDGES, PolicyName
 
 # Measured on the mixed workload: these 8 bins cut padding to ~1.2x real tokens, against ~1.35x
 # for 16,32,64,128 (whose 129+ bin mixes 130- and 256-token texts), and ran ~10% faster end to end.
-DEFAULT_BIN_EDGES = (16, 32, 48, 64, 96, 128, 192)
 
-PolicyName = Literal["binned", "fifo", "shortest"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 

@@ -33,6 +33,14 @@ class InputTooLong(InvalidInput):
 class DeadlineExceeded(CarpoolError):
     """Raised when a request's deadline passed before it could run."""
 
+    @classmethod
+    def waited(cls, late_s: float, where: str) -> DeadlineExceeded:
+        """The error for a request ``late_s`` past its deadline ``where`` it was found (a phrase)."""
+        return cls(
+            f"deadline passed {late_s:.3f}s ago {where}, before a worker could run it; "
+            "raise expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers"
+        )
+
 
 class QueueFull(CarpoolError):
     """Raised when more requests wait than ``CARPOOL_MAX_PENDING`` allows; retry later."""

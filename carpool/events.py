@@ -27,9 +27,11 @@ from typing import Any
 
 from celery import Celery
 
+from carpool.names import INFER_TASK
+
 log = logging.getLogger(__name__)
 
-TASK_NAME = "carpool.infer"
+TASK_NAME = INFER_TASK
 REPR_LIMIT = 200  # characters of a result or argument shown in Flower
 _UTCOFFSET_REFRESH_S = 60.0  # the offset changes only at DST transitions
 

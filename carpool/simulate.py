@@ -41,13 +41,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from carpool.batching import Batch, BatchPolicy, LatencyModel, PolicyConfig, Request, padded_length
+from carpool.batching.capacity import may_start, pool_capacity
 from carpool.batching.policy import PolicyKind
 from carpool.bench.measure import percentile
+from carpool.names import POLICY_NAMES
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-POLICIES: tuple[PolicyKind, ...] = ("fifo", "shortest", "binned")
+POLICIES: tuple[PolicyKind, ...] = POLICY_NAMES
 # Offered rates tried when none are given, as fractions of the ideal capacity (see capacity_bound):
 # from light load to just past saturation, where the policies differ most.
 DEFAULT_LOAD_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 0.95, 1.1)
@@ -360,7 +362,7 @@ def simulate(
     worker_free = [ordered[0].arrival_s] * workers  # min-heap of the times each worker frees up
     done: list[_Done] = []  # reports still to reach the coordinator, by time
     outstanding: dict[int, float] = {}  # dispatched, unreported batches -> predicted seconds (as dispatched)
-    slots = workers * (1 + prefetch_batches)
+
     seq = 0
     next_arrival = 0
     wake: float | None = None
@@ -389,12 +391,8 @@ def simulate(
         while next_arrival < len(requests) and requests[next_arrival].arrival_s <= now:
             policy.add(requests[next_arrival])
             next_arrival += 1
-        # The coordinator's _capacity(): outstanding batches occupy workers, then prefetch slots.
-        busy = len(outstanding)
-        free_workers = max(0, workers - busy)
-        free_slots = max(0, slots - busy)
-        ahead = sum(outstanding.values()) / workers if busy else 0.0
-        plan = policy.poll(now, free_workers, free_slots, ahead)
+        cap = pool_capacity(workers, prefetch_batches, outstanding.values())
+        plan = policy.poll(now, cap.free_workers, cap.free_slots, cap.ahead_s)
         wake = plan.wake_at_s
         for req in plan.expired:
             result.missed_in_queue += 1
@@ -442,7 +440,7 @@ def _run(
     # Batches leave the coordinator in order and workers are alike, so the earliest-free worker takes
     # each one in turn: the start time is known at dispatch (an ideal shared Celery queue).
     start = max(now, heapq.heappop(worker_free))
-    ran = [r for r in batch.requests if r.deadline_s >= start]
+    ran = [r for r in batch.requests if may_start(r.deadline_s, start)]
     run_s = 0.0
     padded_ran = 0
     if ran:

@@ -15,9 +15,9 @@ from celery import Task
 from celery.result import AsyncResult
 
 from carpool.celery_app import app, settings_of
+from carpool.names import INFER_TASK, SENT_AT_HEADER
 from carpool.validation import bind_infer_args, validate_infer
 
-SENT_AT_HEADER = "carpool_sent_at"
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +61,7 @@ class InferTask(Task):
         return super().apply_async(args, kwargs, headers=headers, **options)
 
 
-@app.task(base=InferTask, name="carpool.infer", bind=False)
+@app.task(base=InferTask, name=INFER_TASK, bind=False)
 def infer(text: str, model: str | None = None) -> Any:
     """Embed/run ``text`` on ``model`` (default: ``CARPOOL_MODEL``).
 

@@ -6,6 +6,8 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 
+from carpool.names import DEFAULT_BIN_EDGES
+
 PAD_MULTIPLE = 8  # tensor cores and vectorised CPU kernels like dimensions in multiples of 8
 
 
@@ -55,7 +57,7 @@ class AutoBins(LengthBins):
         count: int = 6,
         window: int = 2048,
         refit_every: int = 256,
-        initial: Sequence[int] = (16, 32, 48, 64, 96, 128, 192),
+        initial: Sequence[int] = DEFAULT_BIN_EDGES,
         multiple: int = PAD_MULTIPLE,
     ) -> None:
         if count < 1 or window < count or refit_every < 1:

@@ -25,13 +25,13 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 from carpool.batching.bins import PAD_MULTIPLE, AutoBins, LengthBins, padded_length
 from carpool.batching.latency import LatencyModel
 from carpool.batching.types import Batch, FlushReason, Plan, Request
+from carpool.names import DEFAULT_BIN_EDGES, POLICY_NAMES, PolicyName
 
-PolicyKind = Literal["binned", "fifo", "shortest"]
+PolicyKind = PolicyName
 
 # Seconds of margin kept between a deadline flush and the deadline itself, for the hand-off.
 DEADLINE_GUARD_S = 0.01
@@ -46,7 +46,7 @@ class PolicyConfig:
     max_tokens: int = 8192
     max_wait_s: float = 0.05
     wait_factor: float = 0.3
-    bin_edges: tuple[int, ...] = (16, 32, 48, 64, 96, 128, 192)
+    bin_edges: tuple[int, ...] = DEFAULT_BIN_EDGES
     auto_bins: int = 0  # > 0: that many bins fitted to recent lengths, per model; edges then seed them
     pad_multiple: int = PAD_MULTIPLE
 
@@ -57,8 +57,8 @@ class PolicyConfig:
             raise ValueError(f"max_tokens must be >= {self.pad_multiple}")
         if self.max_wait_s < 0 or self.wait_factor < 0:
             raise ValueError("max_wait_s and wait_factor must be >= 0")
-        if self.kind not in ("binned", "fifo", "shortest"):
-            raise ValueError("kind must be one of binned, fifo, shortest")
+        if self.kind not in POLICY_NAMES:
+            raise ValueError(f"kind must be one of {', '.join(POLICY_NAMES)}")
 
 
 class _Queue:

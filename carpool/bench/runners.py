@@ -270,7 +270,8 @@ class CelerySystem:
         """``carpool.infer`` for every text, stamped with ``sent_at``, streamed in chunks of
         ``SEND_CHUNK`` (one MULTI/EXEC each) so the system under test starts on the first while the
         rest are built; every system is sent to the same way."""
-        from carpool.client import SENT_AT_HEADER, submit_many
+        from carpool.client import submit_many
+        from carpool.names import SENT_AT_HEADER
 
         return submit_many(
             texts,
@@ -573,7 +574,8 @@ class CeleryBatchesSystem(CelerySystem):
 
     def send(self, texts: Sequence[str], sent_at: float) -> list[AsyncResult]:
         from carpool.bench.baselines import BATCHED_QUEUE, BATCHED_TASK
-        from carpool.client import SENT_AT_HEADER, publish_tasks
+        from carpool.client import publish_tasks
+        from carpool.names import SENT_AT_HEADER
 
         return publish_tasks(
             BATCHED_TASK,

@@ -17,8 +17,9 @@ from kombu.serialization import loads
 
 from carpool.codec import loads as json_loads
 from carpool.errors import MalformedMessage
+from carpool.names import INFER_TASK
 
-TASK_NAME = "carpool.infer"
+TASK_NAME = INFER_TASK
 SENT_AT_HEADER = "carpool_sent_at"  # carpool.tasks stamps it; the coordinator's arrival time otherwise
 
 

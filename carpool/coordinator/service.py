@@ -24,6 +24,7 @@ import redis
 from celery import Celery
 
 from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan, PolicyConfig, Request
+from carpool.batching.capacity import pool_capacity
 from carpool.client import TaskMessageBuilder
 from carpool.config import Settings
 from carpool.coordinator import protocol
@@ -32,13 +33,14 @@ from carpool.events import TaskEvents
 from carpool.keys import Keys
 from carpool.metrics import CoordinatorMetrics
 from carpool.models import get_model
+from carpool.names import RUN_BATCH_TASK
 from carpool.results import FAILURE
 from carpool.store import RequestStore
 from carpool.validation import bind_infer_args, validate_infer
 
 log = logging.getLogger(__name__)
 
-RUN_BATCH = "carpool.run_batch"
+RUN_BATCH = RUN_BATCH_TASK
 STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
 BUSY_POLL_S = 0.002  # poll interval while requests are held for a partial batch (or Redis < 6.2)
 # Redis ends blocking commands on timeout from its event loop, which an otherwise idle server runs
@@ -380,15 +382,6 @@ class Coordinator:
             log.info("request %s failed (%s): %s", failure[0], reason, failure[2])
 
     # --- dispatch --------------------------------------------------------------------------
-    def _capacity(self, now: float) -> tuple[int, int, float]:
-        busy = len(self.outstanding)
-        workers = self.workers
-        free_workers = max(0, workers - busy)
-        free_slots = max(0, workers * (1 + self.settings.prefetch_batches) - busy)
-        ahead = 0.0
-        if busy and workers:
-            ahead = sum(o.predicted_s for o in self.outstanding.values()) / workers
-        return free_workers, free_slots, ahead
 
     def _dispatch(self, now: float) -> None:
         if self.workers == 0:
@@ -396,8 +389,12 @@ class Coordinator:
             # batch queue) and fail what expires here.
             plan = Plan(expired=self.policy.expire(now), wake_at_s=self.policy.next_deadline())
         else:
-            free_workers, free_slots, ahead = self._capacity(now)
-            plan = self.policy.poll(now, free_workers, free_slots, ahead)
+            cap = pool_capacity(
+                self.workers,
+                self.settings.prefetch_batches,
+                (o.predicted_s for o in self.outstanding.values()),
+            )
+            plan = self.policy.poll(now, cap.free_workers, cap.free_slots, cap.ahead_s)
         self._wake_at = plan.wake_at_s
         if plan.expired:
             failures: list[tuple[str, str, Any]] = []
@@ -407,11 +404,7 @@ class Coordinator:
                     (
                         req.id,
                         FAILURE,
-                        DeadlineExceeded(
-                            f"deadline passed after {now - req.arrival_s:.3f}s in the queue, "
-                            "before a worker could "
-                            "run it; raise expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers"
-                        ),
+                        DeadlineExceeded.waited(now - req.deadline_s, "in the coordinator's queue"),
                     )
                 )
             self._fail(failures, ["deadline"] * len(failures))

@@ -24,17 +24,19 @@ import redis
 from celery import signals
 
 from carpool.batching.bins import padded_length
+from carpool.batching.capacity import may_start
 from carpool.celery_app import app, settings_of
 from carpool.errors import DeadlineExceeded, ModelError
 from carpool.events import TaskEvents
 from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating
 from carpool.keys import Keys
+from carpool.names import RUN_BATCH_TASK
 from carpool.results import FAILURE, SUCCESS
 from carpool.store import RequestStore
 
 log = logging.getLogger(__name__)
 
-RUN_BATCH = "carpool.run_batch"
+RUN_BATCH = RUN_BATCH_TASK
 BATCH_REPR_LIMIT = 1024  # characters of a batch report in its task-succeeded event (Celery's default)
 HEARTBEAT_S = 1.0
 LIVE_STARTED_S = 0.5  # batches longer than this publish their STARTED events before running
@@ -154,16 +156,12 @@ class WorkerRuntime:
         for r, flag in zip(requests, flags, strict=True):
             if flag != 1:  # another batch's now, or answered already (a rerun after recovery)
                 continue
-            if r["deadline"] < now:
+            if not may_start(r["deadline"], now):
                 entries.append(
                     (
                         r["id"],
                         FAILURE,
-                        DeadlineExceeded(
-                            f"deadline passed {now - r['deadline']:.3f}s before a worker could "
-                            "start it; raise "
-                            "expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers"
-                        ),
+                        DeadlineExceeded.waited(now - r["deadline"], "when its batch started"),
                     )
                 )
             else:

@@ -1,0 +1,27 @@
+"""Every name two carpool processes must agree on, defined once.
+
+Producers, the coordinator, workers, the tools and the tests import these instead of spelling the
+strings; a rename happens here or nowhere.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, get_args
+
+# Celery task names.
+INFER_TASK: Final = "carpool.infer"
+RUN_BATCH_TASK: Final = "carpool.run_batch"
+
+# Message header a producer stamps (wall clock, s) so waiting is measured from the real arrival.
+SENT_AT_HEADER: Final = "carpool_sent_at"
+
+# Default queue names (settings may override them).
+DEFAULT_REQUEST_QUEUE: Final = "carpool.requests"
+DEFAULT_BATCH_QUEUE: Final = "carpool.batches"
+
+# Batching policies the coordinator and the simulator know.
+PolicyName = Literal["binned", "fifo", "shortest"]
+POLICY_NAMES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
+
+# Token-length bin edges used when a deployment names none: a bin per range, the last one open.
+DEFAULT_BIN_EDGES: Final[tuple[int, ...]] = (16, 32, 48, 64, 96, 128, 192)
