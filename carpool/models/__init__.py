@@ -1,4 +1,5 @@
-"""Models by name: ``minilm``, ``toy``, ``null`` or ``package.module:ClassName`` (see ``base``).
+"""Models by name: ``minilm``, ``toy``, ``null``, ``sim-v100`` / ``sim-h100`` / ``sim``, or
+``package.module:ClassName`` (see ``base``).
 
 Only names and classes live here; weights load in ``BatchModel.load`` on the worker.
 """
@@ -14,6 +15,9 @@ BUILTIN = {
     "minilm": "carpool.models.minilm:MiniLM",
     "toy": "carpool.models.toy:ToyModel",
     "null": "carpool.models.null:NullModel",
+    "sim": "carpool.models.simdevice:SimulatedDevice",
+    "sim-v100": "carpool.models.simdevice:V100",
+    "sim-h100": "carpool.models.simdevice:H100",
 }
 
 _instances: dict[str, BatchModel] = {}

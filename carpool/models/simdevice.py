@@ -1,0 +1,106 @@
+"""``sim-v100`` / ``sim-h100``: MiniLM's tokenizer in front of a simulated accelerator.
+
+``forward`` keeps a pretend device busy for ``a_s + b_s * padded tokens`` seconds by sleeping, so the
+CPU stays free meanwhile as it does while a real GPU computes, and returns one 384-float row per
+request (MiniLM's output size and type). This is how carpool's own CPU cost per request is measured
+in the regime where the device is fast: on a CPU machine the real model hides it.
+
+The coefficients of the named profiles are fits of all-MiniLM-L6-v2's batch time on the device
+classes they are named after (docs/PERFORMANCE.md, "Accelerator regime"). Set your own with
+``CARPOOL_SIM_DEVICE=a_s,b_s`` (seconds per batch, seconds per padded token) and model ``sim``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from carpool.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+OUTPUT_DIM = 384  # all-MiniLM-L6-v2's embedding size
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    """Batch time ``a_s + b_s * padded_tokens`` of one simulated device."""
+
+    name: str
+    a_s: float
+    b_s: float
+
+    def batch_s(self, padded_tokens: int) -> float:
+        return self.a_s + self.b_s * padded_tokens
+
+
+PROFILES = {
+    "v100": DeviceProfile("v100", a_s=0.3e-3, b_s=3.8e-6),
+    "h100": DeviceProfile("h100", a_s=0.2e-3, b_s=1.25e-6),
+}
+
+
+def profile_from(spec: str) -> DeviceProfile:
+    """A profile by name (``v100``, ``h100``) or from ``a_s,b_s`` in seconds."""
+    if spec in PROFILES:
+        return PROFILES[spec]
+    try:
+        a_text, b_text = spec.split(",")
+        profile = DeviceProfile("custom", float(a_text), float(b_text))
+    except ValueError:
+        raise ConfigError(
+            f"CARPOOL_SIM_DEVICE={spec!r}: use {' or '.join(PROFILES)}, or 'a_s,b_s' in seconds "
+            "(e.g. 0.0003,0.0000038)"
+        ) from None
+    if profile.a_s < 0 or profile.b_s < 0:
+        raise ConfigError(f"CARPOOL_SIM_DEVICE={spec!r}: both coefficients must be >= 0")
+    return profile
+
+
+class SimulatedDevice:
+    """MiniLM's tokenization and window; a sleeping device; MiniLM-sized outputs."""
+
+    pad_id = 0
+    needs_token_ids = False
+    profile_name = ""  # empty: read CARPOOL_SIM_DEVICE
+
+    def __init__(self) -> None:
+        from carpool.models.minilm import MiniLM
+
+        self.profile = profile_from(self.profile_name or os.environ.get("CARPOOL_SIM_DEVICE", "v100"))
+        self._tokenizer_model = MiniLM()
+        self.max_length: int = self._tokenizer_model.max_length
+        self._row: list[float] = []
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._tokenizer_model.encode(texts)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return self._tokenizer_model.count_tokens(texts)
+
+    def load(self, device: str) -> None:
+        # One unit vector, float32-exact like the real model's output, shared by every row.
+        import numpy as np
+
+        value = float(np.float32(1.0 / OUTPUT_DIM**0.5))
+        self._row = [value] * OUTPUT_DIM
+
+    def forward(
+        self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
+    ) -> Sequence[Any]:
+        rows, width = attention_mask.shape
+        time.sleep(self.profile.batch_s(rows * width))
+        return [list(self._row) for _ in range(rows)]
+
+
+class V100(SimulatedDevice):
+    profile_name = "v100"
+
+
+class H100(SimulatedDevice):
+    profile_name = "h100"

@@ -1,0 +1,42 @@
+"""The simulated accelerator: its time rule, its profiles and MiniLM-shaped outputs."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from carpool.errors import ConfigError
+from carpool.models import get_model
+from carpool.models.simdevice import PROFILES, SimulatedDevice, profile_from
+
+
+def test_profiles_and_custom_coefficients() -> None:
+    assert profile_from("v100") is PROFILES["v100"]
+    custom = profile_from("0.001,0.00001")
+    assert custom.batch_s(100) == pytest.approx(0.001 + 0.001)
+    for bad in ("a100", "1,2,3", "-1,0"):
+        with pytest.raises(ConfigError, match="CARPOOL_SIM_DEVICE"):
+            profile_from(bad)
+
+
+def test_forward_sleeps_for_the_device_time_and_returns_minilm_sized_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CARPOOL_SIM_DEVICE", "0.02,0.0")
+    model = SimulatedDevice()
+    model.load("cpu")
+    ids = model.encode(["a short text", "a somewhat longer text with more words in it"])
+    assert ids[0][0] == 101 and ids[0][-1] == 102  # MiniLM's [CLS] ... [SEP]
+    mask = np.ones((2, 16), dtype=np.int64)
+    started = time.perf_counter()
+    rows = model.forward(mask, mask)
+    assert time.perf_counter() - started >= 0.02
+    assert len(rows) == 2 and all(len(r) == 384 and isinstance(r[0], float) for r in rows)
+    assert sum(v * v for v in rows[0]) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_named_profiles_are_builtin_models() -> None:
+    assert get_model("sim-h100").profile is PROFILES["h100"]  # type: ignore[attr-defined]
+    assert get_model("sim-v100").max_length == 256
