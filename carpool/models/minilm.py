@@ -23,6 +23,22 @@ def model_dir() -> Path:
     return Path(get_model_path())
 
 
+# Characters of a long text tokenized before truncation: enough for a window of ordinary words.
+HEAD_CHARS_PER_TOKEN = 8
+
+
+def _head(text: str, limit: int) -> str:
+    """``text`` cut at its last space before ``limit`` characters (``text`` itself when shorter).
+
+    A space always separates two pre-tokens of BERT's tokenizer, so the head's tokens are the text's
+    first tokens; a text past the window is then not tokenized in full.
+    """
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit)
+    return text[:cut] if cut > 0 else text
+
+
 class MiniLM:
     pad_id = 0
     needs_token_ids = True
@@ -49,8 +65,16 @@ class MiniLM:
         return self._tokenizer
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        encodings = self._get_tokenizer().encode_batch(list(texts), add_special_tokens=True)
-        return [e.ids for e in encodings]
+        tokenizer = self._get_tokenizer()
+        heads = [_head(t, self.max_length * HEAD_CHARS_PER_TOKEN) for t in texts]
+        out = [e.ids for e in tokenizer.encode_batch(heads, add_special_tokens=True)]
+        # A head that did not fill the window (a text of very long words) says nothing about the rest.
+        short = [i for i, ids in enumerate(out) if heads[i] is not texts[i] and len(ids) < self.max_length]
+        if short:
+            full = tokenizer.encode_batch([texts[i] for i in short], add_special_tokens=True)
+            for i, e in zip(short, full, strict=True):
+                out[i] = e.ids
+        return out
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Untruncated lengths: the truncated pieces are kept in each encoding's ``overflowing``."""
