@@ -15,7 +15,7 @@ _CLIENT = ("submit_many", "gather", "gather_async")
 def __getattr__(name: str) -> Any:
     # Lazy, so `import carpool` stays free of Celery (and never imports torch).
     if name in _CLIENT:
-        from carpool import client
+        from carpool.producer import client
 
         return getattr(client, name)
     raise AttributeError(f"module 'carpool' has no attribute {name!r}")

@@ -17,7 +17,7 @@ def _logging(level: str) -> None:
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     _logging(args.loglevel)
-    from carpool.celery_app import app, settings_of
+    from carpool.celery_edge.app import app, settings_of
     from carpool.coordinator.service import Coordinator
 
     coordinator = Coordinator(settings_of(app), app)
@@ -27,8 +27,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from carpool.celery_app import app, settings_of
-    from carpool.gpu_worker import tasks  # noqa: F401  (registers carpool.run_batch)
+    from carpool.celery_edge.app import app, settings_of
+    from carpool.gpu_worker import task  # noqa: F401  (registers carpool.run_batch)
 
     settings = settings_of(app)
     argv = [
@@ -51,7 +51,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from carpool.demo import run_demo
+    from carpool.tools.demo import run_demo
 
     return run_demo(requests=args.requests, seed=args.seed, workers=args.workers, external=args.external)
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="only produce: send to the deployment at CARPOOL_BROKER_URL instead of starting one",
     )
     p.set_defaults(func=cmd_demo)
-    from carpool import bench, simulate, status
+    from carpool.tools import bench, simulate, status
 
     status.add_parser(sub)
     simulate.add_parser(sub)

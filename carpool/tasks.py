@@ -14,7 +14,7 @@ from typing import Any
 from celery import Task
 from celery.result import AsyncResult
 
-from carpool.celery_app import app, settings_of
+from carpool.celery_edge.app import app, settings_of
 from carpool.names import INFER_TASK, SENT_AT_HEADER
 from carpool.validation import bind_infer_args, validate_infer
 
@@ -28,7 +28,7 @@ _DIRECT_OPTIONS = frozenset({"priority", "expires", "queue"})
 class InferTask(Task):
     """``carpool.infer`` with validation at the producer, and a cheaper publish.
 
-    The message is the one Celery would send (built by :class:`carpool.client.TaskMessageBuilder`
+    The message is the one Celery would send (built by :class:`carpool.producer.client.TaskMessageBuilder`
     from Celery's own ``create_task_message``), published with its task-sent event in one MULTI/EXEC
     on a kept Redis client: one round trip instead of kombu's two, each of which also builds a new
     ``redis.Redis`` (about 1.1 ms of CPU per ``.delay()`` before, about a quarter of that after;
@@ -49,7 +49,7 @@ class InferTask(Task):
         ):
             from redis.exceptions import RedisError
 
-            from carpool.client import publish_tasks
+            from carpool.producer.client import publish_tasks
 
             try:
                 (result,) = publish_tasks(

@@ -53,7 +53,7 @@ def main() -> int:
     opts = parser.parse_args()
     n = opts.requests
 
-    from carpool.embedded import EmbeddedRedis
+    from carpool.tools.embedded import EmbeddedRedis
 
     server = EmbeddedRedis()
     server.start()
@@ -66,11 +66,11 @@ def main() -> int:
     )
     import redis
 
-    from carpool.celery_app import app, settings_of
-    from carpool.client import gather, submit_many
+    from carpool.celery_edge.app import app, settings_of
     from carpool.coordinator.service import Coordinator
-    from carpool.demo import release_result_consumer
-    from carpool.workload import mixed_texts
+    from carpool.producer.client import gather, submit_many
+    from carpool.tools.demo import release_result_consumer
+    from carpool.tools.workload import mixed_texts
 
     settings = settings_of(app)
     client = redis.Redis.from_url(server.url(0))

@@ -1,5 +1,5 @@
 """Shared set-up. The producer-side Celery app reads CARPOOL_* at import, so the test session points
-it at its own redis-server's address before anything imports ``carpool.celery_app`` (unit tests may
+it at its own redis-server's address before anything imports ``carpool.celery_edge.app`` (unit tests may
 import it first; they never connect). The integration fixture starts the server on that port, so no
 test ever talks to a Redis on the default port that happens to run on the machine."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from carpool.embedded import free_port
+from carpool.tools.embedded import free_port
 
 TEST_REDIS_PORT = free_port()
 os.environ["CARPOOL_TEST_REDIS_PORT"] = str(TEST_REDIS_PORT)

@@ -25,17 +25,17 @@ from celery import Celery
 
 from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan, PolicyConfig, Request
 from carpool.batching.capacity import pool_capacity
-from carpool.client import TaskMessageBuilder
+from carpool.celery_edge import requests as protocol
+from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.results import FAILURE
 from carpool.config import Settings
-from carpool.coordinator import protocol
+from carpool.coordinator.metrics import CoordinatorMetrics
 from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, MalformedMessage, QueueFull
-from carpool.events import TaskEvents
-from carpool.keys import Keys
-from carpool.metrics import CoordinatorMetrics
 from carpool.models import get_model
 from carpool.names import RUN_BATCH_TASK
-from carpool.results import FAILURE
-from carpool.store import RequestStore
+from carpool.producer.client import TaskMessageBuilder
+from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.store import RequestStore
 from carpool.validation import bind_infer_args, validate_infer
 
 log = logging.getLogger(__name__)
@@ -415,7 +415,7 @@ class Coordinator:
         """Hand ``batches`` on: every batch's task message, ownership and lease renewal, and the events
         buffered so far (published first, so Flower sees requests received before started), in one
         script call. The messages are the ones ``app.send_task`` would send (built by
-        :class:`carpool.client.TaskMessageBuilder`), without kombu's per-publish overhead."""
+        :class:`carpool.producer.client.TaskMessageBuilder`), without kombu's per-publish overhead."""
         wall_now = self.wall()
         batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
         calls: list[tuple[list[Any], dict[str, Any]]] = []

@@ -1,6 +1,6 @@
 """GPU workers: Celery workers on the batch queue, one process per device.
 
 ``runner`` pads a batch and runs the model (splitting a failing batch to isolate the culprit);
-``tasks`` is the Celery side: claim the batch's requests, run, store each request's result under its
+``task`` is the Celery side: claim the batch's requests, run, store each request's result under its
 own task id, acknowledge, and report the batch's timing to the coordinator.
 """

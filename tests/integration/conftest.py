@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.embedded import EmbeddedRedis
+from carpool.tools.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def redis_server() -> Iterator[EmbeddedRedis]:
         os.environ["CARPOOL_BROKER_URL"] = server.url(0)
         os.environ["CARPOOL_RESULT_BACKEND"] = server.url(1)
         yield server
-        from carpool.demo import release_result_consumer
+        from carpool.tools.demo import release_result_consumer
 
         release_result_consumer()
 
@@ -66,8 +66,8 @@ class Processes:
     def wait_workers(self, count: int = 1, timeout_s: float = 120) -> None:
         import redis
 
-        from carpool.keys import Keys
-        from carpool.store import RequestStore
+        from carpool.redis_edge.keys import Keys
+        from carpool.redis_edge.store import RequestStore
 
         store = RequestStore(redis.Redis(port=self.server.port), Keys("carpool.requests"), 1)
         deadline = time.monotonic() + timeout_s

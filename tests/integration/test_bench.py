@@ -35,7 +35,7 @@ def _check_pngs(out: Path, names: list[str]) -> None:
 
 
 def test_quick_bench_writes_a_well_formed_report_and_plots(tmp_path: Path) -> None:
-    from carpool.bench.report import SCHEMA, validate_report
+    from carpool.tools.bench.report import SCHEMA, validate_report
 
     out = tmp_path / "bench"
     proc = _run_bench(
@@ -80,7 +80,7 @@ def test_quick_bench_writes_a_well_formed_report_and_plots(tmp_path: Path) -> No
 
 
 def test_quick_bench_with_celery_batches_and_asyncio(tmp_path: Path) -> None:
-    from carpool.bench.report import validate_report
+    from carpool.tools.bench.report import validate_report
 
     out = tmp_path / "bench"
     proc = _run_bench(
@@ -117,7 +117,7 @@ def test_quick_bench_with_celery_batches_and_asyncio(tmp_path: Path) -> None:
 
 
 def test_sweep_mode(tmp_path: Path) -> None:
-    from carpool.bench.report import validate_report
+    from carpool.tools.bench.report import validate_report
 
     out = tmp_path / "sweep"
     proc = _run_bench(out, "--sweep", "--requests", "16", "--sweep-batches", "4,16", "--sweep-waits", "0.01")
@@ -136,7 +136,7 @@ def test_sweep_mode(tmp_path: Path) -> None:
 
 
 def test_rate_specs_and_arrivals() -> None:
-    from carpool.bench.measure import parse_rates, percentile, poisson_arrivals
+    from carpool.tools.bench.measure import parse_rates, percentile, poisson_arrivals
 
     assert parse_rates("0.5x, 1x,250") == [(0.5, True), (1.0, True), (250.0, False)]
     with pytest.raises(ValueError):

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from carpool.workload import mixed_texts
+from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import Processes, start_stack
 
 pytestmark = pytest.mark.integration
@@ -133,8 +133,8 @@ def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
 
 def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis) -> None:  # type: ignore[no-untyped-def]
     """No coordinator here: results stored directly in reverse order, read in submission order."""
-    from carpool.celery_app import app
-    from carpool.results import SUCCESS
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.results import SUCCESS
 
     ids = [f"prompt-{i}-{time.time_ns()}" for i in range(200)]
     results = [app.AsyncResult(i) for i in ids]
@@ -150,8 +150,8 @@ def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis
 
 
 def test_results_are_stored_once(clean_redis) -> None:  # type: ignore[no-untyped-def]
-    from carpool.celery_app import app
-    from carpool.results import SUCCESS
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.results import SUCCESS
 
     first = app.backend.store_many([("once-1", SUCCESS, "first")])
     second = app.backend.store_many([("once-1", SUCCESS, "second"), ("once-2", SUCCESS, "x")])
@@ -209,8 +209,8 @@ def test_a_coordinator_with_every_worker_busy_waits_for_a_report(processes: Proc
     still served in full, in order of the results."""
     import redis
 
-    from carpool.client import gather, submit_many
     from carpool.gpu_worker.runner import run_single
+    from carpool.producer.client import gather, submit_many
     from tests.integration.models import SLOW
 
     # 0.3 s per batch: a burst of 96 mixed texts keeps the one worker busy for a few seconds.
@@ -233,11 +233,11 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
     """With the result backend on a different server than the broker, workers cannot claim and finish
     a batch in single scripts; they take the longer path (claim, look up, store, acknowledge) and
     every result still lands under its request's id, where the producer's backend reads it."""
-    from carpool.celery_app import create_app
-    from carpool.client import gather, submit_many
+    from carpool.celery_edge.app import create_app
     from carpool.config import load_settings
-    from carpool.demo import release_result_consumer
-    from carpool.embedded import EmbeddedRedis, free_port
+    from carpool.producer.client import gather, submit_many
+    from carpool.tools.demo import release_result_consumer
+    from carpool.tools.embedded import EmbeddedRedis, free_port
 
     results_server = EmbeddedRedis(port=free_port()).start()
     try:
@@ -255,7 +255,7 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
         assert got == [run_single("toy", t) for t in texts]
         import redis
 
-        from carpool.keys import Keys
+        from carpool.redis_edge.keys import Keys
 
         # Nothing left in flight on the broker: the acknowledgements (sent just after the results, in
         # this path) went to the broker's server.

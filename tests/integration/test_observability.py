@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from carpool.embedded import free_port
-from carpool.workload import mixed_texts
+from carpool.tools.embedded import free_port
+from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import Processes, start_stack
 
 pytestmark = pytest.mark.integration
@@ -83,7 +83,7 @@ def send_and_get(texts: list[str], timeout_s: float = 120) -> list[str]:
 
 def send_bad_request() -> str:
     """A request that passed no producer validation (send_task skips it): the coordinator fails it."""
-    from carpool.celery_app import app
+    from carpool.celery_edge.app import app
     from carpool.errors import InvalidInput
 
     bad = app.send_task("carpool.infer", args=[123])
@@ -296,13 +296,13 @@ def test_prometheus_metrics_add_up(processes: Processes) -> None:
 
 # --- carpool status ---------------------------------------------------------------------------------
 def status_command() -> list[str]:
-    """``carpool status`` once the CLI has it; ``python -m carpool.status`` (same code) until then."""
+    """``carpool status`` once the CLI has it; ``python -m carpool.tools.status`` (same code) until then."""
     from carpool.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     if "status" in (sub.choices or {}):
         return [sys.executable, "-m", "carpool", "status"]
-    return [sys.executable, "-m", "carpool.status"]
+    return [sys.executable, "-m", "carpool.tools.status"]
 
 
 def run_status(processes: Processes, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -319,8 +319,8 @@ def run_status(processes: Processes, *args: str, **env: str) -> subprocess.Compl
 def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> None:
     import redis
 
-    from carpool.keys import Keys
-    from carpool.status import collect, rates
+    from carpool.redis_edge.keys import Keys
+    from carpool.tools.status import collect, rates
 
     # A coordinator with no worker yet holds what it takes: depth per bin, in flight, nothing queued.
     processes.start("coordinator", "coordinator", **TOY)

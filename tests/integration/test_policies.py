@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from carpool.workload import mixed_texts
+from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import Processes, start_stack
 
 pytestmark = pytest.mark.integration

@@ -7,9 +7,9 @@ import time
 import pytest
 import redis
 
-from carpool.coordinator import protocol
+from carpool.celery_edge import requests as protocol
 from carpool.errors import MalformedMessage
-from carpool.keys import Keys
+from carpool.redis_edge.keys import Keys
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,7 @@ def test_take_finds_the_task_id_however_the_message_is_written(clean_redis) -> N
     is always keyed by headers.id."""
     import json
 
-    from carpool.store import RequestStore
+    from carpool.redis_edge.store import RequestStore
     from carpool.tasks import infer
 
     client = redis.Redis(port=clean_redis.port)

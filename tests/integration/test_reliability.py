@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import redis
 
-from carpool.embedded import EmbeddedRedis
 from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, ModelError, QueueFull, UnknownModel
-from carpool.keys import Keys
-from carpool.workload import mixed_texts
+from carpool.redis_edge.keys import Keys
+from carpool.tools.embedded import EmbeddedRedis
+from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import Processes, start_stack
 from tests.integration.models import EXPLODING, SLOW
 
@@ -128,7 +128,7 @@ def test_kill_9_worker_mid_batch_loses_nothing(processes: Processes) -> None:
 
 def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any) -> None:
     # A server of its own, on its own port, with the append-only file synced on every write.
-    from carpool.embedded import free_port
+    from carpool.tools.embedded import free_port
 
     directory = str(tmp_path / "aof")
     os.makedirs(directory)
@@ -136,7 +136,7 @@ def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any)
     server.start()
     redis.Redis(port=server.port).config_set("appendfsync", "always")
     own = Processes(server, tmp_path)
-    from carpool.celery_app import create_app
+    from carpool.celery_edge.app import create_app
     from carpool.config import load_settings
 
     app = create_app(load_settings(broker_url=server.url(0), result_backend=server.url(1)))
@@ -171,7 +171,7 @@ def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any)
         for name, proc in own.procs.items():
             assert proc.poll() is None, f"{name} died with Redis:\n{own.log(name)}"
     finally:
-        from carpool.demo import release_result_consumer
+        from carpool.tools.demo import release_result_consumer
 
         release_result_consumer(app)
         own.stop_all()
@@ -205,7 +205,7 @@ def test_sigterm_coordinator_hands_back_what_it_holds(processes: Processes) -> N
 
 
 def test_bad_input_fails_only_itself_fast_with_a_clear_error(processes: Processes) -> None:
-    from carpool.celery_app import app
+    from carpool.celery_edge.app import app
     from carpool.tasks import infer
 
     start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy", CARPOOL_MAX_INPUT_BYTES="5000")

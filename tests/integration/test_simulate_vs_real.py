@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from carpool.batching import LatencyModel, padded_length
-from carpool.simulate import (
+from carpool.tools.simulate import (
     Arrival,
     SimResult,
     burst_arrivals,
@@ -30,7 +30,7 @@ from carpool.simulate import (
     workload_lengths,
     write_trace,
 )
-from carpool.workload import mixed_texts
+from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import Processes, start_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -54,7 +54,7 @@ PADDING_TOLERANCE = 0.25
 def coordinator_stats(processes: Processes) -> dict[str, float]:
     import redis
 
-    from carpool.keys import Keys
+    from carpool.redis_edge.keys import Keys
 
     client = redis.Redis(port=processes.server.port, decode_responses=True)
     return {str(k): float(v) for k, v in client.hgetall(Keys("carpool.requests").stats).items()}

@@ -90,7 +90,7 @@ def test_result_backend_keys_and_decoding_match_celery() -> None:
     """The backend's direct key and orjson decoding give what Celery's own code gives."""
     from celery.backends.redis import RedisBackend
 
-    from carpool.celery_app import app
+    from carpool.celery_edge.app import app
 
     backend = app.backend
     for task_id in (str(uuid.uuid4()), "plain-id", "Ünïcödé"):

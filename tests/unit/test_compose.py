@@ -414,9 +414,9 @@ def test_coordinator_healthcheck_follows_its_metrics_server(services: dict[str, 
 def test_worker_healthcheck_follows_this_hosts_heartbeat(services: dict[str, dict[str, Any]]) -> None:
     import redis
 
-    from carpool.embedded import EmbeddedRedis
-    from carpool.keys import Keys
-    from carpool.store import RequestStore
+    from carpool.redis_edge.keys import Keys
+    from carpool.redis_edge.store import RequestStore
+    from carpool.tools.embedded import EmbeddedRedis
 
     try:
         server = EmbeddedRedis().start()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from carpool.batching import LatencyModel, PolicyConfig
-from carpool.simulate import (
+from carpool.tools.simulate import (
     POLICIES,
     Arrival,
     TraceError,

@@ -1,4 +1,4 @@
-"""``carpool bench`` / ``python -m carpool.bench``: options, the order of runs, report and plots.
+"""``carpool bench`` / ``python -m carpool.tools.bench``: options, the order of runs, report and plots.
 
     carpool bench                                    # minilm, every system, rates up to 1.5x offline
     carpool bench --model toy --quick --out /tmp/b   # a small, fast run
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from carpool.bench.measure import SHORT_TEXT, length_stats, parse_rates
-from carpool.bench.report import (
+from carpool.tools.bench.measure import SHORT_TEXT, length_stats, parse_rates
+from carpool.tools.bench.report import (
     SCHEMA,
     evaluate_targets,
     machine_info,
@@ -32,7 +32,7 @@ from carpool.bench.report import (
     summary_text,
     validate_report,
 )
-from carpool.bench.runners import POLICY_SYSTEMS, SEND_CHUNK, SYSTEMS
+from carpool.tools.bench.runners import POLICY_SYSTEMS, SEND_CHUNK, SYSTEMS
 
 FULL = {
     "requests": 600,
@@ -167,10 +167,10 @@ def _opt(args: argparse.Namespace, name: str) -> Any:
 
 
 def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
-    from carpool.bench.plots import write_plots
-    from carpool.bench.runners import BenchEnv, offline
     from carpool.models import get_model
-    from carpool.workload import describe, mixed_texts
+    from carpool.tools.bench.plots import write_plots
+    from carpool.tools.bench.runners import BenchEnv, offline
+    from carpool.tools.workload import describe, mixed_texts
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS) - set(POLICY_SYSTEMS)
@@ -239,7 +239,7 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         resolved = sorted({round(v * off.throughput_rps if rel else v, 3) for v, rel in rates})
         model_ms = None
         if light and not args.sweep:
-            from carpool.bench.runners import model_time_ms
+            from carpool.tools.bench.runners import model_time_ms
 
             model_ms = model_time_ms(args.model, SHORT_TEXT)
             report["config"]["model_ms_short_text"] = model_ms
@@ -273,7 +273,7 @@ def _log(message: str) -> None:
 
 
 def _make(env: Any, name: str, args: argparse.Namespace) -> Any:
-    from carpool.bench import runners
+    from carpool.tools.bench import runners
 
     if name == "carpool":
         return runners.CarpoolSystem(env, args.timeout)
@@ -349,9 +349,9 @@ def _pipeline(
     env: Any, args: argparse.Namespace, count: int, systems: list[str], report: dict[str, Any]
 ) -> dict[str, Any]:
     """Null model: what the pipeline itself costs per request, carpool against plain Celery."""
-    from carpool.bench import runners
     from carpool.models import get_model
-    from carpool.workload import mixed_texts
+    from carpool.tools.bench import runners
+    from carpool.tools.workload import mixed_texts
 
     texts = mixed_texts(count, args.seed + 7)
     lengths = [len(ids) for ids in get_model("null").encode(texts)]
@@ -391,7 +391,7 @@ def _sweep(
     offline_rps: float,
     report: dict[str, Any],
 ) -> dict[str, Any]:
-    from carpool.bench import runners
+    from carpool.tools.bench import runners
 
     batches = [int(v) for v in str(_opt(args, "sweep_batches")).split(",") if v.strip()]
     waits = [float(v) for v in str(_opt(args, "sweep_waits")).split(",") if v.strip()]

@@ -1,7 +1,7 @@
 """Celery app module for the two Celery baselines of ``carpool bench``.
 
-    celery -A carpool.bench.baselines worker -Q carpool.requests --pool solo          # plain Celery
-    celery -A carpool.bench.baselines worker -Q carpool.bench.batched --pool solo \\
+    celery -A carpool.tools.bench.baselines worker -Q carpool.requests --pool solo          # plain Celery
+    celery -A carpool.tools.bench.baselines worker -Q carpool.bench.batched --pool solo \\
         --prefetch-multiplier 10000                                                # celery-batches
 
 It is carpool's own Celery app (same broker, backend, serializer, settings from ``CARPOOL_*``) with:
@@ -32,7 +32,7 @@ from typing import Any
 from celery import signals
 
 from carpool import tasks as _tasks  # noqa: F401  (registers carpool.infer)
-from carpool.celery_app import app, settings_of
+from carpool.celery_edge.app import app, settings_of
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ STATS_KEY = "carpool:bench:batched:stats"
 settings = settings_of(app)
 app.conf.worker_send_task_events = False
 # Plain Celery as people run it on Redis: kombu's ack emulation on, so a message fetched by a worker
-# that dies before acking it is delivered again. carpool's app turns it off (carpool.celery_app)
+# that dies before acking it is delivered again. carpool's app turns it off (carpool.celery_edge.app)
 # because carpool's per-request leases give that guarantee instead; a baseline without it would
 # lose requests on a crash, which is not the system carpool claims to beat. (Measured: it would
 # roughly double plain Celery's no-op rate on the 2-core machine, 0.9 instead of 1.9 ms per task.)
@@ -62,9 +62,9 @@ def _set_torch_threads(**_: Any) -> None:
 def run_fifo_batch(requests: list[Any]) -> None:
     """Run buffered celery-batches requests as one FIFO batch and store each result."""
     from carpool.batching.bins import padded_length
+    from carpool.celery_edge.results import FAILURE, SUCCESS
     from carpool.errors import ModelError
     from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating
-    from carpool.results import FAILURE, SUCCESS
 
     if not requests:
         return

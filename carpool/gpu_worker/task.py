@@ -25,14 +25,14 @@ from celery import signals
 
 from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
-from carpool.celery_app import app, settings_of
+from carpool.celery_edge.app import app, settings_of
+from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.errors import DeadlineExceeded, ModelError
-from carpool.events import TaskEvents
 from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating
-from carpool.keys import Keys
 from carpool.names import RUN_BATCH_TASK
-from carpool.results import FAILURE, SUCCESS
-from carpool.store import RequestStore
+from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.store import RequestStore
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ object, Celery's per-event bookkeeping, and kombu's publish building a new Redis
 half of the pipeline's own cost on the null model (docs/PERFORMANCE.md). Here an event is a dict with
 the fields ``celery.events.Event`` would give it (type, timestamp, hostname, utcoffset, pid, Lamport
 clock from ``app.clock``), and a flush is one JSON encoding into kombu's envelope
-(:mod:`carpool.wire`) that the caller can PUBLISH inside a pipeline it sends anyway.
+(:mod:`carpool.celery_edge.fanout`) that the caller can PUBLISH inside a pipeline it sends anyway.
 
 Events are telemetry: a failure to build or send them is logged and dropped, never allowed to stop
 serving.
@@ -136,7 +136,7 @@ class TaskEvents:
         events, self._buffer = self._buffer, []
         try:
             if self._encoder is None:
-                from carpool.wire import event_encoder
+                from carpool.celery_edge.fanout import event_encoder
 
                 self._encoder = event_encoder(self._app, "task.multi", self.hostname)
             return self._encoder.topic, self._encoder.encode(events)

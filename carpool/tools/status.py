@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from carpool.keys import PRIORITY_SEP, Keys
+from carpool.redis_edge.keys import PRIORITY_SEP, Keys
 
 DEFAULT_INTERVAL_S = 1.0
 
@@ -428,7 +428,7 @@ def _live(client: redis.Redis, keys: Keys, queue: str, broker: str, interval: fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m carpool.status``: the same command without the rest of the CLI."""
+    """``python -m carpool.tools.status``: the same command without the rest of the CLI."""
     from carpool.errors import ConfigError
 
     parser = argparse.ArgumentParser(

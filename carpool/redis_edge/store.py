@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from carpool.keys import Keys
+from carpool.redis_edge.keys import Keys
 
 REPORTS_TTL_S = 3600
 

@@ -1,6 +1,6 @@
 """Bulk producer API: many requests in one Redis round trip, many results in one read.
 
-    from carpool.client import gather, submit_many
+    from carpool.producer.client import gather, submit_many
 
     results = submit_many(texts)              # validated like infer.delay(); one pipelined publish
     vectors = gather(results, timeout=60)     # one MGET, then pub/sub for whatever is still running
@@ -80,7 +80,7 @@ _MESSAGE_READ_S = 1.0  # time allowed for the rest of a result message that has 
 
 
 def _default_app() -> Celery:
-    from carpool.celery_app import app
+    from carpool.celery_edge.app import app
 
     return app
 
@@ -399,7 +399,7 @@ class TaskMessageBuilder:
         if sent:
             # One task.multi list message per chunk, as Celery's buffered event dispatcher sends them
             # (Flower and `celery events` unpack lists), instead of one PUBLISH per request.
-            from carpool.wire import FanoutEncoder
+            from carpool.celery_edge.fanout import FanoutEncoder
 
             assert evd is not None  # events are only collected with a dispatcher
             encoder = FanoutEncoder(channel, evd.exchange.name, "task.multi", dict(evd.headers))

@@ -11,7 +11,7 @@ Data flow::
       -> a simulated worker pool: dispatched batches queue first-in first-out and each runs for the
          latency model's prediction a + b * padded_tokens (x seeded noise) plus a per-batch overhead;
          members already past their deadline when a worker starts the batch fail there, as they do in
-         carpool.gpu_worker.tasks
+         carpool.gpu_worker.task
       -> reports back to the policy's latency model (the coordinator's online fit)
       -> SimResult per policy and offered rate: throughput, p50/p99 latency, padding ratio, mean batch
          size, deadline misses -> a rich table and a matplotlib PNG (the CLI glue at the bottom)
@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 from carpool.batching import Batch, BatchPolicy, LatencyModel, PolicyConfig, Request, padded_length
 from carpool.batching.capacity import may_start, pool_capacity
 from carpool.batching.policy import PolicyKind
-from carpool.bench.measure import percentile
 from carpool.names import POLICY_NAMES
+from carpool.tools.bench.measure import percentile
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -130,13 +130,13 @@ def uniform_lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
 
 
 def workload_lengths(n: int, seed: int = 0, model: str = "minilm") -> list[int]:
-    """Token lengths of ``carpool.workload.mixed_texts(n, seed)`` under ``model``'s own tokenizer.
+    """Token lengths of ``carpool.tools.workload.mixed_texts(n, seed)`` under ``model``'s own tokenizer.
 
     The coordinator bins by exactly these lengths (encode truncates to the model's window), so the
     simulated padding is the padding the real coordinator would produce for the same texts.
     """
     from carpool.models import get_model
-    from carpool.workload import mixed_texts
+    from carpool.tools.workload import mixed_texts
 
     return [len(ids) for ids in get_model(model).encode(mixed_texts(n, seed))]
 
@@ -565,7 +565,7 @@ def _calibrate(model_name: str, device: str, budget_s: float, repeats: int) -> t
     model = loaded_model(model_name, device)
     t_start = time.perf_counter()
     # Real token ids of the model's own tokenizer, cut to each width (ids from the vocabulary).
-    from carpool.workload import mixed_texts
+    from carpool.tools.workload import mixed_texts
 
     source = max(model.encode(mixed_texts(50, seed=1)), key=len)
     points: list[tuple[float, float]] = []
@@ -633,7 +633,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     arr.add_argument(
         "--lengths",
         default="workload",
-        help="'workload' (carpool.workload.mixed_texts tokenized by --model) or uniform:LO-HI",
+        help="'workload' (carpool.tools.workload.mixed_texts tokenized by --model) or uniform:LO-HI",
     )
     arr.add_argument("--model", default="minilm", help="tokenizer for --lengths workload (default minilm)")
     arr.add_argument(
@@ -907,7 +907,7 @@ def plot(sweep: Sweep, out: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m carpool.simulate ...``: the same command without the top-level CLI."""
+    """``python -m carpool.tools.simulate ...``: the same command without the top-level CLI."""
     parser = argparse.ArgumentParser(
         prog="carpool simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -1,7 +1,7 @@
 """The systems ``carpool bench`` compares, and how each is driven.
 
 Every networked system (carpool, plain Celery, celery-batches) shares one embedded redis-server, one
-producer (``carpool.client``: pipelined publish, one MGET plus pub/sub to collect) and one clock:
+producer (``carpool.producer.client``: pipelined publish, one MGET plus pub/sub to collect) and one clock:
 a request's latency is the time its result was stored (``date_done``, written by whoever stored it)
 minus its scheduled arrival, so the producer's own collection speed does not enter the figures.
 Open-loop runs send each Poisson arrival when it is due (arrivals that fall due together go out in one
@@ -24,14 +24,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from carpool.bench.measure import RunRecord, make_record, one_by_one_padding, poisson_arrivals
-from carpool.demo import release_result_consumer
+from carpool.tools.bench.measure import RunRecord, make_record, one_by_one_padding, poisson_arrivals
+from carpool.tools.demo import release_result_consumer
 
 if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
 
-    from carpool.embedded import EmbeddedRedis
+    from carpool.tools.embedded import EmbeddedRedis
 
 # Messages per MULTI/EXEC when a burst is sent (submit_many's chunk_size): the systems start on the
 # first chunk while the producer builds the rest, as an application streaming its work would.
@@ -75,9 +75,9 @@ class BenchEnv:
         self._logs: list[Any] = []
 
     def __enter__(self) -> BenchEnv:
-        from carpool.celery_app import create_app
+        from carpool.celery_edge.app import create_app
         from carpool.config import load_settings
-        from carpool.embedded import EmbeddedRedis
+        from carpool.tools.embedded import EmbeddedRedis
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis = EmbeddedRedis().start()
@@ -270,8 +270,8 @@ class CelerySystem:
         """``carpool.infer`` for every text, stamped with ``sent_at``, streamed in chunks of
         ``SEND_CHUNK`` (one MULTI/EXEC each) so the system under test starts on the first while the
         rest are built; every system is sent to the same way."""
-        from carpool.client import submit_many
         from carpool.names import SENT_AT_HEADER
+        from carpool.producer.client import submit_many
 
         return submit_many(
             texts,
@@ -286,7 +286,7 @@ class CelerySystem:
         argv = [
             "celery",
             "-A",
-            "carpool.bench.baselines",
+            "carpool.tools.bench.baselines",
             "worker",
             "-Q",
             queue,
@@ -319,7 +319,7 @@ class CelerySystem:
         """Send ``texts`` and wait for every answer, watching that the processes stay up."""
         from celery.exceptions import TimeoutError as CeleryTimeout
 
-        from carpool.client import gather
+        from carpool.producer.client import gather
 
         results = self.send(texts, time.time())
         deadline = time.monotonic() + timeout_s
@@ -333,7 +333,7 @@ class CelerySystem:
                     raise BenchError(f"{self.name}: no answer to the warm-up in {timeout_s:.0f}s") from None
 
     def _collect(self, results: list[AsyncResult], arrivals: list[float]) -> tuple[list[float], int, float]:
-        from carpool.client import gather
+        from carpool.producer.client import gather
 
         values = gather(results, timeout=self.timeout_s, return_exceptions=True)
         latencies = []
@@ -451,7 +451,7 @@ class CelerySystem:
 
     def light(self, text: str, count: int, model_ms: float | None) -> RunRecord:
         """One short request at a time; latency as the caller sees it (send to value in hand)."""
-        from carpool.client import gather
+        from carpool.producer.client import gather
 
         self.send([text], time.time())  # one discarded round, to settle connections
         latencies = []
@@ -481,7 +481,7 @@ class CarpoolSystem(CelerySystem):
         self.extra_env = dict(extra_env or {})
 
     def start(self) -> None:
-        from carpool.workload import mixed_texts
+        from carpool.tools.workload import mixed_texts
 
         env = self.env.child_env(**self.extra_env)
         self.start_coordinator()
@@ -504,15 +504,15 @@ class CarpoolSystem(CelerySystem):
 
     def restart_coordinator(self, **overrides: str) -> None:
         """New batching settings: a fresh coordinator (workers keep their loaded model)."""
-        from carpool.workload import mixed_texts
+        from carpool.tools.workload import mixed_texts
 
         self.env.stop("carpool-coordinator")
         self.start_coordinator(**overrides)
         self.warm_up(mixed_texts(4 * self.env.max_batch, seed=998))
 
     def wait_workers(self, timeout_s: float = 300.0) -> None:
-        from carpool.keys import Keys
-        from carpool.store import RequestStore
+        from carpool.redis_edge.keys import Keys
+        from carpool.redis_edge.store import RequestStore
 
         store = RequestStore(self.env.redis_client(0), Keys(self.env.settings.request_queue), 1)
         deadline = time.monotonic() + timeout_s
@@ -523,7 +523,7 @@ class CarpoolSystem(CelerySystem):
             time.sleep(0.1)
 
     def snapshot(self) -> dict[str, float]:
-        from carpool.keys import Keys
+        from carpool.redis_edge.keys import Keys
 
         raw = self.env.redis_client(0).hgetall(Keys(self.env.settings.request_queue).stats)
         return {k.decode(): float(v) for k, v in raw.items()}
@@ -540,7 +540,7 @@ class PlainCelerySystem(CelerySystem):
     name = "celery"
 
     def start(self) -> None:
-        from carpool.workload import mixed_texts
+        from carpool.tools.workload import mixed_texts
 
         self.spawn_celery_worker("celery-plain", "bench-plain", self.env.settings.request_queue)
         self.warm_up(mixed_texts(8, seed=999))
@@ -558,7 +558,7 @@ class CeleryBatchesSystem(CelerySystem):
     name = "celery-batches"
 
     def start(self) -> None:
-        from carpool.workload import mixed_texts
+        from carpool.tools.workload import mixed_texts
 
         # A prefetch of 0 reads as "not given" on the CLI; 10000 lets a flush fill up (see docs).
         self.spawn_celery_worker(
@@ -568,14 +568,14 @@ class CeleryBatchesSystem(CelerySystem):
 
     @staticmethod
     def _queue() -> str:
-        from carpool.bench.baselines import BATCHED_QUEUE
+        from carpool.tools.bench.baselines import BATCHED_QUEUE
 
         return BATCHED_QUEUE
 
     def send(self, texts: Sequence[str], sent_at: float) -> list[AsyncResult]:
-        from carpool.bench.baselines import BATCHED_QUEUE, BATCHED_TASK
-        from carpool.client import publish_tasks
         from carpool.names import SENT_AT_HEADER
+        from carpool.producer.client import publish_tasks
+        from carpool.tools.bench.baselines import BATCHED_QUEUE, BATCHED_TASK
 
         return publish_tasks(
             BATCHED_TASK,
@@ -587,7 +587,7 @@ class CeleryBatchesSystem(CelerySystem):
         )
 
     def snapshot(self) -> dict[str, float]:
-        from carpool.bench.baselines import STATS_KEY
+        from carpool.tools.bench.baselines import STATS_KEY
 
         assert self.env.app is not None
         raw = self.env.app.backend.client.hgetall(STATS_KEY)
@@ -653,8 +653,8 @@ def offline(model_name: str, texts: Sequence[str], max_batch: int, passes: int =
 
 def model_time_ms(model_name: str, text: str, repeats: int = 20) -> float:
     """Median time of the model on ``text`` alone, tokenizing included (``run_single``)."""
-    from carpool.bench.measure import percentile
     from carpool.gpu_worker.runner import run_single
+    from carpool.tools.bench.measure import percentile
 
     load_model(model_name)
     run_single(model_name, text)

@@ -20,8 +20,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import IO, Any
 
-from carpool.bench.measure import percentile
-from carpool.embedded import EmbeddedRedis
+from carpool.tools.bench.measure import percentile
+from carpool.tools.embedded import EmbeddedRedis
 
 
 @dataclass
@@ -91,10 +91,10 @@ class Stack:
         )
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
-        from carpool.celery_app import app as celery_app
-        from carpool.celery_app import settings_of
-        from carpool.keys import Keys
-        from carpool.store import RequestStore
+        from carpool.celery_edge.app import app as celery_app
+        from carpool.celery_edge.app import settings_of
+        from carpool.redis_edge.keys import Keys
+        from carpool.redis_edge.store import RequestStore
 
         settings = settings_of(celery_app)
         import redis
@@ -132,9 +132,9 @@ def release_result_consumer(celery_app: Any = None) -> None:
     import gc
 
     if celery_app is None:
-        if "carpool.celery_app" not in sys.modules:
+        if "carpool.celery_edge.app" not in sys.modules:
             return
-        from carpool.celery_app import app as celery_app
+        from carpool.celery_edge.app import app as celery_app
 
     gc.collect()
     consumer = celery_app.backend.result_consumer
@@ -148,8 +148,8 @@ def release_result_consumer(celery_app: Any = None) -> None:
 def coordinator_stats() -> dict[str, float]:
     import redis
 
-    from carpool.celery_app import app, settings_of
-    from carpool.keys import Keys
+    from carpool.celery_edge.app import app, settings_of
+    from carpool.redis_edge.keys import Keys
 
     settings = settings_of(app)
     raw = redis.Redis.from_url(settings.broker_url).hgetall(Keys(settings.request_queue).stats)
@@ -214,7 +214,7 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from carpool.workload import describe, mixed_texts
+    from carpool.tools.workload import describe, mixed_texts
 
     console = Console()
     texts = mixed_texts(requests, seed)
@@ -222,7 +222,7 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
         console.print("[red]--external needs CARPOOL_BROKER_URL pointing at a running carpool deployment[/]")
         return 2
     with Stack(workers=workers, external=external) as stack:
-        from carpool.celery_app import app, settings_of
+        from carpool.celery_edge.app import app, settings_of
 
         settings = settings_of(app)
         where = stack.redis.url(0) if stack.redis else redact(settings.broker_url)

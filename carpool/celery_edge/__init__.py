@@ -1,0 +1,1 @@
+"""The Celery edge: the app, task messages in and out, events for Flower, the result backend."""

@@ -1,0 +1,1 @@
+"""Producers: submitting requests in bulk and gathering their results."""

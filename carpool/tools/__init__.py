@@ -1,0 +1,1 @@
+"""Tools built on the service (demo, status, simulator, bench); the service never imports them."""
