@@ -269,3 +269,19 @@ def test_embedding_of_the_packaged_minilm_equals_sentence_transformers() -> None
     assert np.allclose(np.array(adapter(texts)), want, atol=1e-5)
     assert adapter.max_length == MiniLM().max_length == 256
     assert adapter.lengths(texts) == [len(ids) for ids in MiniLM().encode(texts)]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_adapters_agree_with_cpu(reranker_dir: Path, embedding_dir: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cases: list[tuple[Any, Any, list[Any]]] = [
+        (reranker(reranker_dir), reranker(reranker_dir, device="cpu"), PAIRS),
+        (embedding(embedding_dir), embedding(embedding_dir, device="cpu"), TEXTS),
+    ]
+    for on_gpu, on_cpu, items in cases:  # the default device, "auto", picks CUDA when present
+        got = on_gpu(items)
+        assert on_gpu.device == "cuda"
+        assert np.allclose(got, on_cpu(items), atol=1e-4)
