@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from carpool.batched.adapters import classifier, embedding, reranker
+from carpool.adapters import classifier, embedding, reranker
 from carpool.errors import ConfigError, InvalidInput
 
 WORDS = [

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from carpool.batched.padding import pad_batch, sort_by_length
+from carpool.padding import pad_batch, sort_by_length
 
 token_lists = st.lists(st.lists(st.integers(1, 30_000), max_size=70), min_size=1, max_size=12)
 

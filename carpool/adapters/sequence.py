@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from carpool.batched.adapters.base import Adapter, LengthBy, TextInput, parse_pair, parse_text
+from carpool.adapters.base import Adapter, LengthBy, TextInput, parse_pair, parse_text
 from carpool.batching.bins import PAD_MULTIPLE
 
 Activation = Literal["auto", "sigmoid", "softmax", "none"]

@@ -7,8 +7,8 @@ coordinator (no torch), ``load()`` for the worker (once per process) and ``adapt
 
 from __future__ import annotations
 
-from carpool.batched.adapters.base import Adapter
-from carpool.batched.adapters.embedding import Embedding, embedding
-from carpool.batched.adapters.sequence import Classifier, Reranker, classifier, reranker
+from carpool.adapters.base import Adapter
+from carpool.adapters.embedding import Embedding, embedding
+from carpool.adapters.sequence import Classifier, Reranker, classifier, reranker
 
 __all__ = ["Adapter", "Classifier", "Embedding", "Reranker", "classifier", "embedding", "reranker"]

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from carpool.batched.adapters.base import Adapter, LengthBy, TextInput, parse_text, read_json, window_of
+from carpool.adapters.base import Adapter, LengthBy, TextInput, parse_text, read_json, window_of
 from carpool.errors import ConfigError
 
 
