@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from carpool.batching.bins import PAD_MULTIPLE, AutoBins, LengthBins, padded_length
@@ -204,10 +204,17 @@ class _Candidate:
 class BatchPolicy:
     """Forms batches from queued requests; see the module docstring for the rules."""
 
-    def __init__(self, config: PolicyConfig, latency: LatencyModel | None = None) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig,
+        latency: LatencyModel | None = None,
+        per_key: Mapping[str, PolicyConfig] | None = None,
+    ) -> None:
+        """``config`` applies to every key (a model, or a batched task) without its own in ``per_key``."""
         self.config = config
+        self.per_key = dict(per_key or {})
         self.latency = latency or LatencyModel()
-        self._fixed_bins = LengthBins(config.bin_edges if config.kind == "binned" else ())
+        self._fixed_bins: dict[str, LengthBins] = {}
         self._model_bins: dict[str, LengthBins] = {}
         # Recent arrival times per model: the arrival rate says whether waiting can gain company.
         self._arrivals: dict[str, deque[float]] = {}
@@ -220,12 +227,20 @@ class BatchPolicy:
         """Requests waiting per (model, bin label)."""
         return {key: len(q) for key, q in self._queues.items()}
 
+    def config_for(self, key: str) -> PolicyConfig:
+        """The limits and bins of ``key``: its own, else the policy's."""
+        return self.per_key.get(key, self.config)
+
     def bins_for(self, model: str) -> LengthBins:
-        if self.config.kind != "binned" or not self.config.auto_bins:
-            return self._fixed_bins
+        cfg = self.config_for(model)
+        if cfg.kind != "binned" or not cfg.auto_bins:
+            bins = self._fixed_bins.get(model)
+            if bins is None:
+                bins = self._fixed_bins[model] = LengthBins(cfg.bin_edges if cfg.kind == "binned" else ())
+            return bins
         bins = self._model_bins.get(model)
         if bins is None:
-            bins = self._model_bins[model] = AutoBins(self.config.auto_bins, initial=self.config.bin_edges)
+            bins = self._model_bins[model] = AutoBins(cfg.auto_bins, initial=cfg.bin_edges)
         return bins
 
     def add(self, req: Request) -> None:
@@ -239,7 +254,7 @@ class BatchPolicy:
         key = (req.model, bins.label_for(req.length))
         queue = self._queues.get(key)
         if queue is None:
-            queue = self._queues[key] = _Queue(order_by_length=self.config.kind == "shortest")
+            queue = self._queues[key] = _Queue(order_by_length=self.config_for(req.model).kind == "shortest")
         queue.add(req)
 
     def expected_arrivals(self, model: str, now_s: float, within_s: float) -> float:
@@ -255,7 +270,8 @@ class BatchPolicy:
 
     def predict_s(self, model: str, requests: list[Request]) -> float:
         longest = max(r.length for r in requests)
-        return self.latency.predict(model, len(requests) * padded_length(longest, self.config.pad_multiple))
+        pad_multiple = self.config_for(model).pad_multiple
+        return self.latency.predict(model, len(requests) * padded_length(longest, pad_multiple))
 
     def poll(self, now_s: float, free_workers: int, free_slots: int, ahead_s: float = 0.0) -> Plan:
         """Decide what leaves now.
@@ -277,7 +293,7 @@ class BatchPolicy:
             for key, queue in self._queues.items():
                 if not queue:
                     continue
-                head = queue.head(self.config)
+                head = queue.head(self.config_for(key[0]))
                 cand, wake_at = self._evaluate(key, queue, head, now_s, free_workers, free_slots, ahead_s)
                 if wake_at is not None and (wake is None or wake_at < wake):
                     wake = wake_at
@@ -294,7 +310,7 @@ class BatchPolicy:
                     model=best.key[0],
                     bin_label=best.key[1],
                     requests=tuple(best.requests),
-                    padded_len=padded_length(longest, self.config.pad_multiple),
+                    padded_len=padded_length(longest, self.config_for(best.key[0]).pad_multiple),
                     flush_reason=best.reason,
                 )
             )
@@ -328,8 +344,8 @@ class BatchPolicy:
         free_slots: int,
         ahead_s: float,
     ) -> tuple[_Candidate | None, float | None]:
-        cfg = self.config
         model = key[0]
+        cfg = self.config_for(model)
         head, limited = selected
         predicted = self.predict_s(model, head)
         deadline = queue.earliest_deadline()

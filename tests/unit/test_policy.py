@@ -332,3 +332,23 @@ def test_light_traffic_dispatches_at_once_when_a_worker_is_idle() -> None:
     for _ in range(3):
         p.add(req(8, at=10.0))
     assert p.poll(10.0, free_workers=1, free_slots=1).batches == []
+
+
+def test_each_key_batches_under_its_own_limits_and_bins_and_keys_never_mix() -> None:
+    latency = LatencyModel(prior_base_s=0.01, prior_per_token_s=1e-4)
+    p = BatchPolicy(
+        PolicyConfig(max_batch=4, bin_edges=(16, 64)),
+        latency,
+        per_key={"rerank": PolicyConfig(max_batch=2, bin_edges=(8,))},
+    )
+    embeds = [req(10, model="embed") for _ in range(4)]
+    reranks = [req(5, model="rerank") for _ in range(2)] + [req(30, model="rerank")]
+    for r in (*embeds, *reranks):
+        p.add(r)
+    plan = p.poll(0.0, free_workers=4, free_slots=4)
+    by_key = {(b.model, b.bin_label): b for b in plan.batches}
+    assert set(by_key[("embed", "1-16")].requests) == set(embeds)  # the default max_batch 4
+    assert set(by_key[("rerank", "1-8")].requests) == set(reranks[:2])  # its own max_batch 2, bin 1-8
+    assert by_key[("rerank", "1-8")].padded_len == 8
+    assert p.bins_for("rerank").label_for(30) == "9+"
+    assert all(len({r.model for r in b.requests}) == 1 for b in plan.batches)
