@@ -24,19 +24,8 @@ from celery.backends.redis import RedisBackend, ResultConsumer
 
 from carpool.codec import dumps_plain
 from carpool.codec import loads as json_loads
-
-# KEYS: result keys; ARGV[1]: expiry seconds; ARGV[i+1]: encoded meta for KEYS[i].
-# Returns the indexes (1-based) of the results actually stored.
-_STORE_ONCE = """
-local stored = {}
-for i, key in ipairs(KEYS) do
-  if redis.call('SET', key, ARGV[i + 1], 'NX', 'EX', ARGV[1]) then
-    redis.call('PUBLISH', key, ARGV[i + 1])
-    stored[#stored + 1] = i
-  end
-end
-return stored
-"""
+from carpool.redis_edge import lua
+from carpool.redis_edge.store import ResultWrites, finish_call
 
 
 class PromptResultConsumer(ResultConsumer):
@@ -71,7 +60,7 @@ class CarpoolRedisBackend(RedisBackend):
         # message is a push reply whose handler formats the whole message for a debug log line even
         # when debug is off: for a 7 KB embedding that costs more than decoding the result.
         self.connparams.setdefault("protocol", 2)
-        self._store_once = self.client.register_script(_STORE_ONCE)
+        self._store_once = lua.register(self.client, "finish")  # the write-once rule lives there
 
     def get_key_for_task(self, task_id: Any, key: Any = "") -> Any:
         """Celery's key (``<global prefix>celery-task-meta-<id>``), built without its generic joins:
@@ -125,12 +114,15 @@ class CarpoolRedisBackend(RedisBackend):
         encoded = self.encode(meta)
         return encoded if isinstance(encoded, bytes) else encoded.encode("utf-8")
 
-    def store_args(self, entries: Sequence[tuple[str, str, Any]]) -> tuple[list[str], list[Any]]:
-        """(keys, args) of the write-once script for (task_id, state, result-or-exception) triples."""
+    def store_args(self, entries: Sequence[tuple[str, str, Any]]) -> ResultWrites:
+        """What to store, write-once, for (task_id, state, result-or-exception) triples."""
+        expiry_s = int(self.expires or 86400)
+        if not entries:
+            return ResultWrites((), (), expiry_s)
         date_done = self.app.now().isoformat()
         keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
         payloads = [self.meta_for(task_id, state, result, date_done) for task_id, state, result in entries]
-        return keys, [int(self.expires or 86400), *payloads]
+        return ResultWrites(keys, payloads, expiry_s)
 
     def store_many(self, entries: Iterable[tuple[str, str, Any]], client: Any = None) -> Any:
         """Store (task_id, state, result-or-exception) triples; return the ids actually stored.
@@ -142,7 +134,7 @@ class CarpoolRedisBackend(RedisBackend):
         entries = list(entries)
         if not entries:
             return [] if client is None else client
-        keys, args = self.store_args(entries)
+        keys, args = finish_call(self.store_args(entries))
         if client is not None:
             return self._store_once(keys=keys, args=args, client=client)
         stored = self._store_once(keys=keys, args=args)

@@ -237,13 +237,10 @@ class WorkerRuntime:
         (they are telemetry; the results, acks and report are what a retry must deliver)."""
         events = self.events.take()
         if self.dbs is not None:
-            result_keys, args = self.backend.store_args(entries) if entries else ([], [0])
             self.store.finish(
                 results_db=self.dbs[1],
                 broker_db=self.dbs[0],
-                result_keys=result_keys,
-                results=args[1:],
-                expires_s=args[0],
+                writes=self.backend.store_args(entries),
                 ack_ids=ack_ids,
                 report=report,
                 coordinator=coordinator,

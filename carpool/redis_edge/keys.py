@@ -1,6 +1,9 @@
 """Every Redis key carpool writes besides Celery's own, named from the request queue.
 
 Deployments that share a Redis db but use different request queues never touch each other's keys.
+Every request id below is a Celery task id; an in-flight request has an entry in ``inflight_lease``
+and ``inflight_raw``, once dispatched one in ``inflight_owner``, once claimed one in
+``inflight_claimed``; every step that forgets a request (ack, requeue, reap) deletes it from all four.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ PRIORITY_SEP = "\x06\x16"
 @dataclass(frozen=True, slots=True)
 class Keys:
     request_queue: str
+    """The Celery queue ``.delay()`` sends to: a LIST of Celery messages, priority step 0."""
 
     @property
     def request_lists(self) -> list[str]:
@@ -43,8 +47,14 @@ class Keys:
 
     @property
     def inflight_owner(self) -> str:
-        """HASH request id -> batch id that currently owns it; a stale batch finds it not its own."""
+        """HASH request id -> batch id (uuid) that currently owns it; a stale batch finds it not its own."""
         return f"{self._base}:inflight:owner"
+
+    @property
+    def inflight_claimed(self) -> str:
+        """HASH request id -> batch id (uuid) whose worker claimed it. The request is claimed, its lease
+        the worker's to renew, only while this equals its owner: a new dispatch supersedes the claim."""
+        return f"{self._base}:inflight:claimed"
 
     @property
     def dead_letter(self) -> str:

@@ -6,257 +6,56 @@ A request's life in Redis:
   and from any in-flight state, when its lease runs out (the holder died): --reap--> back at the
   front of the request list, verbatim.
 
-``take`` is one Lua script: the pop and the move into the in-flight hash are atomic, so a
-coordinator killed at any instant leaves every request either in the list or in flight, never
-nowhere. Leases use Redis's clock (TIME), so hosts with skewed clocks agree on expiry.
+Every step that must be atomic, or one round trip, is a Lua script in ``scripts/<name>.lua`` whose
+header gives its KEYS, ARGV and reply; this module is the only Python that knows those layouts.
+``take``'s pop and move into the in-flight hash are atomic, so a coordinator killed at any instant
+leaves every request either in the list or in flight, never nowhere. Leases use Redis's clock (TIME),
+so hosts with skewed clocks agree on expiry.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from carpool.redis_edge import lua
 from carpool.redis_edge.keys import Keys
 
-REPORTS_TTL_S = 3600
+REPORTS_TTL_S = 3600  # a dead coordinator's report list expires after this many idle seconds
+REPORTS_KEPT = 10_000  # newest reports kept per coordinator
 
-_NOW_MS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
 
-# KEYS: lease, raw, this coordinator's report list, request lists in drain order.
-# ARGV: max count, lease ms, max reports.
-# Returns {flat list id1, raw1, id2, raw2, ..., reports (newest last)}: a step's intake in one trip.
-_TAKE = (
-    _NOW_MS
-    + """
-local expiry = now + tonumber(ARGV[2])
-local want = tonumber(ARGV[1])
-local ID_KEYS = {'"id": "', '"id":"'}
-local out = {}
-local reports = {}
-if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or {} end
-for i = 4, #KEYS do
-  local left = want - #out / 2
-  if left <= 0 then break end
-  local got = redis.call('RPOP', KEYS[i], left)
-  if got then
-    for _, raw in ipairs(got) do
-      -- The task id is the one '"id": "..."' key of a Celery message (the body is base64, and a quote
-      -- inside any JSON string is escaped): a plain find costs far less than a cjson decode of the
-      -- whole message (or a pattern scan), which were most of this script's time. Anything unusual
-      -- (no such key, or more than one) is decoded.
-      local id, found = nil, 0
-      for _, needle in ipairs(ID_KEYS) do
-        local init = 1
-        while found < 2 do
-          local s, e = string.find(raw, needle, init, true)
-          if not s then break end
-          found = found + 1
-          id = string.match(raw, '^[^"]+', e + 1)
-          init = e + 1
-        end
-      end
-      local ok, msg = true, nil
-      if found ~= 1 then
-        id = nil
-        ok, msg = pcall(cjson.decode, raw)
-      end
-      if id ~= nil then
-        -- unambiguous: taken as is
-      elseif ok and type(msg) == 'table' and type(msg['headers']) == 'table' then
-        id = msg['headers']['id']
-      elseif not ok then
-        -- cjson refuses some valid JSON (a lone surrogate escape in the text); find the id by pattern
-        -- so the request still gets its stored error instead of being dead-lettered unanswered.
-        -- Inside a JSON string a quote is escaped, so '"id"' right after '{' or ',' is the header key.
-        id = string.match(raw, '[{,] ?"id": ?"([^"]+)"')
-      end
-      if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
-      redis.call('HSET', KEYS[2], id, raw)
-      redis.call('ZADD', KEYS[1], expiry, id)
-      out[#out + 1] = id
-      out[#out + 1] = raw
-    end
-  end
-end
-return {out, reports}
-"""
-)
+@dataclass(frozen=True, slots=True)
+class ResultWrites:
+    """Encoded results to store write-once: ``payloads[i]`` under ``keys[i]``, each for ``expiry_s``."""
 
-# KEYS: lease, owner, batch queue list. ARGV: lease ms, events topic ('' = none), events message,
-# then per batch: batch id, n, n request ids, the batch's task message.
-# Publishes the events first (Flower sees requests received before any worker starts them), then
-# per batch records its owner on the requests still in flight, renews their leases and pushes its
-# message: the whole dispatch of a coordinator step is one atomic round trip, and a worker never
-# sees a batch whose ownership is not recorded yet. Returns how many requests were assigned.
-_DISPATCH = (
-    _NOW_MS
-    + """
-local expiry = now + tonumber(ARGV[1])
-if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
-local n = 0
-local i = 4
-while i <= #ARGV do
-  local batch = ARGV[i]
-  local count = tonumber(ARGV[i + 1])
-  for j = i + 2, i + 1 + count do
-    local id = ARGV[j]
-    if redis.call('ZSCORE', KEYS[1], id) then
-      redis.call('HSET', KEYS[2], id, batch)
-      redis.call('ZADD', KEYS[1], 'XX', expiry, id)
-      n = n + 1
-    end
-  end
-  redis.call('LPUSH', KEYS[3], ARGV[i + 2 + count])
-  i = i + 3 + count
-end
-return n
-"""
-)
+    keys: Sequence[bytes | str]
+    payloads: Sequence[bytes]
+    expiry_s: int
 
-# KEYS: lease, owner. ARGV: lease ms, ids... Renews the lease of ids still in flight and not claimed by
-# a worker (a claimed request's lease is its worker's to renew). Returns how many were renewed.
-_RENEW_HELD = (
-    _NOW_MS
-    + """
-local expiry = now + tonumber(ARGV[1])
-local n = 0
-for i = 2, #ARGV do
-  local id = ARGV[i]
-  if redis.call('ZSCORE', KEYS[1], id) then
-    local owner = redis.call('HGET', KEYS[2], id)
-    if not owner or string.sub(owner, -1) ~= '!' then
-      redis.call('ZADD', KEYS[1], 'XX', expiry, id)
-      n = n + 1
-    end
-  end
-end
-return n
-"""
-)
 
-# The claim loop shared by _CLAIM and _CLAIM_FRESH; FIRST_ID is the ARGV index of the first id.
-_CLAIM_LOOP = """
-local expiry = now + tonumber(ARGV[2])
-local batch = ARGV[1]
-local out = {}
-for i = FIRST_ID, #ARGV do
-  local id = ARGV[i]
-  local owner = redis.call('HGET', KEYS[2], id)
-  if (owner == batch or owner == batch .. '!') and redis.call('ZSCORE', KEYS[1], id) then
-    redis.call('HSET', KEYS[2], id, batch .. '!')
-    redis.call('ZADD', KEYS[1], 'XX', expiry, id)
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
-  end
-end
-"""
-
-# KEYS: lease, owner. ARGV: batch id, lease ms, ids... Marks the ids this batch still owns as claimed
-# (owner 'batch!') and renews their lease. Returns 1/0 per id.
-_CLAIM = _NOW_MS + _CLAIM_LOOP.replace("FIRST_ID", "3") + "return out\n"
-
-# KEYS: lease, owner, then one result key per id. ARGV: batch id, lease ms, results db, ids...
-# As _CLAIM, and also says which of the claimed ids already have a result (a rerun after recovery):
-# 0 = not this batch's any more, 1 = claimed and unanswered, 2 = claimed but answered already.
-_CLAIM_FRESH = (
-    _NOW_MS
-    + _CLAIM_LOOP.replace("FIRST_ID", "4")
-    + """
-redis.call('SELECT', ARGV[3])
-for i = 1, #out do
-  if out[i] == 1 and redis.call('EXISTS', KEYS[i + 2]) == 1 then out[i] = 2 end
-end
-return out
-"""
-)
-
-# One round trip to finish a batch, across the result and broker databases of one Redis server
-# (SELECT inside a script switches only the script's database, never the caller's; Redis >= 2.8.12).
-# KEYS: lease, raw, owner, report list, then one result key per stored result.
-# ARGV: results db, broker db, result expiry s, report json ('' = none), events topic ('' = none),
-#       events message, number of results n, n encoded results, then the ids to acknowledge.
-# Stores each result unless one is stored already (write-once) and PUBLISHes it, forgets the acked
-# ids, pushes the report, publishes the events. Returns the 1-based indexes of the results stored.
-_FINISH = """
-local n = tonumber(ARGV[7])
-redis.call('SELECT', ARGV[1])
-local stored = {}
-for i = 1, n do
-  local key = KEYS[4 + i]
-  local meta = ARGV[7 + i]
-  if redis.call('SET', key, meta, 'NX', 'EX', ARGV[3]) then
-    redis.call('PUBLISH', key, meta)
-    stored[#stored + 1] = i
-  end
-end
-redis.call('SELECT', ARGV[2])
-for i = 8 + n, #ARGV do
-  local id = ARGV[i]
-  redis.call('ZREM', KEYS[1], id)
-  redis.call('HDEL', KEYS[2], id)
-  redis.call('HDEL', KEYS[3], id)
-end
-if ARGV[4] ~= '' then
-  redis.call('LPUSH', KEYS[4], ARGV[4])
-  redis.call('LTRIM', KEYS[4], 0, 9999)
-  redis.call('EXPIRE', KEYS[4], %d)
-end
-if ARGV[5] ~= '' then redis.call('PUBLISH', ARGV[5], ARGV[6]) end
-return stored
-"""
-
-# KEYS: lease. ARGV: lease ms, ids... Renews leases of ids still in flight (a running batch).
-_RENEW = (
-    _NOW_MS
-    + """
-local expiry = now + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i]) end
-return #ARGV - 1
-"""
-)
-
-# KEYS: lease, raw, owner, target list. ARGV: max count, then ids ('' ids = every expired lease).
-# Puts requests back at the front of the target list, verbatim, and forgets them. Returns the count.
-_REQUEUE = (
-    _NOW_MS
-    + """
-local ids
-if #ARGV > 1 then
-  ids = {}
-  for i = 2, #ARGV do ids[#ids + 1] = ARGV[i] end
-else
-  ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
-end
-local n = 0
-for _, id in ipairs(ids) do
-  local raw = redis.call('HGET', KEYS[2], id)
-  if raw and redis.call('ZREM', KEYS[1], id) == 1 then
-    redis.call('RPUSH', KEYS[4], raw)
-    n = n + 1
-  end
-  redis.call('HDEL', KEYS[2], id)
-  redis.call('HDEL', KEYS[3], id)
-end
-return n
-"""
-)
-
-# KEYS: workers. ARGV: hostname, ttl ms ('' hostname: just count). Returns live workers.
-_HEARTBEAT = (
-    _NOW_MS
-    + """
-if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return redis.call('ZCARD', KEYS[1])
-"""
-)
+def finish_call(
+    writes: ResultWrites,
+    *,
+    inflight_keys: Sequence[str] = (),
+    results_db: int | str = "",
+    broker_db: int | str = "",
+    report: str = "",
+    events: tuple[str, bytes] | None = None,
+    ack_ids: Sequence[str] = (),
+) -> tuple[list[bytes | str], list[Any]]:
+    """(KEYS, ARGV) of ``finish.lua``. With only ``writes`` it stores the results (write-once, each
+    published) in the caller's database and touches nothing else. ``inflight_keys``: lease, raw,
+    owner, claimed and report list, needed when acknowledging or reporting."""
+    topic, message = events if events is not None else ("", b"")
+    keys = [*writes.keys, *inflight_keys]
+    args: list[Any] = [len(writes.payloads), results_db, broker_db, writes.expiry_s, *writes.payloads]
+    args += [report, REPORTS_KEPT, REPORTS_TTL_S, topic, message, *ack_ids]
+    return keys, args
 
 
 class RequestStore:
@@ -266,15 +65,14 @@ class RequestStore:
         self.client = client
         self.keys = keys
         self.lease_ms = max(1, int(lease_s * 1000))
-        self._take = client.register_script(_TAKE)
-        self._renew_held = client.register_script(_RENEW_HELD)
-        self._claim = client.register_script(_CLAIM)
-        self._dispatch = client.register_script(_DISPATCH)
-        self._claim_fresh = client.register_script(_CLAIM_FRESH)
-        self._finish = client.register_script(_FINISH % REPORTS_TTL_S)
-        self._renew = client.register_script(_RENEW)
-        self._requeue = client.register_script(_REQUEUE)
-        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._take = lua.register(client, "take")
+        self._dispatch = lua.register(client, "dispatch")
+        self._renew_held = lua.register(client, "renew_held")
+        self._claim = lua.register(client, "claim")
+        self._finish = lua.register(client, "finish")
+        self._renew = lua.register(client, "renew")
+        self._requeue = lua.register(client, "requeue")
+        self._heartbeat = lua.register(client, "heartbeat")
 
     # --- coordinator ---------------------------------------------------------------------
     def take(
@@ -317,7 +115,8 @@ class RequestStore:
             return 0
         return int(
             self._renew_held(
-                keys=[self.keys.inflight_lease, self.keys.inflight_owner], args=[self.lease_ms, *ids]
+                keys=[self.keys.inflight_lease, self.keys.inflight_owner, self.keys.inflight_claimed],
+                args=[self.lease_ms, *ids],
             )
         )
 
@@ -336,6 +135,7 @@ class RequestStore:
             self.keys.inflight_lease,
             self.keys.inflight_raw,
             self.keys.inflight_owner,
+            self.keys.inflight_claimed,
             self.keys.request_queue,
         ]
 
@@ -353,9 +153,7 @@ class RequestStore:
         """Which of ``ids`` this batch still owns; marks them claimed so only the worker renews them."""
         if not ids:
             return []
-        flags = self._claim(
-            keys=[self.keys.inflight_lease, self.keys.inflight_owner], args=[batch_id, self.lease_ms, *ids]
-        )
+        flags = self._claim(keys=self._claim_keys(), args=[batch_id, self.lease_ms, "", *ids])
         return [bool(int(f)) for f in flags]
 
     def claim_fresh(
@@ -366,47 +164,43 @@ class RequestStore:
         result key of ``ids[i]`` in database ``results_db`` of this same Redis server."""
         if not ids:
             return []
-        flags = self._claim_fresh(
-            keys=[self.keys.inflight_lease, self.keys.inflight_owner, *result_keys],
-            args=[batch_id, self.lease_ms, results_db, *ids],
+        flags = self._claim(
+            keys=[*self._claim_keys(), *result_keys], args=[batch_id, self.lease_ms, results_db, *ids]
         )
         return [int(f) for f in flags]
+
+    def _claim_keys(self) -> list[str]:
+        return [self.keys.inflight_lease, self.keys.inflight_owner, self.keys.inflight_claimed]
 
     def finish(
         self,
         *,
         results_db: int,
         broker_db: int,
-        result_keys: Sequence[str],
-        results: Sequence[bytes],
-        expires_s: int,
+        writes: ResultWrites,
         ack_ids: Sequence[str],
         report: dict[str, Any] | None,
         coordinator: str,
         events: tuple[str, bytes] | None,
     ) -> list[int]:
-        """Store results write-once (publishing each), acknowledge ``ack_ids``, push the report and
+        """Store ``writes`` write-once (publishing each), acknowledge ``ack_ids``, push the report and
         publish ``events`` (topic, raw): one script, one round trip. Results live in database
         ``results_db`` of this server. Returns the 1-based indexes of the results stored."""
-        topic, raw = events if events is not None else ("", b"")
-        keys = [
-            self.keys.inflight_lease,
-            self.keys.inflight_raw,
-            self.keys.inflight_owner,
-            self.keys.reports_for(coordinator),
-            *result_keys,
-        ]
-        args: list[Any] = [
-            results_db,
-            broker_db,
-            expires_s,
-            json.dumps(report) if report is not None else "",
-            topic,
-            raw,
-            len(results),
-            *results,
-            *ack_ids,
-        ]
+        keys, args = finish_call(
+            writes,
+            inflight_keys=[
+                self.keys.inflight_lease,
+                self.keys.inflight_raw,
+                self.keys.inflight_owner,
+                self.keys.inflight_claimed,
+                self.keys.reports_for(coordinator),
+            ],
+            results_db=results_db,
+            broker_db=broker_db,
+            report=json.dumps(report) if report is not None else "",
+            events=events,
+            ack_ids=ack_ids,
+        )
         return [int(i) for i in self._finish(keys=keys, args=args)]
 
     def renew_running(self, ids: Sequence[str]) -> None:
@@ -427,14 +221,15 @@ class RequestStore:
         if report is not None:
             key = self.keys.reports_for(coordinator)
             pipe.lpush(key, json.dumps(report))
-            pipe.ltrim(key, 0, 9_999)
-            pipe.expire(key, REPORTS_TTL_S)  # a dead coordinator's reports do not pile up
+            pipe.ltrim(key, 0, REPORTS_KEPT - 1)
+            pipe.expire(key, REPORTS_TTL_S)
 
     def _ack_into(self, pipe: Any, ids: Sequence[str]) -> None:
         if ids:
             pipe.zrem(self.keys.inflight_lease, *ids)
             pipe.hdel(self.keys.inflight_raw, *ids)
             pipe.hdel(self.keys.inflight_owner, *ids)
+            pipe.hdel(self.keys.inflight_claimed, *ids)
 
     def heartbeat(self, hostname: str, ttl_s: float) -> int:
         return int(self._heartbeat(keys=[self.keys.workers], args=[hostname, int(ttl_s * 1000)]))

@@ -330,8 +330,8 @@ def test_sigterm_worker_finishes_its_batch(processes: Processes) -> None:
     texts = [f"finish me {i}" for i in range(6)]
     results = send(texts)
     client = redis.Redis(port=processes.server.port)
-    # wait until a worker has claimed the batch (owner marked with '!'), then ask it to stop
-    wait_for(lambda: any(v.endswith(b"!") for v in client.hvals(KEYS.inflight_owner)), 30, "no claim")
+    # wait until a worker has claimed the batch, then ask it to stop
+    wait_for(lambda: client.hlen(KEYS.inflight_claimed) > 0, 30, "no claim")
     assert processes.stop("worker0", sig=signal.SIGTERM, timeout_s=30) == 0
     done = [r for r in results if r.ready()]
     assert done, "the batch that was running should have finished before the worker exited"

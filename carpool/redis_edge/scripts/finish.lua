@@ -1,0 +1,41 @@
+-- finish: the one place results are stored. Each result is SET only if none is stored yet
+-- (write-once: a rerun never overwrites the first answer) and PUBLISHed to wake waiting producers.
+-- Then, for a worker's batch, the acknowledged ids leave every in-flight key, the batch report goes to
+-- its coordinator and the task events are published: a batch finished in one round trip, across the
+-- result and broker databases of one server. With only results given it stores them and nothing more.
+-- KEYS[1..n] result keys, then (only when acknowledging or reporting) KEYS[n+1] lease ZSET,
+-- KEYS[n+2] raw HASH, KEYS[n+3] owner HASH, KEYS[n+4] claimed HASH, KEYS[n+5] report list.
+-- ARGV[1] n, ARGV[2] results db ('' = the caller's), ARGV[3] broker db ('' = the caller's),
+-- ARGV[4] result expiry s, ARGV[5..4+n] encoded results, then ARGV[5+n] report json ('' = none),
+-- ARGV[6+n] reports kept, ARGV[7+n] reports ttl s, ARGV[8+n] events topic ('' = none),
+-- ARGV[9+n] events message, ARGV[10+n..] ids to acknowledge.
+-- Returns the 1-based indexes of the results stored.
+local n = tonumber(ARGV[1])
+-- SELECT in a script switches only the script's database, never the caller's (Redis >= 2.8.12).
+if ARGV[2] ~= '' then redis.call('SELECT', ARGV[2]) end
+local stored = {}
+for i = 1, n do
+  local key = KEYS[i]
+  local meta = ARGV[4 + i]
+  if redis.call('SET', key, meta, 'NX', 'EX', ARGV[4]) then
+    redis.call('PUBLISH', key, meta)
+    stored[#stored + 1] = i
+  end
+end
+if ARGV[3] ~= '' then redis.call('SELECT', ARGV[3]) end
+-- Variadic deletes, a chunk at a time to stay within Lua's stack limit for unpack.
+for first = 10 + n, #ARGV, 1000 do
+  local last = math.min(first + 999, #ARGV)
+  redis.call('ZREM', KEYS[n + 1], unpack(ARGV, first, last))
+  redis.call('HDEL', KEYS[n + 2], unpack(ARGV, first, last))
+  redis.call('HDEL', KEYS[n + 3], unpack(ARGV, first, last))
+  redis.call('HDEL', KEYS[n + 4], unpack(ARGV, first, last))
+end
+local report = ARGV[5 + n]
+if report ~= '' then
+  redis.call('LPUSH', KEYS[n + 5], report)
+  redis.call('LTRIM', KEYS[n + 5], 0, tonumber(ARGV[6 + n]) - 1)
+  redis.call('EXPIRE', KEYS[n + 5], ARGV[7 + n])
+end
+if ARGV[8 + n] ~= '' then redis.call('PUBLISH', ARGV[8 + n], ARGV[9 + n]) end
+return stored

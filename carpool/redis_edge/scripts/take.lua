@@ -1,0 +1,60 @@
+-- take: move up to ARGV[1] requests from the request lists into flight, and pop this coordinator's
+-- batch reports, in one atomic step (a coordinator killed at any instant leaves every request either
+-- in a list or in flight).
+-- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] this coordinator's report list,
+-- KEYS[4..] request lists in drain order.
+-- ARGV[1] max requests, ARGV[2] lease ms, ARGV[3] max reports (0 = none).
+-- Returns {{id1, raw1, id2, raw2, ...}, {reports, oldest first}}.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local expiry = now + tonumber(ARGV[2])
+local want = tonumber(ARGV[1])
+local ID_KEYS = {'"id": "', '"id":"'}
+local out = {}
+local reports = {}
+if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or {} end
+for i = 4, #KEYS do
+  local left = want - #out / 2
+  if left <= 0 then break end
+  local got = redis.call('RPOP', KEYS[i], left)
+  if got then
+    for _, raw in ipairs(got) do
+      -- The task id is the one '"id": "..."' key of a Celery message (the body is base64, and a quote
+      -- inside any JSON string is escaped): a plain find costs far less than a cjson decode of the
+      -- whole message or a pattern scan. Anything unusual (no such key, or more than one) is decoded.
+      local id, found = nil, 0
+      for _, needle in ipairs(ID_KEYS) do
+        local init = 1
+        while found < 2 do
+          local s, e = string.find(raw, needle, init, true)
+          if not s then break end
+          found = found + 1
+          id = string.match(raw, '^[^"]+', e + 1)
+          init = e + 1
+        end
+      end
+      local ok, msg = true, nil
+      if found ~= 1 then
+        id = nil
+        ok, msg = pcall(cjson.decode, raw)
+      end
+      if id ~= nil then
+        -- unambiguous: taken as is
+      elseif ok and type(msg) == 'table' and type(msg['headers']) == 'table' then
+        id = msg['headers']['id']
+      elseif not ok then
+        -- cjson refuses some valid JSON (a lone surrogate escape in the text); find the id by pattern
+        -- so the request still gets its stored error instead of being dead-lettered unanswered.
+        -- Inside a JSON string a quote is escaped, so '"id"' right after '{' or ',' is the header key.
+        id = string.match(raw, '[{,] ?"id": ?"([^"]+)"')
+      end
+      if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
+      redis.call('HSET', KEYS[2], id, raw)
+      redis.call('ZADD', KEYS[1], expiry, id)
+      out[#out + 1] = id
+      out[#out + 1] = raw
+    end
+  end
+end
+return {out, reports}

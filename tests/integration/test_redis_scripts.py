@@ -1,0 +1,475 @@
+"""Contract tests of the Lua scripts in carpool/redis_edge/scripts, one real redis-server per session.
+
+Each test drives one script through :class:`RequestStore` (or ``finish_call`` for the results-only
+mode the result backend uses) and checks the state it leaves in Redis. Leases use Redis's clock, so
+expiry is tested with a tiny lease and a short sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from carpool.redis_edge import lua
+from carpool.redis_edge.keys import PRIORITY_SEP, Keys
+from carpool.redis_edge.store import REPORTS_KEPT, REPORTS_TTL_S, RequestStore, ResultWrites, finish_call
+from carpool.tools.embedded import EmbeddedRedis
+
+pytestmark = pytest.mark.integration
+
+KEYS = Keys("scripts.requests")
+LEASE_S = 30.0
+RESULTS_DB = 1
+
+
+@pytest.fixture()
+def client(clean_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
+    c = redis.Redis(port=clean_redis.port)
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def results(clean_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
+    c = redis.Redis(port=clean_redis.port, db=RESULTS_DB)
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def store(client: redis.Redis) -> RequestStore:
+    return RequestStore(client, KEYS, LEASE_S)
+
+
+def message(task_id: str, **extra: Any) -> bytes:
+    """A Celery protocol-2 message as kombu's Redis transport stores it (enough for take)."""
+    return json.dumps(
+        {
+            "body": "W10=",
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {"lang": "py", "task": "carpool.infer", "id": task_id, "root_id": task_id},
+            "properties": {"delivery_tag": "t", "body_encoding": "base64"},
+            **extra,
+        }
+    ).encode()
+
+
+def enqueue(client: redis.Redis, *ids: str, step: int = 0) -> None:
+    """Send like ``.delay()`` does: LPUSH onto the list of the priority step, so the oldest is RPOPped."""
+    key = KEYS.request_queue if step == 0 else f"{KEYS.request_queue}{PRIORITY_SEP}{step}"
+    for task_id in ids:
+        client.lpush(key, message(task_id))
+
+
+def in_flight(store: RequestStore, *ids: str) -> list[tuple[str, bytes]]:
+    enqueue(store.client, *ids)
+    taken, _ = store.take(len(ids))
+    assert [i for i, _ in taken] == list(ids)
+    return taken
+
+
+def now_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def lease(client: redis.Redis, task_id: str) -> float | None:
+    return client.zscore(KEYS.inflight_lease, task_id)
+
+
+def assert_lease_about(client: redis.Redis, task_id: str, lease_s: float) -> None:
+    expiry = lease(client, task_id)
+    assert expiry is not None, f"{task_id} has no lease"
+    remaining_ms = expiry - now_ms(client)
+    assert lease_s * 1000 - 5_000 < remaining_ms <= lease_s * 1000, remaining_ms
+
+
+def forgotten(client: redis.Redis, task_id: str) -> bool:
+    """True when ``task_id`` is in none of the in-flight keys."""
+    return (
+        lease(client, task_id) is None
+        and not client.hexists(KEYS.inflight_raw, task_id)
+        and not client.hexists(KEYS.inflight_owner, task_id)
+        and not client.hexists(KEYS.inflight_claimed, task_id)
+    )
+
+
+def subscribed(client: redis.Redis, *channels: str | bytes) -> Any:
+    pubsub = client.pubsub()
+    pubsub.subscribe(*channels)
+    for _ in channels:
+        assert pubsub.get_message(timeout=5)["type"] == "subscribe"
+    return pubsub
+
+
+def published(pubsub: Any, wait_s: float = 0.3) -> list[tuple[bytes, bytes]]:
+    """Every message published to the subscription until none arrives for ``wait_s``."""
+    got = []
+    while (m := pubsub.get_message(timeout=wait_s)) is not None:
+        if m["type"] == "message":
+            got.append((m["channel"], m["data"]))
+    return got
+
+
+# --- the scripts ship and load ---------------------------------------------------------------
+
+
+def test_every_script_loads_into_redis(client: redis.Redis) -> None:
+    from importlib.resources import files
+
+    names = sorted(
+        p.name[:-4] for p in (files("carpool.redis_edge") / "scripts").iterdir() if p.name.endswith(".lua")
+    )
+    assert names == [
+        "claim",
+        "dispatch",
+        "finish",
+        "heartbeat",
+        "renew",
+        "renew_held",
+        "requeue",
+        "take",
+    ]
+    for name in names:
+        sha = client.script_load(lua.source(name))
+        assert lua.register(client, name).sha == sha
+
+
+# --- take ------------------------------------------------------------------------------------
+
+
+def test_take_drains_higher_priority_lists_first_and_oldest_first(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    enqueue(client, "low-1", "low-2")
+    enqueue(client, "mid-1", step=3)
+    enqueue(client, "high-1", "high-2", step=9)
+    enqueue(client, "six-1", step=6)
+    taken, reports = store.take(4)
+    assert [i for i, _ in taken] == ["high-1", "high-2", "six-1", "mid-1"]
+    assert reports == []
+    assert client.llen(KEYS.request_queue) == 2  # the rest waits for the next take
+    rest, _ = store.take(10)
+    assert [i for i, _ in rest] == ["low-1", "low-2"]
+    assert store.take(10) == ([], [])
+
+
+def test_take_keeps_the_raw_message_and_sets_a_lease(client: redis.Redis, store: RequestStore) -> None:
+    raw = message("abc", extra_field="x")
+    client.lpush(KEYS.request_queue, raw)
+    taken, _ = store.take(10)
+    assert taken == [("abc", raw)]
+    assert client.hget(KEYS.inflight_raw, "abc") == raw
+    assert_lease_about(client, "abc", LEASE_S)
+    assert store.in_flight() == 1 and store.queued() == 0
+
+
+def test_take_finds_ids_in_unusual_messages_and_names_garbage(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    decoy = message("real-id", id="decoy")  # two '"id": "' keys: decoded, headers.id wins
+    no_id = b'{"headers": {"task": "carpool.infer"}}'
+    not_json = b"\x00\xffnot json"
+    for raw in (decoy, no_id, not_json):
+        client.lpush(KEYS.request_queue, raw)
+    taken, _ = store.take(10)
+    ids = [i for i, _ in taken]
+    assert ids[0] == "real-id"
+    assert ids[1].startswith("carpool-garbage-") and ids[2].startswith("carpool-garbage-")
+    assert ids[1] != ids[2]  # named by the message's hash, so distinct messages stay distinct
+    assert [client.hget(KEYS.inflight_raw, i) for i in ids] == [decoy, no_id, not_json]
+    assert all(lease(client, i) is not None for i in ids)
+
+
+def test_take_pops_this_coordinators_reports_only_when_asked(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    mine = KEYS.reports_for("coord-a")
+    for n in range(3):
+        client.lpush(mine, json.dumps({"batch_id": f"b{n}"}))
+    client.lpush(KEYS.reports_for("coord-b"), json.dumps({"batch_id": "theirs"}))
+    enqueue(client, "r1")
+    taken, reports = store.take(10)  # no reports asked
+    assert [i for i, _ in taken] == ["r1"] and reports == []
+    assert client.llen(mine) == 3
+    _, reports = store.take(10, reports_of="coord-a", max_reports=2)
+    assert [r["batch_id"] for r in reports] == ["b0", "b1"]  # oldest first
+    _, reports = store.take(10, reports_of="coord-a")
+    assert [r["batch_id"] for r in reports] == ["b2"]
+    assert client.llen(mine) == 0 and client.llen(KEYS.reports_for("coord-b")) == 1
+
+
+# --- dispatch --------------------------------------------------------------------------------
+
+
+def test_dispatch_records_owners_of_requests_still_in_flight(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    short = RequestStore(client, KEYS, 1)
+    in_flight(short, "x", "y", "z")
+    events = subscribed(client, "events")
+    assigned = store.dispatch(
+        "batches",
+        [("b1", ["x", "y", "gone"], b"batch-1 message"), ("b2", ["z"], b"batch-2 message")],
+        events=("events", b"the events"),
+    )
+    assert assigned == 3
+    assert client.hgetall(KEYS.inflight_owner) == {b"x": b"b1", b"y": b"b1", b"z": b"b2"}
+    assert not forgotten(client, "x") and forgotten(client, "gone")  # not in flight: not recorded
+    for task_id in ("x", "y", "z"):
+        assert_lease_about(client, task_id, LEASE_S)  # renewed with the dispatching store's lease
+    assert client.rpop("batches", 2) == [b"batch-1 message", b"batch-2 message"]
+    assert published(events) == [(b"events", b"the events")]
+    events.close()
+
+
+def test_dispatch_without_events_publishes_nothing(client: redis.Redis, store: RequestStore) -> None:
+    in_flight(store, "x")
+    events = subscribed(client, "events")
+    assert store.dispatch("batches", [("b1", ["x"], b"m")]) == 1
+    assert published(events) == []
+    assert client.lrange("batches", 0, -1) == [b"m"]
+    events.close()
+
+
+# --- renew_held ------------------------------------------------------------------------------
+
+
+def test_renew_held_renews_all_but_what_a_worker_claimed(client: redis.Redis) -> None:
+    short = RequestStore(client, KEYS, 1)
+    long = RequestStore(client, KEYS, LEASE_S)
+    in_flight(short, "held", "dispatched", "claimed", "reclaimed")
+    short.dispatch("q", [("b1", ["dispatched", "claimed", "reclaimed"], b"m1")])
+    assert short.claim("b1", ["claimed", "reclaimed"]) == [True, True]
+    short.dispatch("q", [("b2", ["reclaimed"], b"m2")])  # a new owner supersedes the old claim
+    before = lease(client, "claimed")
+    assert long.renew_held(["held", "dispatched", "claimed", "reclaimed", "not-in-flight"]) == 3
+    for task_id in ("held", "dispatched", "reclaimed"):
+        assert_lease_about(client, task_id, LEASE_S)
+    assert lease(client, "claimed") == before
+    assert lease(client, "not-in-flight") is None  # never added
+    assert long.renew_held([]) == 0
+
+
+# --- claim / claim_fresh ---------------------------------------------------------------------
+
+
+def test_claim_takes_only_what_the_batch_still_owns(client: redis.Redis) -> None:
+    short = RequestStore(client, KEYS, 1)
+    worker = RequestStore(client, KEYS, LEASE_S)
+    in_flight(short, "mine", "stale", "theirs")
+    short.dispatch("q", [("old", ["stale"], b"m0"), ("b1", ["mine", "theirs"], b"m1")])
+    short.dispatch("q", [("b2", ["theirs"], b"m2")])  # moved to another batch
+    assert worker.claim("b1", ["mine", "theirs", "stale", "unknown"]) == [True, False, False, False]
+    assert client.hgetall(KEYS.inflight_claimed) == {b"mine": b"b1"}
+    assert_lease_about(client, "mine", LEASE_S)
+    assert worker.claim("b1", ["mine"]) == [True]  # the same batch claiming again still owns it
+    assert worker.claim("b1", []) == []
+
+
+def test_claim_refuses_a_request_no_longer_in_flight(client: redis.Redis, store: RequestStore) -> None:
+    in_flight(store, "r")
+    store.dispatch("q", [("b1", ["r"], b"m")])
+    client.zrem(KEYS.inflight_lease, "r")  # owner left behind, lease gone
+    assert store.claim("b1", ["r"]) == [False]
+    assert not client.hexists(KEYS.inflight_claimed, "r")
+
+
+def test_claim_fresh_also_says_which_are_answered(
+    client: redis.Redis, results: redis.Redis, store: RequestStore
+) -> None:
+    in_flight(store, "fresh", "answered", "elsewhere")
+    store.dispatch("q", [("b1", ["fresh", "answered"], b"m1"), ("b2", ["elsewhere"], b"m2")])
+    results.set("result:answered", b"done")
+    results.set("result:elsewhere", b"done")
+    ids = ["fresh", "answered", "elsewhere"]
+    flags = store.claim_fresh("b1", ids, [f"result:{i}" for i in ids], RESULTS_DB)
+    assert flags == [1, 2, 0]
+    assert client.hgetall(KEYS.inflight_claimed) == {b"fresh": b"b1", b"answered": b"b1"}
+    assert client.get("result:answered") is None  # the caller's database is still the broker's
+    assert store.claim_fresh("b1", [], [], RESULTS_DB) == []
+
+
+# --- finish ----------------------------------------------------------------------------------
+
+
+def finish(store: RequestStore, **overrides: Any) -> list[int]:
+    args: dict[str, Any] = {
+        "results_db": RESULTS_DB,
+        "broker_db": 0,
+        "writes": ResultWrites([], [], 60),
+        "ack_ids": [],
+        "report": None,
+        "coordinator": "coord",
+        "events": None,
+    }
+    args.update(overrides)
+    return store.finish(**args)
+
+
+def test_finish_stores_write_once_and_publishes_once(
+    client: redis.Redis, results: redis.Redis, store: RequestStore
+) -> None:
+    channels = subscribed(client, "res:1", "res:2")
+    first = ResultWrites(["res:1"], [b"first"], 60)
+    assert finish(store, writes=first) == [1]
+    again = ResultWrites(["res:1", "res:2"], [b"second", b"other"], 60)
+    assert finish(store, writes=again) == [2]
+    assert results.get("res:1") == b"first" and results.get("res:2") == b"other"
+    assert 55 < results.ttl("res:1") <= 60
+    assert client.exists("res:1", "res:2") == 0  # results went to the results database only
+    assert published(channels) == [(b"res:1", b"first"), (b"res:2", b"other")]
+    channels.close()
+
+
+def test_finish_forgets_acked_ids_everywhere_and_keeps_the_rest(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    in_flight(store, "a", "b", "keep")
+    store.dispatch("q", [("b1", ["a", "b", "keep"], b"m")])
+    store.claim("b1", ["a", "b", "keep"])
+    finish(store, ack_ids=["a", "b"])
+    assert forgotten(client, "a") and forgotten(client, "b")
+    assert client.hget(KEYS.inflight_claimed, "keep") == b"b1"
+    assert client.hget(KEYS.inflight_owner, "keep") == b"b1"
+    assert lease(client, "keep") is not None
+
+
+def test_finish_acks_more_ids_than_one_unpack_holds(client: redis.Redis, store: RequestStore) -> None:
+    ids = [f"r{i}" for i in range(2_500)]
+    with client.pipeline(transaction=False) as pipe:
+        for i in ids:
+            pipe.lpush(KEYS.request_queue, message(i))
+        pipe.execute()
+    taken, _ = store.take(len(ids))
+    assert len(taken) == len(ids)
+    store.dispatch("q", [("b1", ids, b"m")])
+    store.claim("b1", ids)
+    finish(store, ack_ids=ids)
+    for key in (KEYS.inflight_lease, KEYS.inflight_raw, KEYS.inflight_owner, KEYS.inflight_claimed):
+        assert client.exists(key) == 0, key
+
+
+def test_finish_pushes_the_report_and_trims_the_list(client: redis.Redis, store: RequestStore) -> None:
+    reports = KEYS.reports_for("coord")
+    with client.pipeline(transaction=False) as pipe:
+        for n in range(REPORTS_KEPT):
+            pipe.lpush(reports, json.dumps({"old": n}))
+        pipe.execute()
+    finish(store, report={"batch_id": "b9", "size": 3})
+    assert client.llen(reports) == REPORTS_KEPT
+    assert json.loads(client.lindex(reports, 0)) == {"batch_id": "b9", "size": 3}
+    assert json.loads(client.lindex(reports, -1)) == {"old": 1}  # the oldest went
+    assert REPORTS_TTL_S - 60 < client.ttl(reports) <= REPORTS_TTL_S
+    _, popped = store.take(0, reports_of="coord", max_reports=REPORTS_KEPT)
+    assert popped[-1] == {"batch_id": "b9", "size": 3}
+
+
+def test_finish_without_report_or_events_touches_neither(client: redis.Redis, store: RequestStore) -> None:
+    events = subscribed(client, "events")
+    finish(store, writes=ResultWrites(["res:x"], [b"x"], 60), ack_ids=["nothing"])
+    assert client.exists(KEYS.reports_for("coord")) == 0
+    assert published(events) == []
+    events.close()
+
+
+def test_finish_publishes_the_events_after_the_results(client: redis.Redis, store: RequestStore) -> None:
+    channels = subscribed(client, "res:e", "events")
+    finish(store, writes=ResultWrites(["res:e"], [b"e"], 60), events=("events", b"ev"))
+    assert published(channels) == [(b"res:e", b"e"), (b"events", b"ev")]
+    channels.close()
+
+
+def test_finish_with_results_only_stores_in_the_callers_database(results: redis.Redis) -> None:
+    """The result backend's ``store_many`` mode: no acks, no report, no events, no SELECT."""
+    script = lua.register(results, "finish")
+    channels = subscribed(results, "res:only")
+    keys, args = finish_call(ResultWrites(["res:only", "res:only"], [b"one", b"two"], 60))
+    assert keys == ["res:only", "res:only"]
+    assert script(keys=keys, args=args) == [1]  # the second write of the same key is refused
+    assert results.get("res:only") == b"one"
+    assert published(channels) == [(b"res:only", b"one")]
+    assert results.dbsize() == 1
+    channels.close()
+
+
+def test_ack_and_dead_letter_forget_every_key(client: redis.Redis, store: RequestStore) -> None:
+    """The pipelined acknowledgements (results on another server, dead letters) match finish's."""
+    in_flight(store, "a", "b", "bad")
+    store.dispatch("q", [("b1", ["a", "b"], b"m")])
+    store.claim("b1", ["a", "b"])
+    store.ack(["a", "b"], report={"batch_id": "b1"}, coordinator="coord")
+    store.dead_letter("bad", b"not a request", "why")
+    assert all(forgotten(client, i) for i in ("a", "b", "bad"))
+    assert json.loads(client.lindex(KEYS.reports_for("coord"), 0)) == {"batch_id": "b1"}
+    assert json.loads(client.lindex(KEYS.dead_letter, 0))["id"] == "bad"
+
+
+# --- renew -----------------------------------------------------------------------------------
+
+
+def test_renew_running_extends_only_requests_still_in_flight(client: redis.Redis) -> None:
+    in_flight(RequestStore(client, KEYS, 1), "running")
+    RequestStore(client, KEYS, LEASE_S).renew_running(["running", "acked-meanwhile"])
+    assert_lease_about(client, "running", LEASE_S)
+    assert lease(client, "acked-meanwhile") is None
+
+
+# --- requeue / reap --------------------------------------------------------------------------
+
+
+def test_requeue_puts_requests_back_verbatim_at_the_front(client: redis.Redis, store: RequestStore) -> None:
+    taken = dict(in_flight(store, "a", "b"))
+    store.dispatch("q", [("b1", ["a", "b"], b"m")])
+    store.claim("b1", ["a"])
+    enqueue(client, "waiting")
+    assert store.requeue(["a", "b", "unknown"]) == 2
+    assert forgotten(client, "a") and forgotten(client, "b")
+    again, _ = store.take(10)
+    assert {i for i, _ in again[:2]} == {"a", "b"}  # ahead of what was already waiting
+    assert again[2][0] == "waiting"
+    assert dict(again[:2]) == taken  # verbatim
+    assert store.requeue([]) == 0
+
+
+def test_reap_requeues_only_expired_leases_and_cleans_every_key(client: redis.Redis) -> None:
+    dying = RequestStore(client, KEYS, 0.05)
+    alive = RequestStore(client, KEYS, LEASE_S)
+    raws = dict(in_flight(dying, "d1", "d2", "d3"))
+    dying.dispatch("q", [("b1", ["d1", "d2"], b"m")])
+    dying.claim("b1", ["d1"])
+    in_flight(alive, "live")
+    time.sleep(0.2)
+    assert alive.reap(limit=2) == 2
+    assert alive.reap() == 1
+    assert alive.reap() == 0
+    for task_id in raws:
+        assert forgotten(client, task_id)
+    assert lease(client, "live") is not None
+    back = client.lrange(KEYS.request_queue, 0, -1)
+    assert sorted(back) == sorted(raws.values())
+
+
+# --- heartbeat -------------------------------------------------------------------------------
+
+
+def test_heartbeat_counts_live_workers_and_drops_the_expired(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    assert store.live_workers() == 0
+    assert store.heartbeat("w1", 30) == 1
+    assert store.heartbeat("w2", 0.05) == 2
+    expiry = client.zscore(KEYS.workers, "w1")
+    assert expiry is not None and 25_000 < expiry - now_ms(client) <= 30_000
+    time.sleep(0.2)
+    assert store.live_workers() == 1
+    assert client.zrange(KEYS.workers, 0, -1) == [b"w1"]
+    assert store.heartbeat("w1", 30) == 1  # beating again does not count twice
+    store.leave("w1")
+    assert store.live_workers() == 0
