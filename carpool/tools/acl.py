@@ -345,7 +345,7 @@ def aclfile(
     return "\n".join(lines) + "\n"
 
 
-def role_password_env(role: Role) -> str:
+def role_password_env(role: str) -> str:
     """The environment variable that holds ``role``'s password unless ``--password-from-env`` names one."""
     return f"REDIS_{role.upper()}_PASSWORD"
 
