@@ -29,7 +29,7 @@ from carpool.redis_edge.keys import PRIORITY_SEP, PRIORITY_STEPS, Keys
 
 Role = Literal["producer", "coordinator", "worker", "flower"]
 ROLES: tuple[Role, ...] = get_args(Role)
-Format = Literal["commands", "aclfile"]
+Format = Literal["commands", "aclfile", "explain"]
 
 # Names of Celery's and kombu's own Redis keys and channels (tests/unit/test_acl.py checks each
 # against the installed versions).
@@ -42,14 +42,19 @@ BINDING_PERMANENT = "_kombu.binding_permanent.%s"  # kombu Channel.keyprefix_bin
 BINDING_PREFIX = "_kombu.binding"  # every binding table, their permanent sets and deadlines ZSET
 FANOUT_PREFIX = "/{db}."  # kombu Channel.keyprefix_fanout: PUB/SUB is global, so topics carry the db
 
+
+def _commands(names: str) -> tuple[str, ...]:
+    return tuple(names.split())
+
+
 # Commands any role needs on its connections: results live in another database than the broker.
-_CONNECTION = ("ping", "select", "multi", "exec")
+_CONNECTION = _commands("ping select multi exec")
 # redis-py's Script: EVALSHA, loading the script on NOSCRIPT (SCRIPT EXISTS first inside pipelines).
 # Redis checks EVALSHA against the keys the script declares, all in one grant, and then each command the
 # script runs on its own, so a script grant holds every key its scripts name and nothing else.
-_SCRIPTS = ("evalsha", "script|load", "script|exists")
+_SCRIPTS = _commands("evalsha script|load script|exists")
 # kombu's consumer bookkeeping: its binding tables, refreshed and swept by scripts.
-_KOMBU_BINDINGS = ("sadd", "srem", "smembers", "exists", "del", "zadd", "zrem", "zrangebyscore", "time")
+_KOMBU_BINDINGS = _commands("sadd srem smembers exists del zadd zrem zrangebyscore time")
 
 DEFAULT_USER_PREFIX = "carpool-"
 DEFAULT_PASSWORD_ENV = "REDIS_PASSWORD"
@@ -160,25 +165,9 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
         (
             Grant(
                 "take requests into flight, requeue, dead-letter, read reports, write stats",
-                (
-                    *_CONNECTION,
-                    "time",
-                    "rpop",
-                    "rpush",
-                    "lpush",
-                    "ltrim",
-                    "blmove",
-                    "hset",
-                    "hget",
-                    "hdel",
-                    "hincrby",
-                    "zadd",
-                    "zrem",
-                    "zscore",
-                    "zcard",
-                    "zrangebyscore",
-                    "zremrangebyscore",
-                ),
+                _CONNECTION
+                + _commands("time rpop rpush lpush ltrim blmove hset hget hdel hincrby")
+                + _commands("zadd zrem zscore zcard zrangebyscore zremrangebyscore"),
                 (
                     *_exact(requests),
                     *_exact([*inflight, keys.dead_letter, keys.workers, keys.stats]),
@@ -211,22 +200,9 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
         (
             Grant(
                 "claim, renew and acknowledge requests, report to coordinators, heartbeat",
-                (
-                    *_CONNECTION,
-                    "time",
-                    "hset",
-                    "hget",
-                    "hdel",
-                    "zadd",
-                    "zrem",
-                    "zscore",
-                    "zcard",
-                    "zrangebyscore",
-                    "zremrangebyscore",
-                    "lpush",
-                    "ltrim",
-                    "expire",
-                ),
+                _CONNECTION
+                + _commands("time hset hget hdel lpush ltrim expire")
+                + _commands("zadd zrem zscore zcard zrangebyscore zremrangebyscore"),
                 (*_exact([*inflight, keys.workers]), f"~{reports}"),
             ),
             Grant(
@@ -264,7 +240,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
         "reads events, inspects workers (control commands too: guard them with Flower's own auth)",
         (
             Grant(
-                "queue lengths",
+                "queue lengths, and its event receiver's queue, which kombu declares (LLEN)",
                 (*_CONNECTION, "llen"),
                 (
                     *_exact(requests, "%R~"),
@@ -345,6 +321,16 @@ def aclfile(
     return "\n".join(lines) + "\n"
 
 
+def explain(acls: Sequence[RoleAcl]) -> str:
+    """Each role's purpose and, grant by grant, why and its rules: for review, without passwords."""
+    lines = []
+    for acl in acls:
+        lines.append(f"{acl.role}: {acl.summary}")
+        for grant in acl.grants:
+            lines += [f"  {grant.why}:", "    " + " ".join(_quote(r) for r in grant.rules())]
+    return "\n".join(lines) + "\n"
+
+
 def role_password_env(role: str) -> str:
     """The environment variable that holds ``role``'s password unless ``--password-from-env`` names one."""
     return f"REDIS_{role.upper()}_PASSWORD"
@@ -381,6 +367,8 @@ def render(
     """What ``carpool acl`` prints."""
     acls = role_acls(settings)
     chosen = [acls[r] for r in roles]
+    if fmt == "explain":
+        return explain(chosen)
     passwords = _passwords(roles, password_specs, environ)
     if fmt == "commands":
         return setuser_commands(chosen, passwords, prefix)
@@ -411,7 +399,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--format",
         choices=get_args(Format),
         default="commands",
-        help="commands: ACL SETUSER lines for `redis-cli -a $REDIS_PASSWORD`; aclfile: for --aclfile",
+        help=(
+            "commands: ACL SETUSER lines for `redis-cli -a $REDIS_PASSWORD`; aclfile: for --aclfile; "
+            "explain: each role's rules and why, without passwords"
+        ),
     )
     p.add_argument(
         "--password-from-env",

@@ -207,6 +207,13 @@ def test_aclfile_keeps_the_default_user_and_writes_names_raw() -> None:
     assert '"' not in text  # the aclfile parser has no quoting
 
 
+def test_explain_needs_no_password_and_says_why() -> None:
+    text = acl.render(settings(), ["producer"], "explain", {})
+    assert text.startswith("producer: ")
+    assert "  read and await a result by its task id:\n" in text
+    assert "#" not in text
+
+
 def test_aclfile_needs_the_default_password() -> None:
     env = {k: v for k, v in ENV.items() if k != "REDIS_PASSWORD"}
     with pytest.raises(ConfigError, match="REDIS_PASSWORD"):
