@@ -76,11 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only produce: send to the deployment at CARPOOL_BROKER_URL instead of starting one",
     )
     p.set_defaults(func=cmd_demo)
-    from carpool.tools import bench, simulate, status
+    from carpool.tools import acl, bench, simulate, status
 
     status.add_parser(sub)
     simulate.add_parser(sub)
     bench.add_parser(sub)
+    acl.add_parser(sub)
     return parser
 
 
