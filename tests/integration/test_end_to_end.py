@@ -210,7 +210,8 @@ def test_a_coordinator_with_every_worker_busy_waits_for_a_report(processes: Proc
     import redis
 
     from carpool.gpu_worker.runner import run_single
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
     from tests.integration.models import SLOW
 
     # 0.3 s per batch: a burst of 96 mixed texts keeps the one worker busy for a few seconds.
@@ -235,7 +236,8 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
     every result still lands under its request's id, where the producer's backend reads it."""
     from carpool.celery_edge.app import create_app
     from carpool.config import load_settings
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
     from carpool.tools.demo import release_result_consumer
     from carpool.tools.embedded import EmbeddedRedis, free_port
 
