@@ -82,15 +82,20 @@ class Gathering:
         self._raise_first(failed)
 
     def take_settled(self) -> None:
-        """Stop waiting for the tasks whose results were settled by Celery itself; raise as
-        :meth:`settle` does."""
+        """Stop waiting for the tasks whose results Celery settled itself (one of them is enough: the
+        others of the same task get its meta); raise as :meth:`settle` does."""
         failed: set[str] = set()
         for task_id, rs in list(self.waiting.items()):
             metas = [cached_meta(r) for r in rs]
-            if all(meta is not None for meta in metas):
-                del self.waiting[task_id]
-                if any(meta is not None and meta["status"] in _FAILED for meta in metas):
-                    failed.add(task_id)
+            known = next((m for m in metas if m is not None), None)
+            if known is None:
+                continue
+            for r, meta in zip(rs, metas, strict=True):
+                if meta is None:
+                    set_cached_meta(r, dict(known))
+            del self.waiting[task_id]
+            if known["status"] in _FAILED:
+                failed.add(task_id)
         self._raise_first(failed)
 
     def _raise_first(self, failed: set[str]) -> None:

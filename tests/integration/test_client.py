@@ -462,12 +462,20 @@ def test_gather_waits_for_results_published_later(clean_redis) -> None:  # type:
         time.sleep(0.3)
         app.backend.store_many([(r.id, SUCCESS, i + 10) for i, r in enumerate(results[10:])])
 
+    import redis
+
+    client = redis.Redis(port=clean_redis.port)
+    before = _commandstats(client)
     worker = threading.Thread(target=store_rest)
     worker.start()
     t0 = time.monotonic()
     assert gather(results, timeout=10) == list(range(20))
     assert time.monotonic() - t0 < 1.0, "waiting on pub/sub, not polling"
     worker.join()
+    unsubscribes = _commandstats(client).get("cmdstat_unsubscribe", 0) - before.get("cmdstat_unsubscribe", 0)
+    assert unsubscribes == 1, "the results' unsubscriptions go out as one command"
+    keys = {app.backend.get_key_for_task(r.id) for r in results}
+    assert not keys & app.backend.result_consumer.subscribed_to
 
 
 def test_gather_collects_large_results_published_in_bursts(clean_redis) -> None:  # type: ignore[no-untyped-def]

@@ -234,7 +234,7 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
     """With the result backend on a different server than the broker, workers cannot claim and finish
     a batch in single scripts; they take the longer path (claim, look up, store, acknowledge) and
     every result still lands under its request's id, where the producer's backend reads it."""
-    from carpool.celery_edge.app import create_app
+    from carpool.celery_edge.app import create_app, settings_of
     from carpool.config import load_settings
     from carpool.producer.gather import gather
     from carpool.producer.submit import submit_many
@@ -245,7 +245,7 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
     try:
         backend_url = results_server.url(0)
         app = create_app(load_settings(broker_url=processes.server.url(0), result_backend=backend_url))
-        assert app.carpool_settings.shared_server_dbs() is None
+        assert settings_of(app).shared_server_dbs() is None
         start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_RESULT_BACKEND=backend_url)
         texts = mixed_texts(64, seed=31)
         try:

@@ -83,3 +83,16 @@ def test_deadline() -> None:
     assert state.remaining_s() == 0.0
     with pytest.raises(CeleryTimeout):
         state.wait_s()
+
+
+def test_results_celery_settled_itself_are_taken_with_their_twins() -> None:
+    from carpool.celery_edge.compat import set_cached_meta
+
+    first, second = _results(2)
+    twin = app.AsyncResult(first.id)
+    state = Gathering([first, second, twin], timeout=None, return_exceptions=False)
+    set_cached_meta(first, _meta(first.id, SUCCESS, "from Celery's buffer"))
+    state.take_settled()
+    assert state.pending() == [second.id]
+    state.settle([_meta(second.id, SUCCESS, 2)])
+    assert state.values() == ["from Celery's buffer", 2, "from Celery's buffer"]
