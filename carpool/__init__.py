@@ -2,20 +2,27 @@
 length-binned, tightly padded micro-batches that GPU workers run.
 
 Producer API: ``from carpool.tasks import infer``; in bulk, ``carpool.submit_many(texts)`` and
-``carpool.gather(results)``. Importing carpool never imports torch.
+``carpool.gather(results)`` (or ``await carpool.gather_async(results)``). Importing carpool never
+imports torch.
 """
 
+from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
 
-_CLIENT = ("submit_many", "gather", "gather_async")
+# Lazy, so `import carpool` stays free of Celery (and never imports torch).
+_LAZY = {
+    "submit_many": "carpool.producer.submit",
+    "gather": "carpool.producer.gather",
+    "gather_async": "carpool.producer.gather",
+}
+
+__all__ = ["__version__", "gather", "gather_async", "submit_many"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so `import carpool` stays free of Celery (and never imports torch).
-    if name in _CLIENT:
-        from carpool.producer import client
-
-        return getattr(client, name)
-    raise AttributeError(f"module 'carpool' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'carpool' has no attribute {name!r}")
+    return getattr(import_module(module), name)

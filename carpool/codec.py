@@ -1,9 +1,9 @@
 """JSON on the hot paths: orjson where its output means the same as the standard library's.
 
 Every request is decoded by the coordinator and every result, task event and batch report is
-encoded once per request; with ``json`` those calls were the largest single cost per request after
-the Redis round trips (docs/PERFORMANCE.md, round 3). orjson is 3x faster to decode and 5-15x
-faster to encode. Two things differ, and both are kept out:
+encoded once per request; with ``json`` those calls are the largest single cost per request after
+the Redis round trips, and orjson does both several times faster. Two things differ, and both are
+kept out:
 
 - orjson rejects what ``json.loads`` accepts beyond strict JSON (lone surrogate escapes, ``NaN``,
   integers past 64 bits). :func:`loads` then falls back to ``json.loads``, so a message that

@@ -13,9 +13,11 @@ from typing import Any
 
 from celery import Task
 from celery.result import AsyncResult
+from redis.exceptions import RedisError
 
 from carpool.celery_edge.app import app, settings_of
 from carpool.names import INFER_TASK, SENT_AT_HEADER
+from carpool.producer.submit import publish_tasks
 from carpool.validation import bind_infer_args, validate_infer
 
 log = logging.getLogger(__name__)
@@ -25,16 +27,16 @@ log = logging.getLogger(__name__)
 _DIRECT_OPTIONS = frozenset({"priority", "expires", "queue"})
 
 
-class InferTask(Task):
+class InferTask(Task):  # type: ignore[misc, unused-ignore]  # Celery is untyped
     """``carpool.infer`` with validation at the producer, and a cheaper publish.
 
-    The message is the one Celery would send (built by :class:`carpool.producer.client.TaskMessageBuilder`
-    from Celery's own ``create_task_message``), published with its task-sent event in one MULTI/EXEC
-    on a kept Redis client: one round trip instead of kombu's two, each of which also builds a new
-    ``redis.Redis`` (about 1.1 ms of CPU per ``.delay()`` before, about a quarter of that after;
-    docs/PERFORMANCE.md). Calls with other options (``countdown``, ``link``, ``task_id``...), eager
-    mode, calls from inside a task (parent and root ids), or a failed direct publish (then Celery's
-    publish retry policy applies) take Celery's own path.
+    The message is the one Celery would send (built by
+    :class:`carpool.celery_edge.task_messages.TaskMessageBuilder` from Celery's own
+    ``create_task_message``), published with its task-sent event in one MULTI/EXEC on a kept Redis
+    client: one round trip instead of kombu's two, each of which also builds a new ``redis.Redis``.
+    Calls with other options (``countdown``, ``link``, ``task_id``...), eager mode, calls from inside
+    a task (parent and root ids), or a failed direct publish (then Celery's publish retry policy
+    applies) take Celery's own path.
     """
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
@@ -47,10 +49,6 @@ class InferTask(Task):
             and not self.app.conf.task_always_eager
             and self.app.current_worker_task is None
         ):
-            from redis.exceptions import RedisError
-
-            from carpool.producer.client import publish_tasks
-
             try:
                 (result,) = publish_tasks(
                     self.name, [(args or (), kwargs or {})], app=self.app, headers=headers, **options
@@ -61,7 +59,7 @@ class InferTask(Task):
         return super().apply_async(args, kwargs, headers=headers, **options)
 
 
-@app.task(base=InferTask, name=INFER_TASK, bind=False)
+@app.task(base=InferTask, name=INFER_TASK, bind=False)  # type: ignore[untyped-decorator, unused-ignore]
 def infer(text: str, model: str | None = None) -> Any:
     """Embed/run ``text`` on ``model`` (default: ``CARPOOL_MODEL``).
 

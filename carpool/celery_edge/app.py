@@ -7,25 +7,68 @@ request queue the coordinator drains, batches to the queue GPU workers consume.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from carpool.celery_edge import compat
 from carpool.config import Settings, load_settings
 from carpool.names import INFER_TASK, RUN_BATCH_TASK
 
+if TYPE_CHECKING:
+    import redis
 
-class CarpoolCelery(Celery):  # type: ignore[misc]
+
+class AppState:
+    """What carpool keeps per Celery app: its settings, and producer helpers built on first use."""
+
+    def __init__(self, app: Celery, settings: Settings) -> None:
+        self.settings = settings
+        self._app = app
+        self._channel: Any = None
+        self._publisher: redis.Redis | None = None
+        self._dispatcher: Any = None
+
+    def message_channel(self) -> Any:
+        """A kombu Redis channel of the broker, used only to build messages (no I/O), kept because
+        opening one costs a connection and a PING."""
+        if self._channel is None:
+            self._channel = self._app.connection_for_write().default_channel
+        return self._channel
+
+    def publisher(self) -> redis.Redis:
+        """A ``redis.Redis`` on that channel's connection pool, kept because kombu builds a new client
+        for every publish; the pool (kombu's, with the broker URL's settings) reconnects by itself."""
+        if self._publisher is None:
+            self._publisher = compat.new_client(self.message_channel())
+        return self._publisher
+
+    def event_dispatcher(self) -> Any:
+        """A disabled event dispatcher: the hostname, clock, exchange and headers that task-sent
+        events carry, as ``send_task`` gives them."""
+        if self._dispatcher is None:
+            self._dispatcher = self._app.events.Dispatcher(enabled=False)
+        return self._dispatcher
+
+
+class CarpoolCelery(compat.AppWithBackendClass):
     """Celery with carpool's result backend class and the plain URL in ``result_backend``.
 
     Naming the class in the URL (``module:Class+redis://...``) would work too, but Celery's URL
     masking then fails and ``celery report`` / the worker banner would print the password.
     """
 
-    def _get_backend(self) -> Any:
+    carpool: AppState
+
+    def result_backend_class(self) -> type[Any]:
         from carpool.celery_edge.results import CarpoolRedisBackend
 
-        return CarpoolRedisBackend(app=self, url=self.conf.result_backend)
+        return CarpoolRedisBackend
+
+    @property
+    def carpool_settings(self) -> Settings:
+        """The settings the app was built from (as :func:`settings_of` returns them)."""
+        return self.carpool.settings
 
 
 def create_app(settings: Settings | None = None) -> Celery:
@@ -61,14 +104,23 @@ def create_app(settings: Settings | None = None) -> Celery:
         worker_send_task_events=True,
         worker_hijack_root_logger=False,
     )
-    app.carpool_settings = settings
+    app.carpool = AppState(app, settings)
     return app
 
 
 app = create_app()
 
 
+def state_of(celery_app: Celery) -> AppState:
+    """What carpool keeps for ``celery_app``; TypeError if :func:`create_app` did not make it."""
+    state = getattr(celery_app, "carpool", None)
+    if not isinstance(state, AppState):
+        raise TypeError(
+            f"{celery_app!r} is not a carpool app: make it with carpool.celery_edge.app.create_app()"
+        )
+    return state
+
+
 def settings_of(celery_app: Celery) -> Settings:
     """The settings the app was built from (every carpool process reads them from here)."""
-    settings: Settings = celery_app.carpool_settings
-    return settings
+    return state_of(celery_app).settings

@@ -6,12 +6,12 @@ sends ``task-received`` when it takes a request, the worker ``task-started`` and
 one list message per flush (Celery's ``task.multi``; Flower and ``celery events`` accept lists),
 so a batch of 32 costs one publish, not 96.
 
-Cost. Going through ``app.events.Dispatcher`` cost about 0.18 ms of CPU per request (the event
-object, Celery's per-event bookkeeping, and kombu's publish building a new Redis client per message):
-half of the pipeline's own cost on the null model (docs/PERFORMANCE.md). Here an event is a dict with
-the fields ``celery.events.Event`` would give it (type, timestamp, hostname, utcoffset, pid, Lamport
-clock from ``app.clock``), and a flush is one JSON encoding into kombu's envelope
-(:mod:`carpool.celery_edge.fanout`) that the caller can PUBLISH inside a pipeline it sends anyway.
+Why not ``app.events.Dispatcher``: its event object, per-event bookkeeping and kombu's publish
+(a new Redis client per message) cost more per request than the rest of the pipeline's own work on
+a fast model. Here an event is a dict with the fields ``celery.events.Event`` would give it (type,
+timestamp, hostname, utcoffset, pid, Lamport clock from ``app.clock``), and a flush is one JSON
+encoding into kombu's envelope (:mod:`carpool.celery_edge.fanout`) that the caller can PUBLISH
+inside a pipeline it sends anyway.
 
 Events are telemetry: a failure to build or send them is logged and dropped, never allowed to stop
 serving.
@@ -39,8 +39,8 @@ _UTCOFFSET_REFRESH_S = 60.0  # the offset changes only at DST transitions
 def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
     """A repr of ``value`` cut to ``limit`` characters, without building the whole repr of a long list.
 
-    An embedding is a list of hundreds of floats; ``repr`` of all of it to show 200 characters cost
-    more than everything else the worker does per request on the null model.
+    An embedding is a list of hundreds of floats: a ``repr`` of all of it, to show 200 characters,
+    would be the largest per-request cost of a worker on a fast model.
     """
     if isinstance(value, list | tuple) and len(value) > 16:
         head = ", ".join(repr(v) for v in value[:16])
@@ -51,6 +51,8 @@ def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
 
 
 class TaskEvents:
+    """Buffers one process's per-request task events; :meth:`take` or :meth:`flush` sends them."""
+
     def __init__(self, app: Celery, hostname: str, enabled: bool = True, client: Any = None) -> None:
         self.enabled = enabled
         self.hostname = hostname

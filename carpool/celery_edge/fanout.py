@@ -2,11 +2,10 @@
 
 Why not ``Producer.publish``: on the Redis transport every fanout publish goes through kombu's
 ``Channel._put_fanout``, which builds a new ``redis.Redis`` client each time, plus the serializer
-registry, compression lookup and publish retry wrappers: about 0.3 ms per message on the 2-core
-machine of docs/PERFORMANCE.md, paid several times per batch. Here a real kombu channel is asked
-once for the topic and the envelope it would produce; each message then costs one JSON encoding
-(orjson, :mod:`carpool.codec`) and a base64 of its body, and the caller PUBLISHes it in whatever
-pipeline it is already sending.
+registry, compression lookup and publish retry wrappers, paid several times per batch. Here a real
+kombu channel is asked once for the topic and the envelope it would produce; each message then
+costs one JSON encoding (orjson, :mod:`carpool.codec`) and a base64 of its body, and the caller
+PUBLISHes it in whatever pipeline it is already sending.
 Consumers (Flower, ``celery events``) cannot tell the difference: the envelope is the one kombu's
 ``prepare_message`` / ``_inplace_augment_message`` make, checked field by field in
 tests/integration/test_client.py::test_fanout_encoder_matches_what_celery_publishes.
@@ -20,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from carpool.celery_edge import compat
 from carpool.codec import dumps_lenient
 
 
@@ -30,8 +30,8 @@ class FanoutEncoder:
         message = channel.prepare_message(
             "", 0, "application/json", "utf-8", dict(headers), {"delivery_mode": 1}
         )
-        channel._inplace_augment_message(message, exchange, routing_key)
-        self.topic: str = channel._get_publish_topic(exchange, routing_key)
+        compat.augment_message(channel, message, exchange, routing_key)
+        self.topic = compat.publish_topic(channel, exchange, routing_key)
         self._template = message
 
     def encode(self, body: Any) -> bytes:

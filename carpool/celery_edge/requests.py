@@ -17,10 +17,9 @@ from kombu.serialization import loads
 
 from carpool.codec import loads as json_loads
 from carpool.errors import MalformedMessage
-from carpool.names import INFER_TASK
+from carpool.names import INFER_TASK, SENT_AT_HEADER
 
-TASK_NAME = INFER_TASK
-SENT_AT_HEADER = "carpool_sent_at"  # carpool.tasks stamps it; the coordinator's arrival time otherwise
+TASK_NAME = INFER_TASK  # the only task whose messages belong on the request queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +67,7 @@ def decode(raw: bytes) -> Incoming:
             # tagged types ({"__type__": ...}) would only reach validation, which names the problem.
             decoded = json_loads(body)
         else:
-            decoded = loads(
+            decoded = loads(  # type: ignore[no-untyped-call]  # kombu is untyped
                 body, content_type, envelope.get("content-encoding", "utf-8"), accept={"application/json"}
             )
     except ContentDisallowed:

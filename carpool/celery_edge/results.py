@@ -1,13 +1,7 @@
 """carpool's result backend: Celery's Redis backend with prompt ``.get()`` and bulk, write-once stores.
 
-Why a subclass. Celery's ``Drainer.drain_events_until`` (celery/backends/asynchronous.py) calls
-``drain_events(timeout=1)`` *before* it checks whether the awaited result is ready. A result that
-is already known when ``.get()`` starts (buffered from an earlier pub/sub message, or read by the
-initial GET) still blocks the caller in ``pubsub.get_message(timeout=1)`` until some other message
-arrives or a second passes. In-order completions hide it (the next message arrives soon); length
-binning completes requests out of order, so a producer reading results in submission order stalled
-about a second on most calls. :class:`PromptResultConsumer` returns at once when the result is
-already there.
+Its result consumer, :class:`~carpool.celery_edge.result_consumer.PromptResultConsumer`, returns
+from ``.get()`` at once when the result is already known, and lets producers (un)subscribe in bulk.
 
 Workers and the coordinator store many results at once with :meth:`CarpoolRedisBackend.store_many`:
 one script call per batch that SETs each result only if none is stored yet (a second run of the
@@ -16,40 +10,21 @@ same request never overwrites the first answer) and PUBLISHes it to wake waiting
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery import states
-from celery.backends.redis import RedisBackend, ResultConsumer
+from celery.backends.redis import RedisBackend
 
+from carpool.celery_edge.compat import result_meta
+from carpool.celery_edge.result_consumer import PromptResultConsumer
 from carpool.codec import dumps_plain
 from carpool.codec import loads as json_loads
 from carpool.redis_edge import lua
 from carpool.redis_edge.store import ResultWrites, finish_call
 
 
-class PromptResultConsumer(ResultConsumer):
-    """Returns from ``.get()`` without touching pub/sub when the result is already known."""
-
-    def drain_events_until(
-        self, p: Any, timeout: float | None = None, on_interval: Any = None
-    ) -> Iterator[None]:
-        if p.ready:
-            return iter(())
-        return super().drain_events_until(p, timeout=timeout, on_interval=on_interval)
-
-    def cancel_for(self, task_id: str) -> None:
-        """Unsubscribe from ``task_id``'s result, if subscribed.
-
-        Celery sends the UNSUBSCRIBE unconditionally, and ``AsyncResult.__del__`` calls this for every
-        result object that goes away: a producer dropping 5,000 gathered results (already
-        unsubscribed in one command) sent 5,000 more UNSUBSCRIBEs, and then read 5,000 replies.
-        """
-        if self._get_key_for_task(task_id) in self.subscribed_to:
-            super().cancel_for(task_id)
-
-
-class CarpoolRedisBackend(RedisBackend):
+class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc, unused-ignore]  # Celery is untyped
     """Redis result backend used by the carpool Celery app (see module docstring)."""
 
     ResultConsumer = PromptResultConsumer
@@ -88,11 +63,11 @@ class CarpoolRedisBackend(RedisBackend):
     def meta_for(self, task_id: str, state: str, result: Any, date_done: str | None = None) -> bytes:
         """Encoded result meta, as Celery's own ``store_result`` would write it.
 
-        A success is encoded directly (the five fields of ``_get_result_meta`` plus the task id, with
+        A success is encoded directly (the five fields of Celery's result meta plus the task id, with
         ``date_done`` computed once per batch by :meth:`store_args`, by orjson when the result is
-        plain JSON: :func:`carpool.codec.dumps_plain`): Celery's general path costs about 35 us per
-        result on the 2-core machine, several times the encoding itself. Failures
-        (rare) take Celery's path, which knows how to serialise exceptions.
+        plain JSON: :func:`carpool.codec.dumps_plain`), because Celery's general path costs several
+        times the encoding itself. Failures (rare) take Celery's path, which knows how to serialise
+        exceptions.
         """
         if state == SUCCESS and date_done is not None and self.serializer == "json":
             encoded = dumps_plain(
@@ -107,9 +82,7 @@ class CarpoolRedisBackend(RedisBackend):
             )
             if encoded is not None:  # else not plain JSON: Celery's encoder decides
                 return encoded
-        meta = self._get_result_meta(
-            result=self.encode_result(result, state), state=state, traceback=None, request=None
-        )
+        meta = result_meta(self, self.encode_result(result, state), state)
         meta["task_id"] = task_id
         encoded = self.encode(meta)
         return encoded if isinstance(encoded, bytes) else encoded.encode("utf-8")

@@ -28,12 +28,12 @@ from carpool.batching.capacity import pool_capacity
 from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.results import FAILURE
+from carpool.celery_edge.task_messages import TaskMessageBuilder
 from carpool.config import Settings
 from carpool.coordinator.metrics import CoordinatorMetrics
 from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, MalformedMessage, QueueFull
 from carpool.models import get_model
 from carpool.names import RUN_BATCH_TASK
-from carpool.producer.client import TaskMessageBuilder
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
 from carpool.validation import bind_infer_args, validate_infer

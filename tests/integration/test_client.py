@@ -43,7 +43,7 @@ def _with_body(raw: str) -> dict[str, Any]:
 
 def _build(name: str, calls: Any, task_ids: Any = None, argsreprs: Any = None, **options: Any) -> Any:
     """A one-off TaskMessageBuilder's messages for ``calls``."""
-    from carpool.producer.client import TaskMessageBuilder
+    from carpool.celery_edge.task_messages import TaskMessageBuilder
 
     return TaskMessageBuilder(name, **options).build(calls, task_ids=task_ids, argsreprs=argsreprs)
 
@@ -75,7 +75,7 @@ def _count_sends(db: int) -> Iterator[list[int]]:
 
 def test_importing_the_client_does_not_import_torch() -> None:
     code = (
-        "import sys, carpool.producer.client; "
+        "import sys, carpool.producer.submit, carpool.producer.gather; "
         "heavy = [m for m in ('torch', 'numpy', 'transformers', 'tokenizers') if m in sys.modules]; "
         "print(heavy); sys.exit(1 if heavy else 0)"
     )
@@ -86,7 +86,7 @@ def test_importing_the_client_does_not_import_torch() -> None:
 def test_fast_argsrepr_agrees_with_celery_saferepr() -> None:
     from celery.utils.saferepr import saferepr
 
-    from carpool.producer.client import _fast_repr
+    from carpool.celery_edge.task_messages import _fast_repr
 
     samples = [(t,) for t in mixed_texts(300, seed=5)]
     samples += [
@@ -106,7 +106,7 @@ def test_messages_are_the_ones_delay_sends(clean_redis) -> None:  # type: ignore
     """No coordinator: read the raw messages back and compare them with infer.delay()'s, field by field."""
     import redis
 
-    from carpool.producer.client import submit_many
+    from carpool.producer.submit import submit_many
     from carpool.tasks import infer
 
     client = redis.Redis(port=clean_redis.port)
@@ -148,8 +148,8 @@ def test_messages_are_the_ones_delay_sends(clean_redis) -> None:  # type: ignore
 def test_templated_messages_equal_celery_built_ones(clean_redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Past the first two, bulk messages are rendered from a template; each must equal the message
     Celery itself builds for the same call (same id), field by field, task-sent event included."""
+    from carpool.celery_edge import task_messages as bulk
     from carpool.celery_edge.app import app
-    from carpool.producer import client as bulk
 
     texts = [*mixed_texts(60, seed=3), 'quote " and \\ backslash', "Ünïcödé 東京 🚀", "x" * 3000]
     calls = [([t], {}) for t in texts] + [([], {"text": "kw", "model": "toy"}), (["two", "toy"], {})]
@@ -192,8 +192,8 @@ def test_a_kept_builder_renders_every_message_of_later_builds(clean_redis, monke
     """The coordinator keeps one TaskMessageBuilder for its batch messages, cut one or two at a time:
     once Celery built two and the template matched, later builds are rendered whole, and still equal
     what Celery builds."""
+    from carpool.celery_edge import task_messages as bulk
     from carpool.celery_edge.app import app
-    from carpool.producer import client as bulk
 
     celery_builds = []
     real = app.amqp.create_task_message
@@ -268,7 +268,7 @@ def test_fanout_encoder_matches_what_celery_publishes(clean_redis) -> None:  # t
 def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  # type: ignore[no-untyped-def]
     import redis
 
-    from carpool.producer.client import submit_many
+    from carpool.producer.submit import submit_many
 
     client = redis.Redis(port=clean_redis.port)
     submit_many(["warm up"], model="toy")  # first use opens the producer's connection
@@ -313,7 +313,7 @@ def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis) -> None
     import redis
 
     from carpool.celery_edge.app import app
-    from carpool.producer.client import submit_many
+    from carpool.producer.submit import submit_many
 
     client = redis.Redis(port=clean_redis.port)
     submit_many(["warm up"], model="toy")
@@ -349,14 +349,14 @@ def test_chunked_submit_interrupted_says_what_was_sent(clean_redis, monkeypatch)
     (those messages are in the queue), the rest was not sent and its subscriptions are cancelled."""
     import redis
 
-    from carpool.celery_edge.app import app
+    from carpool.celery_edge.app import app, state_of
     from carpool.errors import SubmitInterrupted
-    from carpool.producer import client as bulk
+    from carpool.producer import submit as bulk
 
     client = redis.Redis(port=clean_redis.port)
     bulk.submit_many(["warm up"], model="toy")
     client.delete("carpool.requests")
-    publisher = bulk._publisher(app)
+    publisher = state_of(app).publisher()
     real_pipeline = publisher.pipeline
     calls = []
 
@@ -393,7 +393,7 @@ def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis) -> None:
     import redis
 
     from carpool.errors import InputTooLong, InvalidInput, UnknownModel
-    from carpool.producer.client import submit_many
+    from carpool.producer.submit import submit_many
 
     client = redis.Redis(port=clean_redis.port)
     with pytest.raises(InvalidInput, match="text must be a str") as info:
@@ -419,7 +419,8 @@ def test_gather_reads_stored_results_in_one_mget_and_raises_like_get(clean_redis
     from carpool.celery_edge.app import app
     from carpool.celery_edge.results import FAILURE, SUCCESS
     from carpool.errors import DeadlineExceeded
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
 
     results = submit_many([f"text {i}" for i in range(50)], model="toy")
     entries: list[tuple[str, str, Any]] = [(r.id, SUCCESS, i) for i, r in enumerate(results)]
@@ -451,7 +452,8 @@ def test_gather_waits_for_results_published_later(clean_redis) -> None:  # type:
 
     from carpool.celery_edge.app import app
     from carpool.celery_edge.results import SUCCESS
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
 
     results = submit_many([f"later {i}" for i in range(20)], model="toy")
     app.backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results[:10])])
@@ -460,12 +462,20 @@ def test_gather_waits_for_results_published_later(clean_redis) -> None:  # type:
         time.sleep(0.3)
         app.backend.store_many([(r.id, SUCCESS, i + 10) for i, r in enumerate(results[10:])])
 
+    import redis
+
+    client = redis.Redis(port=clean_redis.port)
+    before = _commandstats(client)
     worker = threading.Thread(target=store_rest)
     worker.start()
     t0 = time.monotonic()
     assert gather(results, timeout=10) == list(range(20))
     assert time.monotonic() - t0 < 1.0, "waiting on pub/sub, not polling"
     worker.join()
+    unsubscribes = _commandstats(client).get("cmdstat_unsubscribe", 0) - before.get("cmdstat_unsubscribe", 0)
+    assert unsubscribes == 1, "the results' unsubscriptions go out as one command"
+    keys = {app.backend.get_key_for_task(r.id) for r in results}
+    assert not keys & app.backend.result_consumer.subscribed_to
 
 
 def test_gather_collects_large_results_published_in_bursts(clean_redis) -> None:  # type: ignore[no-untyped-def]
@@ -475,7 +485,8 @@ def test_gather_collects_large_results_published_in_bursts(clean_redis) -> None:
     dropping it, and a single long gather then waited forever for results already stored."""
     import json
 
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
 
     n = 1500
     results = submit_many([f"big {i}" for i in range(n)], model="toy")
@@ -497,7 +508,8 @@ def test_gather_collects_large_results_published_in_bursts(clean_redis) -> None:
 
 
 def test_submit_many_results_equal_delay_results(processes: Processes) -> None:
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
     from carpool.tasks import infer
 
     start_stack(processes, **TOY)
@@ -514,7 +526,8 @@ def test_submit_many_results_equal_delay_results(processes: Processes) -> None:
 
 def test_gather_with_a_request_that_fails_in_the_service(processes: Processes) -> None:
     from carpool.errors import DeadlineExceeded
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
 
     start_stack(processes, **TOY)
     fine = submit_many(mixed_texts(30, seed=2), model="toy")
@@ -531,7 +544,8 @@ def test_gather_async(processes: Processes) -> None:
     from celery.exceptions import TimeoutError as CeleryTimeout
 
     from carpool.errors import DeadlineExceeded
-    from carpool.producer.client import gather, gather_async, submit_many
+    from carpool.producer.gather import gather, gather_async
+    from carpool.producer.submit import submit_many
 
     start_stack(processes, **TOY)
     texts = mixed_texts(200, seed=4)

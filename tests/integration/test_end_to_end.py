@@ -210,7 +210,8 @@ def test_a_coordinator_with_every_worker_busy_waits_for_a_report(processes: Proc
     import redis
 
     from carpool.gpu_worker.runner import run_single
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
     from tests.integration.models import SLOW
 
     # 0.3 s per batch: a burst of 96 mixed texts keeps the one worker busy for a few seconds.
@@ -233,9 +234,10 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
     """With the result backend on a different server than the broker, workers cannot claim and finish
     a batch in single scripts; they take the longer path (claim, look up, store, acknowledge) and
     every result still lands under its request's id, where the producer's backend reads it."""
-    from carpool.celery_edge.app import create_app
+    from carpool.celery_edge.app import create_app, settings_of
     from carpool.config import load_settings
-    from carpool.producer.client import gather, submit_many
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
     from carpool.tools.demo import release_result_consumer
     from carpool.tools.embedded import EmbeddedRedis, free_port
 
@@ -243,7 +245,7 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
     try:
         backend_url = results_server.url(0)
         app = create_app(load_settings(broker_url=processes.server.url(0), result_backend=backend_url))
-        assert app.carpool_settings.shared_server_dbs() is None
+        assert settings_of(app).shared_server_dbs() is None
         start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_RESULT_BACKEND=backend_url)
         texts = mixed_texts(64, seed=31)
         try:

@@ -1,0 +1,142 @@
+"""Every use of Celery's and kombu's undocumented internals, each behind one small named function.
+
+carpool builds Celery's task messages itself and reads Celery's result pub/sub itself, both to avoid
+per-message overhead; that needs a few private attributes and methods. Nothing else in carpool
+touches them: an upgrade that changes one breaks this module and tests/unit/test_compat.py, which
+checks the installed versions against the ranges below and every name in :data:`RELIED_ON`.
+Widen a range only after reading the new release's code behind each function here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+from celery import Celery
+from celery._state import task_join_will_block
+
+# (lowest, first unsupported) major.minor of the libraries this module was checked against.
+CELERY_VERSIONS = ((5, 6), (5, 7))
+KOMBU_VERSIONS = ((5, 6), (5, 8))
+
+# (class, attribute, its parameters after self; None for a plain attribute) for every private or
+# undocumented name used below and by carpool's subclasses of Celery's classes.
+RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("celery.result:AsyncResult", "_cache", None),
+    ("celery.result:AsyncResult", "_maybe_set_cache", ("meta",)),
+    ("celery.backends.redis:ResultConsumer", "_pubsub", None),
+    ("celery.backends.redis:ResultConsumer", "subscribed_to", None),
+    ("celery.backends.redis:ResultConsumer", "reconnect_on_error", ()),
+    ("celery.backends.redis:ResultConsumer", "start", ("initial_task_id", "kwargs")),
+    ("celery.backends.redis:ResultConsumer", "on_state_change", ("meta", "message")),
+    ("celery.backends.redis:ResultConsumer", "cancel_for", ("task_id",)),
+    ("celery.backends.redis:ResultConsumer", "drain_events_until", ("p", "timeout", "on_interval")),
+    ("celery.backends.redis:RedisBackend", "add_pending_result", ("result", "weak", "start_drainer")),
+    (
+        "celery.backends.redis:RedisBackend",
+        "_get_result_meta",
+        ("result", "state", "traceback", "request", "format_date", "encode"),
+    ),
+    ("celery:Celery", "_get_backend", ()),
+    ("kombu.transport.redis:Channel", "_inplace_augment_message", ("message", "exchange", "routing_key")),
+    ("kombu.transport.redis:Channel", "_get_publish_topic", ("exchange", "routing_key")),
+    ("kombu.transport.redis:Channel", "_get_message_priority", ("message", "reverse")),
+    ("kombu.transport.redis:Channel", "_q_for_pri", ("queue", "pri")),
+    ("kombu.transport.redis:Channel", "_create_client", ("asynchronous",)),
+)
+
+
+# --- results (celery.result.AsyncResult) ---------------------------------------------------------
+
+
+def cached_meta(result: Any) -> dict[str, Any] | None:
+    """The final meta ``result`` holds (status, result, ...), or None while it is not known."""
+    meta: dict[str, Any] | None = result._cache
+    return meta
+
+
+def set_cached_meta(result: Any, meta: Mapping[str, Any]) -> None:
+    """Give ``result`` its final meta as Celery's consumer would: its ``.get()`` returns at once, and
+    Celery calls the consumer's ``cancel_for`` for it."""
+    result._maybe_set_cache(meta)
+
+
+# --- the result consumer (celery.backends.redis.ResultConsumer) -------------------------------
+
+
+def result_pubsub(consumer: Any) -> Any:
+    """The consumer's ``redis`` PubSub, or None before its first subscription."""
+    return consumer._pubsub
+
+
+def forget_result_pubsub(consumer: Any) -> None:
+    """Make the consumer start a new PubSub on its next subscription (the old one is let go)."""
+    consumer._pubsub = None
+
+
+def subscribed_keys(consumer: Any) -> set[Any]:
+    """The consumer's own set of subscribed result keys (changing it changes what Celery resubscribes
+    after a reconnection)."""
+    keys: set[Any] = consumer.subscribed_to
+    return keys
+
+
+def reconnecting(consumer: Any) -> AbstractContextManager[None]:
+    """A context in which a connection error replaces the consumer's PubSub (resubscribed) instead of
+    propagating."""
+    manager: AbstractContextManager[None] = consumer.reconnect_on_error()
+    return manager
+
+
+def join_will_block() -> bool:
+    """True inside a worker's task, where Celery refuses to wait for (or subscribe to) results."""
+    return bool(task_join_will_block())
+
+
+# --- the result backend -------------------------------------------------------------------------
+
+
+def result_meta(backend: Any, result: Any, state: str) -> dict[str, Any]:
+    """The meta Celery's ``store_result`` would write for ``result`` (already encoded) in ``state``."""
+    meta: dict[str, Any] = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
+    return meta
+
+
+class AppWithBackendClass(Celery):
+    """A Celery app whose result backend is ``result_backend_class()`` built on ``result_backend``,
+    the plain URL (Celery would pick the class from the URL's scheme)."""
+
+    def result_backend_class(self) -> type[Any]:
+        raise NotImplementedError
+
+    def _get_backend(self) -> Any:
+        return self.result_backend_class()(app=self, url=self.conf.result_backend)
+
+
+# --- kombu's Redis channel (kombu.transport.redis.Channel) ------------------------------------
+
+
+def augment_message(channel: Any, message: dict[str, Any], exchange: str, routing_key: str) -> None:
+    """Finish a ``prepare_message`` envelope as ``basic_publish`` does: encoded body, delivery tag and
+    delivery info."""
+    channel._inplace_augment_message(message, exchange, routing_key)
+
+
+def publish_topic(channel: Any, exchange: str, routing_key: str) -> str:
+    """The pub/sub channel a fanout message to (exchange, routing key) is published on (kombu also
+    publishes to a legacy topic with Sentinel's ``sentinel_fanout_compat``, which carpool does not use)."""
+    topic: str = channel._get_publish_topic(exchange, routing_key)
+    return topic
+
+
+def priority_list(channel: Any, queue: str, message: Mapping[str, Any]) -> str:
+    """The Redis list ``Channel._put`` pushes ``message`` to: ``queue``, or its list for the message's
+    priority step."""
+    key: str = channel._q_for_pri(queue, channel._get_message_priority(message, reverse=False))
+    return key
+
+
+def new_client(channel: Any) -> Any:
+    """A ``redis.Redis`` on the channel's connection pool (with the broker URL's settings)."""
+    return channel._create_client()

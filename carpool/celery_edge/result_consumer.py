@@ -1,0 +1,169 @@
+"""A producer's side of Celery's result pub/sub: carpool's result consumer, bulk (un)subscription,
+and reading the result messages delivered to its connection.
+
+Celery's consumer handles one task per SUBSCRIBE, UNSUBSCRIBE and message; producers that submit and
+gather thousands at once (:mod:`carpool.producer`) do each of those in bulk on the same connection,
+so ``.get()`` on any single result keeps working as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from celery.backends.redis import ResultConsumer
+
+from carpool.celery_edge.compat import (
+    forget_result_pubsub,
+    join_will_block,
+    reconnecting,
+    result_pubsub,
+    subscribed_keys,
+)
+
+_SUBSCRIBE_CHUNK = 5000  # channels per (UN)SUBSCRIBE command
+_MESSAGE_READ_S = 1.0  # time allowed for the rest of a result message that has started to arrive
+
+
+class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is untyped
+    """Celery's Redis result consumer, with a prompt ``.get()`` and UNSUBSCRIBEs sent only when due.
+
+    Celery's ``Drainer.drain_events_until`` (celery/backends/asynchronous.py) calls
+    ``drain_events(timeout=1)`` *before* it checks whether the awaited result is ready, so a result
+    already known when ``.get()`` starts (buffered from an earlier message, or read by the initial
+    GET) would wait for another message or a second; length binning completes requests out of
+    order, so a producer reading results in submission order would stall on most calls.
+    """
+
+    _deferred: list[str] | None = None  # task ids whose unsubscription waits for deferring_cancels
+
+    def drain_events_until(
+        self, p: Any, timeout: float | None = None, on_interval: Any = None
+    ) -> Iterator[None]:
+        if p.ready:
+            return iter(())
+        it: Iterator[None] = super().drain_events_until(p, timeout=timeout, on_interval=on_interval)
+        return it
+
+    def cancel_for(self, task_id: str) -> None:
+        """Unsubscribe from ``task_id``'s result, if subscribed (Celery sends UNSUBSCRIBE regardless,
+        and calls this for every AsyncResult that settles or goes away)."""
+        if self._deferred is not None:
+            self._deferred.append(task_id)
+        elif self.backend.get_key_for_task(task_id) in subscribed_keys(self):
+            super().cancel_for(task_id)
+
+    @contextlib.contextmanager
+    def deferring_cancels(self) -> Iterator[None]:
+        """Within: the unsubscriptions Celery asks for one result at a time are collected, and sent as
+        one command on leaving."""
+        if self._deferred is not None:  # nested: the outermost one sends
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+        finally:
+            cancelled, self._deferred = self._deferred, None
+            unsubscribe_results(self.backend, cancelled)
+
+    def release(self) -> None:
+        """Close the pub/sub connection and forget every subscription (before its Redis goes away, so
+        AsyncResults collected later do not retry unsubscribing against a server that is gone)."""
+        with contextlib.suppress(Exception):  # the connection may be broken: it is let go anyway
+            self.stop()
+        forget_result_pubsub(self)
+        subscribed_keys(self).clear()
+
+
+def deferring_cancels(consumer: Any) -> contextlib.AbstractContextManager[None]:
+    """``consumer.deferring_cancels()`` on carpool's consumer; nothing deferred on another."""
+    if isinstance(consumer, PromptResultConsumer):
+        return consumer.deferring_cancels()
+    return contextlib.nullcontext()
+
+
+def subscribe_results(backend: Any, task_ids: Sequence[str]) -> list[str]:
+    """Subscribe Celery's result consumer to ``task_ids`` in one SUBSCRIBE; returns the ids newly added.
+
+    What ``backend.on_task_call`` does per request, for many. Inside a worker (where joining a task
+    would block) it does nothing, as Celery does.
+    """
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is None or join_will_block() or not task_ids:
+        return []
+    subscribed = subscribed_keys(consumer)
+    fresh = [t for t in dict.fromkeys(task_ids) if backend.get_key_for_task(t) not in subscribed]
+    if not fresh:
+        return []
+    if result_pubsub(consumer) is None:
+        consumer.start(fresh[0])  # creates the pub/sub connection, subscribed to the first
+    keys = [k for k in (backend.get_key_for_task(t) for t in fresh) if k not in subscribed]
+    subscribed.update(keys)
+    with reconnecting(consumer):
+        pubsub = result_pubsub(consumer)
+        for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+            pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+    return fresh
+
+
+def unsubscribe_results(backend: Any, task_ids: Sequence[str]) -> None:
+    """Cancel the result subscriptions of ``task_ids`` in one UNSUBSCRIBE."""
+    consumer = getattr(backend, "result_consumer", None)
+    if consumer is None:
+        return
+    subscribed = subscribed_keys(consumer)
+    keys = [k for k in (backend.get_key_for_task(t) for t in dict.fromkeys(task_ids)) if k in subscribed]
+    if not keys:
+        return
+    subscribed.difference_update(keys)
+    if result_pubsub(consumer) is not None:
+        with reconnecting(consumer):
+            pubsub = result_pubsub(consumer)
+            for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+                pubsub.unsubscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+
+
+def read_result_messages(
+    backend: Any, consumer: Any, timeout_s: float, limit: int
+) -> tuple[list[tuple[str, Any]], bool]:
+    """The result messages delivered to the consumer's pub/sub connection, as (task id, message).
+
+    Waits up to ``timeout_s`` for the first, then takes whatever else is already there, up to
+    ``limit``. The flag is False when the connection had to be replaced after an error: messages
+    published meanwhile are lost to it, so the caller reads the stored results instead.
+
+    Why not ``consumer.drain_events``: it handles one message per call and ends each with
+    ``sleep(0)``, which for a burst of thousands of results was most of the producer's time.
+
+    Why ``can_read`` and not ``get_message(timeout=0)``: redis-py reads the rest of a message with
+    the same timeout, so a large result that had only partly arrived raised half-way and left the
+    parser out of step, losing the following messages. A non-blocking ``can_read`` (which only
+    buffers bytes) says whether anything is there; the message is then read with a timeout that lets
+    its remainder arrive.
+    """
+    pubsub = result_pubsub(consumer)
+    if pubsub is None:
+        return [], True
+    prefix = backend.task_keyprefix
+    prefix = prefix.encode() if isinstance(prefix, str) else prefix
+    out: list[tuple[str, Any]] = []
+    count = 0
+    wait = timeout_s
+    with reconnecting(consumer):  # on a connection error: a new connection, resubscribed
+        while count < limit:
+            conn = pubsub.connection
+            if conn is None or not conn.can_read(timeout=wait):
+                break
+            wait = 0.0
+            message = pubsub.get_message(timeout=_MESSAGE_READ_S)
+            if message is None:  # a (un)subscribe confirmation: look for more
+                continue
+            count += 1
+            if message.get("type") == "message":
+                channel = message["channel"]
+                channel = channel.encode() if isinstance(channel, str) else channel
+                task_id = channel[len(prefix) :].decode() if channel.startswith(prefix) else ""
+                out.append((task_id, message))
+    return out, result_pubsub(consumer) is pubsub

@@ -1,0 +1,385 @@
+"""Celery protocol-2 task messages for a Redis queue: what ``app.send_task`` would publish, built fast.
+
+How a message is built (tests/integration/test_client.py compares the result with Celery's own
+messages field by field):
+
+- headers, properties and body come from ``app.amqp.create_task_message`` (``as_task_v2``), exactly
+  as ``app.send_task`` builds them;
+- the body is serialised with ``kombu.serialization.dumps`` (the app's task serializer), the
+  envelope made with the Redis channel's ``prepare_message`` and finished as kombu's
+  ``basic_publish`` finishes it (base64 body, delivery tag, delivery info);
+- the envelope is JSON-encoded for the list ``Channel._put`` would push it to for its priority
+  (``<queue>`` or ``<queue>\\x06\\x16<step>``);
+- with sent events on, each message's ``task-sent`` event gets the fields Celery's event dispatcher
+  gives it, and the events go out as ``task.multi`` lists of up to 1,000 (what Celery's buffered
+  dispatcher sends; Flower and ``celery events`` unpack them): one PUBLISH per list, not per request.
+
+Past the first two messages a builder renders from a template of Celery's own envelope (see
+:class:`TaskMessageBuilder`). Sending is the caller's: :func:`carpool.producer.submit.publish_tasks`
+for producers, the coordinator's dispatch script for batches.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import logging
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from celery import signals
+from celery.utils.saferepr import saferepr
+from celery.utils.time import utcoffset
+from kombu.entity import maybe_delivery_mode
+from kombu.serialization import dumps as serialize
+from kombu.utils.json import dumps as envelope_dumps
+from kombu.utils.uuid import uuid
+
+from carpool.celery_edge import compat
+from carpool.celery_edge.app import state_of
+from carpool.celery_edge.fanout import FanoutEncoder
+from carpool.codec import dumps_plain, flat_plain
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+log = logging.getLogger(__name__)
+
+EVENTS_PER_MESSAGE = 1000  # task-sent events per task.multi message
+
+
+@dataclass
+class TaskMessages:
+    """Celery task messages built for a Redis queue, ready to be pushed by whoever sends them."""
+
+    name: str
+    queue: str
+    ids: list[str]
+    pushes: dict[str, list[str]]  # request list (one per priority step) -> envelopes, in send order
+    events: list[tuple[str, str]]  # (topic, raw) of the task-sent events
+    _after: list[tuple[Any, dict[str, Any]]]
+
+    def published(self) -> None:
+        """Send Celery's ``after_task_publish`` signal for each message (call once they are sent)."""
+        for body, task_headers in self._after:
+            signals.after_task_publish.send(
+                sender=self.name, body=body, headers=task_headers, exchange="", routing_key=self.queue
+            )
+
+
+class TaskMessageBuilder:
+    """Builds the messages ``app.send_task(name, ..., **options)`` would publish, options fixed.
+
+    Celery's ``create_task_message`` and kombu's ``prepare_message`` are most of a message's cost, so
+    the builder has Celery build the first message and keeps it as a template; when Celery's build
+    of a later message equals what the template renders for it (checked field by field, once), every
+    message after that is rendered from the template (the id, reprs, body and delivery tag
+    substituted into pre-serialised JSON). The template lives as long as the builder, so a
+    coordinator cutting one batch at a time pays for Celery's build twice in its lifetime, not twice
+    per step. With publish signal receivers, compression or a mismatch, every message is built by
+    Celery.
+
+    ``expires`` in seconds is turned into one instant when the builder is made. ``ignore_result``
+    goes into the headers, where it overrides the task's own setting on the worker (as
+    ``send_task(..., ignore_result=True)`` does). Celery's ``before_task_publish`` receivers run in
+    :meth:`build`, ``after_task_publish`` ones on :meth:`TaskMessages.published`; ``build``'s
+    ``task_ids`` and ``argsreprs`` (one per call) replace the generated id and the computed repr.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        app: Celery,
+        queue: str | None = None,
+        priority: int | None = None,
+        expires: Any = None,
+        headers: Mapping[str, Any] | None = None,
+        sent_events: bool | None = None,
+        ignore_result: bool = False,
+    ) -> None:
+        conf = app.conf
+        route = app.amqp.router.route({"queue": queue} if queue else {}, name, (), {})
+        target = route["queue"]
+        exchange = getattr(target, "exchange", None)
+        if route.get("exchange") or (exchange is not None and exchange.type not in (None, "direct")):
+            raise ValueError(
+                f"{name} is routed through exchange {exchange!r}; publish_tasks sends to direct queues only"
+            )
+        self.app = app
+        self._state = state_of(app)
+        self.name = name
+        self.target = target
+        self.qname: str = target.name
+        self.priority = priority
+        self.delivery_mode = maybe_delivery_mode(  # type: ignore[no-untyped-call]
+            (exchange.delivery_mode if exchange is not None else None) or conf.task_default_delivery_mode
+        )
+        self.serializer = conf.task_serializer
+        self.compression = conf.task_compression
+        self.sent_events = bool(conf.task_send_sent_event) if sent_events is None else sent_events
+        if isinstance(expires, int | float) and not isinstance(expires, bool):
+            # Seconds from now become one instant, fixed here for every message the builder makes
+            # (Celery would add them per message).
+            expires = app.now() + timedelta(seconds=expires)
+        self.expires = expires
+        self.extra_headers = dict(headers or {})
+        self.ignore_result = ignore_result
+        self.reply_to = app.thread_oid
+        self._template: _MessageTemplate | None = None
+        self._trusted = False  # the template rendered one of Celery's own builds exactly
+        self._untrusted = False  # ... or failed to: Celery builds every message from then on
+
+    def build(
+        self,
+        calls: Sequence[tuple[Sequence[Any], Mapping[str, Any]]],
+        *,
+        task_ids: Sequence[str] | None = None,
+        argsreprs: Sequence[str] | None = None,
+    ) -> TaskMessages:
+        app, name, qname = self.app, self.name, self.qname
+        expires = self.expires
+        evd = self._state.event_dispatcher() if self.sent_events else None
+        before = signals.before_task_publish.receivers
+        after = signals.after_task_publish.receivers
+        templating = not (before or after or self.compression or self._untrusted)
+        built = TaskMessages(name=name, queue=qname, ids=[], pushes={}, events=[], _after=[])
+        argsrepr_max = app.amqp.argsrepr_maxsize
+        channel = self._state.message_channel()
+        sent: list[dict[str, Any]] = []
+        utc_offset = int(utcoffset()) if evd is not None else 0
+
+        def celery_built(
+            task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any], argsrepr: str | None
+        ) -> Any:
+            task_headers, properties, body, sent_event = app.amqp.create_task_message(
+                task_id,
+                name,
+                args,
+                kwargs,
+                expires=expires,
+                reply_to=self.reply_to,
+                create_sent_event=self.sent_events,
+                argsrepr=argsrepr,
+                kwargsrepr="{}" if not kwargs else None,
+                ignore_result=self.ignore_result,
+            )
+            task_headers.update(self.extra_headers)
+            if before:
+                signals.before_task_publish.send(
+                    sender=name,
+                    body=body,
+                    exchange="",
+                    routing_key=qname,
+                    declare=[self.target],
+                    headers=task_headers,
+                    properties=properties,
+                    retry_policy=None,
+                )
+            content_type, content_encoding, data = serialize(body, serializer=self.serializer)  # type: ignore[no-untyped-call]
+            if self.compression:
+                from kombu.compression import compress
+
+                data, task_headers["compression"] = compress(data, self.compression)  # type: ignore[no-untyped-call]
+            properties["delivery_mode"] = self.delivery_mode
+            message = channel.prepare_message(
+                data, self.priority, content_type, content_encoding, task_headers, properties
+            )
+            compat.augment_message(channel, message, "", qname)
+            return message, body, task_headers, sent_event
+
+        for index, (call_args, call_kwargs) in enumerate(calls):
+            task_id = task_ids[index] if task_ids is not None else uuid()
+            args = tuple(call_args)  # as Task.delay passes them (argsrepr shows a tuple)
+            kwargs = dict(call_kwargs)
+            argsrepr = argsreprs[index] if argsreprs is not None else _fast_repr(args, argsrepr_max)
+            template = self._template if templating and self._trusted else None
+            if template is not None:
+                if argsrepr is None:
+                    argsrepr = saferepr(args, argsrepr_max)
+                kwargsrepr = "{}" if not kwargs else saferepr(kwargs, argsrepr_max)
+                raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, uuid())
+                sent_event = template.sent_event(task_id, argsrepr, kwargsrepr) if evd is not None else None
+                key = template.key
+            else:
+                message, body, task_headers, sent_event = celery_built(task_id, args, kwargs, argsrepr)
+                key = compat.priority_list(channel, qname, message)
+                raw = envelope_dumps(message)  # type: ignore[no-untyped-call]
+                if after:
+                    built._after.append((body, task_headers))
+                if templating:
+                    self._learn(message, body, sent_event, raw, key, task_id, args, kwargs, evd is not None)
+            built.pushes.setdefault(key, []).append(raw)
+            if evd is not None and sent_event is not None:
+                sent_event.update(queue=qname, exchange="", routing_key=qname)
+                sent.append(_sent_event_fields(evd, sent_event, utc_offset))
+            built.ids.append(task_id)
+        if sent:
+            # One task.multi list message per chunk, as Celery's buffered event dispatcher sends them
+            # (Flower and `celery events` unpack lists), instead of one PUBLISH per request.
+            assert evd is not None  # events are only collected with a dispatcher
+            encoder = FanoutEncoder(channel, evd.exchange.name, "task.multi", dict(evd.headers))
+            for start in range(0, len(sent), EVENTS_PER_MESSAGE):
+                built.events.append(
+                    (encoder.topic, encoder.encode(sent[start : start + EVENTS_PER_MESSAGE]).decode())
+                )
+        return built
+
+    def _learn(
+        self,
+        message: dict[str, Any],
+        body: Any,
+        sent_event: Any,
+        raw: str,
+        key: str,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        with_events: bool,
+    ) -> None:
+        """Make a template from Celery's first message; trust it once it renders Celery's second."""
+        template = self._template
+        if template is None:
+            self._template = _MessageTemplate.maybe(message, body, sent_event, key)
+            if self._template is None:
+                self._untrusted = True
+            return
+        headers = message["headers"]
+        again = template.render(
+            task_id,
+            args,
+            kwargs,
+            headers["argsrepr"],
+            headers["kwargsrepr"],
+            message["properties"]["delivery_tag"],
+        )
+        if (
+            key != template.key
+            or _decoded(again) != _decoded(raw)
+            or (
+                with_events
+                and template.sent_event(task_id, headers["argsrepr"], headers["kwargsrepr"]) != sent_event
+            )
+        ):
+            log.debug("message template for %s does not match Celery's message; not used", self.name)
+            self._template, self._untrusted = None, True
+        else:
+            self._trusted = True
+
+
+def _decoded(raw: str) -> dict[str, Any]:
+    """An envelope with its body decoded: the rendered body is compact JSON (orjson), Celery's has
+    spaces after separators; consumers see the same values."""
+    message: dict[str, Any] = json.loads(raw)
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    return message
+
+
+def _json_str(value: str) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:  # a lone surrogate: orjson refuses, json escapes it
+        return json.dumps(value)
+
+
+class _MessageTemplate:
+    """A Celery-built envelope serialised once, with its per-message fields left as slots."""
+
+    _SLOT = re.compile(r'"@@carpool-slot:(\w+)@@"')
+
+    def __init__(
+        self, message: dict[str, Any], body: Any, sent_event: dict[str, Any] | None, key: str
+    ) -> None:
+        self.key = key  # the Redis list the messages go to (one per priority step)
+
+        task_id = message["headers"]["id"]
+        msg = copy.deepcopy(message)
+        slot = "@@carpool-slot:{}@@".format
+        msg["body"] = slot("body")
+        headers, props = msg["headers"], msg["properties"]
+        headers["id"] = slot("id")
+        if headers.get("root_id") == task_id:
+            headers["root_id"] = slot("id")
+        if props.get("correlation_id") == task_id:
+            props["correlation_id"] = slot("id")
+        headers["argsrepr"] = slot("argsrepr")
+        headers["kwargsrepr"] = slot("kwargsrepr")
+        props["delivery_tag"] = slot("tag")
+        parts = self._SLOT.split(envelope_dumps(msg))  # type: ignore[no-untyped-call]
+        self._literals = parts[0::2]
+        self._slots = parts[1::2]
+        self._embed = body[2]
+        self._sent = dict(sent_event) if sent_event is not None else None
+        self._root_is_id = sent_event is not None and sent_event.get("root_id") == task_id
+
+    @classmethod
+    def maybe(cls, message: dict[str, Any], body: Any, sent_event: Any, key: str) -> _MessageTemplate | None:
+        props = message.get("properties", {})
+        if props.get("body_encoding") != "base64" or message.get("content-type") != "application/json":
+            return None
+        if not (isinstance(body, tuple | list) and len(body) == 3):
+            return None
+        return cls(message, body, sent_event, key)
+
+    def render(
+        self,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        argsrepr: str,
+        kwargsrepr: str,
+        tag: str,
+    ) -> str:
+        # Plain arguments (texts, a model name) are encoded by orjson: the same JSON values as
+        # kombu's encoder, which is kept for anything it would tag (datetime, UUID, ...).
+        data = dumps_plain((args, kwargs, self._embed)) if flat_plain(args, kwargs) else None
+        if data is None:
+            data = envelope_dumps((args, kwargs, self._embed)).encode("utf-8")  # type: ignore[no-untyped-call]
+        values = {
+            "id": task_id,
+            "body": base64.b64encode(data).decode("ascii"),
+            "argsrepr": argsrepr,
+            "kwargsrepr": kwargsrepr,
+            "tag": tag,
+        }
+        out = [self._literals[0]]
+        for slot, literal in zip(self._slots, self._literals[1:], strict=True):
+            out.append(_json_str(values[slot]))
+            out.append(literal)
+        return "".join(out)
+
+    def sent_event(self, task_id: str, argsrepr: str, kwargsrepr: str) -> dict[str, Any] | None:
+        if self._sent is None:
+            return None
+        event = dict(self._sent, uuid=task_id, args=argsrepr, kwargs=kwargsrepr)
+        if self._root_is_id:
+            event["root_id"] = task_id
+        return event
+
+
+def _fast_repr(args: tuple[Any, ...], limit: int) -> str | None:
+    """``saferepr(args)`` for the common case (short plain strings), where the two agree; else None."""
+    if all(type(a) is str for a in args):
+        text = repr(args)
+        if len(text) <= limit and "\\" not in text and '"' not in text:
+            return text
+    return None  # Celery computes saferepr
+
+
+def _sent_event_fields(evd: Any, fields: dict[str, Any], utc_offset: int) -> dict[str, Any]:
+    """A task-sent event as ``celery.events.Event`` makes it in ``EventDispatcher.publish``."""
+    fields.update(
+        type="task-sent",
+        hostname=evd.hostname,
+        utcoffset=utc_offset,
+        pid=evd.pid,
+        clock=evd.clock.forward(),
+        timestamp=time.time(),
+    )
+    return fields

@@ -1,0 +1,288 @@
+"""Collecting results in bulk: one MGET for what is stored, then pub/sub for the rest.
+
+    vectors = gather(results, timeout=60)
+    vectors = await gather_async(submit_many(texts, subscribe=False), timeout=60)
+
+:class:`Gathering` is the part both share: fed the result metas that arrive, it settles the
+waiting AsyncResults, raises the first failure and keeps the deadline. The adapters differ only in
+where the metas come from: :func:`gather` reads Celery's own result pub/sub connection (where
+``submit_many`` subscribed), :func:`gather_async` a ``redis.asyncio`` connection of its own.
+Celery's own bulk read (``ResultSet.join`` / ``backend.get_many``) polls with MGET every half
+second instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery import states
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+from carpool.celery_edge.compat import cached_meta, set_cached_meta
+from carpool.celery_edge.result_consumer import (
+    deferring_cancels,
+    read_result_messages,
+    subscribe_results,
+    unsubscribe_results,
+)
+
+if TYPE_CHECKING:
+    from celery.result import AsyncResult
+
+_MGET_CHUNK = 5000  # keys per MGET
+_SUBSCRIBE_CHUNK = 5000  # channels per SUBSCRIBE
+_READ_LIMIT = 10_000  # messages settled between two checks of the deadline
+_LONGEST_WAIT_S = 1.0  # a wait for messages without a deadline still returns this often
+_READY = states.READY_STATES
+_FAILED = states.PROPAGATE_STATES
+
+
+class Gathering:
+    """One gather's state, whatever the transport: what still waits, what failed, the deadline."""
+
+    def __init__(
+        self, results: Sequence[AsyncResult], timeout: float | None, return_exceptions: bool
+    ) -> None:
+        self.results = results
+        self.return_exceptions = return_exceptions
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        # task id -> its results not settled yet (one task may appear more than once in ``results``)
+        self.waiting: dict[str, list[AsyncResult]] = {}
+        for r in results:
+            if cached_meta(r) is None:
+                self.waiting.setdefault(r.id, []).append(r)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting
+
+    def pending(self) -> list[str]:
+        """The task ids still waited for."""
+        return list(self.waiting)
+
+    def settle(self, metas: Iterable[Mapping[str, Any] | None]) -> None:
+        """Give each final meta to the results waiting for its task, then raise the stored exception
+        of the earliest result in ``results`` that failed among these (unless ``return_exceptions``).
+        Metas of other tasks, of tasks settled already, and unfinished ones are passed over."""
+        failed: set[str] = set()
+        waiting = self.waiting
+        for meta in metas:
+            if not meta or meta.get("status") not in _READY:
+                continue
+            task_id: str = meta.get("task_id", "")
+            rs = waiting.pop(task_id, None)
+            if rs is None:
+                continue
+            for r in rs:
+                set_cached_meta(r, dict(meta))
+            if meta["status"] in _FAILED:
+                failed.add(task_id)
+        self._raise_first(failed)
+
+    def take_settled(self) -> None:
+        """Stop waiting for the tasks whose results Celery settled itself (one of them is enough: the
+        others of the same task get its meta); raise as :meth:`settle` does."""
+        failed: set[str] = set()
+        for task_id, rs in list(self.waiting.items()):
+            metas = [cached_meta(r) for r in rs]
+            known = next((m for m in metas if m is not None), None)
+            if known is None:
+                continue
+            for r, meta in zip(rs, metas, strict=True):
+                if meta is None:
+                    set_cached_meta(r, dict(known))
+            del self.waiting[task_id]
+            if known["status"] in _FAILED:
+                failed.add(task_id)
+        self._raise_first(failed)
+
+    def _raise_first(self, failed: set[str]) -> None:
+        if failed and not self.return_exceptions:
+            for r in self.results:
+                if r.id in failed:
+                    r.maybe_throw()
+
+    def remaining_s(self) -> float | None:
+        """Seconds left before the deadline (not below 0), None without one."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def wait_s(self) -> float:
+        """How long to wait for the next messages; raises Celery's TimeoutError once the deadline has
+        passed, as ``.get()`` does."""
+        if self._deadline is None:
+            return _LONGEST_WAIT_S
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise CeleryTimeoutError("The operation timed out.")
+        return min(left, _LONGEST_WAIT_S)
+
+    def values(self) -> list[Any]:
+        """Every result's value, in order (a failure raises, or is its exception instance)."""
+        out = []
+        for r in self.results:
+            meta = cached_meta(r)
+            assert meta is not None, "values() before every result settled"
+            if meta["status"] in _FAILED and not self.return_exceptions:
+                r.maybe_throw()
+            out.append(meta["result"])
+        return out
+
+
+def _one_backend(results: Sequence[AsyncResult]) -> Any:
+    backend = results[0].backend
+    if any(r.backend is not backend for r in results):
+        raise ValueError("gather needs results of one app (one result backend)")
+    return backend
+
+
+def _stored(backend: Any, task_ids: Sequence[str]) -> Iterator[Any]:
+    """The stored metas of ``task_ids`` (None where none is stored), one MGET per chunk."""
+    for start in range(0, len(task_ids), _MGET_CHUNK):
+        keys = [backend.get_key_for_task(t) for t in task_ids[start : start + _MGET_CHUNK]]
+        for value in backend.client.mget(keys):
+            yield None if value is None else backend.decode_result(value)
+
+
+def gather(
+    results: Iterable[AsyncResult], timeout: float | None = None, *, return_exceptions: bool = False
+) -> list[Any]:
+    """Every result's value, in order: one MGET for what is stored, then pub/sub for the rest.
+
+    Like ``asyncio.gather``: with ``return_exceptions=False`` (default) the first failed request that
+    gather learns of (the earliest in ``results`` among those learnt at the same moment) raises its
+    stored exception, exactly as its ``.get()`` would (``InvalidInput``, ``DeadlineExceeded``,
+    ``ModelError``...); the other requests keep running and stay collectable. With
+    ``return_exceptions=True`` a failed request's exception instance takes its place in the list.
+    ``timeout`` bounds the whole call and raises ``celery.exceptions.TimeoutError`` as ``.get()``
+    does. Results arriving while gather waits are each delivered once, on the subscription made by
+    ``submit_many`` (or made here for results from elsewhere); their unsubscriptions go out as one
+    command at the end. Not thread-safe, like Celery's result consumer it uses.
+    """
+    results = list(results)
+    if not results:
+        return []
+    backend = _one_backend(results)
+    state = Gathering(results, timeout, return_exceptions)
+    consumer = getattr(backend, "result_consumer", None)
+    with deferring_cancels(consumer):
+        state.settle(_stored(backend, state.pending()))
+        if consumer is None:  # not a pub/sub backend: Celery's own wait, per result
+            for rs in list(state.waiting.values()):
+                for r in rs:
+                    r.get(timeout=state.remaining_s(), propagate=False)
+            return state.values()
+        if not state.done:
+            fresh = subscribe_results(backend, state.pending())
+            if fresh:  # subscribed only now: what was stored in between is read, not missed
+                state.settle(_stored(backend, fresh))
+            _wait_on_celery(backend, consumer, state)
+        _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
+    return state.values()
+
+
+def _wait_on_celery(backend: Any, consumer: Any, state: Gathering) -> None:
+    """Settle ``state`` from the messages on Celery's result pub/sub connection."""
+    for rs in list(state.waiting.values()):
+        for r in rs:
+            # Registers r with Celery's consumer; a result that arrived earlier for nobody waiting
+            # sits in Celery's buffer and settles r right here.
+            backend.add_pending_result(r, start_drainer=False)
+    state.take_settled()
+    ours = {r.id for r in state.results}  # a message for one no longer waited for: a duplicate
+    while not state.done:
+        messages, intact = read_result_messages(backend, consumer, state.wait_s(), _READ_LIMIT)
+        metas = _route(backend, consumer, messages, want=state.waiting, ignore=ours)
+        if not intact:  # Celery replaced the connection: what was published meanwhile is stored
+            metas.extend(_stored(backend, state.pending()))
+        state.settle(metas)
+
+
+def _route(
+    backend: Any, consumer: Any, messages: list[tuple[str, Any]], want: Mapping[str, Any], ignore: set[str]
+) -> list[Any]:
+    """The decoded metas of the messages for tasks in ``want``; messages for tasks in ``ignore`` are
+    dropped undecoded, and any other goes to Celery's consumer as it would have, so that other
+    waiters in this process lose nothing."""
+    metas = []
+    for task_id, message in messages:
+        if task_id in want:
+            metas.append(backend.decode_result(message["data"]))
+        elif task_id not in ignore:
+            consumer.on_state_change(backend.decode_result(message["data"]), message)
+    return metas
+
+
+def _read_leftovers(backend: Any, consumer: Any, ignore: set[str], limit: int) -> None:
+    """Read result messages already delivered to this process, so the subscriber socket never backs
+    up: a result found by MGET may also have been published to us before its unsubscription."""
+    import redis
+
+    try:
+        messages, _ = read_result_messages(backend, consumer, 0.0, limit)
+        _route(backend, consumer, messages, want={}, ignore=ignore)
+    except (redis.RedisError, OSError):
+        return
+
+
+async def gather_async(
+    results: Iterable[AsyncResult], timeout: float | None = None, *, return_exceptions: bool = False
+) -> list[Any]:
+    """``await`` every result, in order; same semantics as :func:`gather`.
+
+    On a ``redis.asyncio`` connection of its own (SUBSCRIBE to the pending results, then one MGET,
+    then wait for messages), not ``gather`` in ``run_in_executor``: Celery's result consumer is one
+    non-thread-safe pub/sub connection per process, which an executor thread would race on with the
+    event loop thread submitting (which subscribes on it) or another coroutine gathering, and each
+    awaiting coroutine would pin a thread. Here many gathers can await at once on one loop, and
+    cancelling the awaiting task closes its connection. Results subscribed on Celery's consumer
+    (``submit_many`` with ``subscribe=True``) are unsubscribed there first, so that connection does
+    not back up with messages nobody reads; pass ``subscribe=False`` to ``submit_many`` to skip that
+    step. Costs one connection per call, closed on return.
+    """
+    results = list(results)
+    if not results:
+        return []
+    backend = _one_backend(results)
+    state = Gathering(results, timeout, return_exceptions)
+    if state.done:
+        return state.values()
+    unsubscribe_results(backend, state.pending())
+    client = _async_client(backend)
+    try:
+        async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
+            keys = [backend.get_key_for_task(t) for t in state.pending()]
+            for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+                await pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+            with deferring_cancels(getattr(backend, "result_consumer", None)):
+                for start in range(0, len(keys), _MGET_CHUNK):
+                    values = await client.mget(keys[start : start + _MGET_CHUNK])
+                    state.settle(backend.decode_result(v) for v in values if v is not None)
+                while not state.done:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=state.wait_s())
+                    if message and message.get("type") == "message":
+                        state.settle([backend.decode_result(message["data"])])
+    finally:
+        await client.aclose()
+    return state.values()
+
+
+def _async_client(backend: Any) -> Any:
+    """A ``redis.asyncio`` client on the result backend's server, with the backend's settings."""
+    import redis.asyncio as aioredis
+
+    protocol = backend.connparams.get("protocol", 2)  # RESP2: see CarpoolRedisBackend.__init__
+    if getattr(backend, "url", None):
+        return aioredis.Redis.from_url(backend.url, protocol=protocol)
+    params = {
+        k: v
+        for k, v in backend.connparams.items()
+        if k in ("host", "port", "db", "username", "password", "path") and v is not None
+    }
+    if "path" in params:
+        params["unix_socket_path"] = params.pop("path")
+    return aioredis.Redis(**params, protocol=protocol)
+
+
+__all__ = ["Gathering", "gather", "gather_async"]

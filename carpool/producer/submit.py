@@ -1,0 +1,183 @@
+"""Submitting in bulk: many ``carpool.infer`` requests in one Redis round trip.
+
+    from carpool import gather, submit_many
+
+    results = submit_many(texts)              # validated like infer.delay(); one pipelined publish
+    vectors = gather(results, timeout=60)     # see carpool.producer.gather
+
+Why. ``infer.delay()`` pays, per request, a Redis round trip for the message, a PUBLISH for the
+``task-sent`` event, a SUBSCRIBE for the result and Celery's routing and signal machinery, so one
+producer's rate is capped and a burst trickles into the coordinator instead of arriving as one.
+``submit_many`` builds the very same Celery messages
+(:mod:`carpool.celery_edge.task_messages`) and publishes them all at once.
+
+Every LPUSH and PUBLISH of one call goes in ONE ``MULTI``/``EXEC`` pipeline: one round trip, and the
+coordinator sees all of the messages or none of them. Every request is validated before anything is
+sent, so a bad payload raises :class:`~carpool.errors.InvalidInput` in the caller and publishes
+nothing. Two things ``.delay()`` does are skipped on purpose: kombu's queue declaration (a SADD of the
+binding set, needed only by consumers, which declare their queues themselves) and the publish retry
+policy (a failed pipeline raises; with MULTI/EXEC nothing of it was applied, unless the connection
+broke after EXEC was sent, when delivery is uncertain, as with any publish). The result keys are
+subscribed on Celery's result consumer in one SUBSCRIBE (``backend.on_task_call`` sends one per
+request), so ``.get()`` on each result works as usual.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from carpool.celery_edge.app import settings_of, state_of
+from carpool.celery_edge.result_consumer import subscribe_results, unsubscribe_results
+from carpool.celery_edge.task_messages import TaskMessageBuilder
+from carpool.errors import SubmitInterrupted
+from carpool.names import INFER_TASK, SENT_AT_HEADER
+from carpool.validation import bind_infer_args, validate_infer
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from celery.result import AsyncResult
+
+SUPPORTED_OPTIONS = frozenset({"priority", "expires", "headers", "queue"})
+_LPUSH_CHUNK = 10_000  # values per LPUSH command
+
+
+def _default_app() -> Celery:
+    from carpool.celery_edge.app import app
+
+    return app
+
+
+def submit_many(
+    payloads: Iterable[str | Mapping[str, Any]],
+    model: str | None = None,
+    *,
+    app: Celery | None = None,
+    subscribe: bool = True,
+    chunk_size: int | None = None,
+    **options: Any,
+) -> list[AsyncResult]:
+    """Send one ``carpool.infer`` request per payload in one Redis round trip; one AsyncResult each.
+
+    ``payloads``: texts, or mappings of ``infer``'s keyword arguments (``{"text": ..., "model": ...}``).
+    ``model`` applies to every text payload (and to mappings without one), as
+    ``infer.delay(text, model)`` would. ``options``: ``priority``, ``expires`` (seconds, datetime or ISO
+    string), ``headers``, ``queue`` -- the same meaning as in ``infer.apply_async``; anything else raises
+    TypeError rather than being silently dropped. ``subscribe=False`` skips the result subscription
+    (use it with :func:`~carpool.producer.gather.gather_async`, which subscribes on its own
+    connection; ``gather`` and ``.get()`` still work, subscribing when called).
+
+    Raises :class:`~carpool.errors.InvalidInput` (naming the payload's index) before anything is sent
+    if any payload is not a valid request.
+
+    All or nothing by default: every message goes out in one MULTI/EXEC, so the coordinator sees none
+    of them until the last is built. ``chunk_size=N`` streams instead: each N messages are published
+    (one MULTI/EXEC each) as soon as they are built, so the coordinator and workers start on the first
+    while the rest are built. Every payload is still validated before anything is sent, but if Redis
+    fails part-way, :class:`~carpool.errors.SubmitInterrupted` carries the AsyncResults of the
+    requests already sent (they will run) and the rest were not sent.
+    """
+    unknown = set(options) - SUPPORTED_OPTIONS
+    if unknown:
+        raise TypeError(
+            f"submit_many() does not support {', '.join(sorted(unknown))}; "
+            f"supported options: {', '.join(sorted(SUPPORTED_OPTIONS))}"
+        )
+    app = app or _default_app()
+    settings = settings_of(app)
+    calls: list[tuple[list[Any], dict[str, Any]]] = []
+    for index, payload in enumerate(payloads):
+        if isinstance(payload, Mapping):
+            kwargs = dict(payload)
+            if model is not None:
+                kwargs.setdefault("model", model)
+            args: list[Any] = []
+        else:
+            args = [payload] if model is None else [payload, model]
+            kwargs = {}
+        try:
+            text, chosen = bind_infer_args(args, kwargs)
+            validate_infer(text, chosen, settings)
+        except Exception as exc:
+            exc.add_note(f"(in submit_many: payloads[{index}]; nothing was sent)")
+            raise
+        calls.append((args, kwargs))
+    headers = dict(options.pop("headers", None) or {})
+    headers.setdefault(SENT_AT_HEADER, time.time())
+    return publish_tasks(
+        INFER_TASK, calls, app=app, headers=headers, subscribe=subscribe, chunk_size=chunk_size, **options
+    )
+
+
+def publish_tasks(
+    name: str,
+    calls: Sequence[tuple[Sequence[Any], Mapping[str, Any]]],
+    *,
+    app: Celery | None = None,
+    queue: str | None = None,
+    priority: int | None = None,
+    expires: Any = None,
+    headers: Mapping[str, Any] | None = None,
+    subscribe: bool = True,
+    sent_events: bool | None = None,
+    chunk_size: int | None = None,
+) -> list[AsyncResult]:
+    """Publish ``(args, kwargs)`` calls of task ``name`` in one MULTI/EXEC pipeline; no validation.
+
+    The building block of :func:`submit_many`, usable for any task routed to a Redis queue through a
+    direct exchange (``carpool bench`` sends its baselines with it). ``queue`` overrides the task's
+    route; ``sent_events`` defaults to the app's ``task_send_sent_event``. ``chunk_size``: see
+    :func:`submit_many`.
+    """
+    app = app or _default_app()
+    if not calls:
+        return []
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of messages, not {chunk_size!r}")
+    builder = TaskMessageBuilder(  # expires in seconds: one instant for every chunk
+        name,
+        app=app,
+        queue=queue,
+        priority=priority,
+        expires=expires,
+        headers=headers,
+        sent_events=sent_events,
+    )
+    publisher = state_of(app).publisher()
+    backend = app.backend
+    step = chunk_size or len(calls)
+    results: list[AsyncResult] = []
+    for start in range(0, len(calls), step):
+        built = builder.build(calls[start : start + step])
+        if subscribe:
+            subscribe_results(backend, built.ids)
+        try:
+            with publisher.pipeline(transaction=True) as pipe:
+                # LPUSH k a b c == LPUSH k a; LPUSH k b; LPUSH k c: same order, one command per list.
+                for key, raws in built.pushes.items():
+                    for first in range(0, len(raws), _LPUSH_CHUNK):
+                        pipe.lpush(key, *raws[first : first + _LPUSH_CHUNK])
+                for topic, raw in built.events:
+                    pipe.publish(topic, raw)
+                pipe.execute()
+        except BaseException as exc:
+            if subscribe:
+                unsubscribe_results(backend, built.ids)
+            if results and isinstance(exc, Exception):
+                raise _interrupted(results, len(calls), exc) from exc
+            raise
+        built.published()
+        # The backend is passed in: looked up per result it is a thread-local property.
+        results.extend(app.AsyncResult(task_id, backend=backend) for task_id in built.ids)
+    return results
+
+
+def _interrupted(sent: list[AsyncResult], total: int, cause: Exception) -> SubmitInterrupted:
+    error = SubmitInterrupted(
+        f"publishing stopped after {len(sent)} of {total} messages ({cause}); the first ones were "
+        "sent and will run (their AsyncResults are in .results), the rest were not: resend "
+        "calls[len(.results):]"
+    )
+    error.results = sent
+    return error

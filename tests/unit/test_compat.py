@@ -1,0 +1,91 @@
+"""carpool.celery_edge.compat: the installed Celery and kombu are ones it was checked against, and every
+private name it relies on is still there with the parameters it calls it with."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import celery
+import kombu
+import pytest
+
+from carpool.celery_edge import compat
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+@pytest.mark.parametrize(
+    ("name", "version", "supported"),
+    [
+        ("celery", celery.__version__, compat.CELERY_VERSIONS),
+        ("kombu", kombu.__version__, compat.KOMBU_VERSIONS),
+    ],
+)
+def test_installed_versions_are_the_ones_compat_was_written_for(
+    name: str, version: str, supported: tuple[tuple[int, int], tuple[int, int]]
+) -> None:
+    lowest, first_unsupported = supported
+    assert lowest <= _major_minor(version) < first_unsupported, (
+        f"{name} {version} is outside what carpool.celery_edge.compat was checked against "
+        f"({lowest} up to, not including, {first_unsupported}): read the new code behind every "
+        "function in compat.py, then widen the range"
+    )
+
+
+def _instance_of(class_path: str) -> Any:
+    """An instance of the class, made without touching the network (for instance attributes)."""
+    from carpool.celery_edge.app import app
+
+    if class_path == "celery.result:AsyncResult":
+        return app.AsyncResult("compat-check")
+    if class_path == "celery.backends.redis:ResultConsumer":
+        return app.backend.result_consumer
+    return None
+
+
+def _resolve(class_path: str) -> type:
+    module, _, name = class_path.partition(":")
+    cls: type = getattr(importlib.import_module(module), name)
+    return cls
+
+
+@pytest.mark.parametrize(
+    ("class_path", "attribute", "parameters"),
+    compat.RELIED_ON,
+    ids=[f"{c.partition(':')[2]}.{a}" for c, a, _ in compat.RELIED_ON],
+)
+def test_every_private_name_relied_on_is_there(
+    class_path: str, attribute: str, parameters: tuple[str, ...] | None
+) -> None:
+    cls = _resolve(class_path)
+    if parameters is None:  # a plain attribute, possibly set per instance
+        instance = _instance_of(class_path)
+        assert hasattr(cls, attribute) or (instance is not None and hasattr(instance, attribute)), (
+            f"{class_path} no longer has {attribute}"
+        )
+        return
+    method = inspect.getattr_static(cls, attribute, None)
+    assert callable(method), f"{class_path} no longer has the method {attribute}"
+    names = tuple(inspect.signature(method).parameters)[1:]  # without self
+    assert names == parameters, f"{class_path}.{attribute} now takes {names}, compat expects {parameters}"
+
+
+def test_carpool_subclasses_override_what_they_mean_to() -> None:
+    """The hooks carpool's subclasses define have the names Celery calls."""
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.result_consumer import PromptResultConsumer
+    from carpool.celery_edge.results import CarpoolRedisBackend
+
+    assert isinstance(app.backend, CarpoolRedisBackend)
+    assert isinstance(app.backend.result_consumer, PromptResultConsumer)
+    for name in ("drain_events_until", "cancel_for"):
+        assert name in PromptResultConsumer.__dict__
+
+
+def test_join_will_block_outside_a_worker() -> None:
+    assert compat.join_will_block() is False

@@ -1,0 +1,98 @@
+"""carpool.producer.gather.Gathering: the settle / raise / deadline core shared by gather and
+gather_async, fed result metas directly (no Redis)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery.exceptions import TimeoutError as CeleryTimeout
+
+from carpool.celery_edge.app import app
+from carpool.celery_edge.results import FAILURE, SUCCESS
+from carpool.errors import DeadlineExceeded, ModelError
+from carpool.producer.gather import Gathering
+
+
+def _meta(task_id: str, state: str, result: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = app.backend.decode_result(
+        app.backend.meta_for(task_id, state, result, "2026-01-01T00:00:00")
+    )
+    return meta
+
+
+def _results(n: int) -> list[Any]:
+    return [app.AsyncResult(f"gather-unit-{i}") for i in range(n)]
+
+
+def test_settles_in_any_order_and_returns_values_in_order() -> None:
+    results = _results(4)
+    state = Gathering(results, timeout=None, return_exceptions=False)
+    assert state.pending() == [r.id for r in results]
+    state.settle([_meta(results[2].id, SUCCESS, "c"), None, _meta(results[0].id, SUCCESS, "a")])
+    assert state.pending() == [results[1].id, results[3].id] and not state.done
+    state.settle([_meta(results[3].id, "STARTED", None)])  # not final: still waited for
+    state.settle([_meta(results[1].id, SUCCESS, "b"), _meta(results[3].id, SUCCESS, "d")])
+    assert state.done and state.values() == ["a", "b", "c", "d"]
+    assert results[1].get(timeout=1) == "b"  # the AsyncResult itself holds its value now
+
+
+def test_a_task_listed_twice_settles_both_and_a_second_meta_changes_nothing() -> None:
+    first, second = _results(2)
+    twin = app.AsyncResult(first.id)
+    state = Gathering([first, second, twin], timeout=None, return_exceptions=False)
+    state.settle([_meta(first.id, SUCCESS, 1), _meta(first.id, SUCCESS, "duplicate")])
+    state.settle([_meta(second.id, SUCCESS, 2)])
+    assert state.values() == [1, 2, 1]
+
+
+def test_the_earliest_failure_learnt_at_once_raises() -> None:
+    results = _results(3)
+    state = Gathering(results, timeout=None, return_exceptions=False)
+    with pytest.raises(DeadlineExceeded, match="late"):
+        state.settle(
+            [
+                _meta(results[2].id, FAILURE, ModelError("broken")),
+                _meta(results[1].id, FAILURE, DeadlineExceeded("late")),
+            ]
+        )
+    assert state.pending() == [results[0].id]  # the others keep their failures, collectable
+
+
+def test_return_exceptions_puts_the_exception_in_place() -> None:
+    results = _results(2)
+    state = Gathering(results, timeout=None, return_exceptions=True)
+    state.settle([_meta(results[0].id, FAILURE, ModelError("broken")), _meta(results[1].id, SUCCESS, 7)])
+    values = state.values()
+    assert isinstance(values[0], ModelError) and values[1] == 7
+
+
+def test_results_settled_before_are_not_waited_for() -> None:
+    (done, waiting) = _results(2)
+    Gathering([done], timeout=None, return_exceptions=False).settle([_meta(done.id, SUCCESS, "x")])
+    state = Gathering([done, waiting], timeout=None, return_exceptions=False)
+    assert state.pending() == [waiting.id]
+
+
+def test_deadline() -> None:
+    state = Gathering(_results(1), timeout=None, return_exceptions=False)
+    assert state.wait_s() == 1.0 and state.remaining_s() is None
+    state = Gathering(_results(1), timeout=30, return_exceptions=False)
+    assert 0 < state.wait_s() <= 1.0 and 0 < (state.remaining_s() or 0) <= 30
+    state = Gathering(_results(1), timeout=0, return_exceptions=False)
+    assert state.remaining_s() == 0.0
+    with pytest.raises(CeleryTimeout):
+        state.wait_s()
+
+
+def test_results_celery_settled_itself_are_taken_with_their_twins() -> None:
+    from carpool.celery_edge.compat import set_cached_meta
+
+    first, second = _results(2)
+    twin = app.AsyncResult(first.id)
+    state = Gathering([first, second, twin], timeout=None, return_exceptions=False)
+    set_cached_meta(first, _meta(first.id, SUCCESS, "from Celery's buffer"))
+    state.take_settled()
+    assert state.pending() == [second.id]
+    state.settle([_meta(second.id, SUCCESS, 2)])
+    assert state.values() == ["from Celery's buffer", 2, "from Celery's buffer"]
