@@ -2,7 +2,8 @@
 
 ``loop`` runs the process (Redis and Celery I/O, orchestration), ``intake`` turns taken messages
 into the policy's requests, ``waiting`` decides how the loop waits between steps, ``metrics`` serves
-Prometheus metrics. The batching decisions themselves live in the pure ``carpool.batching``.
+Prometheus metrics and ``stats`` writes the counters ``carpool status`` reads. The batching decisions
+themselves live in the pure ``carpool.batching``.
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -32,6 +31,7 @@ from carpool.config import Settings
 from carpool.coordinator import policy_config
 from carpool.coordinator.intake import Malformed, Refused, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
+from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import DeadlineExceeded, WireError
 from carpool.models import get_model
@@ -52,18 +52,6 @@ class _Outstanding:
     model: str
     predicted_s: float
     dispatched_s: float
-
-
-@dataclass(slots=True)
-class CoordinatorStats:
-    taken: int = 0
-    batches: int = 0
-    dispatched: int = 0
-    padded_tokens: int = 0
-    real_tokens: int = 0
-    failed: Counter[str] = field(default_factory=Counter)
-    flush: Counter[str] = field(default_factory=Counter)
-    sizes: Counter[int] = field(default_factory=Counter)
 
 
 class Coordinator:
@@ -97,8 +85,7 @@ class Coordinator:
         self._held: set[str] = set()
         self._next_housekeeping = 0.0
         self._next_stats = 0.0
-        self._written: dict[str, int] = {}
-        self._depth_keys: set[tuple[str, str]] = set()
+        self._stats_writer = StatsWriter(self.client, self.keys.stats)
         self._wait_lists = {
             WaitFor.REPORTS: self.keys.reports_for(self.hostname),
             WaitFor.REQUESTS: self.keys.request_queue,
@@ -412,35 +399,7 @@ class Coordinator:
         log.error("batch report refused (more like it are logged at debug level): %s", exc)
 
     def _write_stats(self) -> None:
-        """Counters are added (HINCRBY of what changed), so several coordinators sum up; gauges are
-        the writer's own view."""
         depths = self.policy.depth_by_bin()
         self.metrics.set_depths(depths)
-        s = self.stats
-        counters: dict[str, int] = {
-            "taken": s.taken,
-            "batches": s.batches,
-            "dispatched": s.dispatched,
-            "padded_tokens": s.padded_tokens,
-            "real_tokens": s.real_tokens,
-        }
-        counters.update({f"flush:{k}": v for k, v in s.flush.items()})
-        counters.update({f"failed:{k}": v for k, v in s.failed.items()})
-        counters.update({f"size:{k}": v for k, v in s.sizes.items()})
-        gauges: dict[str, int] = {
-            "pending": len(self.policy),
-            "outstanding": len(self.outstanding),
-            "workers": self.workers,
-        }
-        for key in self._depth_keys - set(depths):
-            gauges[f"depth:{key[0]}:{key[1]}"] = 0
-        self._depth_keys |= set(depths)
-        gauges.update({f"depth:{m}:{b}": n for (m, b), n in depths.items()})
-        with self.client.pipeline(transaction=False) as pipe:
-            for name, value in counters.items():
-                delta = value - self._written.get(name, 0)
-                if delta:
-                    pipe.hincrby(self.keys.stats, name, delta)
-            pipe.hset(self.keys.stats, mapping=gauges)  # type: ignore[arg-type]
-            pipe.execute()
-        self._written = counters
+        gauges = {"pending": len(self.policy), "outstanding": len(self.outstanding), "workers": self.workers}
+        self._stats_writer.write(self.stats, depths, gauges)
