@@ -18,7 +18,7 @@ def _logging(level: str) -> None:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     _logging(args.loglevel)
     from carpool.celery_edge.app import app, settings_of
-    from carpool.coordinator.service import Coordinator
+    from carpool.coordinator.loop import Coordinator
 
     coordinator = Coordinator(settings_of(app), app)
     coordinator.install_signal_handlers()

@@ -54,6 +54,14 @@ class MalformedMessage(CarpoolError):
     """Raised when a message in the request queue is not a carpool request (it is dead-lettered)."""
 
 
+class WireError(CarpoolError):
+    """Raised when a message between a coordinator and a worker lacks what its schema requires."""
+
+
+class WireVersionMismatch(WireError):
+    """Raised when a message between a coordinator and a worker was written by another carpool release."""
+
+
 class SubmitInterrupted(CarpoolError):
     """Raised when a chunked ``submit_many`` lost Redis part-way.
 

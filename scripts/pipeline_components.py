@@ -40,6 +40,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+def stand_in_report(batch_id: str, worker: str) -> Any:
+    from carpool.wire import batch_report
+
+    return batch_report(
+        batch_id=batch_id,
+        model="null",
+        worker=worker,
+        device="cpu",
+        bin_label="",
+        flush="",
+        size=8,
+        padded_len=8,
+        real_tokens=64,
+        run_s=1e-4,
+        failed_model=0,
+        failed_deadline=0,
+        done_at=time.time(),
+    )
+
+
 STAGES = ("producer_submit_us", "coordinator_us", "worker_us", "producer_gather_us")
 
 
@@ -65,10 +85,10 @@ def main() -> int:
         CARPOOL_METRICS_PORT="0",
     )
     import redis
+    from carpool.producer.client import gather, submit_many
 
     from carpool.celery_edge.app import app, settings_of
-    from carpool.coordinator.service import Coordinator
-    from carpool.producer.client import gather, submit_many
+    from carpool.coordinator.loop import Coordinator
     from carpool.tools.demo import release_result_consumer
     from carpool.tools.workload import mixed_texts
 
@@ -108,7 +128,7 @@ def main() -> int:
                     client.lpush(
                         reports,
                         *[
-                            json.dumps({"batch_id": b, "model": "null", "padded_tokens": 64, "run_s": 1e-4})
+                            json.dumps(stand_in_report(b, coordinator.hostname))
                             for b in coordinator.outstanding
                         ],
                     )

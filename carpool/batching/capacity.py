@@ -16,6 +16,11 @@ class Capacity:
     ahead_s: float  # predicted work already queued per worker, seconds
 
 
+def free_workers(workers: int, outstanding_batches: int) -> int:
+    """Workers with nothing to run: outstanding batches occupy workers before prefetch slots."""
+    return max(0, workers - outstanding_batches)
+
+
 def pool_capacity(workers: int, prefetch_batches: int, outstanding_predicted_s: Iterable[float]) -> Capacity:
     """Outstanding batches occupy workers first, then each worker's ``prefetch_batches`` slots.
 
@@ -26,7 +31,7 @@ def pool_capacity(workers: int, prefetch_batches: int, outstanding_predicted_s: 
     busy = len(predicted)
     ahead_s = sum(predicted) / workers if busy and workers else 0.0
     return Capacity(
-        free_workers=max(0, workers - busy),
+        free_workers=free_workers(workers, busy),
         free_slots=max(0, workers * (1 + prefetch_batches) - busy),
         ahead_s=ahead_s,
     )

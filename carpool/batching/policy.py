@@ -77,9 +77,8 @@ class _Queue:
         self._deadlines: list[tuple[float, int, Request]] = []
         self._arrivals: deque[Request] = deque()
         self._seq = itertools.count()
-        # The head batch as select() last chose it; valid until the membership changes (add, remove,
-        # expiry). A saturated coordinator polls once per freed slot: re-selecting every queue's
-        # head each time was most of its per-batch cost (docs/PERFORMANCE.md, round 3).
+        # The head batch as select() last chose it, valid until the membership changes (add, remove,
+        # expiry): a saturated coordinator polls once per freed slot and must not re-select each time.
         self._head: tuple[list[Request], bool] | None = None
 
     def __len__(self) -> int:
@@ -284,10 +283,8 @@ class BatchPolicy:
         self._queues = {k: q for k, q in self._queues.items() if q}
         plan = Plan(expired=self.expire(now_s))
         wake: float | None = None
-        # A queue's head batch changes only when its membership does (a batch cut from it, arrivals,
-        # expiries): each queue remembers its head, so a poll re-selects only the queues that changed,
-        # not every queue after every batch (with thousands queued and a batch cut per freed slot,
-        # re-selecting everything was most of the coordinator's cost per batch).
+        # A queue's head batch changes only when its membership does, so each queue remembers its head
+        # and a poll re-selects only the queues that changed, not every queue after every batch.
         while True:
             best: _Candidate | None = None
             for key, queue in self._queues.items():

@@ -44,13 +44,9 @@ def loaded_model(name: str, device: str = "cpu", autocast_bf16: bool = False) ->
             model = _loaded.get(name)
             if model is None:
                 model = get_model(name)
-                if (
-                    autocast_bf16
-                    and hasattr(model, "load")
-                    and "autocast_bf16" in model.load.__code__.co_varnames
-                ):
-                    model.load(device, autocast_bf16=True)  # type: ignore[call-arg]
-                else:
+                if autocast_bf16:
+                    model.load(device, autocast_bf16=True)
+                else:  # passed only when set, so a model lacking the keyword loads while bf16 is off
                     model.load(device)
                 _loaded[name] = model
     return model

@@ -36,8 +36,12 @@ class BatchModel(Protocol):
         """Token ids of each text, truncated to ``max_length``. Called on the coordinator."""
         ...
 
-    def load(self, device: str) -> None:
-        """Load weights onto ``device`` ("cpu" or "cuda"). Called once per worker process."""
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None:
+        """Load weights onto ``device`` ("cpu" or "cuda"). Called once per worker process.
+
+        ``autocast_bf16`` (``CARPOOL_AUTOCAST_BF16``): run ``forward`` under bfloat16 autocast on
+        CUDA; a model that cannot, or a CPU device, ignores it.
+        """
         ...
 
     def forward(

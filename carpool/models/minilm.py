@@ -82,7 +82,7 @@ class MiniLM:
         # Each overflow piece repeats [CLS] and [SEP]; count only its content tokens.
         return [len(e.ids) + sum(len(o.ids) - 2 for o in e.overflowing) for e in encodings]
 
-    def load(self, device: str, autocast_bf16: bool = False) -> None:
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None:
         import torch
         from transformers import AutoModel
         from transformers.utils import logging as hf_logging

@@ -19,7 +19,7 @@ class NullModel:
         # About four characters per token, like a real subword tokenizer, without the work.
         return [[0] * min(self.max_length, 2 + len(t) // 4) for t in texts]
 
-    def load(self, device: str) -> None:
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None:
         return None
 
     def forward(

@@ -39,7 +39,7 @@ class ToyModel:
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [1 + len(t.split()) for t in texts]
 
-    def load(self, device: str) -> None:
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None:
         import torch
 
         gen = torch.Generator().manual_seed(1234)

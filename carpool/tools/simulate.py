@@ -11,7 +11,7 @@ Data flow::
       -> a simulated worker pool: dispatched batches queue first-in first-out and each runs for the
          latency model's prediction a + b * padded_tokens (x seeded noise) plus a per-batch overhead;
          members already past their deadline when a worker starts the batch fail there, as they do in
-         carpool.gpu_worker.task
+         carpool.gpu_worker.runtime
       -> reports back to the policy's latency model (the coordinator's online fit)
       -> SimResult per policy and offered rate: throughput, p50/p99 latency, padding ratio, mean batch
          size, deadline misses -> a rich table and a matplotlib PNG (the CLI glue at the bottom)
@@ -729,7 +729,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
     from carpool.config import load_settings
-    from carpool.coordinator.service import policy_config
+    from carpool.coordinator import policy_config
 
     knobs = ("max_batch", "max_tokens", "max_wait_s", "wait_factor", "prefetch_batches", "auto_bins")
     overrides: dict[str, object] = {k: getattr(args, k) for k in knobs if getattr(args, k) is not None}

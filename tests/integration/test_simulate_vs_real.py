@@ -73,7 +73,7 @@ def worker_batches(processes: Processes) -> list[tuple[float, dict[str, Any]]]:
 
 def test_simulated_throughput_matches_a_real_burst(processes: Processes, tmp_path: Path) -> None:
     from carpool.config import load_settings
-    from carpool.coordinator.service import policy_config
+    from carpool.coordinator import policy_config
 
     settings = load_settings(model=MODEL, models=(MODEL,))
     config = policy_config(settings)

@@ -1,0 +1,170 @@
+"""Intake: raw messages taken from the request queue -> policy Requests, and the requests refused.
+
+Per message: decode it (what is not a carpool request is set aside to be dead-lettered), bind and
+validate its arguments, refuse it when ``CARPOOL_MAX_PENDING`` requests already wait; then per model,
+refuse texts over the model's window (with truncation off), tokenize the rest in one call and move
+the producer's wall-clock times onto the coordinator's monotonic clock. No I/O: the tokenizers and
+both clocks' readings are passed in, and the caller stores the failures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from carpool.batching import Request
+from carpool.celery_edge import requests as protocol
+from carpool.celery_edge.requests import Incoming
+from carpool.config import Settings
+from carpool.errors import CarpoolError, InputTooLong, InvalidInput, MalformedMessage, QueueFull
+from carpool.models import BatchModel
+from carpool.validation import InferPayload, bind_infer_args, validate_infer
+from carpool.wire import RequestSlot
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request answered with an error instead of run."""
+
+    id: str
+    reason: str  # the metrics label: invalid, queue_full, too_long, deadline
+    error: CarpoolError
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """A taken message that is not a carpool request: it goes to the dead-letter list, unanswered."""
+
+    id: str
+    raw: bytes
+    reason: str
+
+
+@dataclass(slots=True)
+class Intake:
+    """What one take turned into; ``admitted`` keeps each request's message for its task events."""
+
+    admitted: list[tuple[Incoming, Request]] = field(default_factory=list)
+    refused: list[Refused] = field(default_factory=list)
+    malformed: list[Malformed] = field(default_factory=list)
+
+
+def decode_taken(request_id: str, raw: bytes) -> Incoming:
+    """The request message ``raw``, taken under ``request_id``, or raise :class:`MalformedMessage`."""
+    msg = protocol.decode(raw)
+    if msg.id != request_id:  # in-flight bookkeeping is keyed by the id the take found
+        raise MalformedMessage(f"task id {msg.id!r} is not the message's only id key")
+    return msg
+
+
+def validated(msg: Incoming, settings: Settings) -> InferPayload:
+    """The text and served model of ``msg``'s ``carpool.infer`` call, or raise :class:`InvalidInput`."""
+    text, model = bind_infer_args(msg.args, msg.kwargs)
+    return validate_infer(text, model, settings)
+
+
+def queue_full(max_pending: int) -> QueueFull:
+    return QueueFull(f"{max_pending} requests already wait (CARPOOL_MAX_PENDING); retry later")
+
+
+def too_long(count: int, max_length: int, model_name: str) -> InputTooLong:
+    return InputTooLong(
+        f"text is {count} tokens, over the {max_length}-token window of {model_name}; "
+        "shorten it, or set CARPOOL_TRUNCATE=true to cut it as sentence-transformers does"
+    )
+
+
+def split_too_long(
+    model: BatchModel, model_name: str, items: list[tuple[Incoming, str]]
+) -> tuple[list[tuple[Incoming, str]], list[Refused]]:
+    """(items that fit the model's window, refusals of those that do not), by untruncated counts."""
+    counts = model.count_tokens([text for _, text in items])  # type: ignore[attr-defined]
+    keep: list[tuple[Incoming, str]] = []
+    refused: list[Refused] = []
+    for item, count in zip(items, counts, strict=True):
+        if count > model.max_length:
+            refused.append(Refused(item[0].id, "too_long", too_long(count, model.max_length, model_name)))
+        else:
+            keep.append(item)
+    return keep, refused
+
+
+def to_request(
+    msg: Incoming,
+    model_name: str,
+    ids: list[int],
+    keep_ids: bool,
+    now: float,
+    wall_now: float,
+    default_deadline_s: float,
+) -> Request:
+    """The policy's view of ``msg``, carrying the slot the worker will read.
+
+    Times the producer stamped on its wall clock become coordinator-clock times (``now`` and
+    ``wall_now`` are the same instant on both clocks); a message sent "in the future" by a
+    producer whose clock runs ahead counts as arriving now.
+    """
+    sent_at = msg.sent_at if msg.sent_at is not None else wall_now
+    deadline_wall = msg.expires_at if msg.expires_at is not None else sent_at + default_deadline_s
+    slot: RequestSlot = {
+        "id": msg.id,
+        "ids": ids if keep_ids else None,
+        "len": len(ids),
+        "sent_at": sent_at,
+        "deadline": deadline_wall,
+    }
+    return Request(
+        id=msg.id,
+        model=model_name,
+        length=len(ids),
+        arrival_s=now - max(0.0, wall_now - sent_at),
+        deadline_s=now + (deadline_wall - wall_now),
+        priority=msg.priority,
+        payload=slot,
+    )
+
+
+def take_in(
+    taken: Sequence[tuple[str, bytes]],
+    *,
+    settings: Settings,
+    models: Mapping[str, BatchModel],
+    room: int,
+    now: float,
+    wall_now: float,
+) -> Intake:
+    """Turn ``taken`` (request id, raw message) pairs into requests for the policy and refusals.
+
+    ``room``: how many more requests the policy may hold; ``now`` and ``wall_now``: the coordinator's
+    monotonic and wall clocks, read at one instant.
+    """
+    out = Intake()
+    by_model: dict[str, list[tuple[Incoming, str]]] = {}
+    for request_id, raw in taken:
+        try:
+            msg = decode_taken(request_id, raw)
+        except MalformedMessage as exc:
+            out.malformed.append(Malformed(request_id, raw, str(exc)))
+            continue
+        try:
+            payload = validated(msg, settings)
+        except InvalidInput as exc:
+            out.refused.append(Refused(msg.id, "invalid", exc))
+            continue
+        if room <= 0:
+            out.refused.append(Refused(msg.id, "queue_full", queue_full(settings.max_pending)))
+            continue
+        room -= 1
+        by_model.setdefault(payload.model, []).append((msg, payload.text))
+
+    for model_name, items in by_model.items():
+        model = models[model_name]
+        if not settings.truncate and hasattr(model, "count_tokens"):
+            items, refused = split_too_long(model, model_name, items)
+            out.refused.extend(refused)
+        token_ids = model.encode([text for _, text in items])
+        keep_ids = model.needs_token_ids
+        deadline_s = settings.default_deadline_s
+        for (msg, _), ids in zip(items, token_ids, strict=True):
+            out.admitted.append((msg, to_request(msg, model_name, ids, keep_ids, now, wall_now, deadline_s)))
+    return out

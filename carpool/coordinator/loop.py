@@ -1,0 +1,406 @@
+"""The coordinator process: Redis request list -> policy -> Celery batch tasks on the batch queue.
+
+One ``step``: take requests atomically into flight together with the reports of batches still out
+(one round trip), turn them into the policy's requests (``intake``), ask the policy what leaves now
+when something changed (``waiting``), publish those batches in one script call, fail what expired.
+Housekeeping (lease renewal, recovery of requests whose holder died, worker count) runs every
+quarter lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis
+from celery import Celery
+
+from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan
+from carpool.batching.capacity import Capacity, free_workers, pool_capacity
+from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.results import FAILURE
+from carpool.celery_edge.task_messages import TaskMessageBuilder
+from carpool.config import Settings
+from carpool.coordinator import policy_config
+from carpool.coordinator.intake import Malformed, Refused, take_in
+from carpool.coordinator.metrics import CoordinatorMetrics
+from carpool.coordinator.stats import CoordinatorStats, StatsWriter
+from carpool.coordinator.waiting import Pacer, Wait, WaitFor
+from carpool.errors import DeadlineExceeded, WireError
+from carpool.models import get_model
+from carpool.names import RUN_BATCH_TASK
+from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.store import RequestStore
+from carpool.wire import RequestSlot, batch_message, read_report
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
+
+
+@dataclass(slots=True)
+class _Outstanding:
+    ids: list[str]
+    model: str
+    predicted_s: float
+    dispatched_s: float
+
+
+class Coordinator:
+    def __init__(
+        self,
+        settings: Settings,
+        app: Celery,
+        client: redis.Redis | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.app = app
+        self.backend = app.backend
+        self.client = client or redis.Redis.from_url(settings.broker_url)
+        self.keys = Keys(settings.request_queue)
+        self.store = RequestStore(self.client, self.keys, settings.recovery_timeout_s)
+        self.clock = clock
+        self.wall = wall
+        self.latency = LatencyModel()
+        self.policy = BatchPolicy(policy_config(settings), self.latency)
+        self.models = {name: get_model(name) for name in settings.served_models}
+        self.outstanding: dict[str, _Outstanding] = {}
+        self.workers = 0
+        self.stats = CoordinatorStats()
+        self.pacer = Pacer(settings.idle_poll_s)
+        self.stopping = threading.Event()
+        self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
+        self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
+        self.metrics = CoordinatorMetrics()
+        self._held: set[str] = set()
+        self._next_housekeeping = 0.0
+        self._next_stats = 0.0
+        self._stats_writer = StatsWriter(self.client, self.keys.stats)
+        self._wait_lists = {
+            WaitFor.REPORTS: self.keys.reports_for(self.hostname),
+            WaitFor.REQUESTS: self.keys.request_queue,
+        }
+        self._refused_kinds: set[tuple[str, str]] = set()
+        # Kept for the process's life: the builder renders batch messages from a template it learns
+        # from Celery's own first messages.
+        self._messages = TaskMessageBuilder(
+            RUN_BATCH_TASK,
+            app=app,
+            queue=settings.batch_queue,
+            sent_events=False,
+            # The header overrides run_batch's own ignore_result on the worker: nobody reads a
+            # batch's result, so the backend must not store one.
+            ignore_result=True,
+        )
+
+    # --- process -------------------------------------------------------------------------
+    def run(self) -> None:
+        self.metrics.serve(self.settings.metrics_port)
+        log.info(
+            "coordinator serving %s on %s (policy=%s max_batch=%d max_tokens=%d)",
+            ",".join(self.settings.served_models),
+            self.settings.request_queue,
+            self.settings.policy,
+            self.settings.max_batch,
+            self.settings.max_tokens,
+        )
+        self.warm_up()
+        backoff = 0.1
+        while not self.stopping.is_set():
+            try:
+                wait = self.step()
+                backoff = 0.1
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis restarts: keep what we hold in memory; leases we miss are recovered by reap.
+                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                self.stopping.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            except Exception:
+                # A bug or a surprise must not take the queue down with it: what we hold stays
+                # leased (and is recovered if this repeats until the process is replaced).
+                log.exception("coordinator step failed; retrying in %.1fs", backoff)
+                self.stopping.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            if wait.seconds > 0:
+                self._wait(wait)
+        self.shutdown()
+
+    def warm_up(self) -> None:
+        """Load each model's tokenizer now, not inside the first request's latency."""
+        for name, model in self.models.items():
+            try:
+                model.encode(["warm up"])
+            except Exception:
+                log.exception("warming up the tokenizer of %s failed; requests will show the error", name)
+
+    def install_signal_handlers(self) -> None:
+        def _stop(signum: int, _frame: Any) -> None:
+            log.info("signal %d: handing back held requests and stopping", signum)
+            self.stopping.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+    def shutdown(self) -> None:
+        """Hand every request not yet dispatched back to the front of the request queue."""
+        held = self.policy.drain()
+        try:
+            returned = self.store.requeue([r.id for r in held])
+        except redis.ConnectionError:
+            log.warning("redis unavailable at shutdown; %d held requests return after their lease", len(held))
+            return
+        self._held.clear()
+        log.info("handed back %d requests", returned)
+
+    # --- one step ------------------------------------------------------------------------
+    def step(self) -> Wait:
+        """One iteration; returns how to wait before the next."""
+        now = self.clock()
+        if now >= self._next_housekeeping:
+            self.housekeeping(now)
+            self._next_housekeeping = now + min(1.0, self.settings.recovery_timeout_s / 4)
+        if now >= self._next_stats:
+            self._write_stats()
+            self._next_stats = now + STATS_INTERVAL_S
+        # One round trip: new requests, and the reports of batches still out (none asked when none are).
+        taken, reports = self.store.take(
+            self.settings.take_max, reports_of=self.hostname if self.outstanding else None
+        )
+        if reports:
+            self._apply_reports(reports)
+        if taken:
+            self._admit(taken, self.clock())
+        now = self.clock()
+        if self.pacer.poll_due(now):
+            self.pacer.polled(now, self._dispatch(now))
+        self.events.flush()
+        busy = self.workers > 0 and free_workers(self.workers, len(self.outstanding)) == 0
+        return self.pacer.next_wait(now, took=bool(taken), held=len(self.policy), all_workers_busy=busy)
+
+    def _wait(self, wait: Wait) -> None:
+        """Sleep ``wait.seconds``, or less if its list gets an element first: BLMOVE from the list to
+        its own tail is an atomic no-op rotation, so waiting takes nothing out of Redis."""
+        if wait.block_on is None:
+            self.stopping.wait(wait.seconds)
+            return
+        key = self._wait_lists[wait.block_on]
+        try:
+            # Redis >= 6 takes a fractional timeout; redis-py's stub says int.
+            self.client.blmove(key, key, round(wait.seconds, 3), "RIGHT", "RIGHT")  # type: ignore[arg-type]
+            return
+        except redis.ResponseError:  # Redis < 6.2: no BLMOVE
+            log.info("this Redis has no BLMOVE (6.2+); polling instead")
+            self.pacer.cannot_block()
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # the next step meets the same error and backs off; nothing was taken here
+        self.stopping.wait(wait.fallback_s)
+
+    def _capacity(self) -> Capacity:
+        return pool_capacity(
+            self.workers, self.settings.prefetch_batches, (o.predicted_s for o in self.outstanding.values())
+        )
+
+    # --- intake --------------------------------------------------------------------------
+    def _admit(self, taken: list[tuple[str, bytes]], now: float) -> None:
+        self.stats.taken += len(taken)
+        self.metrics.requests.inc(len(taken))
+        intake = take_in(
+            taken,
+            settings=self.settings,
+            models=self.models,
+            room=self.settings.max_pending - len(self.policy),
+            now=now,
+            wall_now=self.wall(),
+        )
+        for bad in intake.malformed:
+            self._dead_letter(bad)
+        for msg, request in intake.admitted:
+            self.policy.add(request)
+            self._held.add(request.id)
+            self.events.received(request.id, msg.argsrepr, msg.kwargsrepr)
+        if intake.refused:
+            self._fail(intake.refused)
+        self.pacer.changed()
+
+    def _dead_letter(self, bad: Malformed) -> None:
+        log.warning("dead-lettering message %s: %s", bad.id, bad.reason)
+        self.store.dead_letter(bad.id, bad.raw, bad.reason)
+        self.stats.failed["malformed"] += 1
+        self.metrics.failed("malformed")
+
+    def _fail(self, refused: list[Refused]) -> None:
+        self.backend.store_many([(r.id, FAILURE, r.error) for r in refused])
+        self.store.ack([r.id for r in refused])
+        for r in refused:
+            self.stats.failed[r.reason] += 1
+            self.metrics.failed(r.reason)
+            self.events.failed(r.id, r.error)
+            log.info("request %s failed (%s): %s", r.id, r.reason, r.error)
+
+    # --- dispatch ------------------------------------------------------------------------
+    def _dispatch(self, now: float) -> float | None:
+        """Carry out the policy's plan for ``now``; returns when the plan wants asking again."""
+        if self.workers == 0:
+            # Nobody could run a batch: hold everything (a deadline flush would only expire in the
+            # batch queue) and fail what expires here.
+            plan = Plan(expired=self.policy.expire(now), wake_at_s=self.policy.next_deadline())
+        else:
+            cap = self._capacity()
+            plan = self.policy.poll(now, cap.free_workers, cap.free_slots, cap.ahead_s)
+        if plan.expired:
+            where = "in the coordinator's queue"
+            self._held.difference_update(r.id for r in plan.expired)
+            self._fail(
+                [
+                    Refused(r.id, "deadline", DeadlineExceeded.waited(now - r.deadline_s, where))
+                    for r in plan.expired
+                ]
+            )
+        if plan.batches:
+            self._publish(plan.batches, now)
+        return plan.wake_at_s
+
+    def _publish(self, batches: list[Batch], now: float) -> None:
+        """Hand ``batches`` on: every batch's task message, ownership and lease renewal, and the events
+        buffered so far (published first, so Flower sees requests received before started), in one
+        script call. The messages are the ones ``app.send_task`` would send, built by
+        :class:`~carpool.celery_edge.task_messages.TaskMessageBuilder` without kombu's per-publish
+        overhead."""
+        wall_now = self.wall()
+        batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
+        calls: list[tuple[list[Any], dict[str, Any]]] = []
+        summaries: list[str] = []
+        for batch_id, batch in zip(batch_ids, batches, strict=True):
+            message = batch_message(
+                batch_id=batch_id,
+                model=batch.model,
+                bin_label=batch.bin_label,
+                flush=batch.flush_reason.value,
+                padded_len=batch.padded_len,
+                dispatched_at=wall_now,
+                coordinator=self.hostname,
+                requests=cast("list[RequestSlot]", [r.payload for r in batch.requests]),
+            )
+            calls.append(([message], {}))
+            # Flower shows argsrepr; the token ids it would otherwise show help nobody.
+            padding = batch.padded_tokens / max(1, batch.real_tokens)
+            summaries.append(
+                f"size={batch.size} bin={batch.bin_label} width={batch.padded_len} "
+                f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}"
+            )
+        try:
+            built = self._messages.build(calls, task_ids=batch_ids, argsreprs=summaries)
+            (queue_list, raws), *others = built.pushes.items()
+            if others:
+                raise RuntimeError("batch messages must all go to one list (no priorities on batches)")
+            self.store.dispatch(
+                queue_list,
+                [
+                    (bid, [r.id for r in b.requests], raw)
+                    for bid, b, raw in zip(batch_ids, batches, raws, strict=True)
+                ],
+                self.events.take(),
+            )
+        except Exception:
+            # The broker went away: nothing of the script ran, so the batches go back into the policy
+            # (still held and leased by us), to leave with a later plan once Redis answers again.
+            for batch in batches:
+                for req in batch.requests:
+                    self.policy.add(req)
+            self.pacer.changed()
+            raise
+        built.published()
+        for batch_id, batch in zip(batch_ids, batches, strict=True):
+            self._dispatched(batch_id, batch, now)
+
+    def _dispatched(self, batch_id: str, batch: Batch, now: float) -> None:
+        ids = [r.id for r in batch.requests]
+        predicted = self.latency.predict(batch.model, batch.padded_tokens)
+        self.outstanding[batch_id] = _Outstanding(ids, batch.model, predicted, now)
+        self._held.difference_update(ids)
+        self.stats.batches += 1
+        self.stats.dispatched += batch.size
+        self.stats.padded_tokens += batch.padded_tokens
+        self.stats.real_tokens += batch.real_tokens
+        self.stats.flush[batch.flush_reason.value] += 1
+        self.stats.sizes[batch.size] += 1
+        self.metrics.batch_dispatched(
+            batch.model,
+            batch.bin_label,
+            batch.size,
+            batch.padded_tokens,
+            batch.real_tokens,
+            batch.flush_reason.value,
+            [now - r.arrival_s for r in batch.requests],
+        )
+
+    # --- housekeeping --------------------------------------------------------------------
+    def housekeeping(self, now: float) -> None:
+        self._apply_reports(self.store.pop_reports(self.hostname))  # also of batches given up on
+        self.pacer.changed()  # worker count, given-up batches and recovered requests change slots
+        self.workers = self.store.live_workers()
+        self.metrics.workers.set(self.workers)
+        # A dispatched batch that no report closed within a lease died with its worker; the
+        # reap below (here or in another coordinator) brings its requests back.
+        horizon = self.settings.recovery_timeout_s
+        for batch_id, out in list(self.outstanding.items()):
+            if now - out.dispatched_s > horizon + 4 * out.predicted_s:
+                log.warning(
+                    "batch %s (%d requests) never reported; leaving it to recovery", batch_id, len(out.ids)
+                )
+                del self.outstanding[batch_id]
+        renew = list(self._held)
+        for out in self.outstanding.values():
+            renew.extend(out.ids)
+        self.store.renew_held(renew)
+        recovered = self.store.reap()
+        if recovered:
+            log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
+
+    def _apply_reports(self, reports: list[dict[str, Any]]) -> None:
+        for raw in reports:
+            try:
+                report = read_report(raw)
+            except WireError as exc:
+                self._refuse_report(raw, exc)
+                continue
+            self.pacer.changed()  # a slot freed, and the latency model learnt something
+            out = self.outstanding.pop(report["batch_id"], None)
+            if out is None:
+                log.debug("report for batch %s dispatched by another coordinator", report["batch_id"])
+            run_s = report["run_s"]
+            if report["padded_tokens"] and run_s is not None:
+                self.latency.observe(report["model"], report["padded_tokens"], run_s)
+                self.metrics.batch_ran(report["model"], report["device"], run_s)
+            # Failures decided on the worker count with the coordinator's own, in metrics and stats.
+            for reason, n in (("model", report["failed_model"]), ("deadline", report["failed_deadline"])):
+                if n:
+                    self.stats.failed[reason] += n
+                    self.metrics.failed(reason, n)
+
+    def _refuse_report(self, raw: object, exc: WireError) -> None:
+        """Log a report this release cannot read: loudly the first time, then quietly."""
+        kind = (type(exc).__name__, repr(raw.get("version")) if isinstance(raw, dict) else "")
+        if kind in self._refused_kinds:
+            log.debug("batch report refused: %s", exc)
+            return
+        self._refused_kinds.add(kind)
+        log.error("batch report refused (more like it are logged at debug level): %s", exc)
+
+    def _write_stats(self) -> None:
+        depths = self.policy.depth_by_bin()
+        self.metrics.set_depths(depths)
+        gauges = {"pending": len(self.policy), "outstanding": len(self.outstanding), "workers": self.workers}
+        self._stats_writer.write(self.stats, depths, gauges)

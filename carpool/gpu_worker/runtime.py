@@ -1,0 +1,294 @@
+"""A GPU worker's state and its work per batch: claim, run, finish; and its heartbeat.
+
+Per batch: claim the requests this batch still owns (a recovered request may already be someone
+else's) and learn which are answered already, in one script; fail those past their deadline; run the
+rest padded to a multiple of 8; then, in one more script, store every request's result under its own
+task id (write-once), acknowledge the batch's requests, report its timing to the coordinator's
+latency model and publish the per-request task events. Two Redis round trips per batch when the
+result backend is a database of the broker's server (the default), a few more otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import redis
+from celery import Celery
+
+from carpool.batching.bins import padded_length
+from carpool.batching.capacity import may_start
+from carpool.celery_edge.app import settings_of
+from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.results import FAILURE, SUCCESS
+from carpool.errors import DeadlineExceeded, ModelError, WireError
+from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating
+from carpool.names import RUN_BATCH_TASK
+from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.store import RequestStore
+from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
+
+log = logging.getLogger(__name__)
+
+BATCH_REPR_LIMIT = 1024  # characters of a batch report in its task-succeeded event (Celery's default)
+HEARTBEAT_S = 1.0
+LIVE_STARTED_S = 0.5  # batches longer than this publish their STARTED events before running
+
+T = TypeVar("T")
+
+
+class WorkerRuntime:
+    """Per-process worker state: Redis edge, device, loaded models, heartbeat."""
+
+    def __init__(self, app: Celery) -> None:
+        self.settings = settings_of(app)
+        self.client = redis.Redis.from_url(self.settings.broker_url)
+        self.store = RequestStore(
+            self.client, Keys(self.settings.request_queue), self.settings.recovery_timeout_s
+        )
+        self.backend = app.backend
+        self.device = pick_device(self.settings.device)
+        self.hostname = f"{socket.gethostname()}:{os.getpid()}"
+        self.events = TaskEvents(
+            app,
+            f"carpool-gpu-{os.getpid()}@{socket.gethostname()}",
+            enabled=self.settings.events,
+            client=self.client,
+        )
+        # (broker db, results db) when both live on one server: then a batch finishes in one script.
+        self.dbs = self.settings.shared_server_dbs()
+        self._running: list[str] = []
+        self._last_run_s: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.settings.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.settings.torch_threads)
+
+    # --- life ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load every served model, then start announcing this worker to coordinators."""
+        for name in self.settings.served_models:
+            t0 = time.perf_counter()
+            loaded_model(name, self.device, self.settings.autocast_bf16)
+            log.info("model %s loaded on %s in %.1fs", name, self.device, time.perf_counter() - t0)
+        self._beat()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(redis.RedisError):
+            self.store.leave(self.hostname)
+
+    def _beat(self) -> None:
+        self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S)
+        # Keep the running batch's leases alive: a batch longer than the lease is not a dead worker.
+        self.store.renew_running(list(self._running))
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    # --- one batch -----------------------------------------------------------------------
+    def run(self, batch: object, request: Any = None) -> BatchReport:
+        """Run one batch message. ``request``: the Celery task request of ``carpool.run_batch`` (the
+        runtime sends that task's events itself); None when called directly.
+
+        A message this release cannot read (another wire version, or malformed) is refused with a
+        :class:`~carpool.errors.WireError` before anything is claimed: its requests stay owned by
+        the batch and leased by their coordinator, and lease recovery returns them to the request
+        queue, where a coordinator of this release can batch them again.
+        """
+        t0 = time.perf_counter()
+        task_id = getattr(request, "id", None)
+        if task_id:
+            self.events.received(
+                task_id,
+                str(getattr(request, "argsrepr", None) or ""),
+                str(getattr(request, "kwargsrepr", None) or "{}"),
+                name=RUN_BATCH_TASK,
+                root_id=getattr(request, "root_id", None),
+                parent_id=getattr(request, "parent_id", None),
+                retries=int(getattr(request, "retries", 0) or 0),
+            )
+            self.events.started([task_id])
+
+        def done(report: BatchReport) -> None:
+            if task_id:  # the batch's own task-succeeded rides with its requests' events
+                self.events.succeeded(task_id, report, time.perf_counter() - t0, limit=BATCH_REPR_LIMIT)
+
+        try:
+            try:
+                message = read_batch(batch)
+            except WireError as exc:
+                log.error(
+                    "refusing batch %s: %s Its requests return to the request queue through lease recovery.",
+                    task_id,
+                    exc,
+                )
+                raise
+            return self._run(message, done)
+        except BaseException as exc:
+            if task_id and not isinstance(exc, KeyboardInterrupt | SystemExit):
+                self.events.failed(task_id, exc, time.perf_counter() - t0, traceback.format_exc())
+                self.events.flush()
+            raise
+        finally:
+            # Whatever happened, stop renewing this batch's leases: if it did not finish, its
+            # requests must come back through recovery instead of being held forever.
+            self._running = []
+
+    def _run(self, batch: BatchMessage, done: Callable[[BatchReport], None]) -> BatchReport:
+        batch_id = batch["id"]
+        requests = batch["requests"]
+        ids = [r["id"] for r in requests]
+        flags = self._claim(batch_id, ids)
+        mine = [r for r, f in zip(requests, flags, strict=True) if f]
+        if len(mine) < len(requests):
+            log.info(
+                "batch %s: %d of %d requests now belong elsewhere; skipped",
+                batch_id,
+                len(requests) - len(mine),
+                len(requests),
+            )
+        now = time.time()
+        entries: list[tuple[str, str, Any]] = []
+        live: list[RequestSlot] = []
+        for r, flag in zip(requests, flags, strict=True):
+            if flag != 1:  # another batch's now, or answered already (a rerun after recovery)
+                continue
+            if not may_start(r["deadline"], now):
+                late = DeadlineExceeded.waited(now - r["deadline"], "when its batch started")
+                entries.append((r["id"], FAILURE, late))
+            else:
+                live.append(r)
+        run_s = None
+        padded_len = 0
+        if live:
+            run_s, padded_len = self._forward(batch, live, entries)
+        per_request_s = run_s or 0.0
+        for task_id, state, value in entries:
+            if state == SUCCESS:
+                self.events.succeeded(task_id, value, per_request_s)
+            else:
+                self.events.failed(task_id, value, per_request_s)
+        report = batch_report(
+            batch_id=batch_id,
+            model=batch["model"],
+            worker=self.hostname,
+            device=self.device,
+            bin_label=batch["bin"],
+            flush=batch["flush"],
+            size=len(live),
+            padded_len=padded_len,
+            real_tokens=sum(r["len"] for r in live),
+            run_s=run_s,
+            failed_model=sum(1 for e in entries if isinstance(e[2], ModelError)),
+            failed_deadline=sum(1 for e in entries if isinstance(e[2], DeadlineExceeded)),
+            done_at=time.time(),
+        )
+        done(report)
+        # Redis may be restarting: the results are computed, so keep trying to hand them over for a
+        # while before giving the batch up to recovery.
+        _retrying(lambda: self._finish(entries, [r["id"] for r in mine], report, batch["coordinator"]))
+        return report
+
+    def _claim(self, batch_id: str, ids: list[str]) -> list[int]:
+        """Per id: 0 (no longer this batch's), 1 (claimed, to run) or 2 (claimed, answered already)."""
+        if self.dbs is not None:
+            result_keys = [self.backend.get_key_for_task(i) for i in ids]
+            return self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1])
+        # Results on another server: claim, then look for stored results there.
+        owned = self.store.claim(batch_id, ids)
+        answered = self.backend.existing([i for i, ok in zip(ids, owned, strict=True) if ok])
+        return [(2 if i in answered else 1) if ok else 0 for i, ok in zip(ids, owned, strict=True)]
+
+    def _forward(
+        self, batch: BatchMessage, live: list[RequestSlot], entries: list[tuple[str, str, Any]]
+    ) -> tuple[float | None, int]:
+        """Run ``live`` on the model, appending each request's outcome to ``entries``; returns
+        (model time, or None when a failure split the batch; padded length)."""
+        self._running = [r["id"] for r in live]
+        # Published before running only when someone could watch the batch as STARTED; otherwise
+        # they leave with the results, in the batch's one publish.
+        self.events.started(self._running)
+        if self._last_run_s.get(batch["model"], 0.0) > LIVE_STARTED_S:
+            self.events.flush()
+        run_s = None
+        padded_len = 0
+        try:
+            model = loaded_model(batch["model"], self.device, self.settings.autocast_bf16)
+            lengths = [r["len"] for r in live]
+            t0 = time.perf_counter()
+            outcomes = run_isolating(model, [r["ids"] for r in live], lengths)
+            elapsed = time.perf_counter() - t0
+            self._last_run_s[batch["model"]] = elapsed
+            if all(ok for ok, _ in outcomes):
+                run_s = elapsed  # a split batch's time says nothing about the latency model
+            padded_len = padded_length(max(lengths))
+        except Exception as exc:  # model failed to load: every request fails with the reason
+            log.exception("batch %s: model %s unavailable", batch["id"], batch["model"])
+            outcomes = [(False, exc)] * len(live)
+        for r, (ok, out) in zip(live, outcomes, strict=True):
+            if ok:
+                entries.append((r["id"], SUCCESS, out))
+            else:
+                entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
+        return run_s, padded_len
+
+    def _finish(
+        self,
+        entries: list[tuple[str, str, Any]],
+        ack_ids: list[str],
+        report: BatchReport,
+        coordinator: str,
+    ) -> None:
+        """Results (write-once), acks, the report and the task events: one round trip when the
+        results live on the broker's server, else a store on the backend and one trip for the rest.
+        The events leave the buffer on the first attempt: a retry after a lost connection sends none
+        (they are telemetry; the results, acks and report are what a retry must deliver)."""
+        events = self.events.take()
+        if self.dbs is not None:
+            self.store.finish(
+                results_db=self.dbs[1],
+                broker_db=self.dbs[0],
+                writes=self.backend.store_args(entries),
+                ack_ids=ack_ids,
+                report=cast(dict[str, Any], report),
+                coordinator=coordinator,
+                events=events,
+            )
+            return
+        self.backend.store_many(entries)
+        with self.client.pipeline(transaction=False) as pipe:
+            self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
+            if events is not None:
+                pipe.publish(*events)
+            pipe.execute()
+
+
+def _retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0.1) -> T:
+    """``call()``, retried while Redis is unreachable; pauses double from 0.1 s to 5 s, about 11 s in all."""
+    pause = first_pause_s
+    for attempt in range(attempts):
+        try:
+            return call()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if attempt == attempts - 1:
+                raise
+            log.warning("redis unavailable (%s); retrying in %.1fs", exc, pause)
+            time.sleep(pause)
+            pause = min(5.0, pause * 2)
+    raise AssertionError("unreachable")

@@ -1,0 +1,234 @@
+"""The coordinator's loop with its clocks injected and its Redis edge faked: no network, no sleeping."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from carpool.codec import loads
+from carpool.config import Settings
+from carpool.coordinator.loop import Coordinator
+from carpool.coordinator.waiting import FORCED_POLL_S, WaitFor
+from carpool.errors import DeadlineExceeded
+from carpool.wire import WIRE_VERSION, batch_report, read_batch
+from tests.unit.messages import message
+
+MONO_START = 50.0
+WALL_START = 1_700_000_000.0
+
+
+class Clocks:
+    """Both clocks of the coordinator, moved by hand."""
+
+    def __init__(self) -> None:
+        self.elapsed = 0.0
+
+    def mono(self) -> float:
+        return MONO_START + self.elapsed
+
+    def wall(self) -> float:
+        return WALL_START + self.elapsed
+
+    def advance(self, seconds: float) -> None:
+        self.elapsed += seconds
+
+
+class FakeStore:
+    """The coordinator's calls into Redis, answered from memory."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.queue: list[tuple[str, bytes]] = []
+        self.reports: list[dict[str, Any]] = []
+        self.acked: list[str] = []
+        self.dispatched: list[tuple[str, list[str]]] = []
+
+    def take(
+        self, count: int, reports_of: str | None = None
+    ) -> tuple[list[tuple[str, bytes]], list[dict[str, Any]]]:
+        taken, self.queue = self.queue[:count], self.queue[count:]
+        reports, self.reports = (self.reports, []) if reports_of is not None else ([], self.reports)
+        return taken, reports
+
+    def pop_reports(self, coordinator: str) -> list[dict[str, Any]]:
+        reports, self.reports = self.reports, []
+        return reports
+
+    def live_workers(self) -> int:
+        return self.workers
+
+    def renew_held(self, ids: Sequence[str]) -> int:
+        return len(ids)
+
+    def reap(self) -> int:
+        return 0
+
+    def ack(self, ids: Sequence[str]) -> None:
+        self.acked.extend(ids)
+
+    def dispatch(
+        self, queue_list: str, batches: Sequence[tuple[str, Sequence[str], Any]], events: Any
+    ) -> int:
+        self.dispatched.extend((batch_id, list(ids)) for batch_id, ids, _ in batches)
+        return sum(len(ids) for _, ids, _ in batches)
+
+
+class FakeBackend:
+    def __init__(self) -> None:
+        self.stored: list[tuple[str, str, Any]] = []
+
+    def store_many(self, entries: list[tuple[str, str, Any]]) -> None:
+        self.stored.extend(entries)
+
+
+class Built:
+    def __init__(self, raws: list[bytes]) -> None:
+        self.pushes = {"carpool.batches": raws}
+
+    def published(self) -> None:
+        pass
+
+
+class FakeBuilder:
+    """Records the task arguments instead of building Celery messages (which needs the broker)."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def build(self, calls: list[tuple[list[Any], dict[str, Any]]], **_: Any) -> Built:
+        self.batches.extend(args[0] for args, _ in calls)
+        return Built([b"message"] * len(calls))
+
+
+class FakePipeline:
+    def __enter__(self) -> FakePipeline:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class FakeClient:
+    def register_script(self, script: str) -> Any:
+        return lambda **kwargs: None
+
+    def pipeline(self, transaction: bool = True) -> FakePipeline:
+        return FakePipeline()
+
+
+@pytest.fixture
+def clocks() -> Clocks:
+    return Clocks()
+
+
+def coordinator(clocks: Clocks, workers: int, **overrides: Any) -> Any:
+    from carpool.celery_edge.app import app
+
+    fields: dict[str, Any] = {"model": "toy", "models": ("toy",), "events": False, "max_wait_s": 0.05}
+    fields.update(overrides)
+    c = Coordinator(Settings(**fields), app, client=FakeClient(), clock=clocks.mono, wall=clocks.wall)  # type: ignore[arg-type]
+    c.store = FakeStore(workers)  # type: ignore[assignment]
+    c.backend = FakeBackend()
+    c._messages = FakeBuilder()  # type: ignore[assignment]
+    return c
+
+
+def iso(wall_s: float) -> str:
+    return datetime.fromtimestamp(wall_s, UTC).isoformat()
+
+
+def test_a_request_expires_on_the_coordinators_clock(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0)  # nobody to run it: it is held until it expires
+    c.store.queue.append(
+        ("a", message("a", "hello there", sent_at=WALL_START - 0.5, expires=iso(WALL_START + 1)))
+    )
+    c.step()
+    assert len(c.policy) == 1 and c.backend.stored == []
+    clocks.advance(0.99)
+    c.step()
+    assert len(c.policy) == 1 and c.backend.stored == []
+    clocks.advance(0.02)
+    c.step()
+    assert len(c.policy) == 0
+    [(request_id, state, error)] = c.backend.stored
+    assert request_id == "a" and state == "FAILURE" and isinstance(error, DeadlineExceeded)
+    assert c.store.acked == ["a"] and c.stats.failed["deadline"] == 1
+
+
+def test_the_batch_message_is_what_the_worker_reads_and_its_report_frees_the_worker(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = coordinator(clocks, workers=1)
+    c.store.queue += [(i, message(i, "one two three")) for i in ("a", "b")]
+    c.step()
+    for _ in range(10):  # a partial batch waits a little for company, then leaves
+        if c.outstanding:
+            break
+        clocks.advance(0.05)
+        c.step()
+    [batch] = c._messages.batches
+    got = read_batch(loads(json.dumps(batch)))
+    assert got["version"] == WIRE_VERSION and got["coordinator"] == c.hostname
+    assert [r["id"] for r in got["requests"]] == ["a", "b"]
+    assert c.store.dispatched == [(got["id"], ["a", "b"])] and list(c.outstanding) == [got["id"]]
+    # Every worker is busy now: the loop waits for a report, not for requests.
+    assert c.step().block_on is WaitFor.REPORTS
+
+    fields: dict[str, Any] = {
+        "batch_id": got["id"],
+        "model": "toy",
+        "worker": "w",
+        "device": "cpu",
+        "bin_label": got["bin"],
+        "flush": got["flush"],
+        "size": 2,
+        "padded_len": 8,
+        "real_tokens": 8,
+        "run_s": 0.01,
+        "failed_model": 0,
+        "failed_deadline": 0,
+        "done_at": WALL_START,
+    }
+    c.store.reports.append({**batch_report(**fields), "version": WIRE_VERSION + 1})
+    with caplog.at_level(logging.ERROR):
+        c.step()
+    assert list(c.outstanding) == [got["id"]], "a report of another version is refused"
+    assert any("batch report refused" in r.message for r in caplog.records)
+
+    c.store.reports.append(dict(batch_report(**fields)))
+    wait = c.step()
+    assert c.outstanding == {}
+    assert c.latency.predict("toy", 16) == pytest.approx(0.01), "the latency model learnt the run time"
+    assert wait.block_on is WaitFor.REQUESTS
+
+
+def test_the_policy_is_asked_only_when_something_may_have_changed(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=1)
+    asked: list[float] = []
+    poll = c.policy.poll
+
+    def counting_poll(now: float, *args: Any) -> Any:
+        asked.append(now)
+        return poll(now, *args)
+
+    c.policy.poll = counting_poll
+    c.step()
+    assert len(asked) == 1
+    c.step()
+    clocks.advance(FORCED_POLL_S / 2)
+    c.step()
+    assert len(asked) == 1, "nothing changed: the last plan stands"
+    clocks.advance(FORCED_POLL_S / 2)
+    c.step()
+    assert len(asked) == 2, "asked again after the forced-poll interval"
+    c.store.queue.append(("a", message("a", "hi")))
+    c.step()
+    assert len(asked) == 3, "a new request changes the plan"

@@ -1,0 +1,108 @@
+"""The coordinator's pacer: when it asks the policy again and how it waits, driven with numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.coordinator.waiting import (
+    BUSY_POLL_S,
+    FORCED_POLL_S,
+    REDIS_TIMEOUT_GRAIN_S,
+    Pacer,
+    Wait,
+    WaitFor,
+)
+
+IDLE_POLL_S = 0.02
+
+
+def polled_at(now: float, wake_at_s: float | None = None, idle_poll_s: float = IDLE_POLL_S) -> Pacer:
+    pacer = Pacer(idle_poll_s)
+    pacer.polled(now, wake_at_s)
+    return pacer
+
+
+# --- when the policy is asked --------------------------------------------------------------------
+def test_a_new_pacer_asks_the_policy_at_once() -> None:
+    assert Pacer(IDLE_POLL_S).poll_due(0.0)
+
+
+def test_after_a_poll_nothing_is_due_until_the_forced_poll() -> None:
+    pacer = polled_at(100.0)
+    assert not pacer.poll_due(100.0)
+    assert not pacer.poll_due(100.0 + FORCED_POLL_S / 2)
+    assert pacer.poll_due(100.0 + FORCED_POLL_S)
+
+
+def test_the_plans_wake_time_makes_a_poll_due() -> None:
+    pacer = polled_at(100.0, wake_at_s=100.03)
+    assert not pacer.poll_due(100.029)
+    assert pacer.poll_due(100.03)
+
+
+def test_a_change_makes_a_poll_due_until_the_next_poll() -> None:
+    pacer = polled_at(100.0)
+    pacer.changed()
+    assert pacer.poll_due(100.001)
+    pacer.polled(100.001, None)
+    assert not pacer.poll_due(100.002)
+
+
+# --- how the loop waits --------------------------------------------------------------------------
+def test_after_taking_requests_the_loop_goes_on_at_once() -> None:
+    wait = polled_at(100.0).next_wait(100.0, took=True, held=0, all_workers_busy=True)
+    assert wait == Wait(0.0)
+
+
+def test_with_nothing_held_it_blocks_on_the_request_list() -> None:
+    wait = polled_at(100.0).next_wait(100.0, took=False, held=0, all_workers_busy=False)
+    assert wait == Wait(IDLE_POLL_S, WaitFor.REQUESTS)
+
+
+def test_with_every_worker_busy_it_blocks_on_the_report_list() -> None:
+    for held in (0, 5):
+        wait = polled_at(100.0).next_wait(100.0, took=False, held=held, all_workers_busy=True)
+        assert wait == Wait(IDLE_POLL_S, WaitFor.REPORTS)
+
+
+def test_a_partial_batch_with_a_free_worker_polls_briefly() -> None:
+    wait = polled_at(100.0).next_wait(100.0, took=False, held=3, all_workers_busy=False)
+    assert wait == Wait(BUSY_POLL_S)
+
+
+def test_a_wake_time_later_than_the_grain_shortens_a_blocking_wait() -> None:
+    pacer = polled_at(100.0, wake_at_s=100.0 + 2 * REDIS_TIMEOUT_GRAIN_S, idle_poll_s=1.0)
+    wait = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False)
+    assert wait.block_on is WaitFor.REQUESTS
+    assert wait.seconds == pytest.approx(2 * REDIS_TIMEOUT_GRAIN_S)
+
+
+def test_a_wake_time_within_the_grain_is_slept_locally() -> None:
+    # Redis could end a blocking wait up to a grain late; a deadline must not be.
+    pacer = polled_at(100.0, wake_at_s=100.05, idle_poll_s=1.0)
+    wait = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=True)
+    assert wait == Wait(BUSY_POLL_S)
+    wait = pacer.next_wait(100.049, took=False, held=0, all_workers_busy=True)
+    assert wait.block_on is None and wait.seconds == pytest.approx(0.001)
+
+
+def test_a_wake_time_already_past_means_no_wait() -> None:
+    pacer = polled_at(100.0, wake_at_s=99.0)
+    assert pacer.next_wait(100.0, took=False, held=2, all_workers_busy=False) == Wait(0.0)
+
+
+def test_without_blmove_it_polls_instead_of_blocking() -> None:
+    pacer = polled_at(100.0, idle_poll_s=1.0)
+    pacer.cannot_block()
+    assert pacer.next_wait(100.0, took=False, held=0, all_workers_busy=True) == Wait(BUSY_POLL_S)
+
+
+def test_a_wait_below_redis_timeout_resolution_is_not_a_blocking_one() -> None:
+    # A blocking command with a 0 timeout would wait forever.
+    pacer = polled_at(100.0, idle_poll_s=0.0004)
+    assert pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False) == Wait(0.0004)
+
+
+def test_a_blocking_wait_that_fails_falls_back_to_a_short_sleep() -> None:
+    assert Wait(1.0, WaitFor.REQUESTS).fallback_s == BUSY_POLL_S
+    assert Wait(0.001, WaitFor.REPORTS).fallback_s == 0.001

@@ -1,0 +1,149 @@
+"""Intake: raw request messages -> the policy's requests and refusals, with both clocks passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from carpool.config import Settings
+from carpool.coordinator.intake import decode_taken, take_in, to_request
+from carpool.errors import InputTooLong, InvalidInput, MalformedMessage, QueueFull, UnknownModel
+from carpool.models import BatchModel
+from tests.unit.messages import message
+
+NOW = 500.0  # the coordinator's monotonic clock
+WALL = 1_700_000_000.0  # the wall clock at the same instant
+
+
+class Words:
+    """A stand-in model: one token (its length) per word, a window of 4 tokens; records encode calls."""
+
+    max_length = 4
+    pad_id = 0
+    needs_token_ids = True
+
+    def __init__(self) -> None:
+        self.encoded: list[list[str]] = []
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        self.encoded.append(list(texts))
+        return [[len(w) for w in t.split()][: self.max_length] for t in texts]
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(t.split()) for t in texts]
+
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None: ...
+
+    def forward(self, input_ids: Any, attention_mask: Any) -> Sequence[Any]:
+        return []
+
+
+def settings(**overrides: Any) -> Settings:
+    fields: dict[str, Any] = {"model": "toy", "models": ("toy", "null"), "default_deadline_s": 60.0}
+    fields.update(overrides)
+    return Settings(**fields)
+
+
+def run(taken: list[tuple[str, bytes]], room: int = 100, **overrides: Any) -> Any:
+    models: dict[str, BatchModel] = {"toy": Words(), "null": Words()}
+    out = take_in(taken, settings=settings(**overrides), models=models, room=room, now=NOW, wall_now=WALL)
+    return out, models
+
+
+def test_a_request_becomes_a_policy_request_on_the_coordinators_clock() -> None:
+    out, _ = run([("a", message("a", "one two three", sent_at=WALL - 2.0, priority=3))])
+    assert not out.refused and not out.malformed
+    [(msg, req)] = out.admitted
+    assert msg.id == req.id == "a"
+    assert req.model == "toy" and req.length == 3 and req.priority == 3
+    assert req.arrival_s == pytest.approx(NOW - 2.0)
+    assert req.deadline_s == pytest.approx(NOW - 2.0 + 60.0)  # sent_at + CARPOOL_DEFAULT_DEADLINE_S
+    assert req.payload == {
+        "id": "a",
+        "ids": [3, 3, 5],
+        "len": 3,
+        "sent_at": WALL - 2.0,
+        "deadline": WALL + 58.0,
+    }
+
+
+def test_expires_sets_the_deadline_and_a_missing_stamp_means_sent_now() -> None:
+    expires = "2023-11-14T22:13:30+00:00"  # WALL + 10 s
+    out, _ = run([("a", message("a", "hi", expires=expires))])
+    [(_, req)] = out.admitted
+    assert req.arrival_s == NOW
+    assert req.deadline_s == pytest.approx(NOW + 10.0)
+
+
+def test_a_producer_clock_ahead_of_ours_counts_as_arriving_now() -> None:
+    req = to_request(
+        decode_taken("a", message("a", "hi", sent_at=WALL + 5.0)), "toy", [1], True, NOW, WALL, 60.0
+    )
+    assert req.arrival_s == NOW
+    assert req.deadline_s == pytest.approx(NOW + 65.0)
+
+
+def test_a_model_without_token_ids_gets_lengths_only() -> None:
+    out, _ = run([("a", message("a", "one two"))])
+    [(msg, _)] = out.admitted
+    req = to_request(msg, "toy", [7, 7], False, NOW, WALL, 60.0)
+    assert req.payload is not None and req.payload["ids"] is None and req.payload["len"] == 2  # type: ignore[index]
+
+
+def test_each_models_texts_are_tokenized_in_one_call() -> None:
+    taken = [
+        ("a", message("a", "x y")),
+        ("b", message("b", "p", model="null")),
+        ("c", message("c", "z")),
+    ]
+    out, models = run(taken)
+    assert [req.model for _, req in out.admitted] == ["toy", "toy", "null"]
+    assert models["toy"].encoded == [["x y", "z"]]
+    assert models["null"].encoded == [["p"]]
+
+
+def test_a_message_that_is_not_a_request_is_set_aside_for_the_dead_letter_list() -> None:
+    out, _ = run([("junk", b"not json"), ("a", message("a", "fine"))])
+    [bad] = out.malformed
+    assert bad.id == "junk" and bad.raw == b"not json" and "not JSON" in bad.reason
+    assert [req.id for _, req in out.admitted] == ["a"]
+
+
+def test_a_message_taken_under_another_id_is_malformed() -> None:
+    with pytest.raises(MalformedMessage, match="not the message's only id key"):
+        decode_taken("taken-as", message("real-id", "hi"))
+
+
+def test_invalid_arguments_are_refused_with_the_reason() -> None:
+    out, _ = run([("a", message("a", 42)), ("b", message("b", "hi", model="nope"))])
+    assert [(r.id, r.reason) for r in out.refused] == [("a", "invalid"), ("b", "invalid")]
+    assert isinstance(out.refused[0].error, InvalidInput)
+    assert isinstance(out.refused[1].error, UnknownModel)
+    assert not out.admitted
+
+
+def test_past_max_pending_requests_are_refused_as_queue_full() -> None:
+    taken = [(i, message(i, "hi")) for i in ("a", "b", "c")]
+    out, _ = run(taken, room=2, max_pending=7)
+    assert [req.id for _, req in out.admitted] == ["a", "b"]
+    [refused] = out.refused
+    assert refused.id == "c" and refused.reason == "queue_full"
+    assert isinstance(refused.error, QueueFull) and "7 requests" in str(refused.error)
+
+
+def test_with_truncation_off_texts_over_the_window_are_refused() -> None:
+    taken = [("a", message("a", "one two three four five")), ("b", message("b", "short"))]
+    out, models = run(taken, truncate=False)
+    assert [req.id for _, req in out.admitted] == ["b"]
+    [refused] = out.refused
+    assert refused.reason == "too_long" and isinstance(refused.error, InputTooLong)
+    assert "5 tokens, over the 4-token window" in str(refused.error)
+    assert models["toy"].encoded == [["short"]]
+
+
+def test_with_truncation_on_long_texts_are_cut_to_the_window() -> None:
+    out, _ = run([("a", message("a", "one two three four five"))])
+    [(_, req)] = out.admitted
+    assert req.length == 4
