@@ -234,7 +234,7 @@ class Coordinator:
         # - otherwise (a worker is idle and requests wait for a partial batch to fill) poll briefly.
         pause = self.settings.idle_poll_s
         until_wake = None if self._wake_at is None else max(0.0, self._wake_at - now)
-        free_workers = self._capacity(now)[0] if self.workers else 0
+        free_workers = max(0, self.workers - len(self.outstanding))
         if until_wake is not None and until_wake < REDIS_TIMEOUT_GRAIN_S:
             pass  # a deadline or wait is due soon: Redis would time a blocking wait out too late
         elif self.outstanding and self.workers and not free_workers:

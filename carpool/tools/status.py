@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from carpool.config import redact_url
 from carpool.redis_edge.keys import PRIORITY_SEP, Keys
 
 DEFAULT_INTERVAL_S = 1.0
@@ -212,7 +213,7 @@ def render(
     from rich.panel import Panel
     from rich.table import Table
 
-    title = f"[bold]carpool status[/]  [dim]{queue} on {_redact(broker)}[/]"
+    title = f"[bold]carpool status[/]  [dim]{queue} on {redact_url(broker)}[/]"
     if snap is None:
         body = f"[red]redis unavailable:[/] {error}" if error else "[dim]connecting...[/]"
         return Panel(body, title=title, title_align="left", border_style="red" if error else "dim")
@@ -316,16 +317,6 @@ def _bin_order(label: str) -> int:
     return int(head) if head.isdigit() else sys.maxsize
 
 
-def _redact(url: str) -> str:
-    """Hide a password in a redis URL."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user + ':***' if ':' in creds else '***'}@{host}"
-
-
 # --- command ---------------------------------------------------------------------------------------
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``status`` on the ``carpool`` command's subparsers."""
@@ -385,7 +376,7 @@ def _print_once(
     try:
         snap, rate = _sample(client, keys, interval)
     except redis.RedisError as exc:
-        print(f"carpool status: redis unavailable at {_redact(broker)}: {exc}", file=sys.stderr)
+        print(f"carpool status: redis unavailable at {redact_url(broker)}: {exc}", file=sys.stderr)
         return 1
     if as_json:
         print(json.dumps(as_dict(snap, rate, queue), indent=2, sort_keys=True))

@@ -261,4 +261,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _add_arguments(parser)
     return run_cli(parser.parse_args(argv))
-
