@@ -17,8 +17,8 @@ Each figure is one core's work for one stage with nothing else of carpool's comp
 the issue's "20,000 requests per second through each on one core" asks about. The machine is shared
 and noisy (other tenants' load changes CPU time too, through caches and frequency), so every stage
 runs ``--rounds`` times and the report gives the minimum (the cost with the least interference)
-and the median. The end-to-end rate on a shared 2-core machine is lower: producer, Redis, coordinator
-and worker then share two cores (``carpool bench --model null``).
+and the median. The end-to-end rate is lower where producer, Redis, coordinator and worker share a
+few cores (``carpool bench --model null``).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def test_simulated_throughput_matches_a_real_burst(processes: Processes, tmp_pat
     from carpool.tasks import infer
 
     infer.delay("warm up", model=MODEL).get(timeout=120)
-    # Calibrate with the stack up and idle, right before the burst: the two cores are shared with
+    # Calibrate with the stack up and idle, right before the burst: the cores are shared with
     # whatever else runs on the machine, and the fit should see the same machine the burst will.
     a, b = calibrate(MODEL, budget_s=8.0, threads=TORCH_THREADS)
 
