@@ -6,6 +6,7 @@ pass it down; nothing else reads the environment.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -188,3 +189,32 @@ def _explain(exc: ValidationError) -> str:
         got_text = "" if isinstance(got, dict) else f" (got {got!r})"
         lines.append(f"  {name}: {err['msg']}{got_text}")
     return "\n".join(lines)
+
+
+_PASSWORD_PARAM = re.compile(r"(^|&)(password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with every password replaced by ``***``, for logs and terminals.
+
+    Covers ``user:password@`` and ``:password@`` credentials (a lone ``secret@`` is hidden whole, as
+    some clients read it as a password), ``redis``, ``rediss`` and ``unix`` URLs, a ``password=``
+    query parameter, ``;``-separated multi-host lists such as kombu's sentinel URLs, and a
+    ``module:Class+redis://`` backend prefix. The host, port, path and other parameters stay readable.
+    """
+    return ";".join(_redact_one(part) for part in url.split(";"))
+
+
+def _redact_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    # Credentials end at the last '@' before the query, so an unescaped '@' or '/' in a password
+    # is hidden too.
+    head, question, query = rest.partition("?")
+    creds, at, host = head.rpartition("@")
+    if at:
+        user, colon, _ = creds.partition(":")
+        head = f"{user}:***@{host}" if colon else f"***@{host}"
+    query = _PASSWORD_PARAM.sub(r"\1\2***", query)
+    return f"{scheme}://{head}{question}{query}"

@@ -16,8 +16,8 @@ print("device:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "|
 PY
 "$PY" -c "import torch; print(torch.cuda.get_device_name(0))" > "$OUT/device.txt"
 export CARPOOL_DEVICE=cuda CARPOOL_MAX_BATCH=${CARPOOL_MAX_BATCH:-64} CARPOOL_MAX_TOKENS=${CARPOOL_MAX_TOKENS:-16384}
-timeout 170 "$PY" -m carpool.bench --model minilm --requests 2000 --rates none --light 20 \
+timeout 170 "$PY" -m carpool.tools.bench --model minilm --requests 2000 --rates none --light 20 \
     --systems offline,carpool,celery,celery-batches --max-batch "$CARPOOL_MAX_BATCH" --out "$OUT/fp32"
-CARPOOL_AUTOCAST_BF16=true timeout 100 "$PY" -m carpool.bench --model minilm --requests 2000 --rates none \
+CARPOOL_AUTOCAST_BF16=true timeout 100 "$PY" -m carpool.tools.bench --model minilm --requests 2000 --rates none \
     --light 20 --systems offline,carpool --max-batch "$CARPOOL_MAX_BATCH" --out "$OUT/bf16"
 echo "reports: $OUT/fp32/report.json $OUT/bf16/report.json"

@@ -9,38 +9,29 @@ Each round, for N mixed-length texts:
    Redis, stand-in live workers so it dispatches, reports fed back as a worker would send them) takes,
    decodes, batches and dispatches all of them. CPU per request = its one core's share.
 3. Worker: the N requests' batches are put on the batch queue; one real ``carpool worker`` process
-   (started once, kept across rounds) runs them all (claims, null model, results, acks, reports,
-   events). CPU per request from /proc, and the wall time it took.
+   (started each round, ready before the clock starts) runs them all (claims, null model, results,
+   acks, reports, events). CPU per request from /proc, and the wall time it took.
 4. Producer again: ``gather`` of the N results.
 
 Each figure is one core's work for one stage with nothing else of carpool's competing, which is what
 the issue's "20,000 requests per second through each on one core" asks about. The machine is shared
 and noisy (other tenants' load changes CPU time too, through caches and frequency), so every stage
 runs ``--rounds`` times and the report gives the minimum (the cost with the least interference)
-and the median. The end-to-end rate on a shared 2-core machine is lower: producer, Redis, coordinator
-and worker then share two cores (``carpool bench --model null``).
+and the median. The end-to-end rate is lower where producer, Redis, coordinator and worker share a
+few cores (``carpool bench --model null``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
-
-
 def stand_in_report(batch_id: str, worker: str) -> Any:
+    """A batch report as a worker sends it, for a batch the script takes away in its place."""
     from carpool.wire import batch_report
 
     return batch_report(
@@ -73,33 +64,33 @@ def main() -> int:
     opts = parser.parse_args()
     n = opts.requests
 
-    from carpool.tools.embedded import EmbeddedRedis
-
-    server = EmbeddedRedis()
-    server.start()
-    os.environ.update(
-        CARPOOL_BROKER_URL=server.url(0),
-        CARPOOL_RESULT_BACKEND=server.url(1),
-        CARPOOL_MODEL="null",
-        CARPOOL_PREFETCH_BATCHES="64",
-        CARPOOL_METRICS_PORT="0",
-    )
     import redis
-    from carpool.producer.client import gather, submit_many
 
-    from carpool.celery_edge.app import app, settings_of
+    from carpool.celery_edge.app import create_app
+    from carpool.config import load_settings
     from carpool.coordinator.loop import Coordinator
-    from carpool.tools.demo import release_result_consumer
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
+    from carpool.tools.bench.procstat import process_cpu_s
+    from carpool.tools.harness import Harness, ProcessExited, release_result_consumer
     from carpool.tools.workload import mixed_texts
 
-    settings = settings_of(app)
-    client = redis.Redis.from_url(server.url(0))
-    results_client = redis.Redis.from_url(server.url(1))
+    harness = Harness(loglevel="warning").__enter__()
+    worker_env = {"CARPOOL_MODEL": "null", "CARPOOL_PREFETCH_BATCHES": "64", "CARPOOL_METRICS_PORT": "0"}
+    settings = load_settings(
+        broker_url=harness.broker_url,
+        result_backend=harness.result_backend,
+        model="null",
+        prefetch_batches=64,
+        metrics_port=0,
+    )
+    app = create_app(settings)
+    client = redis.Redis.from_url(harness.broker_url)
+    results_client = redis.Redis.from_url(harness.result_backend)
     texts = mixed_texts(n, seed=0)
     rounds: list[dict[str, float]] = []
-    worker: subprocess.Popen[bytes] | None = None
     try:
-        submit_many(texts[:10], subscribe=False)  # warm: connections, template paths
+        submit_many(texts[:10], app=app, subscribe=False)  # warm: connections, template paths
         client.flushall()
         coordinator = Coordinator(settings, app)
         reports = coordinator.keys.reports_for(coordinator.hostname)
@@ -107,7 +98,7 @@ def main() -> int:
         for _ in range(opts.rounds):
             out: dict[str, float] = {}
             t = time.process_time()
-            results = submit_many(texts, subscribe=False)
+            results = submit_many(texts, app=app, subscribe=False)
             out["producer_submit_us"] = (time.process_time() - t) / n * 1e6
 
             for name in stand_ins:
@@ -140,22 +131,16 @@ def main() -> int:
 
             # A real worker, started and ready (model loaded, heartbeat sent) before the clock starts,
             # runs the batches, oldest first.
-            worker = subprocess.Popen(
-                [sys.executable, "-m", "carpool", "worker", "--loglevel", "warning"], env=dict(os.environ)
-            )
-            deadline = time.monotonic() + 60
-            while not coordinator.store.live_workers():
-                if worker.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the worker did not start")
-                time.sleep(0.05)
+            worker = harness.start("worker", "worker", **worker_env)
+            harness.wait_workers(1, timeout_s=60, request_queue=settings.request_queue)
             time.sleep(0.3)  # past its first idle poll
-            before = cpu_seconds(worker.pid)
+            before = process_cpu_s(worker.pid)
             t0 = time.perf_counter()
             client.rpush(settings.batch_queue, *reversed(batches))
             keys = [app.backend.get_key_for_task(r.id) for r in results]
             while True:
                 if worker.poll() is not None:
-                    raise RuntimeError("the worker exited")
+                    raise ProcessExited(f"the worker exited:\n{harness.log('worker')}")
                 if not client.llen(settings.batch_queue) and results_client.exists(keys[-1]):
                     stored = sum(
                         1 for i in range(0, n, 5000) for v in results_client.mget(keys[i : i + 5000]) if v
@@ -164,11 +149,9 @@ def main() -> int:
                         break
                 time.sleep(0.005)
             wall = time.perf_counter() - t0
-            out["worker_us"] = (cpu_seconds(worker.pid) - before) / n * 1e6
+            out["worker_us"] = (process_cpu_s(worker.pid) - before) / n * 1e6
             out["worker_wall_rps"] = n / wall
-            worker.terminate()
-            worker.wait(timeout=30)
-            worker = None
+            harness.stop("worker")
             client.delete(coordinator.keys.workers)
 
             t = time.process_time()
@@ -179,11 +162,9 @@ def main() -> int:
             rounds.append(out)
             print("round:", {k: round(v, 1) for k, v in out.items()}, flush=True)
     finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait(timeout=30)
+        harness.stop_all()
         release_result_consumer(app)
-        server.stop()
+        harness.close()
     summary: dict[str, Any] = {"requests": n, "rounds": rounds}
     print(f"{'stage':24s} {'min':>10s} {'median':>10s}")
     for key in rounds[0]:

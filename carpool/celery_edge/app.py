@@ -65,11 +65,6 @@ class CarpoolCelery(compat.AppWithBackendClass):
 
         return CarpoolRedisBackend
 
-    @property
-    def carpool_settings(self) -> Settings:
-        """The settings the app was built from (as :func:`settings_of` returns them)."""
-        return self.carpool.settings
-
 
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or load_settings()

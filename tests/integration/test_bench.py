@@ -18,7 +18,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def _run_bench(out: Path, *args: str, timeout: int = 400) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
     return subprocess.run(
-        [sys.executable, "-m", "carpool.bench", "--model", "toy", "--quick", "--out", str(out), *args],
+        [sys.executable, "-m", "carpool.tools.bench", "--model", "toy", "--quick", "--out", str(out), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -136,12 +136,16 @@ def test_sweep_mode(tmp_path: Path) -> None:
 
 
 def test_rate_specs_and_arrivals() -> None:
-    from carpool.tools.bench.measure import parse_rates, percentile, poisson_arrivals
+    from carpool.tools.arrivals import poisson_times
+    from carpool.tools.bench.measure import parse_rates
+    from carpool.tools.stats import percentile
 
     assert parse_rates("0.5x, 1x,250") == [(0.5, True), (1.0, True), (250.0, False)]
     with pytest.raises(ValueError):
         parse_rates("0")
-    arrivals = poisson_arrivals(2000, 100.0, seed=3)
-    assert arrivals == sorted(arrivals) and arrivals == poisson_arrivals(2000, 100.0, seed=3)
+    arrivals = poisson_times(2000, 100.0, seed=3, first_at_zero=False)
+    assert arrivals == sorted(arrivals) and arrivals == poisson_times(
+        2000, 100.0, seed=3, first_at_zero=False
+    )
     assert 17 < arrivals[-1] < 23  # about 2000 / 100 s
     assert percentile([3, 1, 2], 50) == 2

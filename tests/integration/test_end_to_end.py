@@ -238,8 +238,8 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
     from carpool.config import load_settings
     from carpool.producer.gather import gather
     from carpool.producer.submit import submit_many
-    from carpool.tools.demo import release_result_consumer
     from carpool.tools.embedded import EmbeddedRedis, free_port
+    from carpool.tools.harness import release_result_consumer
 
     results_server = EmbeddedRedis(port=free_port()).start()
     try:

@@ -171,7 +171,7 @@ def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any)
         for name, proc in own.procs.items():
             assert proc.poll() is None, f"{name} died with Redis:\n{own.log(name)}"
     finally:
-        from carpool.tools.demo import release_result_consumer
+        from carpool.tools.harness import release_result_consumer
 
         release_result_consumer(app)
         own.stop_all()

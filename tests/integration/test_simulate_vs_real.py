@@ -1,10 +1,10 @@
 """The simulator's prediction held against a real run: same texts, same policy settings, same model.
 
-minilm, not toy: on this machine toy's forward costs well under a millisecond per batch, so a toy
-burst measures the producer and Redis, which the simulator does not model (docs/SIMULATOR.md shows
-the figures). minilm makes the worker the bottleneck, which is what the simulator is for.
+minilm, not toy: toy's forward is so cheap that a toy burst measures the producer and Redis, which the
+simulator does not model (docs/SIMULATOR.md); minilm makes the worker the bottleneck, which is what
+the simulator is for.
 
-Margins are wide on purpose: the real stack shares two CPU cores between producer, coordinator,
+Margins are wide on purpose: the real stack shares the machine's cores between producer, coordinator,
 Redis and the worker's torch threads (and other test runs), while calibration times the model alone.
 """
 
@@ -38,12 +38,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MODEL = "minilm"
 N = 300
 SEED = 0
-# Pipeline seconds per batch around the model: Celery hand-off, claim, JSON-encoding and storing 384
-# floats per request, ack. The worker's own log (task time minus run_s) showed 27-35 ms per batch in
-# these runs; stated here, not fitted per run, so the prediction is made before the burst.
+# Pipeline seconds per batch around the model (Celery hand-off, claim, storing the vectors, ack), from
+# the worker's own log (task time minus run_s); stated, not fitted per run, so the prediction comes
+# before the burst.
 BATCH_OVERHEAD_S = 0.03
-# One torch thread in the worker and in calibration: with two, a forward stalls whenever the producer,
-# coordinator or Redis takes one of the two cores, and the worker ran up to ~2x slower than calibrated.
+# One torch thread in the worker and in calibration: with more, a forward stalls whenever the producer,
+# coordinator or Redis takes a core, and the worker runs slower than calibrated.
 TORCH_THREADS = 1
 # real / simulated throughput must fall in here; see docs/SIMULATOR.md for the measured ratios.
 THROUGHPUT_RATIO = (0.4, 1.6)
@@ -90,7 +90,7 @@ def test_simulated_throughput_matches_a_real_burst(processes: Processes, tmp_pat
     from carpool.tasks import infer
 
     infer.delay("warm up", model=MODEL).get(timeout=120)
-    # Calibrate with the stack up and idle, right before the burst: the two cores are shared with
+    # Calibrate with the stack up and idle, right before the burst: the cores are shared with
     # whatever else runs on the machine, and the fit should see the same machine the burst will.
     a, b = calibrate(MODEL, budget_s=8.0, threads=TORCH_THREADS)
 

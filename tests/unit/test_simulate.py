@@ -79,7 +79,7 @@ def test_deadline_misses_are_counted_not_run() -> None:
 def test_binned_pads_less_than_fifo_on_the_mixed_workload(mixed_lengths: list[int]) -> None:
     for rate in (100.0, 400.0, math.inf):
         results = compare(config(), LATENCY, poisson_arrivals(mixed_lengths, rate, seed=1))
-        # Not just less: FIFO pads the short majority to the long tail, bins keep it at ~1.2-1.4.
+        # Not just less: FIFO pads the short majority to the long tail, bins keep each near its own length.
         assert results["binned"].padding_ratio < 0.5 * results["fifo"].padding_ratio, rate
 
 

@@ -4,7 +4,7 @@ One invocation runs a seeded mixed-length workload (``carpool.tools.workload``) 
 open-loop Poisson rates up to past saturation, against:
 
 - ``offline``: the model alone in this process, length-sorted batches, no queue (the ceiling);
-- ``carpool``: real coordinator and worker processes, requests sent with ``carpool.producer.client``;
+- ``carpool``: real coordinator and worker processes, requests sent with ``carpool.producer``;
 - ``celery``: a plain Celery worker consuming the request queue, one task per request
   (``carpool.infer``'s body, ``run_single``);
 - ``celery-batches``: a Celery worker running ``celery_batches.Batches`` (FIFO, padded to the

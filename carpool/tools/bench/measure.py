@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from carpool.batching.bins import padded_length
+from carpool.tools.stats import percentile
 
 SHORT_TEXT = "The quick brown fox jumps over the lazy dog."
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile: the one definition ``carpool demo``, ``simulate`` and ``bench`` report."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def latency_summary(latencies_s: Sequence[float]) -> dict[str, float]:
@@ -92,17 +83,6 @@ def make_record(
         padding_ratio=(padded_tokens / real_tokens) if padded_tokens and real_tokens else None,
         extra=dict(extra),
     )
-
-
-def poisson_arrivals(n: int, rate_rps: float, seed: int) -> list[float]:
-    """Offsets (seconds from the start) of ``n`` open-loop Poisson arrivals at ``rate_rps``."""
-    rng = random.Random(seed)
-    t = 0.0
-    out = []
-    for _ in range(n):
-        t += rng.expovariate(rate_rps)
-        out.append(t)
-    return out
 
 
 def one_by_one_padding(lengths: Sequence[int]) -> tuple[int, int]:

@@ -1,0 +1,275 @@
+"""One process harness for ``carpool demo``, ``carpool bench`` and the integration tests.
+
+A Redis (an embedded redis-server, one already running, or an external URL), then carpool
+coordinators and workers, or any ``python -m`` program, as child processes. Each child gets its own
+environment dict built from this process's environment, the Redis URLs and per-process overrides:
+the harness never changes ``os.environ``, so the process that drives it can run several stacks and
+keeps its own settings. Every child writes to its own log file.
+
+    with Harness(log_dir=tmp) as h:          # an embedded redis-server of its own
+        h.start_stack(workers=2, CARPOOL_MODEL="toy")
+        ...                                  # h.broker_url, h.log("worker0"), h.stop("worker1", SIGKILL)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from carpool.names import DEFAULT_REQUEST_QUEUE
+from carpool.tools.embedded import EmbeddedRedis
+
+LOG_TAIL_CHARS = 4000
+
+
+class ProcessExited(RuntimeError):
+    """Raised when a child the harness started has exited while it was still needed."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    module_argv: tuple[str, ...]
+    env_overrides: dict[str, str]
+
+
+class Harness:
+    """A Redis and named child processes; a context manager that stops them all on exit.
+
+    ``server``: a running :class:`EmbeddedRedis` to use (not stopped on exit). ``broker_url`` and
+    ``result_backend``: an external Redis instead. With neither, :meth:`__enter__` starts an
+    embedded redis-server and removes it on exit. ``log_dir``: where ``<name>.log`` files go (a
+    temporary directory, removed on exit, when None). ``base_env``: the environment children start
+    from (this process's, read at each start, when None). ``profile_dir``: run every child under
+    cProfile, writing ``<name>-<n>.prof`` there.
+    """
+
+    def __init__(
+        self,
+        server: EmbeddedRedis | None = None,
+        log_dir: Path | None = None,
+        *,
+        broker_url: str | None = None,
+        result_backend: str | None = None,
+        base_env: Mapping[str, str] | None = None,
+        loglevel: str = "info",
+        profile_dir: Path | None = None,
+    ) -> None:
+        if server is not None and broker_url is not None:
+            raise ValueError("give either a server or a broker_url, not both")
+        self.server = server
+        self._external = (broker_url, result_backend or broker_url) if broker_url else None
+        self._own_server = False
+        self._own_log_dir = log_dir is None
+        self.log_dir = Path(tempfile.mkdtemp(prefix="carpool-logs-")) if log_dir is None else log_dir
+        self.base_env = dict(base_env) if base_env is not None else None
+        self.loglevel = loglevel
+        self.profile_dir = profile_dir
+        self.profiles: dict[str, Path] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._specs: dict[str, _Spec] = {}
+        self._logs: dict[str, IO[bytes]] = {}
+
+    # --- Redis ---------------------------------------------------------------------------------
+    def __enter__(self) -> Harness:
+        if self.server is None and self._external is None:
+            self.server = EmbeddedRedis().start()
+            self._own_server = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def broker_url(self) -> str:
+        if self._external is not None:
+            return str(self._external[0])
+        return self._embedded().url(0)
+
+    @property
+    def result_backend(self) -> str:
+        if self._external is not None:
+            return str(self._external[1])
+        return self._embedded().url(1)
+
+    @property
+    def embedded(self) -> bool:
+        """Whether the Redis is a redis-server this harness or its caller runs (not an external one)."""
+        return self._external is None
+
+    def _embedded(self) -> EmbeddedRedis:
+        if self.server is None:
+            raise RuntimeError("the harness has no Redis yet: use it as a context manager")
+        return self.server
+
+    def redis_client(self, db: int = 0) -> Any:
+        """A ``redis.Redis`` on the broker's server (``db`` 0) or the results' (``db`` 1)."""
+        import redis
+
+        return redis.Redis.from_url(self.broker_url if db == 0 else self.result_backend)
+
+    # --- children ------------------------------------------------------------------------------
+    def env(self, **overrides: str) -> dict[str, str]:
+        """A child's environment: the base environment, the Redis URLs, then ``overrides``."""
+        env = dict(os.environ if self.base_env is None else self.base_env)
+        env.update(CARPOOL_BROKER_URL=self.broker_url, CARPOOL_RESULT_BACKEND=self.result_backend)
+        env.update(overrides)
+        return env
+
+    def start(self, name: str, role: str, **env: str) -> subprocess.Popen[bytes]:
+        """``carpool <role>`` (coordinator or worker) as ``name``, with ``env`` over :meth:`env`."""
+        return self.spawn(name, ["carpool", role, "--loglevel", self.loglevel], **env)
+
+    def spawn(self, name: str, module_argv: list[str], **env: str) -> subprocess.Popen[bytes]:
+        """``python -m <module_argv>`` as ``name``; output appended to ``<log_dir>/<name>.log``."""
+        if name in self.procs and self.procs[name].poll() is None:
+            raise ValueError(f"a process named {name!r} is already running")
+        self._close_log(name)
+        argv = [sys.executable, "-m", *module_argv]
+        if self.profile_dir is not None:
+            self.profile_dir.mkdir(parents=True, exist_ok=True)
+            n = sum(1 for key in self.profiles if key.startswith(name + "-"))
+            path = self.profile_dir / f"{name}-{n}.prof"
+            self.profiles[f"{name}-{n}"] = path
+            argv = [sys.executable, "-m", "cProfile", "-o", str(path), "-m", *module_argv]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115  (closed by stop or close)
+        self._logs[name] = log
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(**env))
+        self.procs[name] = proc
+        self._specs[name] = _Spec(tuple(module_argv), dict(env))
+        return proc
+
+    def start_stack(self, workers: int = 1, prefix: str = "", wait: bool = True, **env: str) -> Harness:
+        """``<prefix>coordinator`` and ``workers`` workers ``<prefix>worker0``... sharing ``env``."""
+        self.start(f"{prefix}coordinator", "coordinator", **env)
+        for i in range(workers):
+            self.start(f"{prefix}worker{i}", "worker", **env)
+        if wait:
+            self.wait_workers(workers)
+        return self
+
+    def restart(self, name: str, **env: str) -> subprocess.Popen[bytes]:
+        """Stop ``name`` and start it again with the same program, ``env`` over its old overrides."""
+        spec = self._specs[name]
+        self.stop(name)
+        return self.spawn(name, list(spec.module_argv), **{**spec.env_overrides, **env})
+
+    def check_alive(self) -> None:
+        """Raise :class:`ProcessExited`, with the end of its log, if any running child has exited."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise ProcessExited(
+                    f"{name} exited with {proc.returncode}; see {self.log_dir / name}.log:\n{self.log(name)}"
+                )
+
+    def wait_workers(
+        self, count: int = 1, timeout_s: float = 120, request_queue: str = DEFAULT_REQUEST_QUEUE
+    ) -> None:
+        """Wait until ``count`` carpool workers heartbeat for ``request_queue``, or raise: a child
+        exited (:class:`ProcessExited`) or the time ran out (``TimeoutError``)."""
+        from carpool.redis_edge.keys import Keys
+        from carpool.redis_edge.store import RequestStore
+
+        client = self.redis_client(0)
+        try:
+            store = RequestStore(client, Keys(request_queue), 1)
+            deadline = time.monotonic() + timeout_s
+            while store.live_workers() < count:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{count} worker(s) not up in {timeout_s:g}s")
+                time.sleep(0.1)
+        finally:
+            client.close()
+
+    def log(self, name: str) -> str:
+        """The end of ``name``'s log, for error messages."""
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:] if path.exists() else ""
+
+    def pids(self) -> dict[str, int]:
+        """Pids of the running children, and of the embedded redis-server as ``redis-server``."""
+        out = {name: proc.pid for name, proc in self.procs.items() if proc.poll() is None}
+        if self.server is not None and self.server.process is not None:
+            out["redis-server"] = self.server.process.pid
+        return out
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 30) -> int | None:
+        """Send ``sig`` to ``name`` and wait for it (killing it after ``timeout_s``); its exit code.
+
+        The process leaves :attr:`procs`; None when no process has that name.
+        """
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._close_log(name)
+        return proc.returncode
+
+    def kill(self, name: str) -> int | None:
+        """``SIGKILL`` to ``name``: a crash, with no chance to clean up."""
+        return self.stop(name, signal.SIGKILL)
+
+    def stop_all(self, timeout_s: float = 30) -> None:
+        """Stop every child: one SIGTERM to each so they wind down together, a kill past ``timeout_s``."""
+        stopping = list(self.procs.items())
+        for _, proc in stopping:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for name, proc in stopping:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            self.procs.pop(name, None)
+            self._close_log(name)
+
+    def close(self) -> None:
+        """Stop every child, then the redis-server this harness started and its temporary files."""
+        self.stop_all()
+        if self._own_server and self.server is not None:
+            self.server.cleanup()
+            self.server = None
+            self._own_server = False
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _close_log(self, name: str) -> None:
+        log = self._logs.pop(name, None)
+        if log is not None:
+            log.close()
+
+
+def release_result_consumer(celery_app: Any = None) -> None:
+    """Unsubscribe this process from result pub/sub before its Redis goes away.
+
+    Otherwise AsyncResults collected later try to unsubscribe through Celery's reconnect loop, which
+    retries for minutes against a server that is gone. ``celery_app`` defaults to carpool's own app,
+    if this process has loaded it.
+    """
+    import gc
+
+    if celery_app is None:
+        if "carpool.celery_edge.app" not in sys.modules:
+            return
+        from carpool.celery_edge.app import app as celery_app
+
+    gc.collect()
+    celery_app.backend.result_consumer.release()

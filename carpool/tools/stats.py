@@ -1,0 +1,14 @@
+"""The one percentile definition ``carpool demo``, ``simulate`` and ``bench`` report with."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of ``values`` (``q`` in 0..100); 0.0 for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]

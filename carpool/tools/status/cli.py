@@ -1,0 +1,139 @@
+"""``carpool status``'s options: a live view, or one snapshot as text (``--once``) or JSON (``--json``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from carpool.config import redact_url
+from carpool.redis_edge.keys import Keys
+from carpool.tools.status.snapshot import Rates, Snapshot, as_dict, collect, rates
+from carpool.tools.status.view import render
+
+DEFAULT_INTERVAL_S = 1.0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``status`` on the ``carpool`` command's subparsers."""
+    import carpool.tools.status as package
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "status",
+        help="live view of queue depth, workers, rates, padding, failures (from Redis)",
+        description=package.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _arguments(p)
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between refreshes, and the window rates are measured over (default 1)",
+    )
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit (implies --once)")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from carpool.config import load_settings
+
+    settings = load_settings()  # ConfigError propagates: the CLI prints it and exits 2
+    interval = max(0.0, float(args.interval))
+    keys = Keys(settings.request_queue)
+    client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        if args.json or args.once:
+            return _print_once(
+                client, keys, settings.request_queue, settings.broker_url, interval, as_json=bool(args.json)
+            )
+        return _live(
+            client, keys, settings.request_queue, settings.broker_url, interval or DEFAULT_INTERVAL_S
+        )
+    finally:
+        client.close()
+
+
+def _sample(client: redis.Redis, keys: Keys, interval: float) -> tuple[Snapshot, Rates | None]:
+    first = collect(client, keys)
+    if interval <= 0:
+        return first, None
+    time.sleep(interval)
+    second = collect(client, keys)
+    return second, rates(first, second)
+
+
+def _print_once(
+    client: redis.Redis, keys: Keys, queue: str, broker: str, interval: float, as_json: bool
+) -> int:
+    try:
+        snap, rate = _sample(client, keys, interval)
+    except redis.RedisError as exc:
+        print(f"carpool status: redis unavailable at {redact_url(broker)}: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(as_dict(snap, rate, queue), indent=2, sort_keys=True))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # piped into a file or a script: wide enough for one line a row
+    console.print(render(snap, rate, queue, broker))
+    return 0
+
+
+def _live(client: redis.Redis, keys: Keys, queue: str, broker: str, interval: float) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    previous: Snapshot | None = None
+    with Live(
+        render(None, None, queue, broker),
+        console=console,
+        refresh_per_second=4,
+        screen=False,
+    ) as live:
+        try:
+            while True:
+                try:
+                    snap = collect(client, keys)
+                except redis.RedisError as exc:
+                    previous = None
+                    live.update(render(None, None, queue, broker, str(exc)))
+                else:
+                    rate = rates(previous, snap) if previous is not None else None
+                    live.update(render(snap, rate, queue, broker))
+                    previous = snap
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m carpool.tools.status``: the same command without the rest of the CLI."""
+    import carpool.tools.status as package
+    from carpool.errors import ConfigError
+
+    parser = argparse.ArgumentParser(
+        prog="carpool status",
+        description=package.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _arguments(parser)
+    try:
+        return run_cli(parser.parse_args(argv))
+    except ConfigError as exc:
+        print(f"carpool: {exc}", file=sys.stderr)
+        return 2

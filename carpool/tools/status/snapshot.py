@@ -1,0 +1,181 @@
+"""What Redis says about one carpool deployment: one read of it, rates between two reads, plain data."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from carpool.redis_edge.keys import PRIORITY_SEP, Keys
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What Redis says about one deployment at one moment."""
+
+    taken_at: float  # monotonic seconds, for rates
+    redis_time: float  # Redis clock, seconds
+    queued: dict[str, int]  # request list label ("p0", "p3", ...) -> length
+    workers: list[str]  # hostnames with a live heartbeat
+    in_flight: int
+    dead_letter: int
+    stats: dict[str, float]  # the coordinator's counters, as written
+
+    # --- derived -----------------------------------------------------------------------------
+    def counter(self, name: str) -> float:
+        return self.stats.get(name, 0.0)
+
+    @property
+    def queued_total(self) -> int:
+        return sum(self.queued.values())
+
+    @property
+    def pending(self) -> int:
+        return int(self.counter("pending"))
+
+    @property
+    def has_coordinator_stats(self) -> bool:
+        return bool(self.stats)
+
+    def prefixed(self, prefix: str) -> dict[str, float]:
+        return {k[len(prefix) :]: v for k, v in self.stats.items() if k.startswith(prefix)}
+
+    @property
+    def depth_by_bin(self) -> dict[tuple[str, str], int]:
+        """``depth:<model>:<bin label>`` fields; a model name may itself contain ':' (module:Class)."""
+        out: dict[tuple[str, str], int] = {}
+        for key, value in self.prefixed("depth:").items():
+            model, sep, label = key.rpartition(":")
+            if sep:
+                out[(model, label)] = int(value)
+        return out
+
+    @property
+    def padding_ratio(self) -> float | None:
+        real = self.counter("real_tokens")
+        return self.counter("padded_tokens") / real if real else None
+
+    @property
+    def mean_batch_size(self) -> float | None:
+        batches = self.counter("batches")
+        return self.counter("dispatched") / batches if batches else None
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-second rates between two snapshots; None where a counter went back (stats hash reset)."""
+
+    seconds: float
+    values: dict[str, float | None] = field(default_factory=dict)
+    padding_ratio: float | None = None
+
+
+RATE_COUNTERS = ("taken", "dispatched", "batches", "real_tokens", "padded_tokens")
+
+
+def rates(before: Snapshot, after: Snapshot) -> Rates:
+    dt = after.taken_at - before.taken_at
+    if dt <= 0:
+        return Rates(0.0)
+    values: dict[str, float | None] = {}
+    for name in RATE_COUNTERS:
+        delta = after.counter(name) - before.counter(name)
+        values[name] = delta / dt if delta >= 0 else None
+    failed_delta = sum(after.prefixed("failed:").values()) - sum(before.prefixed("failed:").values())
+    values["failed"] = failed_delta / dt if failed_delta >= 0 else None
+    real = after.counter("real_tokens") - before.counter("real_tokens")
+    padded = after.counter("padded_tokens") - before.counter("padded_tokens")
+    return Rates(dt, values, padded / real if real > 0 and padded >= 0 else None)
+
+
+def _list_label(keys: Keys, name: str) -> str:
+    if name == keys.request_queue:
+        return "p0"
+    return "p" + name.rsplit(PRIORITY_SEP, 1)[-1]
+
+
+def collect(client: redis.Redis, keys: Keys) -> Snapshot:
+    """One consistent-enough read: two round trips, read-only."""
+    secs, micros = client.time()
+    now_ms = int(secs) * 1000 + int(micros) // 1000
+    lists = keys.request_lists
+    with client.pipeline(transaction=False) as pipe:
+        for name in lists:
+            pipe.llen(name)
+        pipe.zrangebyscore(keys.workers, now_ms, "+inf")
+        pipe.zcard(keys.inflight_lease)
+        pipe.llen(keys.dead_letter)
+        pipe.hgetall(keys.stats)
+        replies = pipe.execute()
+    n = len(lists)
+    queued = {_list_label(keys, name): int(length) for name, length in zip(lists, replies[:n], strict=True)}
+    workers, in_flight, dead, raw_stats = replies[n:]
+    stats: dict[str, float] = {}
+    for k, v in raw_stats.items():
+        try:
+            stats[_text(k)] = float(v)
+        except ValueError:
+            continue
+    return Snapshot(
+        taken_at=time.monotonic(),
+        redis_time=now_ms / 1000,
+        queued=queued,
+        workers=sorted(_text(w) for w in workers),
+        in_flight=int(in_flight),
+        dead_letter=int(dead),
+        stats=stats,
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
+    s = snap.counter
+    return {
+        "request_queue": queue,
+        "queued": snap.queued_total,
+        "queued_by_priority": snap.queued,
+        "pending": snap.pending,
+        "depth_by_bin": {f"{m}:{b}": n for (m, b), n in sorted(snap.depth_by_bin.items())},
+        "in_flight": snap.in_flight,
+        "outstanding_batches": int(s("outstanding")),
+        "workers_online": len(snap.workers),
+        "workers": snap.workers,
+        "dead_letter": snap.dead_letter,
+        "taken": int(s("taken")),
+        "batches": int(s("batches")),
+        "dispatched": int(s("dispatched")),
+        "padded_tokens": int(s("padded_tokens")),
+        "real_tokens": int(s("real_tokens")),
+        "padding_ratio": snap.padding_ratio,
+        "mean_batch_size": snap.mean_batch_size,
+        "batch_sizes": {k: int(v) for k, v in sorted(snap.prefixed("size:").items(), key=_num_key)},
+        "flush": {k: int(v) for k, v in sorted(snap.prefixed("flush:").items())},
+        "failed": {k: int(v) for k, v in sorted(snap.prefixed("failed:").items())},
+        "coordinator_seen": snap.has_coordinator_stats,
+        "rates": None
+        if rate is None
+        else {"seconds": rate.seconds, **rate.values, "padding_ratio": rate.padding_ratio},
+    }
+
+
+def _num_key(item: tuple[str, float]) -> tuple[int, str]:
+    key = item[0]
+    return (int(key), key) if key.isdigit() else (sys.maxsize, key)
+
+
+def snapshot_dict(settings: Any = None) -> dict[str, Any]:
+    """One snapshot as plain data (no rates), for code that wants numbers rather than a view."""
+    from carpool.config import load_settings
+
+    settings = settings or load_settings()
+    client = redis.Redis.from_url(settings.broker_url)
+    try:
+        return as_dict(collect(client, Keys(settings.request_queue)), None, settings.request_queue)
+    finally:
+        client.close()

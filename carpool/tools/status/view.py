@@ -1,0 +1,137 @@
+"""``carpool status``'s rich view of one snapshot, with rates when there are two."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from carpool.config import redact_url
+from carpool.tools.status.snapshot import Rates, Snapshot
+
+
+def _fmt_rate(value: float | None, unit: str) -> str:
+    if value is None:
+        return "[yellow]reset[/]"
+    return f"{value:,.1f} {unit}/s"
+
+
+def _fmt_counts(counts: Mapping[str, float], style: str = "") -> str:
+    items = [(k, int(v)) for k, v in counts.items() if v]
+    if not items:
+        return "[dim]none[/]"
+    text = "  ".join(f"{k}={v:,}" for k, v in items)
+    return f"[{style}]{text}[/]" if style else text
+
+
+def render(
+    snap: Snapshot | None, rate: Rates | None, queue: str, broker: str, error: str | None = None
+) -> Any:
+    """A rich renderable of one snapshot (with rates when there are two); about 15 lines tall."""
+    from rich.columns import Columns
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+
+    title = f"[bold]carpool status[/]  [dim]{queue} on {redact_url(broker)}[/]"
+    if snap is None:
+        body = f"[red]redis unavailable:[/] {error}" if error else "[dim]connecting...[/]"
+        return Panel(body, title=title, title_align="left", border_style="red" if error else "dim")
+
+    now = Table.grid(padding=(0, 2))
+    now.title, now.title_justify, now.title_style = "now", "left", "bold underline"
+    now.add_column(style="bold", no_wrap=True)
+    now.add_column()
+    w = len(snap.workers)
+    names = ", ".join(snap.workers[:4]) + (f" +{w - 4}" if w > 4 else "")
+    now.add_row("workers online", f"[{'green' if w else 'red'}]{w}[/]" + (f"  [dim]{names}[/]" if w else ""))
+    by_prio = "  ".join(f"{k}={v:,}" for k, v in snap.queued.items() if v)
+    now.add_row("queued", f"{snap.queued_total:,}" + (f"  [dim]{by_prio}[/]" if by_prio else ""))
+    now.add_row("pending in coordinator", f"{snap.pending:,}")
+    now.add_row("in flight", f"{snap.in_flight:,}  [dim]{int(snap.counter('outstanding'))} batches out[/]")
+    now.add_row("dead letter", f"[{'red' if snap.dead_letter else 'dim'}]{snap.dead_letter:,}[/]")
+    if rate is not None and rate.seconds > 0:
+        v = rate.values
+        now.add_row(
+            "requests",
+            f"{_fmt_rate(v.get('taken'), 'req')}  [dim]dispatched {_fmt_rate(v.get('dispatched'), 'req')}[/]",
+        )
+        now.add_row("batches", _fmt_rate(v.get("batches"), "batch"))
+        pr = rate.padding_ratio
+        now.add_row(
+            "padding now",
+            "[dim]-[/]" if pr is None else f"{pr:.2f}  [dim]{_fmt_rate(v.get('real_tokens'), 'real tok')}[/]",
+        )
+        failing = v.get("failed")
+        if failing:
+            now.add_row("failing", f"[red]{_fmt_rate(failing, 'req')}[/]")
+    else:
+        now.add_row("rates", "[dim]need two samples (--interval > 0)[/]")
+
+    totals = Table.grid(padding=(0, 2))
+    totals.title, totals.title_justify = "totals [dim](all coordinators)[/]", "left"
+    totals.title_style = "bold underline"
+    totals.add_column(style="bold", no_wrap=True)
+    totals.add_column()
+    if not snap.has_coordinator_stats:
+        totals.add_row("coordinator", "[yellow]no counters yet: is a coordinator running?[/]")
+    totals.add_row("taken", f"{int(snap.counter('taken')):,}")
+    totals.add_row("dispatched", f"{int(snap.counter('dispatched')):,}")
+    mean = snap.mean_batch_size
+    totals.add_row(
+        "batches",
+        f"{int(snap.counter('batches')):,}" + (f"  [dim]mean size {mean:.1f}[/]" if mean is not None else ""),
+    )
+    sizes = _size_buckets(snap.prefixed("size:"))
+    if sizes:
+        totals.add_row("batch sizes", f"[dim]{sizes}[/]")
+    ratio = snap.padding_ratio
+    totals.add_row(
+        "padding ratio",
+        "[dim]-[/]"
+        if ratio is None
+        else f"{ratio:.2f}  [dim]{int(snap.counter('padded_tokens')):,} padded / "
+        f"{int(snap.counter('real_tokens')):,} real tokens[/]",
+    )
+    totals.add_row("flush reasons", _fmt_counts(snap.prefixed("flush:")))
+    failed = snap.prefixed("failed:")
+    totals.add_row("failures", _fmt_counts(failed, "red" if any(failed.values()) else ""))
+
+    # Side by side when the terminal is wide enough, one under the other when not.
+    parts: list[Any] = [Columns([now, totals], padding=(0, 6))]
+    # Only bins with requests in them: with automatic bin edges, labels of refitted-away bins linger
+    # in the stats hash at 0.
+    by_model: dict[str, list[tuple[str, int]]] = {}
+    for (model, label), n in snap.depth_by_bin.items():
+        if n:
+            by_model.setdefault(model, []).append((label, n))
+    if snap.depth_by_bin:
+        bins = Table.grid(padding=(0, 2))
+        bins.add_column(style="bold", no_wrap=True)
+        bins.add_column()
+        for model in sorted(by_model):
+            cells = sorted(by_model[model], key=lambda c: _bin_order(c[0]))
+            bins.add_row(model, "  ".join(f"{label}: {n:,}" for label, n in cells))
+        if not by_model:
+            bins.add_row("[dim]none waiting[/]", "")
+        parts += ["", "[bold underline]waiting per length bin[/] [dim](tokens)[/]", bins]
+    return Panel(Group(*parts), title=title, title_align="left", expand=False)
+
+
+def _size_buckets(sizes: Mapping[str, float]) -> str:
+    """Batch sizes in power-of-two buckets: ``1:3  2-3:5  4-7:12 ...`` (empty buckets left out)."""
+    buckets: dict[int, int] = {}
+    for key, count in sizes.items():
+        if key.isdigit() and count:
+            size = int(key)
+            buckets[size.bit_length()] = buckets.get(size.bit_length(), 0) + int(count)
+    parts = []
+    for bits in sorted(buckets):
+        low, high = 1 << (bits - 1), (1 << bits) - 1
+        parts.append(f"{low if low == high else f'{low}-{high}'}:{buckets[bits]:,}")
+    return "  ".join(parts)
+
+
+def _bin_order(label: str) -> int:
+    head = label.split("-", 1)[0].rstrip("+")
+    return int(head) if head.isdigit() else sys.maxsize

@@ -1,0 +1,42 @@
+"""``carpool.config.redact_url``: passwords never reach a log line or a terminal; the rest stays readable."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.config import redact_url
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://localhost:6379/0", "redis://localhost:6379/0"),
+        ("redis://alice:s3cret@redis:6379/0", "redis://alice:***@redis:6379/0"),
+        ("redis://:s3cret@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("redis://s3cret@redis:6379/0", "redis://***@redis:6379/0"),
+        (
+            "rediss://:s3cret@host:6380/1?ssl_cert_reqs=required",
+            "rediss://:***@host:6380/1?ssl_cert_reqs=required",
+        ),
+        # Unescaped '@' and '/' in a password still end at the host.
+        ("redis://:p@ss/w0rd@redis:6379/0", "redis://:***@redis:6379/0"),
+        (
+            "sentinel://:s3cret@h1:26379;sentinel://:s3cret@h2:26379;sentinel://h3:26379",
+            "sentinel://:***@h1:26379;sentinel://:***@h2:26379;sentinel://h3:26379",
+        ),
+        (
+            "redis+sentinel://:s3cret@h1:26379,h2:26379/mymaster/0",
+            "redis+sentinel://:***@h1:26379,h2:26379/mymaster/0",
+        ),
+        ("unix:///tmp/redis.sock?db=0&password=s3cret", "unix:///tmp/redis.sock?db=0&password=***"),
+        ("redis://h:6379/0?password=s3cret&db=2", "redis://h:6379/0?password=***&db=2"),
+        (
+            "carpool.celery_edge.results:CarpoolRedisBackend+redis://u:s3cret@h/1",
+            "carpool.celery_edge.results:CarpoolRedisBackend+redis://u:***@h/1",
+        ),
+        ("not a url", "not a url"),
+    ],
+)
+def test_redact_url(url: str, expected: str) -> None:
+    assert redact_url(url) == expected
+    assert "s3cret" not in redact_url(url)
