@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from carpool.celery_edge.app import settings_of
 from carpool.tools.bench.procstat import cpu_snapshot
 from carpool.tools.harness import Harness, release_result_consumer
 
@@ -79,6 +78,8 @@ class BenchEnv:
     @property
     def settings(self) -> Any:
         assert self.app is not None
+        from carpool.celery_edge.app import settings_of
+
         return settings_of(self.app)
 
     def redis_client(self, db: int = 0) -> Any:
