@@ -57,6 +57,11 @@ class Keys:
         return f"{self._base}:inflight:claimed"
 
     @property
+    def inflight(self) -> list[str]:
+        """Every key that holds part of a request's in-flight state."""
+        return [self.inflight_lease, self.inflight_raw, self.inflight_owner, self.inflight_claimed]
+
+    @property
     def dead_letter(self) -> str:
         """LIST of messages that were not carpool requests, with the reason."""
         return f"{self._base}:dead"

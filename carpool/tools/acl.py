@@ -118,7 +118,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
     batches = priority_lists(settings.batch_queue)
     results = glob_escape(RESULT_KEY_PREFIX) + "*"
     reports = glob_escape(keys.reports_for("")) + "*"
-    inflight = [keys.inflight_lease, keys.inflight_raw, keys.inflight_owner]
+    inflight = keys.inflight
     fanout = FANOUT_PREFIX.format(db=_broker_db(settings))
     events = glob_escape(f"{fanout}{EVENT_EXCHANGE}/")
     pidbox = glob_escape(f"{fanout}{PIDBOX_EXCHANGE}")
