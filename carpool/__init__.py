@@ -1,7 +1,8 @@
 """carpool: call a model with Celery's ``.delay()``; a coordinator turns the requests into
 length-binned, tightly padded micro-batches that GPU workers run.
 
-Producer API: ``from carpool.tasks import infer``; in bulk, ``carpool.submit_many(texts)`` and
+Producer API: ``from carpool.tasks import infer``; ``@carpool.batched`` makes any batch function a
+task; in bulk, ``carpool.submit_many(texts)`` and
 ``carpool.gather(results)`` (or ``await carpool.gather_async(results)``). Importing carpool never
 imports torch.
 """
@@ -16,9 +17,10 @@ _LAZY = {
     "submit_many": "carpool.producer.submit",
     "gather": "carpool.producer.gather",
     "gather_async": "carpool.producer.gather",
+    "batched": "carpool.tasks",
 }
 
-__all__ = ["__version__", "gather", "gather_async", "submit_many"]
+__all__ = ["__version__", "batched", "gather", "gather_async", "submit_many"]
 
 
 def __getattr__(name: str) -> Any:

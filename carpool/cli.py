@@ -15,8 +15,17 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _task_flags(args: argparse.Namespace) -> None:
+    """``--imports`` / ``--tasks`` are the CARPOOL_IMPORTS / CARPOOL_SERVE_TASKS of this process."""
+    if getattr(args, "imports", None):
+        os.environ["CARPOOL_IMPORTS"] = args.imports
+    if getattr(args, "tasks", None):
+        os.environ["CARPOOL_SERVE_TASKS"] = args.tasks
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     _logging(args.loglevel)
+    _task_flags(args)
     from carpool.celery_edge.app import app, settings_of
     from carpool.coordinator.loop import Coordinator
 
@@ -27,8 +36,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    _task_flags(args)
     from carpool.celery_edge.app import app, settings_of
     from carpool.gpu_worker import task  # noqa: F401  (registers carpool.run_batch)
+    from carpool.gpu_worker.runtime import batch_queues
 
     settings = settings_of(app)
     argv = [
@@ -36,7 +47,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--pool",
         "solo",
         "--queues",
-        settings.batch_queue,
+        ",".join(batch_queues(settings)),
         "--loglevel",
         args.loglevel,
         "--hostname",
@@ -59,11 +70,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="carpool", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    imports_help = "modules defining @batched tasks, comma separated (default: CARPOOL_IMPORTS)"
     p = sub.add_parser("coordinator", help="drain the request queue into length-binned micro-batches")
     p.add_argument("--loglevel", default="info")
+    p.add_argument("--imports", help=imports_help)
     p.set_defaults(func=cmd_coordinator)
     p = sub.add_parser("worker", help="run batches on this machine's accelerator (a Celery worker)")
     p.add_argument("--loglevel", default="info")
+    p.add_argument("--imports", help=imports_help)
+    p.add_argument(
+        "--tasks",
+        help="run only these tasks, comma separated (carpool.infer for the models); default: every task",
+    )
     p.add_argument("celery_args", nargs=argparse.REMAINDER, help="extra arguments for celery worker")
     p.set_defaults(func=cmd_worker)
     p = sub.add_parser("demo", help="embedded Redis + coordinator + worker, a burst of mixed texts, a report")

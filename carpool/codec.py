@@ -21,6 +21,7 @@ kept out:
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import orjson
@@ -56,3 +57,26 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 def dumps_lenient(value: Any) -> bytes:
     """Compact UTF-8 JSON; what JSON cannot express is written as its ``str`` (telemetry: events)."""
     return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+
+
+def dumps_exact(value: Any) -> bytes:
+    """JSON of ``value`` that decodes back to an equal value, or raise ``TypeError``/``ValueError``
+    saying why not: a type JSON lacks, a non-str key, an integer past 64 bits, a lone surrogate
+    (``TypeError``), or a non-finite float (``ValueError``)."""
+    encoded: bytes = orjson.dumps(value, option=_PLAIN)
+    if not finite(value):
+        raise ValueError("a non-finite float (inf or nan), which JSON cannot write")
+    return encoded
+
+
+def finite(value: Any) -> bool:
+    """No inf or nan anywhere in ``value``."""
+    if type(value) is float:
+        return math.isfinite(value)
+    if isinstance(value, list | tuple):
+        if all(type(v) is float for v in value):  # a vector: checked in one C-level pass
+            return all(map(math.isfinite, value))
+        return all(map(finite, value))
+    if isinstance(value, dict):
+        return all(map(finite, value.values()))
+    return True

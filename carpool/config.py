@@ -15,9 +15,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from carpool.errors import ConfigError
 from carpool.names import DEFAULT_BIN_EDGES, PolicyName
 
-# Measured on the mixed workload: these 8 bins cut padding to ~1.2x real tokens, against ~1.35x
-# for 16,32,64,128 (whose 129+ bin mixes 130- and 256-token texts), and ran ~10% faster end to end.
-
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
@@ -38,6 +35,16 @@ class Settings(BaseSettings):
     model: str = Field("minilm", min_length=1, description="minilm, toy, null or package.module:Class.")
     models: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="Every model this deployment serves, comma separated; empty = just `model`."
+    )
+    imports: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="Modules defining @batched tasks, comma separated (like Celery's `imports`)."
+    )
+    serve_tasks: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description=(
+            "Tasks this worker runs, comma separated (`carpool.infer` for the models); empty = every task "
+            "(a dedicated worker names its own)."
+        ),
     )
     device: DeviceName = Field("auto", description="auto picks CUDA when available, else CPU.")
     torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default.")
@@ -118,7 +125,7 @@ class Settings(BaseSettings):
                 data["auto_bins"] = 6
         return data
 
-    @field_validator("models", mode="before")
+    @field_validator("models", "imports", "serve_tasks", mode="before")
     @classmethod
     def _parse_models(cls, value: object) -> object:
         if isinstance(value, str):

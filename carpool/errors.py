@@ -30,6 +30,10 @@ class InputTooLong(InvalidInput):
     """Raised when a text is over the size limit, or over the model's window with truncation off."""
 
 
+class UnsupportedOption(InvalidInput, TypeError):
+    """Raised at ``.delay()`` for a Celery option a carpool task cannot honour; the message says why."""
+
+
 class DeadlineExceeded(CarpoolError):
     """Raised when a request's deadline passed before it could run."""
 

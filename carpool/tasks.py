@@ -1,15 +1,28 @@
-"""Producer API: ``from carpool.tasks import infer; infer.delay("text").get()``.
+"""The tasks producers call: ``infer``, and ``@batched`` to make any batch function one.
+
+    from carpool.tasks import infer
+    infer.delay("text").get()
+
+    from carpool import batched
+
+    @batched(length=len)
+    def shout(texts: list[str]) -> list[str]:      # one output per item, same order
+        return [t.upper() for t in texts]
+
+    shout.delay("hi").get()                       # "HI", computed in a batch on a worker
 
 Importing this module imports Celery and pydantic, never torch. ``.delay()`` validates the request
-before it is sent (a bad one raises :class:`~carpool.errors.InvalidInput` in the caller) and stamps
-the send time, so the coordinator measures waiting from the request's real arrival.
+before it is sent (a bad one raises :class:`~carpool.errors.InvalidInput` in the caller), refuses
+Celery options a batch worker could not honour (:mod:`carpool.producer.options`) and stamps the send
+time, so the coordinator measures waiting from the request's real arrival.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 from celery import Task
 from celery.result import AsyncResult
@@ -17,8 +30,10 @@ from redis.exceptions import RedisError
 
 from carpool.celery_edge.app import app, settings_of
 from carpool.names import INFER_TASK, SENT_AT_HEADER
+from carpool.producer.options import check_options
 from carpool.producer.submit import publish_tasks
-from carpool.validation import bind_infer_args, validate_infer
+from carpool.registry import BatchedSpec, register
+from carpool.validation import bind_infer_args, bind_item, validate_infer, validate_item
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +42,8 @@ log = logging.getLogger(__name__)
 _DIRECT_OPTIONS = frozenset({"priority", "expires", "queue"})
 
 
-class InferTask(Task):  # type: ignore[misc, unused-ignore]  # Celery is untyped
-    """``carpool.infer`` with validation at the producer, and a cheaper publish.
+class CarpoolTask(Task):  # type: ignore[misc, unused-ignore]  # Celery is untyped
+    """A task whose requests a coordinator batches: validated at the producer, published cheaply.
 
     The message is the one Celery would send (built by
     :class:`carpool.celery_edge.task_messages.TaskMessageBuilder` from Celery's own
@@ -39,9 +54,15 @@ class InferTask(Task):  # type: ignore[misc, unused-ignore]  # Celery is untyped
     applies) take Celery's own path.
     """
 
+    def validate(self, args: Any, kwargs: Any) -> None:
+        """Raise :class:`~carpool.errors.InvalidInput` unless ``(args, kwargs)`` is a valid request."""
+        raise NotImplementedError
+
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
-        text, model = bind_infer_args(args, kwargs)
-        validate_infer(text, model, settings_of(self.app))
+        self.validate(args, kwargs)
+        check_options(self.name, options)
+        # The coordinator drains the request queue, whatever the app's default queue is.
+        options.setdefault("queue", settings_of(self.app).request_queue)
         headers = dict(options.pop("headers", None) or {})
         headers.setdefault(SENT_AT_HEADER, time.time())
         if (
@@ -59,6 +80,21 @@ class InferTask(Task):  # type: ignore[misc, unused-ignore]  # Celery is untyped
         return super().apply_async(args, kwargs, headers=headers, **options)
 
 
+class InferTask(CarpoolTask):
+    """``carpool.infer``: a text through one of the deployment's models."""
+
+    def validate(self, args: Any, kwargs: Any) -> None:
+        text, model = bind_infer_args(args, kwargs)
+        validate_infer(text, model, settings_of(self.app))
+
+
+class BatchedTask(CarpoolTask):
+    """A ``@batched`` function as a task: one JSON item per request, one output back."""
+
+    def validate(self, args: Any, kwargs: Any) -> None:
+        validate_item(self.name, bind_item(self.name, args, kwargs), settings_of(self.app))
+
+
 @app.task(base=InferTask, name=INFER_TASK, bind=False)  # type: ignore[untyped-decorator, unused-ignore]
 def infer(text: str, model: str | None = None) -> Any:
     """Embed/run ``text`` on ``model`` (default: ``CARPOOL_MODEL``).
@@ -72,4 +108,64 @@ def infer(text: str, model: str | None = None) -> Any:
     return run_single(model or settings_of(app).model, text)
 
 
-__all__ = ["infer"]
+def batched(
+    fn: Callable[[list[Any]], Sequence[Any]] | None = None,
+    *,
+    length: Callable[[Any], int] | None = None,
+    name: str | None = None,
+    max_batch: int | None = None,
+    max_tokens: int | None = None,
+    bins: Sequence[int] | Literal["auto"] | None = None,
+    batch_queue: str | None = None,
+) -> Any:
+    """Make ``fn(items) -> outputs`` (one output per item, same order) a Celery task that carpool batches.
+
+    ``f.delay(item)`` sends one request (any JSON value); ``.get()`` returns ``fn``'s output for it.
+    ``length(item) -> int`` (run on the coordinator; ``len`` by default) bins requests so each batch
+    holds items of similar size; ``max_batch``, ``max_tokens`` (count x longest length) and ``bins``
+    (increasing length edges, or ``"auto"``) override the deployment's settings for this task.
+    ``name`` defaults to ``module.function``, as Celery names tasks. ``batch_queue`` sends this task's
+    batches to their own queue, for workers dedicated to it (``carpool worker --tasks NAME``).
+    ``fn`` runs only on workers; give it (or the object it is) a ``load(device)`` to build heavy state
+    once per worker process before the first batch.
+    """
+
+    def wrap(function: Callable[[list[Any]], Sequence[Any]]) -> Any:
+        task_name = name or _default_name(function)
+        length_fn = length if length is not None else getattr(function, "length", len)
+        spec = BatchedSpec(
+            name=task_name,
+            fn=function,
+            length=length_fn,
+            max_batch=max_batch,
+            max_tokens=max_tokens,
+            bin_edges=bins if bins is None or bins == "auto" else tuple(bins),
+            batch_queue=batch_queue,
+        )
+        register(spec)
+
+        def run(item: Any) -> Any:
+            # Only a plain Celery worker consuming the request queue runs this (one item at a time).
+            (out,) = function([item])
+            return out
+
+        run.__name__ = task_name.rpartition(".")[2] or task_name
+        run.__doc__ = getattr(function, "__doc__", None)
+        task = app.task(base=BatchedTask, name=task_name, bind=False)(run)
+        task.spec = spec
+        return task
+
+    if fn is not None:
+        return wrap(fn)
+    return wrap
+
+
+def _default_name(function: Any) -> str:
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
+    if not module or not qualname or "<" in qualname:
+        raise TypeError(f"@batched cannot name {function!r} as module.function; pass name='your.task.name'")
+    return f"{module}.{qualname}"
+
+
+__all__ = ["BatchedTask", "batched", "infer"]

@@ -6,10 +6,12 @@ change; nothing here imports torch.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from carpool.codec import dumps_exact
 from carpool.config import Settings
 from carpool.errors import InputTooLong, InvalidInput, UnknownModel
 
@@ -68,6 +70,49 @@ def validate_infer(text: Any, model: Any, settings: Settings) -> InferPayload:
             "pass one of them as model=, or add it to CARPOOL_MODELS"
         )
     return InferPayload(text=text, model=model)
+
+
+def bind_item(task_name: str, args: Any, kwargs: Any) -> Any:
+    """The one item of a ``@batched`` task's call, or raise :class:`InvalidInput`."""
+    if kwargs or not isinstance(args, list | tuple) or len(args) != 1:
+        raise InvalidInput(
+            f"{task_name} takes exactly one item per request, got args={_short(args)} "
+            f"kwargs={sorted(kwargs or {})}; pass several fields as one dict: .delay({{'a': 1, 'b': 2}})"
+        )
+    return args[0]
+
+
+def validate_item(task_name: str, item: Any, settings: Settings) -> int:
+    """Check that ``item`` travels as JSON and decodes to an equal value; returns its size in bytes."""
+    try:
+        size = len(dumps_exact(item))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(
+            f"{task_name}: the item cannot travel as JSON unchanged ({exc}); pass strings, finite numbers, "
+            "integers within 64 bits (else a string), lists and dicts with string keys"
+        ) from None
+    if size > settings.max_input_bytes:
+        raise InputTooLong(
+            f"{task_name}: the item is {size} bytes as JSON, over CARPOOL_MAX_INPUT_BYTES="
+            f"{settings.max_input_bytes}; send less per request or raise the limit"
+        )
+    return size
+
+
+def checked_length(task_name: str, value: Any) -> int:
+    """A ``length`` function's answer as an int >= 0 (numpy integers too), or raise :class:`InvalidInput`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        size = operator.index(value)
+    except TypeError:
+        raise InvalidInput(
+            f"{task_name}: length() returned {_short(value)} ({type(value).__name__}), not an int; "
+            "make the task's length function return an integer size"
+        ) from None
+    if size < 0:
+        raise InvalidInput(f"{task_name}: length() returned {size}; sizes must be >= 0")
+    return size
 
 
 class _Missing:

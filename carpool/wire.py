@@ -11,20 +11,21 @@ plain dicts, JSON-ready for Celery's serializer and the store, with nothing conv
 
 from __future__ import annotations
 
-from typing import Any, Final, TypedDict
+from typing import Any, Final, NotRequired, TypedDict
 
 from carpool.errors import WireError, WireVersionMismatch
 
 #: Bump whenever a field below appears, goes or changes meaning.
-WIRE_VERSION: Final = 1
+WIRE_VERSION: Final = 2
 
 
 class RequestSlot(TypedDict):
     """One request inside a batch: all the worker needs, so it never tokenizes again."""
 
     id: str  # the request's Celery task id: its result is stored under it
-    ids: list[int] | None  # token ids; None when the model reads only the attention mask
-    len: int  # tokens, special tokens included
+    ids: list[int] | None  # infer: token ids; None when the model reads only the attention mask
+    item: NotRequired[Any]  # a @batched task: the request's item, as the producer sent it
+    len: int  # infer: tokens, special tokens included; a @batched task: its length function's value
     sent_at: float  # producer's wall clock
     deadline: float  # wall clock; the worker fails the request if its batch starts later
 
@@ -34,7 +35,8 @@ class BatchMessage(TypedDict):
 
     version: int
     id: str  # the batch's Celery task id
-    model: str
+    task: str  # the requests' task: carpool.infer, or a @batched task's name
+    model: str  # infer: the model; a @batched task: its name again
     bin: str  # token lengths the batch's bin holds, e.g. "17-32"
     flush: str  # why the batch left the coordinator (a FlushReason value)
     padded_len: int
@@ -70,6 +72,7 @@ _REPORT_KEYS: Final = frozenset(BatchReport.__annotations__)
 def batch_message(
     *,
     batch_id: str,
+    task: str,
     model: str,
     bin_label: str,
     flush: str,
@@ -81,6 +84,7 @@ def batch_message(
     return {
         "version": WIRE_VERSION,
         "id": batch_id,
+        "task": task,
         "model": model,
         "bin": bin_label,
         "flush": flush,

@@ -66,6 +66,17 @@ class CarpoolCelery(compat.AppWithBackendClass):
         return CarpoolRedisBackend
 
 
+def _batched_to(request_queue: str) -> Any:
+    """A Celery router sending every ``@batched`` task's requests to the request queue."""
+
+    def route(name: str, *_: Any, **__: Any) -> dict[str, str] | None:
+        from carpool.registry import spec_for
+
+        return {"queue": request_queue} if spec_for(name) is not None else None
+
+    return route
+
+
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or load_settings()
     # include: a plain `celery worker` on the request queue (the one-task-per-request baseline of
@@ -79,10 +90,13 @@ def create_app(settings: Settings | None = None) -> Celery:
         event_serializer="json",
         accept_content=["json"],
         result_accept_content=["json"],
-        task_routes={
-            INFER_TASK: {"queue": settings.request_queue},
-            RUN_BATCH_TASK: {"queue": settings.batch_queue},
-        },
+        task_routes=(
+            {
+                INFER_TASK: {"queue": settings.request_queue},
+                RUN_BATCH_TASK: {"queue": settings.batch_queue},
+            },
+            _batched_to(settings.request_queue),
+        ),
         task_default_queue=settings.batch_queue,
         result_expires=settings.result_expires_s,
         # One batch at a time per worker process: the coordinator, not the prefetch, sizes batches.

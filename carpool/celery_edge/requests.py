@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Container
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -19,7 +20,7 @@ from carpool.codec import loads as json_loads
 from carpool.errors import MalformedMessage
 from carpool.names import INFER_TASK, SENT_AT_HEADER
 
-TASK_NAME = INFER_TASK  # the only task whose messages belong on the request queue
+TASK_NAME = INFER_TASK  # the built-in task; @batched tasks' messages share the request queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class Incoming:
     """A decoded request message; ``args``/``kwargs`` still unvalidated."""
 
     id: str
+    task: str
     args: Any
     kwargs: Any
     priority: int
@@ -36,8 +38,9 @@ class Incoming:
     kwargsrepr: str
 
 
-def decode(raw: bytes) -> Incoming:
-    """Decode ``raw`` or raise :class:`MalformedMessage` naming what is wrong with it."""
+def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
+    """Decode ``raw``, a message for one of ``tasks``, or raise :class:`MalformedMessage` naming what
+    is wrong with it."""
     try:
         envelope = json_loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -46,8 +49,11 @@ def decode(raw: bytes) -> Incoming:
         raise MalformedMessage("not a Celery message: no headers")
     headers = envelope["headers"]
     task = headers.get("task")
-    if task != TASK_NAME:
-        raise MalformedMessage(f"unknown task name {task!r}: only {TASK_NAME} belongs on the request queue")
+    if not isinstance(task, str) or task not in tasks:
+        raise MalformedMessage(
+            f"unknown task name {task!r}: only {TASK_NAME} and the @batched tasks of CARPOOL_IMPORTS "
+            "belong on the request queue (is the task's module in CARPOOL_IMPORTS?)"
+        )
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not task_id:
         raise MalformedMessage("Celery message without a task id")
@@ -81,6 +87,7 @@ def decode(raw: bytes) -> Incoming:
     args, kwargs, _embed = decoded
     return Incoming(
         id=task_id,
+        task=task,
         args=args,
         kwargs=kwargs,
         priority=_priority(props.get("priority")),

@@ -8,8 +8,11 @@ themselves live in the pure ``carpool.batching``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from carpool.batching import PolicyConfig
 from carpool.config import Settings
+from carpool.registry import BatchedSpec
 
 
 def policy_config(settings: Settings) -> PolicyConfig:
@@ -25,4 +28,18 @@ def policy_config(settings: Settings) -> PolicyConfig:
     )
 
 
-__all__ = ["policy_config"]
+def task_policy_config(base: PolicyConfig, spec: BatchedSpec) -> PolicyConfig:
+    """``base`` with the limits and bins a ``@batched`` task names for itself."""
+    changes: dict[str, object] = {}
+    if spec.max_batch is not None:
+        changes["max_batch"] = spec.max_batch
+    if spec.max_tokens is not None:
+        changes["max_tokens"] = spec.max_tokens
+    if spec.bin_edges == "auto":
+        changes["auto_bins"] = base.auto_bins or 6
+    elif spec.bin_edges is not None:
+        changes.update(bin_edges=spec.bin_edges, auto_bins=0)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+__all__ = ["policy_config", "task_policy_config"]

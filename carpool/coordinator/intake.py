@@ -2,8 +2,9 @@
 
 Per message: decode it (what is not a carpool request is set aside to be dead-lettered), bind and
 validate its arguments, refuse it when ``CARPOOL_MAX_PENDING`` requests already wait; then per model,
-refuse texts over the model's window (with truncation off), tokenize the rest in one call and move
-the producer's wall-clock times onto the coordinator's monotonic clock. No I/O: the tokenizers and
+refuse texts over the model's window (with truncation off), tokenize the rest in one call; per
+``@batched`` task, measure each item with the task's length function; and move the producer's
+wall-clock times onto the coordinator's monotonic clock. No I/O: the tokenizers and
 both clocks' readings are passed in, and the caller stores the failures.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from carpool.batching import Request
 from carpool.celery_edge import requests as protocol
@@ -18,7 +20,16 @@ from carpool.celery_edge.requests import Incoming
 from carpool.config import Settings
 from carpool.errors import CarpoolError, InputTooLong, InvalidInput, MalformedMessage, QueueFull
 from carpool.models import BatchModel
-from carpool.validation import InferPayload, bind_infer_args, validate_infer
+from carpool.names import INFER_TASK
+from carpool.registry import BatchedSpec
+from carpool.validation import (
+    InferPayload,
+    bind_infer_args,
+    bind_item,
+    checked_length,
+    validate_infer,
+    validate_item,
+)
 from carpool.wire import RequestSlot
 
 
@@ -49,9 +60,9 @@ class Intake:
     malformed: list[Malformed] = field(default_factory=list)
 
 
-def decode_taken(request_id: str, raw: bytes) -> Incoming:
+def decode_taken(request_id: str, raw: bytes, tasks: Any = (INFER_TASK,)) -> Incoming:
     """The request message ``raw``, taken under ``request_id``, or raise :class:`MalformedMessage`."""
-    msg = protocol.decode(raw)
+    msg = protocol.decode(raw, tasks)
     if msg.id != request_id:  # in-flight bookkeeping is keyed by the id the take found
         raise MalformedMessage(f"task id {msg.id!r} is not the message's only id key")
     return msg
@@ -89,6 +100,38 @@ def split_too_long(
     return keep, refused
 
 
+def measured(spec: BatchedSpec, items: list[tuple[Incoming, Any]]) -> list[int | InvalidInput]:
+    """Each item's length by the task's length function, or the error that request fails with.
+
+    The function's batch form (one call for all) is tried first; if it raises, each item is measured
+    alone so that one bad item fails only its own request.
+    """
+    values = [item for _, item in items]
+    try:
+        raw: Sequence[Any] = spec.lengths(values)
+        if len(raw) != len(values):
+            raise ValueError(f"lengths() gave {len(raw)} values for {len(values)} items")
+    except Exception:
+        raw = []
+        for value in values:
+            try:
+                raw.append(spec.length(value))
+            except Exception as exc:
+                raw.append(
+                    InvalidInput(f"{spec.name}: length() raised {type(exc).__name__}: {exc}; fix the item")
+                )
+    out: list[int | InvalidInput] = []
+    for value in raw:
+        if isinstance(value, InvalidInput):
+            out.append(value)
+            continue
+        try:
+            out.append(checked_length(spec.name, value))
+        except InvalidInput as exc:
+            out.append(exc)
+    return out
+
+
 def to_request(
     msg: Incoming,
     model_name: str,
@@ -97,6 +140,9 @@ def to_request(
     now: float,
     wall_now: float,
     default_deadline_s: float,
+    *,
+    item: Any = None,
+    length: int | None = None,
 ) -> Request:
     """The policy's view of ``msg``, carrying the slot the worker will read.
 
@@ -106,17 +152,20 @@ def to_request(
     """
     sent_at = msg.sent_at if msg.sent_at is not None else wall_now
     deadline_wall = msg.expires_at if msg.expires_at is not None else sent_at + default_deadline_s
+    size = len(ids) if length is None else length
     slot: RequestSlot = {
         "id": msg.id,
         "ids": ids if keep_ids else None,
-        "len": len(ids),
+        "len": size,
         "sent_at": sent_at,
         "deadline": deadline_wall,
     }
+    if length is not None:
+        slot["item"] = item
     return Request(
         id=msg.id,
         model=model_name,
-        length=len(ids),
+        length=max(1, size),
         arrival_s=now - max(0.0, wall_now - sent_at),
         deadline_s=now + (deadline_wall - wall_now),
         priority=msg.priority,
@@ -132,22 +181,30 @@ def take_in(
     room: int,
     now: float,
     wall_now: float,
+    specs: Mapping[str, BatchedSpec] | None = None,
 ) -> Intake:
     """Turn ``taken`` (request id, raw message) pairs into requests for the policy and refusals.
 
     ``room``: how many more requests the policy may hold; ``now`` and ``wall_now``: the coordinator's
     monotonic and wall clocks, read at one instant.
     """
+    specs = specs or {}
+    tasks = {INFER_TASK, *specs}
     out = Intake()
     by_model: dict[str, list[tuple[Incoming, str]]] = {}
+    by_task: dict[str, list[tuple[Incoming, Any]]] = {}
     for request_id, raw in taken:
         try:
-            msg = decode_taken(request_id, raw)
+            msg = decode_taken(request_id, raw, tasks)
         except MalformedMessage as exc:
             out.malformed.append(Malformed(request_id, raw, str(exc)))
             continue
         try:
-            payload = validated(msg, settings)
+            if msg.task == INFER_TASK:
+                payload = validated(msg, settings)
+            else:
+                item = bind_item(msg.task, msg.args, msg.kwargs)
+                validate_item(msg.task, item, settings)
         except InvalidInput as exc:
             out.refused.append(Refused(msg.id, "invalid", exc))
             continue
@@ -155,7 +212,19 @@ def take_in(
             out.refused.append(Refused(msg.id, "queue_full", queue_full(settings.max_pending)))
             continue
         room -= 1
-        by_model.setdefault(payload.model, []).append((msg, payload.text))
+        if msg.task == INFER_TASK:
+            by_model.setdefault(payload.model, []).append((msg, payload.text))
+        else:
+            by_task.setdefault(msg.task, []).append((msg, item))
+
+    deadline_s = settings.default_deadline_s
+    for task_name, entries in by_task.items():
+        for (msg, item), size in zip(entries, measured(specs[task_name], entries), strict=True):
+            if isinstance(size, InvalidInput):
+                out.refused.append(Refused(msg.id, "invalid", size))
+                continue
+            request = to_request(msg, task_name, [], False, now, wall_now, deadline_s, item=item, length=size)
+            out.admitted.append((msg, request))
 
     for model_name, items in by_model.items():
         model = models[model_name]
@@ -164,7 +233,6 @@ def take_in(
             out.refused.extend(refused)
         token_ids = model.encode([text for _, text in items])
         keep_ids = model.needs_token_ids
-        deadline_s = settings.default_deadline_s
         for (msg, _), ids in zip(items, token_ids, strict=True):
             out.admitted.append((msg, to_request(msg, model_name, ids, keep_ids, now, wall_now, deadline_s)))
     return out

@@ -29,16 +29,17 @@ from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.results import FAILURE
 from carpool.celery_edge.task_messages import TaskMessageBuilder
 from carpool.config import Settings
-from carpool.coordinator import policy_config
+from carpool.coordinator import policy_config, task_policy_config
 from carpool.coordinator.intake import Malformed, Refused, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
-from carpool.errors import DeadlineExceeded, WireError
+from carpool.errors import ConfigError, DeadlineExceeded, WireError
 from carpool.models import get_model
-from carpool.names import RUN_BATCH_TASK
+from carpool.names import INFER_TASK, RUN_BATCH_TASK
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
+from carpool.registry import import_task_modules, registered
 from carpool.wire import RequestSlot, batch_message, read_report
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,18 @@ class Coordinator:
         self.clock = clock
         self.wall = wall
         self.latency = LatencyModel()
-        self.policy = BatchPolicy(policy_config(settings), self.latency)
+        import_task_modules(settings.imports)
+        self.specs = registered()
         self.models = {name: get_model(name) for name in settings.served_models}
+        clash = sorted(set(self.specs) & set(self.models))
+        if clash:
+            raise ConfigError(
+                f"{', '.join(clash)} names both a model and a @batched task; rename the task (name=)"
+            )
+        base = policy_config(settings)
+        self.policy = BatchPolicy(
+            base, self.latency, per_key={n: task_policy_config(base, s) for n, s in self.specs.items()}
+        )
         self.outstanding: dict[str, _Outstanding] = {}
         self.workers = 0
         self.stats = CoordinatorStats()
@@ -93,15 +104,7 @@ class Coordinator:
         self._refused_kinds: set[tuple[str, str]] = set()
         # Kept for the process's life: the builder renders batch messages from a template it learns
         # from Celery's own first messages.
-        self._messages = TaskMessageBuilder(
-            RUN_BATCH_TASK,
-            app=app,
-            queue=settings.batch_queue,
-            sent_events=False,
-            # The header overrides run_batch's own ignore_result on the worker: nobody reads a
-            # batch's result, so the backend must not store one.
-            ignore_result=True,
-        )
+        self._builders: dict[str, TaskMessageBuilder] = {}
 
     # --- process -------------------------------------------------------------------------
     def run(self) -> None:
@@ -220,6 +223,7 @@ class Coordinator:
             taken,
             settings=self.settings,
             models=self.models,
+            specs=self.specs,
             room=self.settings.max_pending - len(self.policy),
             now=now,
             wall_now=self.wall(),
@@ -279,12 +283,42 @@ class Coordinator:
         :class:`~carpool.celery_edge.task_messages.TaskMessageBuilder` without kombu's per-publish
         overhead."""
         wall_now = self.wall()
+        by_queue: dict[str, list[Batch]] = {}
+        for batch in batches:
+            by_queue.setdefault(self._batch_queue_of(batch.model), []).append(batch)
+        # One script call per batch queue: a single one unless a task has workers of its own.
+        for queue, group in by_queue.items():
+            self._publish_to(queue, group, now, wall_now)
+
+    def _batch_queue_of(self, key: str) -> str:
+        spec = self.specs.get(key)
+        return (spec.batch_queue if spec is not None else None) or self.settings.batch_queue
+
+    def _builder(self, queue: str) -> TaskMessageBuilder:
+        # Kept for the process's life: a builder renders batch messages from a template it learns
+        # from Celery's own first messages.
+        builder = self._builders.get(queue)
+        if builder is None:
+            builder = self._builders[queue] = TaskMessageBuilder(
+                RUN_BATCH_TASK,
+                app=self.app,
+                queue=queue,
+                sent_events=False,
+                # The header overrides run_batch's own ignore_result on the worker: nobody reads a
+                # batch's result, so the backend must not store one.
+                ignore_result=True,
+            )
+        return builder
+
+    def _publish_to(self, queue: str, batches: list[Batch], now: float, wall_now: float) -> None:
         batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
         calls: list[tuple[list[Any], dict[str, Any]]] = []
         summaries: list[str] = []
         for batch_id, batch in zip(batch_ids, batches, strict=True):
+            task = INFER_TASK if batch.model in self.models else batch.model
             message = batch_message(
                 batch_id=batch_id,
+                task=task,
                 model=batch.model,
                 bin_label=batch.bin_label,
                 flush=batch.flush_reason.value,
@@ -294,14 +328,15 @@ class Coordinator:
                 requests=cast("list[RequestSlot]", [r.payload for r in batch.requests]),
             )
             calls.append(([message], {}))
-            # Flower shows argsrepr; the token ids it would otherwise show help nobody.
+            # Flower shows argsrepr; the token ids or items it would otherwise show help nobody.
             padding = batch.padded_tokens / max(1, batch.real_tokens)
+            what = f"model={batch.model}" if task == INFER_TASK else f"task={task}"
             summaries.append(
                 f"size={batch.size} bin={batch.bin_label} width={batch.padded_len} "
-                f"padding={padding:.2f} flush={batch.flush_reason.value} model={batch.model}"
+                f"padding={padding:.2f} flush={batch.flush_reason.value} {what}"
             )
         try:
-            built = self._messages.build(calls, task_ids=batch_ids, argsreprs=summaries)
+            built = self._builder(queue).build(calls, task_ids=batch_ids, argsreprs=summaries)
             (queue_list, raws), *others = built.pushes.items()
             if others:
                 raise RuntimeError("batch messages must all go to one list (no priorities on batches)")

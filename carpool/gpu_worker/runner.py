@@ -3,14 +3,16 @@
 ``run_padded`` is the hot path: one numpy fill of a (rows x padded length) array, one forward under
 ``torch.inference_mode()``. When a batch raises, ``run_isolating`` halves it until the failing rows
 are alone, so one bad request fails only itself; out-of-memory errors are handled the same way
-(smaller halves fit).
+(smaller halves fit). ``run_items_isolating`` does the same for a ``@batched`` task's function.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -97,9 +99,8 @@ def run_isolating(
 
 
 def _free_accelerator_memory() -> None:
-    import torch
-
-    if torch.cuda.is_available():
+    torch = sys.modules.get("torch")  # a batch function that never imported torch holds no CUDA memory
+    if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
@@ -108,3 +109,40 @@ def run_single(model_name: str, text: str) -> Any:
     model = loaded_model(model_name)
     ids = model.encode([text])[0]
     return run_padded(model, [ids if model.needs_token_ids else None], [len(ids)])[0]
+
+
+class OutputCountMismatch(Exception):
+    """A batch function returned a different number of outputs than it was given items."""
+
+
+def run_items(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[Any]:
+    """``fn(items)``, checked to give one output per item; under ``inference_mode`` if torch is loaded."""
+    torch = sys.modules.get("torch")
+    context = torch.inference_mode() if torch is not None else contextlib.nullcontext()
+    with context:
+        outputs = fn(items)
+    try:
+        outputs = list(outputs)
+    except TypeError:
+        raise OutputCountMismatch(
+            f"returned {type(outputs).__name__}, not a list with one output per item"
+        ) from None
+    if len(outputs) != len(items):
+        raise OutputCountMismatch(f"returned {len(outputs)} outputs for {len(items)} items")
+    return outputs
+
+
+def run_items_isolating(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[tuple[bool, Any]]:
+    """Per item (ok, output-or-exception): a batch that raises is split in halves until failures are
+    alone. A wrong number of outputs fails the whole batch: splitting cannot say which output is whose."""
+    try:
+        return [(True, out) for out in run_items(fn, items)]
+    except OutputCountMismatch as exc:
+        return [(False, exc)] * len(items)
+    except Exception as exc:
+        if len(items) == 1:
+            return [(False, exc)]
+        log.warning("batch of %d failed (%s: %s); splitting to isolate", len(items), type(exc).__name__, exc)
+        _free_accelerator_memory()
+        half = len(items) // 2
+        return run_items_isolating(fn, items[:half]) + run_items_isolating(fn, items[half:])

@@ -28,11 +28,14 @@ from carpool.batching.capacity import may_start
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.results import FAILURE, SUCCESS
-from carpool.errors import DeadlineExceeded, ModelError, WireError
-from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating
-from carpool.names import RUN_BATCH_TASK
+from carpool.codec import dumps_exact
+from carpool.config import Settings
+from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
+from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating, run_items_isolating
+from carpool.names import INFER_TASK, RUN_BATCH_TASK
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
+from carpool.registry import BatchedSpec, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,9 @@ class WorkerRuntime:
         )
         # (broker db, results db) when both live on one server: then a batch finishes in one script.
         self.dbs = self.settings.shared_server_dbs()
+        import_task_modules(self.settings.imports)
+        self.served = served_tasks(self.settings.serve_tasks, registered())
+        self.specs = {name: spec for name, spec in registered().items() if name in self.served}
         self._running: list[str] = []
         self._last_run_s: dict[str, float] = {}
         self._stop = threading.Event()
@@ -75,11 +81,16 @@ class WorkerRuntime:
 
     # --- life ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Load every served model, then start announcing this worker to coordinators."""
-        for name in self.settings.served_models:
+        """Load every served model and task, then start announcing this worker to coordinators."""
+        if INFER_TASK in self.served:
+            for name in self.settings.served_models:
+                t0 = time.perf_counter()
+                loaded_model(name, self.device, self.settings.autocast_bf16)
+                log.info("model %s loaded on %s in %.1fs", name, self.device, time.perf_counter() - t0)
+        for name, spec in self.specs.items():
             t0 = time.perf_counter()
-            loaded_model(name, self.device, self.settings.autocast_bf16)
-            log.info("model %s loaded on %s in %.1fs", name, self.device, time.perf_counter() - t0)
+            spec.load(self.device)
+            log.info("task %s ready on %s in %.1fs", name, self.device, time.perf_counter() - t0)
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()
@@ -229,17 +240,21 @@ class WorkerRuntime:
         run_s = None
         padded_len = 0
         try:
-            model = loaded_model(batch["model"], self.device, self.settings.autocast_bf16)
             lengths = [r["len"] for r in live]
+            spec = None if batch["task"] == INFER_TASK else self._spec(batch["task"])
             t0 = time.perf_counter()
-            outcomes = run_isolating(model, [r["ids"] for r in live], lengths)
+            if spec is None:
+                model = loaded_model(batch["model"], self.device, self.settings.autocast_bf16)
+                outcomes = run_isolating(model, [r["ids"] for r in live], lengths)
+            else:
+                outcomes = storable(spec.name, run_items_isolating(spec.fn, [r.get("item") for r in live]))
             elapsed = time.perf_counter() - t0
             self._last_run_s[batch["model"]] = elapsed
             if all(ok for ok, _ in outcomes):
                 run_s = elapsed  # a split batch's time says nothing about the latency model
-            padded_len = padded_length(max(lengths))
+            padded_len = padded_length(max(max(lengths), 1))
         except Exception as exc:  # model failed to load: every request fails with the reason
-            log.exception("batch %s: model %s unavailable", batch["id"], batch["model"])
+            log.exception("batch %s: %s unavailable", batch["id"], batch["model"])
             outcomes = [(False, exc)] * len(live)
         for r, (ok, out) in zip(live, outcomes, strict=True):
             if ok:
@@ -247,6 +262,16 @@ class WorkerRuntime:
             else:
                 entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
         return run_s, padded_len
+
+    def _spec(self, task: str) -> BatchedSpec:
+        spec = self.specs.get(task)
+        if spec is None:
+            raise LookupError(
+                f"this worker does not serve {task!r} (serves {', '.join(sorted(self.served))}); "
+                "add its module to CARPOOL_IMPORTS here, or route its batches to workers that serve it "
+                "(@batched(batch_queue=...))"
+            )
+        return spec
 
     def _finish(
         self,
@@ -292,3 +317,64 @@ def _retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0
             time.sleep(pause)
             pause = min(5.0, pause * 2)
     raise AssertionError("unreachable")
+
+
+def served_tasks(serve: tuple[str, ...], specs: dict[str, BatchedSpec]) -> frozenset[str]:
+    """The tasks a worker runs: those named (a dedicated worker), else ``carpool.infer`` and every task."""
+    if not serve:
+        return frozenset({INFER_TASK, *specs})
+    unknown = sorted(set(serve) - {INFER_TASK, *specs})
+    if unknown:
+        raise ConfigError(
+            f"CARPOOL_SERVE_TASKS names {', '.join(unknown)}, which no module in CARPOOL_IMPORTS defines "
+            f"(known: {', '.join(sorted({INFER_TASK, *specs}))})"
+        )
+    return frozenset(serve)
+
+
+def storable(task: str, outcomes: list[tuple[bool, Any]]) -> list[tuple[bool, Any]]:
+    """Each successful output that JSON cannot carry to ``.get()`` unchanged becomes that request's
+    failure (Celery's own tagged types, such as datetimes, are carried as Celery carries them)."""
+    out: list[tuple[bool, Any]] = []
+    for ok, value in outcomes:
+        if ok:
+            try:
+                dumps_exact(value)
+            except ValueError as exc:
+                ok, value = False, ValueError(f"{task} returned {value!r:.80}: {exc}; return finite numbers")
+            except TypeError as exc:
+                if "64-bit" in str(exc) or not _kombu_json(value):
+                    ok, value = (
+                        False,
+                        TypeError(
+                            f"{task} returned {type(value).__name__} {value!r:.80}, which cannot be "
+                            f"stored as JSON unchanged ({exc}); return lists, dicts with string keys, "
+                            "strings, finite numbers and integers within 64 bits (e.g. array.tolist())"
+                        ),
+                    )
+        out.append((ok, value))
+    return out
+
+
+def _kombu_json(value: Any) -> bool:
+    """Whether Celery's own JSON encoder (which tags datetimes, UUIDs, decimals...) takes ``value``."""
+    from kombu.utils.json import dumps
+
+    try:
+        dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def batch_queues(settings: Settings) -> list[str]:
+    """The batch queues a worker with ``settings`` consumes: those of the tasks it serves."""
+    import_task_modules(settings.imports)
+    specs = registered()
+    queues = []
+    for task in sorted(served_tasks(settings.serve_tasks, specs)):
+        spec = specs.get(task)
+        queue = (spec.batch_queue if spec is not None else None) or settings.batch_queue
+        if queue not in queues:
+            queues.append(queue)
+    return queues

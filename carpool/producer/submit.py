@@ -33,7 +33,7 @@ from carpool.celery_edge.result_consumer import subscribe_results, unsubscribe_r
 from carpool.celery_edge.task_messages import TaskMessageBuilder
 from carpool.errors import SubmitInterrupted
 from carpool.names import INFER_TASK, SENT_AT_HEADER
-from carpool.validation import bind_infer_args, validate_infer
+from carpool.validation import bind_infer_args, validate_infer, validate_item
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -50,9 +50,10 @@ def _default_app() -> Celery:
 
 
 def submit_many(
-    payloads: Iterable[str | Mapping[str, Any]],
+    payloads: Iterable[Any],
     model: str | None = None,
     *,
+    task: Any = None,
     app: Celery | None = None,
     subscribe: bool = True,
     chunk_size: int | None = None,
@@ -67,6 +68,10 @@ def submit_many(
     TypeError rather than being silently dropped. ``subscribe=False`` skips the result subscription
     (use it with :func:`~carpool.producer.gather.gather_async`, which subscribes on its own
     connection; ``gather`` and ``.get()`` still work, subscribing when called).
+
+    ``task``: a ``@batched`` task instead of ``carpool.infer``; each payload is then one item, passed
+    exactly as ``task.delay(item)`` would pass it (a list is not unpacked, a dict is not keyword
+    arguments), and ``model`` does not apply.
 
     Raises :class:`~carpool.errors.InvalidInput` (naming the payload's index) before anything is sent
     if any payload is not a valid request.
@@ -84,10 +89,20 @@ def submit_many(
             f"submit_many() does not support {', '.join(sorted(unknown))}; "
             f"supported options: {', '.join(sorted(SUPPORTED_OPTIONS))}"
         )
-    app = app or _default_app()
+    app = app or (task.app if task is not None else _default_app())
     settings = settings_of(app)
     calls: list[tuple[list[Any], dict[str, Any]]] = []
-    for index, payload in enumerate(payloads):
+    name = INFER_TASK
+    if task is not None:
+        name = _batched_name(task, model)
+        for index, item in enumerate(payloads):
+            try:
+                validate_item(name, item, settings)
+            except Exception as exc:
+                exc.add_note(f"(in submit_many: payloads[{index}]; nothing was sent)")
+                raise
+            calls.append(([item], {}))
+    for index, payload in enumerate(payloads if task is None else ()):
         if isinstance(payload, Mapping):
             kwargs = dict(payload)
             if model is not None:
@@ -105,9 +120,23 @@ def submit_many(
         calls.append((args, kwargs))
     headers = dict(options.pop("headers", None) or {})
     headers.setdefault(SENT_AT_HEADER, time.time())
+    options.setdefault("queue", settings.request_queue)
     return publish_tasks(
-        INFER_TASK, calls, app=app, headers=headers, subscribe=subscribe, chunk_size=chunk_size, **options
+        name, calls, app=app, headers=headers, subscribe=subscribe, chunk_size=chunk_size, **options
     )
+
+
+def _batched_name(task: Any, model: str | None) -> str:
+    from carpool.registry import spec_for
+
+    name = getattr(task, "name", task)
+    if not isinstance(name, str) or spec_for(name) is None:
+        raise TypeError(f"submit_many(task=...) takes a @batched task, not {task!r}")
+    if model is not None:
+        raise TypeError(
+            "submit_many(task=...) sends items to that task; model= applies to carpool.infer only"
+        )
+    return name
 
 
 def publish_tasks(

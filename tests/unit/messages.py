@@ -13,10 +13,11 @@ def message(
     sent_at: float | None = None,
     expires: str | None = None,
     priority: int = 0,
+    task: str = "carpool.infer",
     **kwargs: Any,
 ) -> bytes:
     """A Celery protocol-2 message as kombu's Redis transport stores it."""
-    headers: dict[str, Any] = {"id": task_id, "task": "carpool.infer", "expires": expires}
+    headers: dict[str, Any] = {"id": task_id, "task": task, "expires": expires}
     if sent_at is not None:
         headers["carpool_sent_at"] = sent_at
     body = base64.b64encode(json.dumps([list(args), kwargs, {}]).encode()).decode()

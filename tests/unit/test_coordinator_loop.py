@@ -137,7 +137,7 @@ def coordinator(clocks: Clocks, workers: int, **overrides: Any) -> Any:
     c = Coordinator(Settings(**fields), app, client=FakeClient(), clock=clocks.mono, wall=clocks.wall)  # type: ignore[arg-type]
     c.store = FakeStore(workers)  # type: ignore[assignment]
     c.backend = FakeBackend()
-    c._messages = FakeBuilder()  # type: ignore[assignment]
+    c._builders[c.settings.batch_queue] = FakeBuilder()  # type: ignore[assignment]
     return c
 
 
@@ -174,7 +174,7 @@ def test_the_batch_message_is_what_the_worker_reads_and_its_report_frees_the_wor
             break
         clocks.advance(0.05)
         c.step()
-    [batch] = c._messages.batches
+    [batch] = c._builders[c.settings.batch_queue].batches  # type: ignore[attr-defined]
     got = read_batch(loads(json.dumps(batch)))
     assert got["version"] == WIRE_VERSION and got["coordinator"] == c.hostname
     assert [r["id"] for r in got["requests"]] == ["a", "b"]

@@ -29,6 +29,7 @@ def slot(request_id: str, ids: list[int] | None = None, deadline: float = 2e9) -
 def message(requests: list[RequestSlot], **overrides: Any) -> BatchMessage:
     fields: dict[str, Any] = {
         "batch_id": "batch-1",
+        "task": "carpool.infer",
         "model": "toy",
         "bin_label": "1-16",
         "flush": "full",

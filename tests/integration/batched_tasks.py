@@ -1,0 +1,49 @@
+"""@batched tasks the integration tests serve (CARPOOL_IMPORTS=tests.integration.batched_tasks).
+
+Each output says which batch it rode in (the batch's item lengths and the worker's pid), so tests
+can check how requests were binned and where they ran.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from carpool import batched
+
+
+@batched(length=len, max_batch=8, bins=(4, 16))
+def shout(texts: list[str]) -> list[dict[str, Any]]:
+    lengths = [len(t) for t in texts]
+    return [{"out": t.upper(), "batch": lengths, "pid": os.getpid()} for t in texts]
+
+
+def _pair_length(pair: dict[str, Any]) -> int:
+    return len(pair["a"]) + len(pair["b"])
+
+
+@batched(length=_pair_length, name="tests.pairs", batch_queue="carpool.batches.pairs")
+def pair_sum(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"sum": sum(p["a"]) + sum(p["b"]), "size": len(pairs), "pid": os.getpid()} for p in pairs]
+
+
+@batched(length=len)
+def fragile(texts: list[str]) -> list[str]:
+    if "boom" in texts:
+        raise ValueError("boom is not a word I take")
+    return [t[::-1] for t in texts]
+
+
+@batched(length=len)
+def miscounting(texts: list[str]) -> list[str]:
+    return texts[:-1]
+
+
+@batched(length=len)
+def unstorable(texts: list[str]) -> list[Any]:
+    return [{t} if t == "set" else t for t in texts]
+
+
+@batched(length=lambda item: item["n"])
+def by_declared_length(items: list[dict[str, Any]]) -> list[float]:
+    return [item["x"] * 2 for item in items]

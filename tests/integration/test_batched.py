@@ -1,0 +1,112 @@
+"""@batched tasks through real coordinator and worker processes: results, binning, errors, dedicated
+workers, and infer served beside them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import Processes, start_stack
+
+IMPORTS = "tests.integration.batched_tasks"
+BINS = {(1, 4), (5, 16), (17, 10**9)}
+
+
+def _bin_of(length: int) -> tuple[int, int]:
+    return next(b for b in BINS if b[0] <= length <= b[1])
+
+
+def test_two_tasks_side_by_side_with_infer_binned_by_length(processes: Processes) -> None:
+    import carpool
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, CARPOOL_IMPORTS=IMPORTS, CARPOOL_MODEL="toy", CARPOOL_MAX_WAIT_S="0.2")
+    words = ["a", "bb", "hello", "some longer text", "x" * 30, "mid size", "z", "another medium"] * 4
+    pairs = [{"a": list(range(i % 5)), "b": [0.5, 1.25] * (i % 3)} for i in range(20)]
+    shouted = carpool.submit_many(words, task=t.shout)
+    summed = carpool.submit_many(pairs, task=t.pair_sum)
+    one = t.shout.delay("solo")
+    text = infer.delay("a text for the model", "toy")
+
+    got = carpool.gather(shouted, timeout=60)
+    assert [g["out"] for g in got] == [w.upper() for w in words]
+    for g, w in zip(got, words, strict=True):
+        assert len(w) in g["batch"]
+        # every member of the batch came from the same length bin as this request
+        assert {_bin_of(n) for n in g["batch"]} == {_bin_of(len(w))}
+        assert len(g["batch"]) <= 8  # the task's own max_batch
+    sums = carpool.gather(summed, timeout=60)
+    assert [s["sum"] for s in sums] == [sum(p["a"]) + sum(p["b"]) for p in pairs]
+    assert max(s["size"] for s in sums) > 1  # batched, not one at a time
+    assert one.get(timeout=30)["out"] == "SOLO"
+    assert len(text.get(timeout=30)) == 32  # the toy model's output, served by the same worker
+
+
+def test_items_travel_as_json_and_outputs_come_back_exactly(processes: Processes) -> None:
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, CARPOOL_IMPORTS=IMPORTS, CARPOOL_MODEL="toy")
+    from carpool.errors import ModelError
+
+    xs = [0.1, 1 / 3, 2.0**-1074, 1e307, -0.0, 4611686018427387904]
+    results = [t.by_declared_length.delay({"n": i + 1, "x": x}) for i, x in enumerate(xs)]
+    got = [r.get(timeout=30) for r in results]
+    assert got == [x * 2 for x in xs]
+    assert [type(g) for g in got] == [type(x) for x in xs]
+    assert str(got[4]) == "-0.0"  # the sign of zero survives
+    overflow = t.by_declared_length.delay({"n": 1, "x": 1e308})  # 2e308 is inf: JSON cannot carry it
+    with pytest.raises(ModelError, match="non-finite float"):
+        overflow.get(timeout=30)
+    too_big = t.by_declared_length.delay({"n": 1, "x": 2**63})  # 2**64 is past 64 bits
+    with pytest.raises(ModelError, match="64-bit"):
+        too_big.get(timeout=30)
+
+
+def test_bad_items_and_failing_functions_fail_alone(processes: Processes) -> None:
+    from carpool.errors import InvalidInput, ModelError
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, CARPOOL_IMPORTS=IMPORTS, CARPOOL_MODEL="toy", CARPOOL_MAX_WAIT_S="0.3")
+    fine = [t.fragile.delay(w) for w in ("one", "two", "three")]
+    boom = t.fragile.delay("boom")
+    with pytest.raises(ModelError, match="boom is not a word I take"):
+        boom.get(timeout=60)
+    assert [r.get(timeout=30) for r in fine] == ["eno", "owt", "eerht"]
+
+    with pytest.raises(ModelError, match=r"returned \d+ outputs for \d+ items"):
+        rs = [t.miscounting.delay(w) for w in ("a", "b")]
+        for r in rs:
+            r.get(timeout=60)
+
+    kept, lost = t.unstorable.delay("keep"), t.unstorable.delay("set")
+    with pytest.raises(ModelError, match="cannot be stored as JSON"):
+        lost.get(timeout=60)
+    assert kept.get(timeout=30) == "keep"
+
+    # length() failing on the coordinator: that request alone gets InvalidInput naming the task.
+    bad = t.by_declared_length.delay({"x": 1.0})  # no "n": the length function raises KeyError
+    wrong = t.by_declared_length.delay({"n": "7", "x": 1.0})  # a str, not an int
+    good = t.by_declared_length.delay({"n": 3, "x": 1.5})
+    with pytest.raises(InvalidInput, match=r"by_declared_length: length\(\) raised KeyError"):
+        bad.get(timeout=60)
+    with pytest.raises(InvalidInput, match="not an int"):
+        wrong.get(timeout=60)
+    assert good.get(timeout=30) == 3.0
+
+
+def test_dedicated_workers_run_only_their_tasks(processes: Processes) -> None:
+    import carpool
+    from tests.integration import batched_tasks as t
+
+    env: dict[str, Any] = {"CARPOOL_IMPORTS": IMPORTS, "CARPOOL_MODEL": "toy"}
+    processes.start("coordinator", "coordinator", **env)
+    pairs_worker = processes.start("pairs", "worker", CARPOOL_SERVE_TASKS="tests.pairs", **env)
+    text_worker = processes.start("texts", "worker", CARPOOL_SERVE_TASKS=f"{IMPORTS}.shout", **env)
+    processes.wait_workers(2)
+    summed = carpool.gather(carpool.submit_many([{"a": [1], "b": [2]}] * 12, task=t.pair_sum), timeout=60)
+    shouted = carpool.gather(carpool.submit_many(["hey"] * 12, task=t.shout), timeout=60)
+    assert {s["pid"] for s in summed} == {pairs_worker.pid}
+    assert {s["pid"] for s in shouted} == {text_worker.pid}
+    assert all(s["sum"] == 3 for s in summed) and all(s["out"] == "HEY" for s in shouted)

@@ -1,0 +1,134 @@
+"""@batched: the task it makes, what .delay() refuses before anything is sent, and how the
+coordinator's intake measures and refuses items. No broker: every refusal happens before a publish."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import chain
+
+from carpool.batching import Request
+from carpool.config import Settings
+from carpool.coordinator import policy_config, task_policy_config
+from carpool.coordinator.intake import take_in
+from carpool.errors import ConfigError, InputTooLong, InvalidInput, UnsupportedOption
+from carpool.registry import BatchedSpec, registered, spec_for
+from carpool.tasks import batched, infer
+from tests.unit.messages import message
+
+NOW, WALL = 500.0, 1_700_000_000.0
+
+
+@batched(length=len, max_batch=4, bins=(8, 32))
+def shout(texts: list[str]) -> list[str]:
+    return [t.upper() for t in texts]
+
+
+@batched(length=lambda item: item["n"], name="unit.declared")
+def declared(items: list[dict[str, Any]]) -> list[int]:
+    return [item["n"] for item in items]
+
+
+def test_the_decorator_makes_a_celery_task_named_like_celery_names_tasks() -> None:
+    assert shout.name == f"{__name__}.shout"
+    assert declared.name == "unit.declared"
+    assert spec_for(shout.name) is shout.spec and registered()[declared.name].fn is not None
+    assert shout.spec.max_batch == 4 and shout.spec.bin_edges == (8, 32)
+    assert shout.run("hi") == "HI"  # a plain Celery worker runs one item through the function
+
+
+def test_the_tasks_own_limits_override_the_deployment_settings() -> None:
+    base = policy_config(Settings(max_batch=32, bin_edges=(16, 64)))
+    mine = task_policy_config(base, shout.spec)
+    assert (mine.max_batch, mine.bin_edges, mine.max_tokens) == (4, (8, 32), base.max_tokens)
+    assert task_policy_config(base, declared.spec) == base
+    auto = task_policy_config(base, BatchedSpec("auto", len, len, bin_edges="auto"))
+    assert auto.auto_bins == 6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_batch": 0}, "max_batch must be an integer >= 1"),
+        ({"max_tokens": 2.5}, "max_tokens must be an integer >= 1"),
+        ({"bin_edges": (32, 8)}, "bins must be 'auto' or increasing"),
+    ],
+)
+def test_bad_limits_are_refused_when_the_task_is_defined(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BatchedSpec("bad", len, len, **kwargs)
+
+
+def test_two_functions_under_one_name_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigError, match=r"two batched tasks are named 'unit\.declared'"):
+        batched(name="unit.declared")(lambda items: items)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: shout.delay("a", "b"), InvalidInput, "exactly one item"),
+        (lambda: shout.apply_async((), {"text": "a"}), InvalidInput, "exactly one item"),
+        (lambda: shout.delay({1: "int key"}), InvalidInput, "cannot travel as JSON"),
+        (lambda: shout.delay(float("nan")), InvalidInput, "non-finite"),
+        (lambda: shout.delay(2**70), InvalidInput, "64-bit"),
+        (lambda: shout.delay({"when": object()}), InvalidInput, "cannot travel as JSON"),
+        (lambda: shout.delay("x" * 70_000), InputTooLong, "CARPOOL_MAX_INPUT_BYTES"),
+        (lambda: shout.apply_async(("a",), countdown=3), UnsupportedOption, "countdown"),
+        (lambda: shout.apply_async(("a",), link=infer.s()), UnsupportedOption, "callbacks"),
+        (lambda: chain(shout.s("a"), shout.s()).apply_async(), UnsupportedOption, "chain"),
+        (lambda: infer.apply_async(("a",), eta=1e9), UnsupportedOption, "eta"),
+        (lambda: infer.apply_async(("a",), serializer="pickle"), UnsupportedOption, "plain JSON"),
+    ],
+)
+def test_delay_refuses_what_it_cannot_send_or_honour_before_anything_is_sent(
+    call: Any, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        call()
+
+
+def _intake(taken: list[tuple[str, bytes]]) -> Any:
+    specs = {shout.name: shout.spec, declared.name: declared.spec}
+    return take_in(taken, settings=Settings(), models={}, room=100, now=NOW, wall_now=WALL, specs=specs)
+
+
+def test_intake_measures_items_with_the_tasks_length_and_keeps_the_item_for_the_worker() -> None:
+    out = _intake(
+        [
+            ("a", message("a", "hello", task=shout.name)),
+            ("b", message("b", {"n": 7, "x": [1.5]}, task=declared.name)),
+        ]
+    )
+    assert not out.refused and not out.malformed
+    (_, a), (_, b) = sorted(out.admitted, key=lambda pair: pair[1].id)
+    assert isinstance(a, Request) and (a.model, a.length) == (shout.name, 5)
+    assert a.payload == {
+        "id": "a",
+        "ids": None,
+        "len": 5,
+        "item": "hello",
+        "sent_at": WALL,
+        "deadline": WALL + 60,
+    }
+    assert (b.model, b.length, b.payload["item"]) == (declared.name, 7, {"n": 7, "x": [1.5]})
+
+
+def test_intake_fails_only_the_requests_whose_length_is_wrong() -> None:
+    out = _intake(
+        [
+            ("ok", message("ok", {"n": 3}, task=declared.name)),
+            ("raises", message("raises", {"m": 3}, task=declared.name)),
+            ("text", message("text", {"n": "3"}, task=declared.name)),
+            ("negative", message("negative", {"n": -1}, task=declared.name)),
+            ("two", message("two", "a", "b", task=shout.name)),
+            ("unknown", message("unknown", "a", task="someone.else")),
+        ]
+    )
+    assert [req.id for _, req in out.admitted] == ["ok"]
+    reasons = {r.id: str(r.error) for r in out.refused}
+    assert "unit.declared: length() raised KeyError" in reasons["raises"]
+    assert "not an int" in reasons["text"] and ">= 0" in reasons["negative"]
+    assert "exactly one item" in reasons["two"]
+    assert [m.id for m in out.malformed] == ["unknown"] and "CARPOOL_IMPORTS" in out.malformed[0].reason
