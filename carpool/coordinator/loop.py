@@ -92,7 +92,7 @@ class Coordinator:
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
         self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
-        self.metrics = CoordinatorMetrics()
+        self.metrics = CoordinatorMetrics(task_of=lambda key: key if key in self.specs else INFER_TASK)
         self._held: set[str] = set()
         self._next_housekeeping = 0.0
         self._next_stats = 0.0

@@ -274,6 +274,7 @@ def test_prometheus_metrics_add_up(processes: Processes) -> None:
     assert total(m, "carpool_batch_size_bucket", le="+Inf") == batches
     assert len({lab["bin"] for lab, _ in m["carpool_batch_size_count"]}) > 1, "mixed lengths, one bin?"
     assert all(lab["model"] == "toy" for lab, _ in m["carpool_batch_size_count"])
+    assert all(lab["task"] == "carpool.infer" for lab, _ in m["carpool_batch_size_count"])
 
     padded, real = total(m, "carpool_padded_tokens_total"), total(m, "carpool_real_tokens_total")
     assert padded >= real > 0

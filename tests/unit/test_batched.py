@@ -132,3 +132,31 @@ def test_intake_fails_only_the_requests_whose_length_is_wrong() -> None:
     assert "not an int" in reasons["text"] and ">= 0" in reasons["negative"]
     assert "exactly one item" in reasons["two"]
     assert [m.id for m in out.malformed] == ["unknown"] and "CARPOOL_IMPORTS" in out.malformed[0].reason
+
+
+def test_metrics_label_each_series_with_its_task() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from carpool.coordinator.metrics import CoordinatorMetrics
+
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(registry, task_of=lambda key: key if key == shout.name else "carpool.infer")
+    metrics.batch_dispatched(shout.name, "1-8", 3, 24, 10, "full", [0.01])
+    metrics.batch_dispatched("toy", "1-16", 2, 32, 20, "wait", [0.02, 0.03])
+    metrics.set_depths({(shout.name, "9-32"): 4})
+    assert (
+        registry.get_sample_value(
+            "carpool_batch_size_count", {"task": shout.name, "model": shout.name, "bin": "1-8"}
+        )
+        == 1
+    )
+    assert (
+        registry.get_sample_value("carpool_wait_seconds_count", {"task": "carpool.infer", "model": "toy"})
+        == 2
+    )
+    assert (
+        registry.get_sample_value(
+            "carpool_queue_depth", {"task": shout.name, "model": shout.name, "bin": "9-32"}
+        )
+        == 4
+    )
