@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _DIRECT_OPTIONS = frozenset({"priority", "expires", "queue"})
 
 
-class CarpoolTask(Task):  # type: ignore[misc, unused-ignore]  # Celery is untyped
+class CarpoolTask(Task):  # type: ignore[misc]  # Celery is untyped
     """A task whose requests a coordinator batches: validated at the producer, published cheaply.
 
     The message is the one Celery would send (built by
@@ -95,7 +95,7 @@ class BatchedTask(CarpoolTask):
         validate_item(self.name, bind_item(self.name, args, kwargs), settings_of(self.app))
 
 
-@app.task(base=InferTask, name=INFER_TASK, bind=False)  # type: ignore[untyped-decorator, unused-ignore]
+@app.task(base=InferTask, name=INFER_TASK, bind=False)  # type: ignore[untyped-decorator]
 def infer(text: str, model: str | None = None) -> Any:
     """Embed/run ``text`` on ``model`` (default: ``CARPOOL_MODEL``).
 

@@ -24,7 +24,7 @@ from carpool.redis_edge import lua
 from carpool.redis_edge.store import ResultWrites, finish_call
 
 
-class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc, unused-ignore]  # Celery is untyped
+class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is untyped
     """Redis result backend used by the carpool Celery app (see module docstring)."""
 
     ResultConsumer = PromptResultConsumer

@@ -361,7 +361,7 @@ def _kombu_json(value: Any) -> bool:
     from kombu.utils.json import dumps
 
     try:
-        dumps(value)
+        dumps(value)  # type: ignore[no-untyped-call]  # kombu is untyped
     except (TypeError, ValueError):
         return False
     return True

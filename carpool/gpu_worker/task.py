@@ -25,7 +25,7 @@ def runtime() -> WorkerRuntime:
     return _runtime
 
 
-@app.task(name=RUN_BATCH_TASK, bind=True, ignore_result=True, acks_late=False, send_events=False)
+@app.task(name=RUN_BATCH_TASK, bind=True, ignore_result=True, acks_late=False, send_events=False)  # type: ignore[untyped-decorator]
 def run_batch(self: Any, batch: Any) -> str:
     # Celery's own events for this task are off because its dispatcher publishes each one on its own;
     # the runtime sends the same ones inside the single publish that carries its requests' events.
@@ -33,12 +33,12 @@ def run_batch(self: Any, batch: Any) -> str:
     return repr(runtime().run(batch, self.request))
 
 
-@signals.worker_ready.connect
+@signals.worker_ready.connect  # type: ignore[untyped-decorator]
 def _on_worker_ready(**_: Any) -> None:
     runtime().start()
 
 
-@signals.worker_shutdown.connect
+@signals.worker_shutdown.connect  # type: ignore[untyped-decorator]
 def _on_worker_shutdown(**_: Any) -> None:
     if _runtime is not None:
         _runtime.stop()

@@ -108,7 +108,7 @@ def _exact(names: Sequence[str], access: str = "~") -> tuple[str, ...]:
 def _broker_db(settings: Settings) -> int:
     from redis.connection import parse_url
 
-    return int(parse_url(settings.broker_url).get("db", 0) or 0)
+    return int(parse_url(settings.broker_url).get("db", 0) or 0)  # type: ignore[no-untyped-call]
 
 
 def role_acls(settings: Settings) -> dict[Role, RoleAcl]:

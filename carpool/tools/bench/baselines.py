@@ -49,7 +49,7 @@ app.conf.worker_send_task_events = False
 app.conf.broker_transport_options = {}
 
 
-@signals.worker_ready.connect
+@signals.worker_ready.connect  # type: ignore[untyped-decorator]
 def _set_torch_threads(**_: Any) -> None:
     """``CARPOOL_TORCH_THREADS``, as carpool's own worker applies it, so every system runs the same torch."""
     if settings.torch_threads:
@@ -98,7 +98,7 @@ except ImportError:  # pragma: no cover - celery-batches is a dev extra
 
 if Batches is not None:
 
-    @app.task(
+    @app.task(  # type: ignore[untyped-decorator]
         base=Batches,
         name=BATCHED_TASK,
         flush_every=settings.max_batch,

@@ -96,7 +96,7 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
         help="benchmark carpool against offline, Celery and celery-batches",
         description=__doc__,
