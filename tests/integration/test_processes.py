@@ -1,0 +1,37 @@
+"""Whole processes, started as users start them: what they import, and how a bad setting stops them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import carpool.tasks",
+        "from carpool import batched, submit_many, gather",
+        # a producer importing a task module that builds adapters over model directories
+        "import carpool.adapters; carpool.adapters.reranker('/models/x'); carpool.adapters.embedding('/m')",
+    ],
+)
+def test_the_producer_side_does_not_import_torch(statement: str) -> None:
+    code = (
+        f"import sys; {statement}; "
+        "heavy = [m for m in ('torch', 'numpy', 'transformers', 'tokenizers') if m in sys.modules]; "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_process_with_a_bad_setting_stops_at_start_with_the_message() -> None:
+    env = {"CARPOOL_MAX_WAIT_S": "-1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "carpool", "coordinator"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "CARPOOL_MAX_WAIT_S" in proc.stderr
+    assert "greater than or equal to 0" in proc.stderr
