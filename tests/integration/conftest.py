@@ -44,6 +44,19 @@ def processes(clean_redis: EmbeddedRedis, tmp_path: Path) -> Iterator[Processes]
         yield procs
 
 
-def start_stack(processes: Processes, workers: int = 1, **env: str) -> Processes:
+def start_stack(processes: Processes, workers: int = 1, /, **env: str) -> Processes:
     """A coordinator and ``workers`` GPU workers sharing ``env`` (CARPOOL_* overrides), all up."""
-    return processes.start_stack(workers, **env)
+    # ``workers`` positional and ``wait`` given: a ``**dict[str, str]`` of settings can fill neither.
+    return processes.start_stack(workers, wait=True, **env)
+
+
+def server_of(processes: Processes) -> EmbeddedRedis:
+    """The redis-server ``processes`` runs on: the fixtures always give it one."""
+    assert processes.server is not None
+    return processes.server
+
+
+def as_bytes(reply: object) -> bytes:
+    """``reply`` from a client without ``decode_responses``: bytes, though redis-py's types allow more."""
+    assert isinstance(reply, bytes), reply
+    return reply

@@ -26,7 +26,7 @@ from carpool.config import load_settings
 from carpool.redis_edge.keys import Keys
 from carpool.tools import acl
 from carpool.tools.embedded import EmbeddedRedis, free_port, redis_server_binary
-from tests.integration.conftest import Processes
+from tests.integration.conftest import Processes, server_of
 
 pytestmark = pytest.mark.integration
 
@@ -137,7 +137,7 @@ def flower(role_users: redis.Redis, processes: Processes, tmp_path: Path) -> Ite
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=processes.env(**TOY, **role_env(processes.server, "flower")),
+            env=processes.env(**TOY, **role_env(server_of(processes), "flower")),
             cwd=REPO,
         )
     try:
@@ -160,7 +160,7 @@ def test_every_role_serves_with_its_own_user(
     role_users: redis.Redis, processes: Processes, flower: int
 ) -> None:
     # role_users first: its teardown deletes the users, which must outlive the processes using them.
-    server = processes.server
+    server = server_of(processes)
     processes.start("coordinator", "coordinator", **TOY, **role_env(server, "coordinator"))
     processes.start("worker0", "worker", **TOY, **role_env(server, "worker"))
     processes.wait_workers(1)

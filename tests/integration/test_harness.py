@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.harness import Harness, ProcessExited
 
 # Children that need no carpool: one that waits, one that fails at once with a message.
@@ -57,7 +58,7 @@ def test_a_child_that_exits_early_is_reported_with_its_log(tmp_path: Path) -> No
         assert "carpool-harness-test" in harness.log("broken")
 
 
-def test_an_external_redis_is_used_as_given(tmp_path: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_an_external_redis_is_used_as_given(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     url = redis_server.url(0)
     with Harness(log_dir=tmp_path, broker_url=url) as harness:
         assert not harness.embedded and harness.server is None

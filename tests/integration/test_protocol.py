@@ -10,11 +10,13 @@ import redis
 from carpool.celery_edge import requests as protocol
 from carpool.errors import MalformedMessage
 from carpool.redis_edge.keys import Keys
+from carpool.tools.embedded import EmbeddedRedis
+from tests.integration.conftest import as_bytes
 
 pytestmark = pytest.mark.integration
 
 
-def test_delay_writes_to_the_request_list_and_decodes(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_delay_writes_to_the_request_list_and_decodes(clean_redis: EmbeddedRedis) -> None:
     from carpool.tasks import infer
 
     client = redis.Redis(port=clean_redis.port)
@@ -25,8 +27,8 @@ def test_delay_writes_to_the_request_list_and_decodes(clean_redis) -> None:  # t
     assert client.llen("carpool.requests") == 1
     high = [k for k in keys.request_lists if client.llen(k)]
     assert len(high) == 2 and keys.request_lists.index(high[0]) == 0  # priority 9 list drains first
-    m1 = protocol.decode(client.lindex("carpool.requests", 0))
-    m2 = protocol.decode(client.lindex(high[0], 0))
+    m1 = protocol.decode(as_bytes(client.lindex("carpool.requests", 0)))
+    m2 = protocol.decode(as_bytes(client.lindex(high[0], 0)))
     assert m1.id == r1.id and m1.args == ["hello world"] and m1.priority == 0
     assert m1.sent_at is not None and before <= m1.sent_at <= time.time()
     assert m1.expires_at is None
@@ -52,7 +54,7 @@ def test_garbage_is_named(raw: bytes, needle: str) -> None:
         protocol.decode(raw)
 
 
-def test_take_finds_the_task_id_however_the_message_is_written(clean_redis) -> None:  # type: ignore[no-untyped-def]
+def test_take_finds_the_task_id_however_the_message_is_written(clean_redis: EmbeddedRedis) -> None:
     """The take script reads the id by a plain search when the message has one "id" key, and decodes
     the JSON when it has several (a custom header holding an "id") or none, so in-flight bookkeeping
     is always keyed by headers.id."""
@@ -66,7 +68,7 @@ def test_take_finds_the_task_id_however_the_message_is_written(clean_redis) -> N
     plain = infer.delay("plain")
     nested = infer.apply_async(("nested",), headers={"trace": {"id": "not-the-task-id"}})
     infer.delay("compact")
-    compact_raw = client.lpop("carpool.requests")  # the newest: re-push it written compactly
+    compact_raw = as_bytes(client.lpop("carpool.requests"))  # the newest: re-push it written compactly
     compact_id = json.loads(compact_raw)["headers"]["id"]
     client.lpush("carpool.requests", json.dumps(json.loads(compact_raw), separators=(",", ":")))
     client.lpush("carpool.requests", b'{"headers": {"task": "carpool.infer"}}')  # no id at all

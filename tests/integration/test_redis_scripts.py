@@ -19,6 +19,7 @@ from carpool.redis_edge import lua
 from carpool.redis_edge.keys import PRIORITY_SEP, Keys
 from carpool.redis_edge.store import REPORTS_KEPT, REPORTS_TTL_S, RequestStore, ResultWrites, finish_call
 from carpool.tools.embedded import EmbeddedRedis
+from tests.integration.conftest import as_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +102,7 @@ def forgotten(client: redis.Redis, task_id: str) -> bool:
 
 
 def subscribed(client: redis.Redis, *channels: str | bytes) -> Any:
-    pubsub = client.pubsub()
+    pubsub = client.pubsub()  # type: ignore[no-untyped-call]
     pubsub.subscribe(*channels)
     for _ in channels:
         assert pubsub.get_message(timeout=5)["type"] == "subscribe"
@@ -364,8 +365,8 @@ def test_finish_pushes_the_report_and_trims_the_list(client: redis.Redis, store:
         pipe.execute()
     finish(store, report={"batch_id": "b9", "size": 3})
     assert client.llen(reports) == REPORTS_KEPT
-    assert json.loads(client.lindex(reports, 0)) == {"batch_id": "b9", "size": 3}
-    assert json.loads(client.lindex(reports, -1)) == {"old": 1}  # the oldest went
+    assert json.loads(as_bytes(client.lindex(reports, 0))) == {"batch_id": "b9", "size": 3}
+    assert json.loads(as_bytes(client.lindex(reports, -1))) == {"old": 1}  # the oldest went
     assert REPORTS_TTL_S - 60 < client.ttl(reports) <= REPORTS_TTL_S
     _, popped = store.take(0, reports_of="coord", max_reports=REPORTS_KEPT)
     assert popped[-1] == {"batch_id": "b9", "size": 3}
@@ -407,8 +408,8 @@ def test_ack_and_dead_letter_forget_every_key(client: redis.Redis, store: Reques
     store.ack(["a", "b"], report={"batch_id": "b1"}, coordinator="coord")
     store.dead_letter("bad", b"not a request", "why")
     assert all(forgotten(client, i) for i in ("a", "b", "bad"))
-    assert json.loads(client.lindex(KEYS.reports_for("coord"), 0)) == {"batch_id": "b1"}
-    assert json.loads(client.lindex(KEYS.dead_letter, 0))["id"] == "bad"
+    assert json.loads(as_bytes(client.lindex(KEYS.reports_for("coord"), 0))) == {"batch_id": "b1"}
+    assert json.loads(as_bytes(client.lindex(KEYS.dead_letter, 0)))["id"] == "bad"
 
 
 # --- renew -----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, ModelEr
 from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, start_stack
+from tests.integration.conftest import Processes, as_bytes, server_of, start_stack
 from tests.integration.models import EXPLODING, SLOW
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -77,7 +77,7 @@ def record(fault: str, **figures: Any) -> None:
 
 
 def in_flight(processes: Processes) -> int:
-    return int(redis.Redis(port=processes.server.port).zcard(KEYS.inflight_lease))
+    return int(redis.Redis(port=server_of(processes).port).zcard(KEYS.inflight_lease))
 
 
 def test_kill_9_coordinator_loses_nothing(processes: Processes) -> None:
@@ -106,7 +106,7 @@ def test_kill_9_coordinator_loses_nothing(processes: Processes) -> None:
 
 def test_kill_9_worker_mid_batch_loses_nothing(processes: Processes) -> None:
     env = {**SLOW_ENV, "SLOW_TOY_DELAY_S": "0.3"}
-    start_stack(processes, workers=2, **env)
+    start_stack(processes, 2, **env)
     texts = mixed_texts(200, seed=12)
     results = send(texts)
     time.sleep(1.0)  # both workers are inside a batch now
@@ -179,12 +179,12 @@ def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any)
 
 
 def test_two_coordinators_share_the_queue_without_duplicates(processes: Processes) -> None:
-    start_stack(processes, workers=1, **SLOW_ENV)
+    start_stack(processes, 1, **SLOW_ENV)
     processes.start("coordinator2", "coordinator", **SLOW_ENV)
     texts = mixed_texts(300, seed=14)
     results = send(texts)
     check_all_correct(results, texts)
-    client = redis.Redis(port=processes.server.port)
+    client = redis.Redis(port=server_of(processes).port)
     wait_for(lambda: int(client.hget(KEYS.stats, "dispatched") or 0) >= 300, 5, "stats not written")
     time.sleep(0.5)
     assert int(client.hget(KEYS.stats, "dispatched") or 0) == 300  # each request dispatched once
@@ -197,7 +197,7 @@ def test_sigterm_coordinator_hands_back_what_it_holds(processes: Processes) -> N
     results = send(texts)
     wait_for(lambda: in_flight(processes) == 100, 30, "coordinator did not take the requests")
     assert processes.stop("coordinator", sig=signal.SIGTERM) == 0
-    client = redis.Redis(port=processes.server.port)
+    client = redis.Redis(port=server_of(processes).port)
     assert client.llen("carpool.requests") == 100
     assert in_flight(processes) == 0
     start_stack(processes, **SLOW_ENV)
@@ -258,14 +258,14 @@ def test_garbage_in_the_request_queue_is_dead_lettered(processes: Processes) -> 
     from carpool.tasks import infer
 
     start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
-    client = redis.Redis(port=processes.server.port)
+    client = redis.Redis(port=server_of(processes).port)
     client.lpush("carpool.requests", b"\xff\xfe not json at all")
     client.lpush("carpool.requests", b'{"headers": {"task": "someone.else", "id": "x1"}, "body": ""}')
     client.lpush("carpool.requests", b'["a", "list"]')
     result = infer.delay("after the garbage", model="toy")
     assert len(result.get(timeout=10)) == 32
     wait_for(lambda: client.llen(KEYS.dead_letter) == 3, 5, "garbage not dead-lettered")
-    reasons = [e.decode() for e in client.lrange(KEYS.dead_letter, 0, -1)]
+    reasons = [as_bytes(e).decode() for e in client.lrange(KEYS.dead_letter, 0, -1)]
     assert any("not JSON" in r for r in reasons)
     assert any("unknown task name 'someone.else'" in r for r in reasons)
     # the good request is acked just after its result is stored: allow the worker that moment
@@ -329,7 +329,7 @@ def test_sigterm_worker_finishes_its_batch(processes: Processes) -> None:
     start_stack(processes, **env)
     texts = [f"finish me {i}" for i in range(6)]
     results = send(texts)
-    client = redis.Redis(port=processes.server.port)
+    client = redis.Redis(port=server_of(processes).port)
     # wait until a worker has claimed the batch, then ask it to stop
     wait_for(lambda: client.hlen(KEYS.inflight_claimed) > 0, 30, "no claim")
     assert processes.stop("worker0", sig=signal.SIGTERM, timeout_s=30) == 0

@@ -31,7 +31,7 @@ from carpool.tools.simulate import (
     write_trace,
 )
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, start_stack
+from tests.integration.conftest import Processes, server_of, start_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,7 +56,7 @@ def coordinator_stats(processes: Processes) -> dict[str, float]:
 
     from carpool.redis_edge.keys import Keys
 
-    client = redis.Redis(port=processes.server.port, decode_responses=True)
+    client = redis.Redis(port=server_of(processes).port, decode_responses=True)
     return {str(k): float(v) for k, v in client.hgetall(Keys("carpool.requests").stats).items()}
 
 

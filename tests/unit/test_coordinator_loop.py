@@ -174,7 +174,7 @@ def test_the_batch_message_is_what_the_worker_reads_and_its_report_frees_the_wor
             break
         clocks.advance(0.05)
         c.step()
-    [batch] = c._builders[c.settings.batch_queue].batches  # type: ignore[attr-defined]
+    [batch] = c._builders[c.settings.batch_queue].batches
     got = read_batch(loads(json.dumps(batch)))
     assert got["version"] == WIRE_VERSION and got["coordinator"] == c.hostname
     assert [r["id"] for r in got["requests"]] == ["a", "b"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
@@ -77,10 +79,10 @@ class RunsOutOfMemory:
     needs_token_ids = True
     calls: list[int] = []
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
         return [[1] * len(t.split()) or [1] for t in texts]
 
-    def load(self, device: str) -> None:
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None:
         pass
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[int]:

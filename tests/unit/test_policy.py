@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.batching import BatchPolicy, FlushReason, LatencyModel, PolicyConfig, Request, padded_length
+from carpool.names import PolicyName
 
 _ids = itertools.count()
 
@@ -218,7 +219,7 @@ arrival = st.tuples(
 )
 def test_simulated_runs_keep_every_invariant(
     arrivals: list[tuple[float, int, float, int, str]],
-    kind: str,
+    kind: PolicyName,
     max_batch: int,
     max_tokens: int,
     workers: int,
@@ -229,7 +230,7 @@ def test_simulated_runs_keep_every_invariant(
         kind=kind,
         max_batch=max_batch,
         max_tokens=max_tokens,
-        max_wait_s=0.05,  # type: ignore[arg-type]
+        max_wait_s=0.05,
         bin_edges=(16, 64),
     )
     latency = LatencyModel(prior_base_s=0.005, prior_per_token_s=1e-5)
@@ -307,7 +308,7 @@ def test_auto_binned_policy_keeps_every_request() -> None:
     rs = [req(n, at=0.0) for n in [5, 9, 60, 70, 200, 210] * 60]
     for r in rs:
         p.add(r)
-    seen = []
+    seen: list[Request] = []
     for _ in range(200):
         plan = p.poll(10.0, free_workers=4, free_slots=4)
         seen.extend(r for b in plan.batches for r in b.requests)
