@@ -8,7 +8,12 @@ imports torch.
 """
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from carpool.producer.gather import gather, gather_async
+    from carpool.producer.submit import submit_many
+    from carpool.tasks import batched
 
 __version__ = "0.1.0"
 

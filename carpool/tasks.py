@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from celery import Task
 from celery.result import AsyncResult
@@ -32,7 +32,7 @@ from carpool.celery_edge.app import app, settings_of
 from carpool.names import INFER_TASK, SENT_AT_HEADER
 from carpool.producer.options import check_options
 from carpool.producer.submit import publish_tasks
-from carpool.registry import BatchedSpec, register
+from carpool.registry import BatchedSpec, BatchFunction, LengthFunction, register
 from carpool.validation import bind_infer_args, bind_item, validate_infer, validate_item
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class InferTask(CarpoolTask):
 class BatchedTask(CarpoolTask):
     """A ``@batched`` function as a task: one JSON item per request, one output back."""
 
+    spec: BatchedSpec
+
     def validate(self, args: Any, kwargs: Any) -> None:
         validate_item(self.name, bind_item(self.name, args, kwargs), settings_of(self.app))
 
@@ -108,16 +110,42 @@ def infer(text: str, model: str | None = None) -> Any:
     return run_single(model or settings_of(app).model, text)
 
 
+@overload
 def batched(
-    fn: Callable[[list[Any]], Sequence[Any]] | None = None,
+    fn: BatchFunction,
     *,
-    length: Callable[[Any], int] | None = None,
+    length: LengthFunction | None = None,
     name: str | None = None,
     max_batch: int | None = None,
     max_tokens: int | None = None,
     bins: Sequence[int] | Literal["auto"] | None = None,
     batch_queue: str | None = None,
-) -> Any:
+) -> BatchedTask: ...
+
+
+@overload
+def batched(
+    fn: None = None,
+    *,
+    length: LengthFunction | None = None,
+    name: str | None = None,
+    max_batch: int | None = None,
+    max_tokens: int | None = None,
+    bins: Sequence[int] | Literal["auto"] | None = None,
+    batch_queue: str | None = None,
+) -> Callable[[BatchFunction], BatchedTask]: ...
+
+
+def batched(
+    fn: BatchFunction | None = None,
+    *,
+    length: LengthFunction | None = None,
+    name: str | None = None,
+    max_batch: int | None = None,
+    max_tokens: int | None = None,
+    bins: Sequence[int] | Literal["auto"] | None = None,
+    batch_queue: str | None = None,
+) -> BatchedTask | Callable[[BatchFunction], BatchedTask]:
     """Make ``fn(items) -> outputs`` (one output per item, same order) a Celery task that carpool batches.
 
     ``f.delay(item)`` sends one request (any JSON value); ``.get()`` returns ``fn``'s output for it.
@@ -130,7 +158,7 @@ def batched(
     once per worker process before the first batch.
     """
 
-    def wrap(function: Callable[[list[Any]], Sequence[Any]]) -> Any:
+    def wrap(function: BatchFunction) -> BatchedTask:
         task_name = name or _default_name(function)
         length_fn = length if length is not None else getattr(function, "length", len)
         spec = BatchedSpec(
@@ -151,7 +179,7 @@ def batched(
 
         run.__name__ = task_name.rpartition(".")[2] or task_name
         run.__doc__ = getattr(function, "__doc__", None)
-        task = app.task(base=BatchedTask, name=task_name, bind=False)(run)
+        task: BatchedTask = app.task(base=BatchedTask, name=task_name, bind=False)(run)
         task.spec = spec
         return task
 

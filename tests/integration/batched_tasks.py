@@ -13,7 +13,7 @@ from carpool import batched
 
 
 # carpool.batched returns Any (the Celery task it builds is untyped), hence the ignores below.
-@batched(length=len, max_batch=8, bins=(4, 16))  # type: ignore[untyped-decorator]
+@batched(length=len, max_batch=8, bins=(4, 16))
 def shout(texts: list[str]) -> list[dict[str, Any]]:
     lengths = [len(t) for t in texts]
     return [{"out": t.upper(), "batch": lengths, "pid": os.getpid()} for t in texts]
@@ -23,28 +23,28 @@ def _pair_length(pair: dict[str, Any]) -> int:
     return len(pair["a"]) + len(pair["b"])
 
 
-@batched(length=_pair_length, name="tests.pairs", batch_queue="carpool.batches.pairs")  # type: ignore[untyped-decorator]
+@batched(length=_pair_length, name="tests.pairs", batch_queue="carpool.batches.pairs")
 def pair_sum(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"sum": sum(p["a"]) + sum(p["b"]), "size": len(pairs), "pid": os.getpid()} for p in pairs]
 
 
-@batched(length=len)  # type: ignore[untyped-decorator]
+@batched(length=len)
 def fragile(texts: list[str]) -> list[str]:
     if "boom" in texts:
         raise ValueError("boom is not a word I take")
     return [t[::-1] for t in texts]
 
 
-@batched(length=len)  # type: ignore[untyped-decorator]
+@batched(length=len)
 def miscounting(texts: list[str]) -> list[str]:
     return texts[:-1]
 
 
-@batched(length=len)  # type: ignore[untyped-decorator]
+@batched(length=len)
 def unstorable(texts: list[str]) -> list[Any]:
     return [{t} if t == "set" else t for t in texts]
 
 
-@batched(length=lambda item: item["n"])  # type: ignore[untyped-decorator]
+@batched(length=lambda item: item["n"])
 def by_declared_length(items: list[dict[str, Any]]) -> list[float]:
     return [item["x"] * 2 for item in items]

@@ -22,12 +22,12 @@ NOW, WALL = 500.0, 1_700_000_000.0
 
 
 # carpool.batched returns Any (the Celery task it builds is untyped), hence the ignores below.
-@batched(length=len, max_batch=4, bins=(8, 32))  # type: ignore[untyped-decorator]
+@batched(length=len, max_batch=4, bins=(8, 32))
 def shout(texts: list[str]) -> list[str]:
     return [t.upper() for t in texts]
 
 
-@batched(length=lambda item: item["n"], name="unit.declared")  # type: ignore[untyped-decorator]
+@batched(length=lambda item: item["n"], name="unit.declared")
 def declared(items: list[dict[str, Any]]) -> list[int]:
     return [item["n"] for item in items]
 
