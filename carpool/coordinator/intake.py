@@ -40,6 +40,7 @@ class Refused:
     id: str
     reason: str  # the metrics label: invalid, queue_full, too_long, deadline
     error: CarpoolError
+    message: Incoming | None = None  # its message, when refused before its task-received event
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,8 @@ def split_too_long(
     refused: list[Refused] = []
     for item, count in zip(items, counts, strict=True):
         if count > model.max_length:
-            refused.append(Refused(item[0].id, "too_long", too_long(count, model.max_length, model_name)))
+            error = too_long(count, model.max_length, model_name)
+            refused.append(Refused(item[0].id, "too_long", error, message=item[0]))
         else:
             keep.append(item)
     return keep, refused
@@ -206,10 +208,10 @@ def take_in(
                 item = bind_item(msg.task, msg.args, msg.kwargs)
                 validate_item(msg.task, item, settings)
         except InvalidInput as exc:
-            out.refused.append(Refused(msg.id, "invalid", exc))
+            out.refused.append(Refused(msg.id, "invalid", exc, message=msg))
             continue
         if room <= 0:
-            out.refused.append(Refused(msg.id, "queue_full", queue_full(settings.max_pending)))
+            out.refused.append(Refused(msg.id, "queue_full", queue_full(settings.max_pending), message=msg))
             continue
         room -= 1
         if msg.task == INFER_TASK:
@@ -221,7 +223,7 @@ def take_in(
     for task_name, entries in by_task.items():
         for (msg, item), size in zip(entries, measured(specs[task_name], entries), strict=True):
             if isinstance(size, InvalidInput):
-                out.refused.append(Refused(msg.id, "invalid", size))
+                out.refused.append(Refused(msg.id, "invalid", size, message=msg))
                 continue
             request = to_request(msg, task_name, [], False, now, wall_now, deadline_s, item=item, length=size)
             out.admitted.append((msg, request))

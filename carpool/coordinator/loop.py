@@ -96,7 +96,7 @@ class Coordinator:
         self._held: set[str] = set()
         self._next_housekeeping = 0.0
         self._next_stats = 0.0
-        self._stats_writer = StatsWriter(self.client, self.keys.stats)
+        self._stats_writer = StatsWriter(self.client, self.keys, self.hostname, self.wall)
         self._wait_lists = {
             WaitFor.REPORTS: self.keys.reports_for(self.hostname),
             WaitFor.REQUESTS: self.keys.request_queue,
@@ -165,6 +165,7 @@ class Coordinator:
             log.warning("redis unavailable at shutdown; %d held requests return after their lease", len(held))
             return
         self._held.clear()
+        self._stats_writer.leave()
         log.info("handed back %d requests", returned)
 
     # --- one step ------------------------------------------------------------------------
@@ -250,6 +251,8 @@ class Coordinator:
         for r in refused:
             self.stats.failed[r.reason] += 1
             self.metrics.failed(r.reason)
+            if r.message is not None:  # refused at intake: Flower has not seen it received yet
+                self.events.received(r.id, r.message.argsrepr, r.message.kwargsrepr, name=r.message.task)
             self.events.failed(r.id, r.error)
             log.info("request %s failed (%s): %s", r.id, r.reason, r.error)
 
@@ -437,5 +440,5 @@ class Coordinator:
     def _write_stats(self) -> None:
         depths = self.policy.depth_by_bin()
         self.metrics.set_depths(depths)
-        gauges = {"pending": len(self.policy), "outstanding": len(self.outstanding), "workers": self.workers}
+        gauges = {"pending": len(self.policy), "outstanding": len(self.outstanding)}
         self._stats_writer.write(self.stats, depths, gauges)

@@ -1,15 +1,27 @@
-"""A coordinator's counters and gauges in a Redis hash, which ``carpool status`` and the demo read.
+"""A coordinator's counters and gauges in Redis, which ``carpool status`` and the demo read.
 
-Counters are added (HINCRBY of what changed since the last write), so several coordinators sum up;
-gauges are the writer's own view.
+Counters are added to one hash (HINCRBY of what changed since the last write), so several
+coordinators sum up. Gauges (what this coordinator holds now) go to a hash of its own that expires
+unless rewritten, listed in the coordinators ZSET: a reader sums the live coordinators' gauges, and a
+dead coordinator's drop out.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import redis
+
+from carpool.redis_edge.keys import Keys
+
+log = logging.getLogger(__name__)
+
+GAUGES_TTL_S = 10  # a coordinator's gauges outlive its last write by this long
+COORDINATORS_KEPT_S = 86_400  # a name stays listed this long after its last write (its own clock)
 
 
 @dataclass(slots=True)
@@ -25,11 +37,15 @@ class CoordinatorStats:
 
 
 class StatsWriter:
-    """Writes :class:`CoordinatorStats` and gauges to the hash ``key``, one pipeline per write."""
+    """Writes :class:`CoordinatorStats` to the shared counters hash and the gauges of coordinator
+    ``hostname`` to its own hash, one pipeline per write."""
 
-    def __init__(self, client: Any, key: str) -> None:
+    def __init__(self, client: Any, keys: Keys, hostname: str, wall: Callable[[], float]) -> None:
         self.client = client
-        self.key = key
+        self.keys = keys
+        self.hostname = hostname
+        self.wall = wall
+        self._gauges_key = keys.gauges_of(hostname)
         self._written: dict[str, int] = {}
         self._depth_keys: set[tuple[str, str]] = set()
 
@@ -52,11 +68,25 @@ class StatsWriter:
             values[f"depth:{key[0]}:{key[1]}"] = 0
         self._depth_keys |= set(depths)
         values.update({f"depth:{m}:{b}": n for (m, b), n in depths.items()})
+        now_ms = int(self.wall() * 1000)
         with self.client.pipeline(transaction=False) as pipe:
             for name, value in counters.items():
                 delta = value - self._written.get(name, 0)
                 if delta:
-                    pipe.hincrby(self.key, name, delta)
-            pipe.hset(self.key, mapping=values)
+                    pipe.hincrby(self.keys.stats, name, delta)
+            pipe.hset(self._gauges_key, mapping=values)
+            pipe.expire(self._gauges_key, GAUGES_TTL_S)
+            pipe.zadd(self.keys.coordinators, {self.hostname: now_ms})
+            pipe.zremrangebyscore(self.keys.coordinators, "-inf", now_ms - COORDINATORS_KEPT_S * 1000)
             pipe.execute()
         self._written = counters
+
+    def leave(self) -> None:
+        """Withdraw this coordinator's gauges now (it holds nothing any more), not at their expiry."""
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.delete(self._gauges_key)
+                pipe.zrem(self.keys.coordinators, self.hostname)
+                pipe.execute()
+        except redis.RedisError as exc:
+            log.info("could not withdraw this coordinator's gauges (they expire on their own): %s", exc)

@@ -2,8 +2,9 @@
 
 Deployments that share a Redis db but use different request queues never touch each other's keys.
 Every request id below is a Celery task id; an in-flight request has an entry in ``inflight_lease``
-and ``inflight_raw``, once dispatched one in ``inflight_owner``, once claimed one in
-``inflight_claimed``; every step that forgets a request (ack, requeue, reap) deletes it from all four.
+and ``inflight_raw``, one in ``inflight_origin`` if it came from a priority list, once dispatched one
+in ``inflight_owner``, once claimed one in ``inflight_claimed``; every step that forgets a request
+(ack, requeue, reap) deletes it from all of them (:attr:`Keys.inflight`).
 """
 
 from __future__ import annotations
@@ -57,9 +58,21 @@ class Keys:
         return f"{self._base}:inflight:claimed"
 
     @property
+    def inflight_origin(self) -> str:
+        """HASH request id -> the priority list it was taken from, so a recovery puts it back there.
+        Requests taken from the base list (priority 0, the common case) have no entry."""
+        return f"{self._base}:inflight:origin"
+
+    @property
     def inflight(self) -> list[str]:
         """Every key that holds part of a request's in-flight state."""
-        return [self.inflight_lease, self.inflight_raw, self.inflight_owner, self.inflight_claimed]
+        return [
+            self.inflight_lease,
+            self.inflight_raw,
+            self.inflight_owner,
+            self.inflight_claimed,
+            self.inflight_origin,
+        ]
 
     @property
     def dead_letter(self) -> str:
@@ -77,5 +90,16 @@ class Keys:
 
     @property
     def stats(self) -> str:
-        """HASH of coordinator counters, read by `carpool status`."""
+        """HASH of counters every coordinator adds to, read by `carpool status` and the demo."""
         return f"{self._base}:stats"
+
+    @property
+    def coordinators(self) -> str:
+        """ZSET coordinator hostname -> its last stats write (ms, its own clock): where to find the
+        gauge hashes. Names gone for long are pruned; whether one is live is its gauges' existence."""
+        return f"{self._base}:coordinators"
+
+    def gauges_of(self, coordinator: str) -> str:
+        """HASH of one coordinator's gauges (pending, outstanding, depth:<model>:<bin>); it expires
+        soon after the coordinator stops writing, so a dead one's gauges disappear."""
+        return f"{self._base}:gauges:{coordinator}"

@@ -4,7 +4,7 @@ A request's life in Redis:
   request list --take--> in flight (raw kept, lease set) --dispatch--> owned by a batch
     --claim (worker)--> running --ack--> gone (its result is in the result backend)
   and from any in-flight state, when its lease runs out (the holder died): --reap--> back at the
-  front of the request list, verbatim.
+  front of the request list it came from (its priority's), verbatim.
 
 Every step that must be atomic, or one round trip, is a Lua script in ``scripts/<name>.lua`` whose
 header gives its KEYS, ARGV and reply; this module is the only Python that knows those layouts.
@@ -50,7 +50,7 @@ def finish_call(
 ) -> tuple[list[bytes | str], list[Any]]:
     """(KEYS, ARGV) of ``finish.lua``. With only ``writes`` it stores the results (write-once, each
     published) in the caller's database and touches nothing else. ``inflight_keys``: lease, raw,
-    owner, claimed and report list, needed when acknowledging or reporting."""
+    owner, claimed, origin and report list, needed when acknowledging or reporting."""
     topic, message = events if events is not None else ("", b"")
     keys = [*writes.keys, *inflight_keys]
     args: list[Any] = [len(writes.payloads), results_db, broker_db, writes.expiry_s, *writes.payloads]
@@ -84,6 +84,7 @@ class RequestStore:
             self.keys.inflight_lease,
             self.keys.inflight_raw,
             self.keys.reports_for(reports_of or ""),
+            self.keys.inflight_origin,
             *self.keys.request_lists,
         ]
         flat, raw_reports = self._take(
@@ -121,23 +122,26 @@ class RequestStore:
         )
 
     def requeue(self, ids: Sequence[str]) -> int:
-        """Hand ``ids`` back to the front of the request queue now (shutdown)."""
+        """Hand ``ids`` back to the front of the request lists they came from now (shutdown)."""
         if not ids:
             return 0
         return int(self._requeue(keys=self._requeue_keys(), args=[0, *ids]))
 
     def reap(self, limit: int = 10_000) -> int:
-        """Requeue requests whose holder stopped renewing their lease. Safe from any process."""
+        """Requeue requests whose holder stopped renewing their lease, each to the list it came from.
+        Safe from any process."""
         return int(self._requeue(keys=self._requeue_keys(), args=[limit]))
 
     def _requeue_keys(self) -> list[str]:
-        return [
-            self.keys.inflight_lease,
-            self.keys.inflight_raw,
-            self.keys.inflight_owner,
-            self.keys.inflight_claimed,
-            self.keys.request_queue,
-        ]
+        base = self.keys.request_queue
+        others = [name for name in self.keys.request_lists if name != base]
+        return [*self._forget_keys(), base, *others]
+
+    def _forget_keys(self) -> list[str]:
+        """The in-flight keys in the order requeue and finish take them: lease, raw, owner, claimed,
+        origin."""
+        k = self.keys
+        return [k.inflight_lease, k.inflight_raw, k.inflight_owner, k.inflight_claimed, k.inflight_origin]
 
     def dead_letter(self, request_id: str, raw: bytes, reason: str) -> None:
         """Move a message that is not a carpool request out of flight into the dead-letter list."""
@@ -188,13 +192,7 @@ class RequestStore:
         ``results_db`` of this server. Returns the 1-based indexes of the results stored."""
         keys, args = finish_call(
             writes,
-            inflight_keys=[
-                self.keys.inflight_lease,
-                self.keys.inflight_raw,
-                self.keys.inflight_owner,
-                self.keys.inflight_claimed,
-                self.keys.reports_for(coordinator),
-            ],
+            inflight_keys=[*self._forget_keys(), self.keys.reports_for(coordinator)],
             results_db=results_db,
             broker_db=broker_db,
             report=json.dumps(report) if report is not None else "",
@@ -230,6 +228,7 @@ class RequestStore:
             pipe.hdel(self.keys.inflight_raw, *ids)
             pipe.hdel(self.keys.inflight_owner, *ids)
             pipe.hdel(self.keys.inflight_claimed, *ids)
+            pipe.hdel(self.keys.inflight_origin, *ids)
 
     def heartbeat(self, hostname: str, ttl_s: float) -> int:
         return int(self._heartbeat(keys=[self.keys.workers], args=[hostname, int(ttl_s * 1000)]))

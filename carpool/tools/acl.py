@@ -118,6 +118,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
     batches = priority_lists(settings.batch_queue)
     results = glob_escape(RESULT_KEY_PREFIX) + "*"
     reports = glob_escape(keys.reports_for("")) + "*"
+    gauges = glob_escape(keys.gauges_of("")) + "*"
     inflight = keys.inflight
     fanout = FANOUT_PREFIX.format(db=_broker_db(settings))
     events = glob_escape(f"{fanout}{EVENT_EXCHANGE}/")
@@ -185,6 +186,11 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 ),
             ),
             Grant("push batches to the workers' queue", ("lpush",), _exact([settings.batch_queue])),
+            Grant(
+                "write its gauges, which expire unless rewritten, and list itself as their writer",
+                ("hset", "expire", "del", "zadd", "zrem", "zremrangebyscore"),
+                (f"~{gauges}", *_exact([keys.coordinators])),
+            ),
             Grant(
                 "store a rejected request's error, write-once, and wake its producer",
                 ("set", "publish"),

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from carpool.tools.embedded import free_port
+from carpool.tools.embedded import EmbeddedRedis, free_port
 from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import Processes, as_bytes, server_of, start_stack
 
@@ -210,6 +210,8 @@ def test_flower_lists_every_request_and_every_batch(processes: Processes, flower
 
     bad = tasks[bad_id]
     assert bad["name"] == "carpool.infer" and bad["args"] == "[123]"
+    # Refused at intake, it still shows as received (by the coordinator) before it failed.
+    assert bad["received"] is not None and bad["received"] <= bad["failed"], bad
     assert "InvalidInput" in bad["exception"] and "must be a str" in bad["exception"], bad
 
     batches = flower.tasks("carpool.run_batch")
@@ -329,9 +331,11 @@ def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> N
     processes.start("coordinator", "coordinator", **TOY)
     from carpool.tasks import infer
 
+    client = redis.Redis(port=server_of(processes).port)
+    keys = Keys("carpool.requests")
     texts = mixed_texts(60, seed=2)
     held = [infer.delay(t, model="toy") for t in texts]
-    wait_for("coordinator holding every request", lambda: stats_hash(processes).get("pending") == len(texts))
+    wait_for("coordinator holding every request", lambda: collect(client, keys).pending == len(texts))
     proc = run_status(processes, "--json", "--interval", "0")
     assert proc.returncode == 0, proc.stderr
     snap = json.loads(proc.stdout)
@@ -345,8 +349,6 @@ def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> N
     assert "per length bin" in text_view.stdout and "toy" in text_view.stdout
 
     # A worker comes up: everything runs; rates over a window that saw a burst are real.
-    client = redis.Redis(port=server_of(processes).port)
-    keys = Keys("carpool.requests")
     before = collect(client, keys)
     processes.start("worker0", "worker", **TOY)
     processes.wait_workers(1)
@@ -392,6 +394,69 @@ def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> N
     ):
         assert re.search(rf"{label}\s+{value:,}\b", out), (label, value, out)
     assert "malformed=1" in out and "req/s" in out and "padding ratio" in out
+
+
+def test_status_sums_the_gauges_of_live_coordinators_only(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    from carpool.coordinator import stats as coordinator_stats
+    from carpool.coordinator.stats import CoordinatorStats, StatsWriter
+    from carpool.redis_edge.keys import Keys
+    from carpool.tools.status import as_dict, collect
+
+    monkeypatch.setattr(coordinator_stats, "GAUGES_TTL_S", 1)
+    client = redis.Redis(port=clean_redis.port)
+    keys = Keys("carpool.requests")
+    one, two = (StatsWriter(client, keys, name, time.time) for name in ("c-one", "c-two"))
+    one.write(CoordinatorStats(taken=5), {("toy", "1-16"): 3, ("toy", "17-32"): 1}, {"pending": 4})
+    two.write(CoordinatorStats(taken=7), {("toy", "1-16"): 2}, {"pending": 2, "outstanding": 1})
+    snap = as_dict(collect(client, keys), None, "carpool.requests")
+    assert snap["coordinators"] == ["c-one", "c-two"]
+    assert snap["pending"] == 6 and snap["outstanding_batches"] == 1
+    assert snap["depth_by_bin"] == {"toy:1-16": 5, "toy:17-32": 1}
+    assert snap["taken"] == 12
+
+    # c-one stops writing (killed): its gauges expire and drop out; its counters stay counted.
+    def one_left() -> bool:
+        two.write(CoordinatorStats(taken=8), {("toy", "1-16"): 2}, {"pending": 2, "outstanding": 1})
+        return collect(client, keys).coordinators == ["c-two"]
+
+    wait_for("c-one's gauges expiring", one_left, timeout_s=10, every_s=0.2)
+    snap = as_dict(collect(client, keys), None, "carpool.requests")
+    assert snap["pending"] == 2 and snap["depth_by_bin"] == {"toy:1-16": 2}
+    assert snap["taken"] == 13
+    two.leave()  # a coordinator that stops cleanly withdraws its gauges at once
+    snap = as_dict(collect(client, keys), None, "carpool.requests")
+    assert snap["coordinators"] == [] and snap["pending"] == 0 and snap["depth_by_bin"] == {}
+
+
+def test_status_adds_up_what_two_coordinators_hold(processes: Processes) -> None:
+    import redis
+
+    from carpool.redis_edge.keys import Keys
+    from carpool.tasks import infer
+    from carpool.tools.status import collect
+
+    # No worker: each coordinator holds what it takes, one request per take, so both take some.
+    env = {**TOY, "CARPOOL_TAKE_MAX": "1"}
+    processes.start("coordinator", "coordinator", **env)
+    processes.start("coordinator2", "coordinator", **env)
+    client = redis.Redis(port=server_of(processes).port)
+    keys = Keys("carpool.requests")
+    wait_for("both coordinators writing gauges", lambda: len(collect(client, keys).coordinators) == 2)
+    texts = mixed_texts(40, seed=3)
+    for text in texts:
+        infer.delay(text, model="toy")
+        time.sleep(0.01)
+    wait_for("every request held", lambda: collect(client, keys).in_flight == len(texts))
+    snap = wait_for("pending summed", lambda: (s := collect(client, keys)).pending == len(texts) and s)
+    held = {name: int(client.hget(keys.gauges_of(name), "pending") or 0) for name in snap.coordinators}
+    assert len(held) == 2 and sum(held.values()) == len(texts), held
+    assert all(held.values()), f"one coordinator took every request: {held}"
+    assert sum(snap.depth_by_bin.values()) == len(texts)
+    assert snap.queued_total == 0
 
 
 def test_status_says_when_redis_is_unreachable(processes: Processes) -> None:

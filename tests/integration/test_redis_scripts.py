@@ -61,15 +61,18 @@ def message(task_id: str, **extra: Any) -> bytes:
     ).encode()
 
 
+def request_list(step: int) -> str:
+    return KEYS.request_queue if step == 0 else f"{KEYS.request_queue}{PRIORITY_SEP}{step}"
+
+
 def enqueue(client: redis.Redis, *ids: str, step: int = 0) -> None:
     """Send like ``.delay()`` does: LPUSH onto the list of the priority step, so the oldest is RPOPped."""
-    key = KEYS.request_queue if step == 0 else f"{KEYS.request_queue}{PRIORITY_SEP}{step}"
     for task_id in ids:
-        client.lpush(key, message(task_id))
+        client.lpush(request_list(step), message(task_id))
 
 
-def in_flight(store: RequestStore, *ids: str) -> list[tuple[str, bytes]]:
-    enqueue(store.client, *ids)
+def in_flight(store: RequestStore, *ids: str, step: int = 0) -> list[tuple[str, bytes]]:
+    enqueue(store.client, *ids, step=step)
     taken, _ = store.take(len(ids))
     assert [i for i, _ in taken] == list(ids)
     return taken
@@ -98,6 +101,7 @@ def forgotten(client: redis.Redis, task_id: str) -> bool:
         and not client.hexists(KEYS.inflight_raw, task_id)
         and not client.hexists(KEYS.inflight_owner, task_id)
         and not client.hexists(KEYS.inflight_claimed, task_id)
+        and not client.hexists(KEYS.inflight_origin, task_id)
     )
 
 
@@ -186,6 +190,20 @@ def test_take_finds_ids_in_unusual_messages_and_names_garbage(
     assert ids[1] != ids[2]  # named by the message's hash, so distinct messages stay distinct
     assert [client.hget(KEYS.inflight_raw, i) for i in ids] == [decoy, no_id, not_json]
     assert all(lease(client, i) is not None for i in ids)
+
+
+def test_take_records_the_origin_of_requests_from_priority_lists_only(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    enqueue(client, "low")
+    enqueue(client, "three", step=3)
+    enqueue(client, "nine", step=9)
+    taken, _ = store.take(10)
+    assert [i for i, _ in taken] == ["nine", "three", "low"]
+    assert client.hgetall(KEYS.inflight_origin) == {
+        b"nine": request_list(9).encode(),
+        b"three": request_list(3).encode(),
+    }
 
 
 def test_take_pops_this_coordinators_reports_only_when_asked(
@@ -342,6 +360,15 @@ def test_finish_forgets_acked_ids_everywhere_and_keeps_the_rest(
     assert lease(client, "keep") is not None
 
 
+def test_finish_forgets_the_origin_of_a_priority_request(client: redis.Redis, store: RequestStore) -> None:
+    in_flight(store, "urgent", step=9)
+    store.dispatch("q", [("b1", ["urgent"], b"m")])
+    store.claim("b1", ["urgent"])
+    assert client.hexists(KEYS.inflight_origin, "urgent")
+    finish(store, ack_ids=["urgent"])
+    assert forgotten(client, "urgent")
+
+
 def test_finish_acks_more_ids_than_one_unpack_holds(client: redis.Redis, store: RequestStore) -> None:
     ids = [f"r{i}" for i in range(2_500)]
     with client.pipeline(transaction=False) as pipe:
@@ -402,7 +429,7 @@ def test_finish_with_results_only_stores_in_the_callers_database(results: redis.
 
 def test_ack_and_dead_letter_forget_every_key(client: redis.Redis, store: RequestStore) -> None:
     """The pipelined acknowledgements (results on another server, dead letters) match finish's."""
-    in_flight(store, "a", "b", "bad")
+    in_flight(store, "a", "b", "bad", step=6)
     store.dispatch("q", [("b1", ["a", "b"], b"m")])
     store.claim("b1", ["a", "b"])
     store.ack(["a", "b"], report={"batch_id": "b1"}, coordinator="coord")
@@ -437,6 +464,52 @@ def test_requeue_puts_requests_back_verbatim_at_the_front(client: redis.Redis, s
     assert again[2][0] == "waiting"
     assert dict(again[:2]) == taken  # verbatim
     assert store.requeue([]) == 0
+
+
+def test_requeue_puts_each_request_back_on_the_list_it_came_from(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    enqueue(client, "low")
+    enqueue(client, "three", step=3)
+    enqueue(client, "nine-a", "nine-b", step=9)
+    raws = dict(store.take(10)[0])
+    enqueue(client, "nine-later", step=9)  # sent while the others were in flight
+    assert store.requeue(list(raws)) == 4
+    assert all(forgotten(client, i) for i in raws)
+    assert client.lrange(request_list(0), 0, -1) == [raws["low"]]
+    assert client.lrange(request_list(3), 0, -1) == [raws["three"]]
+    assert client.llen(request_list(6)) == 0
+    # At the front of its list: served before what was sent at its priority meanwhile.
+    again, _ = store.take(10)
+    assert [i for i, _ in again[2:]] == ["nine-later", "three", "low"]
+    assert dict(again[:2]) == {"nine-a": raws["nine-a"], "nine-b": raws["nine-b"]}  # verbatim
+
+
+def test_requeue_puts_a_request_with_an_unknown_origin_on_the_base_list(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    raws = dict(in_flight(store, "odd", step=9))
+    client.hset(KEYS.inflight_origin, "odd", "some.other.list")
+    assert store.requeue(["odd"]) == 1
+    assert client.lrange(request_list(0), 0, -1) == [raws["odd"]]
+    assert client.exists("some.other.list", request_list(9)) == 0
+    assert forgotten(client, "odd")
+
+
+def test_reap_returns_expired_priority_requests_to_their_lists(client: redis.Redis) -> None:
+    dying = RequestStore(client, KEYS, 0.05)
+    alive = RequestStore(client, KEYS, LEASE_S)
+    low = dict(in_flight(dying, "low"))
+    high = dict(in_flight(dying, "high", step=9))
+    dying.dispatch("q", [("b1", ["low", "high"], b"m")])
+    dying.claim("b1", ["high"])
+    in_flight(alive, "live", step=9)
+    time.sleep(0.2)
+    assert alive.reap() == 2
+    assert forgotten(client, "low") and forgotten(client, "high")
+    assert client.lrange(request_list(0), 0, -1) == [low["low"]]
+    assert client.lrange(request_list(9), 0, -1) == [high["high"]]
+    assert client.hget(KEYS.inflight_origin, "live") == request_list(9).encode()  # not expired: kept
 
 
 def test_reap_requeues_only_expired_leases_and_cleans_every_key(client: redis.Redis) -> None:

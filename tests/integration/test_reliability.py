@@ -204,6 +204,42 @@ def test_sigterm_coordinator_hands_back_what_it_holds(processes: Processes) -> N
     check_all_correct(results, texts)
 
 
+def test_requests_a_coordinator_held_go_back_to_their_priority_lists(processes: Processes) -> None:
+    from carpool.redis_edge.store import RequestStore
+    from carpool.tasks import infer
+
+    client = redis.Redis(port=server_of(processes).port)
+    high_list, base_list = KEYS.request_lists[0], KEYS.request_queue  # priority 9, priority 0
+    low_texts = mixed_texts(30, seed=18)
+    high_texts = [f"urgent request number {i}" for i in range(20)]
+    low = send(low_texts)
+    high = [infer.apply_async((t,), {"model": SLOW}, priority=9) for t in high_texts]
+    assert client.llen(high_list) == len(high)
+
+    def held_then(stop: Any) -> None:
+        # No worker: the coordinator holds everything until it is stopped.
+        processes.start("coordinator", "coordinator", **SLOW_ENV)
+        wait_for(lambda: in_flight(processes) == 50, 30, "coordinator did not take the requests")
+        assert client.llen(high_list) == client.llen(base_list) == 0
+        stop()
+        assert (client.llen(high_list), client.llen(base_list)) == (len(high), len(low))
+        assert in_flight(processes) == 0 and client.hlen(KEYS.inflight_origin) == 0
+
+    # Killed: its leases run out and a reap (any process's) puts each request back where it was.
+    def kill_and_reap() -> None:
+        processes.stop("coordinator", sig=signal.SIGKILL)
+        store = RequestStore(client, KEYS, float(RECOVERY))
+        wait_for(lambda: store.reap() >= 0 and in_flight(processes) == 0, 30, "leases never ran out")
+
+    held_then(kill_and_reap)
+    # Stopped: it hands back what it holds, each request to its own list.
+    held_then(lambda: processes.stop("coordinator", sig=signal.SIGTERM))
+
+    start_stack(processes, **SLOW_ENV)
+    check_all_correct(high, high_texts)
+    check_all_correct(low, low_texts)
+
+
 def test_bad_input_fails_only_itself_fast_with_a_clear_error(processes: Processes) -> None:
     from carpool.celery_edge.app import app
     from carpool.tasks import infer

@@ -101,13 +101,13 @@ def test_producer_cannot_read_state_delete_list_or_overwrite(roles: dict[acl.Rol
 def test_every_script_finds_all_its_keys_in_one_grant(roles: dict[acl.Role, RoleAcl]) -> None:
     keys = Keys("carpool.requests")
     reports = keys.reports_for("carpool-coordinator-1@host")
-    take = (keys.inflight_lease, keys.inflight_raw, reports, *keys.request_lists)
+    take = (keys.inflight_lease, keys.inflight_raw, reports, keys.inflight_origin, *keys.request_lists)
     dispatch = (keys.inflight_lease, keys.inflight_owner, "carpool.batches")
-    requeue = (keys.inflight_lease, keys.inflight_raw, keys.inflight_owner, "carpool.requests")
+    requeue = (*keys.inflight, *keys.request_lists)
     for script_keys in (take, dispatch, requeue, (keys.workers,), (RESULT, RESULT)):
         assert allowed(roles["coordinator"], "evalsha", script_keys), script_keys
     claim_fresh = (keys.inflight_lease, keys.inflight_owner, RESULT)
-    finish = (keys.inflight_lease, keys.inflight_raw, keys.inflight_owner, reports, RESULT)
+    finish = (*keys.inflight, reports, RESULT)
     kombu = ("_kombu.binding.celery.pidbox", "_kombu.binding_deadlines")
     for script_keys in (claim_fresh, finish, (keys.workers,), kombu):
         assert allowed(roles["worker"], "evalsha", script_keys), script_keys
@@ -133,6 +133,21 @@ def test_commands_inside_the_scripts_are_allowed_key_by_key(roles: dict[acl.Role
     assert allowed(worker, "lpush", (keys.reports_for("c"),))
     assert not allowed(worker, "rpop", ("carpool.requests",))  # workers never take requests
     assert not allowed(worker, "hset", (keys.stats,))
+
+
+def test_coordinator_writes_its_expiring_gauges_and_only_those(roles: dict[acl.Role, RoleAcl]) -> None:
+    keys = Keys("carpool.requests")
+    coordinator, worker = roles["coordinator"], roles["worker"]
+    gauges = keys.gauges_of("carpool-coordinator-7@host")
+    assert allowed(coordinator, "hincrby", (keys.stats,))
+    for command in ("hset", "expire", "del"):
+        assert allowed(coordinator, command, (gauges,))
+    for command in ("zadd", "zrem", "zremrangebyscore"):
+        assert allowed(coordinator, command, (keys.coordinators,))
+    assert not allowed(coordinator, "expire", ("carpool.requests",))  # nothing else gets an expiry
+    assert not allowed(coordinator, "expire", (keys.inflight_raw,))
+    assert not allowed(worker, "hset", (gauges,))
+    assert not allowed(roles["producer"], "hgetall", (gauges,))
 
 
 def test_worker_is_a_celery_consumer_and_flower_reads(roles: dict[acl.Role, RoleAcl]) -> None:

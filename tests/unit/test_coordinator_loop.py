@@ -232,3 +232,55 @@ def test_the_policy_is_asked_only_when_something_may_have_changed(clocks: Clocks
     c.store.queue.append(("a", message("a", "hi")))
     c.step()
     assert len(asked) == 3, "a new request changes the plan"
+
+
+class RecordingEvents:
+    """The coordinator's task events, kept in order instead of published."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, dict[str, Any]]] = []
+
+    def received(self, task_id: str, argsrepr: str, kwargsrepr: str = "{}", **fields: Any) -> None:
+        self.sent.append(("received", task_id, {"args": argsrepr, "kwargs": kwargsrepr, **fields}))
+
+    def failed(self, task_id: str, exc: BaseException, *_: Any, **__: Any) -> None:
+        self.sent.append(("failed", task_id, {"exception": exc}))
+
+    def take(self) -> None:
+        return None
+
+    def flush(self) -> None:
+        pass
+
+    def of(self, task_id: str) -> list[str]:
+        return [kind for kind, i, _ in self.sent if i == task_id]
+
+
+def with_reprs(raw: bytes, argsrepr: str, kwargsrepr: str) -> bytes:
+    """``raw`` with the argsrepr/kwargsrepr headers Celery's producer sets."""
+    envelope = json.loads(raw)
+    envelope["headers"].update(argsrepr=argsrepr, kwargsrepr=kwargsrepr)
+    return json.dumps(envelope).encode()
+
+
+def test_a_request_refused_at_intake_is_received_before_it_fails(clocks: Clocks) -> None:
+    # Nobody to run anything, room for two, too-long texts refused rather than cut.
+    c = coordinator(clocks, workers=0, max_pending=2, truncate=False)
+    events = c.events = RecordingEvents()
+    c.store.queue += [
+        ("long", message("long", "word " * 400)),
+        ("ok", message("ok", "hello there", expires=iso(WALL_START + 1))),
+        ("bad", with_reprs(message("bad", 123), "[123]", "{'model': 'toy'}")),
+        ("full", message("full", "one too many")),
+    ]
+    c.step()
+    assert sorted(c.stats.failed.items()) == [("invalid", 1), ("queue_full", 1), ("too_long", 1)]
+    for task_id in ("long", "bad", "full"):
+        assert events.of(task_id) == ["received", "failed"], task_id
+    [(_, _, bad)] = [e for e in events.sent if e[:2] == ("received", "bad")]
+    assert bad["args"] == "[123]" and bad["kwargs"] == "{'model': 'toy'}" and bad["name"] == "carpool.infer"
+    assert events.of("ok") == ["received"]
+
+    clocks.advance(1.01)
+    c.step()  # expired in the coordinator's queue: received once, at admission, then failed
+    assert events.of("ok") == ["received", "failed"]

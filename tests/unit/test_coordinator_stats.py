@@ -1,10 +1,15 @@
-"""The coordinator's stats hash: counters go as deltas (coordinators sum up), emptied bins as 0."""
+"""The coordinators' stats: counters go as deltas into one hash (coordinators sum up), gauges into a
+hash per coordinator that expires unless rewritten, emptied bins as 0."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from carpool.coordinator.stats import CoordinatorStats, StatsWriter
+from carpool.coordinator.stats import COORDINATORS_KEPT_S, GAUGES_TTL_S, CoordinatorStats, StatsWriter
+from carpool.redis_edge.keys import Keys
+
+KEYS = Keys("q")
+WALL_S = 1_700_000_000.0
 
 
 class RecordingClient:
@@ -20,30 +25,70 @@ class RecordingClient:
     def __exit__(self, *_: Any) -> None:
         pass
 
-    def hincrby(self, *args: Any) -> None:
-        self.calls.append(("hincrby", args, {}))
-
-    def hset(self, *args: Any, **kwargs: Any) -> None:
-        self.calls.append(("hset", args, kwargs))
+    def __getattr__(self, command: str) -> Any:
+        return lambda *args, **kwargs: self.calls.append((command, args, kwargs))
 
     def execute(self) -> None:
         pass
 
 
+def writer(client: RecordingClient, hostname: str) -> StatsWriter:
+    return StatsWriter(client, KEYS, hostname, lambda: WALL_S)
+
+
 def test_counters_are_written_as_what_changed_and_emptied_bins_as_zero() -> None:
     client = RecordingClient()
-    writer = StatsWriter(client, "stats")
+    w = writer(client, "c1")
     stats = CoordinatorStats(taken=5, batches=1)
     stats.failed["invalid"] += 1
-    writer.write(stats, {("toy", "1-16"): 3}, {"workers": 2})
-    assert ("hincrby", ("stats", "taken", 5), {}) in client.calls
-    assert ("hincrby", ("stats", "failed:invalid", 1), {}) in client.calls
-    assert client.calls[-1] == ("hset", ("stats",), {"mapping": {"workers": 2, "depth:toy:1-16": 3}})
+    w.write(stats, {("toy", "1-16"): 3}, {"pending": 3})
+    assert ("hincrby", (KEYS.stats, "taken", 5), {}) in client.calls
+    assert ("hincrby", (KEYS.stats, "failed:invalid", 1), {}) in client.calls
+    gauges = [c for c in client.calls if c[0] == "hset"]
+    assert gauges == [("hset", (KEYS.gauges_of("c1"),), {"mapping": {"pending": 3, "depth:toy:1-16": 3}})]
 
     client.calls.clear()
     stats.taken += 2
-    writer.write(stats, {}, {"workers": 2})
+    w.write(stats, {}, {"pending": 0})
+    assert [c for c in client.calls if c[0] in ("hincrby", "hset")] == [
+        ("hincrby", (KEYS.stats, "taken", 2), {}),
+        ("hset", (KEYS.gauges_of("c1"),), {"mapping": {"pending": 0, "depth:toy:1-16": 0}}),
+    ]
+
+
+def test_each_coordinator_writes_gauges_of_its_own_that_expire() -> None:
+    client = RecordingClient()
+    one, two = writer(client, "c1"), writer(client, "c2")
+    one.write(CoordinatorStats(taken=4), {}, {"pending": 4})
+    two.write(CoordinatorStats(taken=6), {}, {"pending": 6})
+    calls = client.calls
+    # Counters add up in the one shared hash; the gauges stay apart, one hash each.
+    assert [c[1] for c in calls if c[0] == "hincrby"] == [(KEYS.stats, "taken", 4), (KEYS.stats, "taken", 6)]
+    assert [(c[1][0], c[2]["mapping"]) for c in calls if c[0] == "hset"] == [
+        (KEYS.gauges_of("c1"), {"pending": 4}),
+        (KEYS.gauges_of("c2"), {"pending": 6}),
+    ]
+    # Each gauge hash expires unless rewritten, and its writer is listed for readers to find it.
+    assert [c[1] for c in calls if c[0] == "expire"] == [
+        (KEYS.gauges_of("c1"), GAUGES_TTL_S),
+        (KEYS.gauges_of("c2"), GAUGES_TTL_S),
+    ]
+    now_ms = int(WALL_S * 1000)
+    assert [c[1] for c in calls if c[0] == "zadd"] == [
+        (KEYS.coordinators, {"c1": now_ms}),
+        (KEYS.coordinators, {"c2": now_ms}),
+    ]
+    # Names long gone leave the list.
+    assert ("zremrangebyscore", (KEYS.coordinators, "-inf", now_ms - COORDINATORS_KEPT_S * 1000), {}) in calls
+
+
+def test_a_coordinator_that_leaves_withdraws_its_gauges_at_once() -> None:
+    client = RecordingClient()
+    w = writer(client, "c1")
+    w.write(CoordinatorStats(taken=1), {}, {"pending": 1})
+    client.calls.clear()
+    w.leave()
     assert client.calls == [
-        ("hincrby", ("stats", "taken", 2), {}),
-        ("hset", ("stats",), {"mapping": {"workers": 2, "depth:toy:1-16": 0}}),
+        ("delete", (KEYS.gauges_of("c1"),), {}),
+        ("zrem", (KEYS.coordinators, "c1"), {}),
     ]

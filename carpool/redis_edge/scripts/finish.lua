@@ -4,7 +4,8 @@
 -- its coordinator and the task events are published: a batch finished in one round trip, across the
 -- result and broker databases of one server. With only results given it stores them and nothing more.
 -- KEYS[1..n] result keys, then (only when acknowledging or reporting) KEYS[n+1] lease ZSET,
--- KEYS[n+2] raw HASH, KEYS[n+3] owner HASH, KEYS[n+4] claimed HASH, KEYS[n+5] report list.
+-- KEYS[n+2] raw HASH, KEYS[n+3] owner HASH, KEYS[n+4] claimed HASH, KEYS[n+5] origin HASH,
+-- KEYS[n+6] report list.
 -- ARGV[1] n, ARGV[2] results db ('' = the caller's), ARGV[3] broker db ('' = the caller's),
 -- ARGV[4] result expiry s, ARGV[5..4+n] encoded results, then ARGV[5+n] report json ('' = none),
 -- ARGV[6+n] reports kept, ARGV[7+n] reports ttl s, ARGV[8+n] events topic ('' = none),
@@ -30,12 +31,13 @@ for first = 10 + n, #ARGV, 1000 do
   redis.call('HDEL', KEYS[n + 2], unpack(ARGV, first, last))
   redis.call('HDEL', KEYS[n + 3], unpack(ARGV, first, last))
   redis.call('HDEL', KEYS[n + 4], unpack(ARGV, first, last))
+  redis.call('HDEL', KEYS[n + 5], unpack(ARGV, first, last))
 end
 local report = ARGV[5 + n]
 if report ~= '' then
-  redis.call('LPUSH', KEYS[n + 5], report)
-  redis.call('LTRIM', KEYS[n + 5], 0, tonumber(ARGV[6 + n]) - 1)
-  redis.call('EXPIRE', KEYS[n + 5], ARGV[7 + n])
+  redis.call('LPUSH', KEYS[n + 6], report)
+  redis.call('LTRIM', KEYS[n + 6], 0, tonumber(ARGV[6 + n]) - 1)
+  redis.call('EXPIRE', KEYS[n + 6], ARGV[7 + n])
 end
 if ARGV[8 + n] ~= '' then redis.call('PUBLISH', ARGV[8 + n], ARGV[9 + n]) end
 return stored

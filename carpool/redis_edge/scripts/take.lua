@@ -1,8 +1,9 @@
 -- take: move up to ARGV[1] requests from the request lists into flight, and pop this coordinator's
 -- batch reports, in one atomic step (a coordinator killed at any instant leaves every request either
--- in a list or in flight).
--- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] this coordinator's report list,
--- KEYS[4..] request lists in drain order.
+-- in a list or in flight). A request from any list but the last (the base list) has its list recorded
+-- as its origin, so that a recovery puts it back there.
+-- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] this coordinator's report list, KEYS[4] origin HASH,
+-- KEYS[5..] request lists in drain order, the base list last.
 -- ARGV[1] max requests, ARGV[2] lease ms, ARGV[3] max reports (0 = none).
 -- Returns {{id1, raw1, id2, raw2, ...}, {reports, oldest first}}.
 local t = redis.call('TIME')
@@ -14,7 +15,8 @@ local ID_KEYS = {'"id": "', '"id":"'}
 local out = {}
 local reports = {}
 if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or {} end
-for i = 4, #KEYS do
+local base = KEYS[#KEYS]
+for i = 5, #KEYS do
   local left = want - #out / 2
   if left <= 0 then break end
   local got = redis.call('RPOP', KEYS[i], left)
@@ -52,6 +54,7 @@ for i = 4, #KEYS do
       if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
       redis.call('HSET', KEYS[2], id, raw)
       redis.call('ZADD', KEYS[1], expiry, id)
+      if KEYS[i] ~= base then redis.call('HSET', KEYS[4], id, KEYS[i]) end
       out[#out + 1] = id
       out[#out + 1] = raw
     end

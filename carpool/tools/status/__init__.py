@@ -4,9 +4,10 @@ Everything shown comes from Redis, so it works from any machine that reaches the
 neither torch nor a metrics port:
 
 * queue depth: the request lists ``.delay()`` writes to (one per priority step), plus what the
-  coordinator holds (``pending``, and per length bin from ``depth:<model>:<bin>`` fields);
+  coordinators hold (``pending``, and per length bin ``depth:<model>:<bin>``: each live
+  coordinator's gauges, ``carpool:<queue>:gauges:<hostname>``, summed);
 * workers online: the heartbeat ZSET ``carpool:<queue>:workers`` (members with a live expiry);
-* rates: deltas of the coordinator's counters (``carpool:<queue>:stats``) over the refresh interval;
+* rates: deltas of the coordinators' counters (``carpool:<queue>:stats``) over the refresh interval;
 * padding ratio, flush reasons, failures, batch sizes, in-flight requests, dead-letter length.
 
 ``--once`` prints one snapshot and exits (for scripts); ``--json`` prints it as JSON. Both sample the

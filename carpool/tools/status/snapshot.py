@@ -22,7 +22,8 @@ class Snapshot:
     workers: list[str]  # hostnames with a live heartbeat
     in_flight: int
     dead_letter: int
-    stats: dict[str, float]  # the coordinator's counters, as written
+    stats: dict[str, float]  # the coordinators' counters, and their live gauges summed
+    coordinators: list[str] = field(default_factory=list)  # hostnames whose gauges are live
 
     # --- derived -----------------------------------------------------------------------------
     def counter(self, name: str) -> float:
@@ -98,9 +99,14 @@ def _list_label(keys: Keys, name: str) -> str:
 
 
 def collect(client: redis.Redis, keys: Keys) -> Snapshot:
-    """One consistent-enough read: two round trips, read-only."""
-    secs, micros = client.time()
+    """One consistent-enough read: two round trips, read-only. Counters are the shared hash's; each
+    gauge is the sum over the coordinators whose gauges have not expired."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.time()
+        pipe.zrange(keys.coordinators, 0, -1)
+        (secs, micros), listed = pipe.execute()
     now_ms = int(secs) * 1000 + int(micros) // 1000
+    names = [_text(c) for c in listed]
     lists = keys.request_lists
     with client.pipeline(transaction=False) as pipe:
         for name in lists:
@@ -109,16 +115,19 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         pipe.zcard(keys.inflight_lease)
         pipe.llen(keys.dead_letter)
         pipe.hgetall(keys.stats)
+        for name in names:
+            pipe.hgetall(keys.gauges_of(name))
         replies = pipe.execute()
     n = len(lists)
     queued = {_list_label(keys, name): int(length) for name, length in zip(lists, replies[:n], strict=True)}
-    workers, in_flight, dead, raw_stats = replies[n:]
-    stats: dict[str, float] = {}
-    for k, v in raw_stats.items():
-        try:
-            stats[_text(k)] = float(v)
-        except ValueError:
-            continue
+    workers, in_flight, dead, raw_stats = replies[n : n + 4]
+    stats = _numbers(raw_stats)
+    live = []
+    for name, raw_gauges in zip(names, replies[n + 4 :], strict=True):
+        if raw_gauges:  # an expired coordinator's hash is gone
+            live.append(name)
+            for key, value in _numbers(raw_gauges).items():
+                stats[key] = stats.get(key, 0.0) + value
     return Snapshot(
         taken_at=time.monotonic(),
         redis_time=now_ms / 1000,
@@ -127,7 +136,18 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         in_flight=int(in_flight),
         dead_letter=int(dead),
         stats=stats,
+        coordinators=sorted(live),
     )
+
+
+def _numbers(raw: dict[Any, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in raw.items():
+        try:
+            out[_text(k)] = float(v)
+        except ValueError:
+            continue
+    return out
 
 
 def _text(value: bytes | str) -> str:
@@ -146,6 +166,7 @@ def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
         "outstanding_batches": int(s("outstanding")),
         "workers_online": len(snap.workers),
         "workers": snap.workers,
+        "coordinators": snap.coordinators,
         "dead_letter": snap.dead_letter,
         "taken": int(s("taken")),
         "batches": int(s("batches")),

@@ -47,7 +47,10 @@ def render(
     now.add_row("workers online", f"[{'green' if w else 'red'}]{w}[/]" + (f"  [dim]{names}[/]" if w else ""))
     by_prio = "  ".join(f"{k}={v:,}" for k, v in snap.queued.items() if v)
     now.add_row("queued", f"{snap.queued_total:,}" + (f"  [dim]{by_prio}[/]" if by_prio else ""))
-    now.add_row("pending in coordinator", f"{snap.pending:,}")
+    c = len(snap.coordinators)
+    now.add_row(
+        "pending in coordinator", f"{snap.pending:,}" + (f"  [dim]{c} coordinators[/]" if c > 1 else "")
+    )
     now.add_row("in flight", f"{snap.in_flight:,}  [dim]{int(snap.counter('outstanding'))} batches out[/]")
     now.add_row("dead letter", f"[{'red' if snap.dead_letter else 'dim'}]{snap.dead_letter:,}[/]")
     if rate is not None and rate.seconds > 0:
