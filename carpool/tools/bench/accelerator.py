@@ -305,6 +305,7 @@ def _simulated_device(
         time.sleep(0.5)  # let the warm-up's stragglers (events, reports) settle
         phase = "burst"
         before = system.snapshot()
+        _log(f"carpool on {env.model}: a burst of {len(texts)} texts")
         run = burst(env, texts, args.timeout)
         time.sleep(0.6)  # batch counters reach Redis a moment after the last result
         sizes, padded, real = system.batches_since(before, ())

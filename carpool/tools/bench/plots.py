@@ -211,7 +211,7 @@ def write_accelerator_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
             f"{title})",
             fontsize=10,
         )
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper left")
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(out_dir / "device_busy.png", dpi=110)
