@@ -177,3 +177,28 @@ def test_tree_cpu_covers_at_least_the_process_itself() -> None:
     assert tree_cpu_s(me, children) >= process_cpu_s(me)
     # This process's own figure leaves out its children (the processes a bench measures separately).
     assert cpu_snapshot({"me": me})["me"] == pytest.approx(process_cpu_s(me), abs=0.05)
+
+
+def test_profiles_name_the_model_and_custom_coefficients_go_to_the_worker() -> None:
+    from carpool.errors import ConfigError
+    from carpool.tools.bench.accelerator import resolve_profile
+
+    name, profile, env = resolve_profile("H100")
+    assert (name, profile.name, env) == ("sim-h100", "h100", {})
+    name, profile, env = resolve_profile("0.001,0.00002")
+    assert name == "sim" and (profile.a_s, profile.b_s) == (0.001, 0.00002)
+    assert env == {"CARPOOL_SIM_DEVICE": "0.001,2e-05"}
+    with pytest.raises(ConfigError):
+        resolve_profile("a100")
+
+
+def test_cpu_per_request_is_summed_by_role() -> None:
+    from carpool.tools.bench.accelerator import _per_request_us
+
+    before = {"_wall": 0.0, "carpool-coordinator": 1.0, "carpool-worker0": 2.0, "carpool-worker1": 0.0}
+    before.update({"redis-server": 5.0, "producer": 1.0, "celery-noop": 0.0})
+    after = {"_wall": 1.0, "carpool-coordinator": 1.2, "carpool-worker0": 2.1, "carpool-worker1": 0.1}
+    after.update({"redis-server": 5.05, "producer": 9.0, "celery-noop": 0.0, "_busy": 3.0})
+    assert _per_request_us(before, after, 1000) == pytest.approx(
+        {"coordinator": 200.0, "worker": 200.0, "redis": 50.0}
+    )

@@ -39,6 +39,7 @@ FULL = {"requests": 6000, "light": 200, "pipeline": 20000}
 QUICK = {"requests": 200, "light": 3, "pipeline": 200}
 NOOP_TASKS = 3000  # plain Celery no-op tasks (fewer when --pipeline asks for fewer requests)
 NOOP_WORKER = "celery-noop"
+_ROLES = {"redis-server": "redis", NOOP_WORKER: "worker"}  # harness names that do not say their role
 
 
 def resolve_profile(spec: str) -> tuple[str, Any, dict[str, str]]:
@@ -72,9 +73,9 @@ def _per_request_us(before: dict[str, float], after: dict[str, float], requests:
     processes (workers and coordinators summed by role)."""
     out = {"coordinator": 0.0, "worker": 0.0, "redis": 0.0}
     for name, value in after.items():
-        if name.startswith("_") or name not in before:
-            continue
-        role = "redis" if name == "redis-server" else "coordinator" if "coordinator" in name else "worker"
+        role = _ROLES.get(name) or next((r for r in ("coordinator", "worker") if r in name), None)
+        if role is None or name not in before:
+            continue  # the bench's own process: its submit and gather are counted apart
         out[role] += (value - before[name]) / max(1, requests) * 1e6
     return out
 
