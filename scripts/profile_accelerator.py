@@ -5,7 +5,8 @@
 Runs ``carpool bench --accelerator PROFILE --pipeline 0 --light 0`` and, when its burst starts,
 attaches ``py-spy record`` (``--nonblocking``, collapsed stacks) to its coordinator and worker until
 they exit (the bench stops them right after the burst). Then, per process, the functions with the
-most samples on top of the stack (own time) and anywhere in it (inclusive), as shares of the
+most samples on top of the stack (own time), anywhere in it (inclusive), and carpool's own
+functions anywhere in it (where in carpool the time is spent), as shares of the
 process's samples and as CPU µs per request (the share times the process's µs per request in the
 bench's report). py-spy samples a thread that is running or waiting for a core: on a loaded
 machine the wait after a Redis reply lands in the frames that read it, so those shares read high.
@@ -64,27 +65,40 @@ def _frame(frame: str) -> str:
     return f"{name} ({where.split(':')[0].rsplit('/', 1)[-1].rstrip(')')})"
 
 
+def _carpool_frame(frame: str) -> str | None:
+    """``function (carpool/module/file.py)`` for a frame in carpool's own code, else None."""
+    name, _, where = frame.partition(" (")
+    path = where.split(":")[0]
+    if "carpool/" not in path or "site-packages" in path:
+        return None
+    return f"{name} (carpool/{path.rsplit('carpool/', 1)[-1]})"
+
+
 def summarize(raw: Path, top: int) -> dict[str, list[tuple[str, float]]]:
-    """(own, inclusive) shares of the samples per function in a py-spy ``raw`` (collapsed) file."""
+    """(own, inclusive, carpool's inclusive) shares of the samples per function in a py-spy
+    ``raw`` (collapsed) file."""
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
+    carpool: Counter[str] = Counter()
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack:
             continue
         count = int(count_text)
-        frames = [_frame(f) for f in stack.split(";")]
-        if not frames:
-            continue
+        raw_frames = stack.split(";")
+        frames = [_frame(f) for f in raw_frames]
         total += count
         own[frames[-1]] += count
         for name in set(frames):
             inclusive[name] += count
+        for ours in {_carpool_frame(f) for f in raw_frames} - {None}:
+            carpool[str(ours)] += count
     share = 1.0 / max(1, total)
     return {
         "own": [(k, v * share) for k, v in own.most_common(top)],
         "inclusive": [(k, v * share) for k, v in inclusive.most_common(top)],
+        "carpool": [(k, v * share) for k, v in carpool.most_common(top)],
     }
 
 
@@ -153,7 +167,7 @@ def main() -> int:
         per_request = cpu.get(role, 0.0)
         result[role] = {"cpu_us_per_request": per_request, **shares}
         print(f"\n== {role}: {per_request:.0f} µs CPU per request over the run")
-        for kind in ("own", "inclusive"):
+        for kind in ("own", "inclusive", "carpool"):
             print(f"-- {kind} time")
             for name, share in shares[kind]:
                 print(f"{share:7.1%} {share * per_request:8.1f} µs  {name}")
