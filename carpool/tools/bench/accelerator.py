@@ -44,9 +44,16 @@ _ROLES = {"redis-server": "redis", NOOP_WORKER: "worker"}  # harness names that 
 
 def resolve_profile(spec: str) -> tuple[str, Any, dict[str, str]]:
     """(model name, device profile, environment for the worker) for ``--accelerator spec``."""
+    from carpool.errors import ConfigError
     from carpool.models.simdevice import PROFILES, profile_from
 
-    profile = profile_from(spec.strip().lower())
+    try:
+        profile = profile_from(spec.strip().lower())
+    except ConfigError:
+        raise ConfigError(
+            f"--accelerator {spec!r}: use {', '.join(PROFILES)}, or a_s,b_s (seconds per batch, "
+            "seconds per padded token, both >= 0), e.g. 0.0003,0.0000038"
+        ) from None
     if spec.strip().lower() in PROFILES:
         return f"sim-{profile.name}", profile, {}
     return "sim", profile, {"CARPOOL_SIM_DEVICE": f"{profile.a_s!r},{profile.b_s!r}"}
