@@ -19,14 +19,14 @@ from celery import Celery
 NOOP_TASK = "carpool.bench.noop"
 
 
+def noop(x: Any) -> Any:
+    return x
+
+
 def create_noop_app(broker_url: str, result_backend: str) -> Celery:
-    """A plain Celery app on ``broker_url`` with ``noop`` registered as :data:`NOOP_TASK`."""
+    """A plain Celery app on ``broker_url`` with :func:`noop` registered as :data:`NOOP_TASK`."""
     app = Celery("carpool-bench-noop", broker=broker_url, backend=result_backend, set_as_current=False)
-
-    @app.task(name=NOOP_TASK)
-    def noop(x: Any) -> Any:
-        return x
-
+    app.task(name=NOOP_TASK)(noop)
     return app
 
 
