@@ -8,10 +8,16 @@ in the regime where the device is fast: on a CPU machine the real model hides it
 The coefficients of the named profiles are fits of all-MiniLM-L6-v2's batch time on the device
 classes they are named after (docs/PERFORMANCE.md, "Accelerator regime"). Set your own with
 ``CARPOOL_SIM_DEVICE=a_s,b_s`` (seconds per batch, seconds per padded token) and model ``sim``.
+
+With ``CARPOOL_SIM_DEVICE_LOG=path`` set, every ``forward`` appends one line to that file,
+``pid start end rows width`` (wall-clock seconds, the padded batch's shape), so a benchmark can tell
+when the device was busy (``carpool bench --accelerator``). Lines are buffered and written every
+``LOG_FLUSH_BATCHES`` batches and at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from collections.abc import Sequence
@@ -25,6 +31,8 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 OUTPUT_DIM = 384  # all-MiniLM-L6-v2's embedding size
+DEVICE_LOG_ENV = "CARPOOL_SIM_DEVICE_LOG"
+LOG_FLUSH_BATCHES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,33 @@ def profile_from(spec: str) -> DeviceProfile:
     return profile
 
 
+class DeviceLog:
+    """Appends ``pid start end rows width`` per batch to a file; buffered, so a batch costs a string
+    format and an in-memory write, and the lines reach the file every ``LOG_FLUSH_BATCHES`` batches
+    and at exit."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1 << 16)  # noqa: SIM115  (closed at exit)
+        self._pid = os.getpid()
+        self._unflushed = 0
+        atexit.register(self.close)
+
+    def record(self, start: float, end: float, rows: int, width: int) -> None:
+        self._file.write(f"{self._pid} {start:.6f} {end:.6f} {rows} {width}\n")
+        self._unflushed += 1
+        if self._unflushed >= LOG_FLUSH_BATCHES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+        self._unflushed = 0
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
 class SimulatedDevice:
     """MiniLM's tokenization and window; a sleeping device; MiniLM-sized outputs."""
 
@@ -76,6 +111,7 @@ class SimulatedDevice:
         self._tokenizer_model = MiniLM()
         self.max_length: int = self._tokenizer_model.max_length
         self._row: list[float] = []
+        self._log: DeviceLog | None = None
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         return self._tokenizer_model.encode(texts)
@@ -89,12 +125,18 @@ class SimulatedDevice:
 
         value = float(np.float32(1.0 / OUTPUT_DIM**0.5))
         self._row = [value] * OUTPUT_DIM
+        path = os.environ.get(DEVICE_LOG_ENV)
+        if path and self._log is None:
+            self._log = DeviceLog(path)
 
     def forward(
         self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
     ) -> Sequence[Any]:
         rows, width = attention_mask.shape
+        start = time.time()
         time.sleep(self.profile.batch_s(rows * width))
+        if self._log is not None:
+            self._log.record(start, time.time(), rows, width)
         return [list(self._row) for _ in range(rows)]
 
 

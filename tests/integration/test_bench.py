@@ -149,3 +149,53 @@ def test_rate_specs_and_arrivals() -> None:
     )
     assert 17 < arrivals[-1] < 23  # about 2000 / 100 s
     assert percentile([3, 1, 2], 50) == 2
+
+
+def test_accelerator_mode_reports_ratios_cpu_and_the_device_busy_fraction(tmp_path: Path) -> None:
+    from carpool.tools.bench.accelerator_report import COMPONENTS, SCHEMA, validate_report
+
+    out = tmp_path / "accel"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "carpool.tools.bench",
+            "--accelerator",
+            "h100",
+            "--requests",
+            "96",
+            "--pipeline",
+            "60",
+            "--light",
+            "3",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert validate_report(report) == [] and report["errors"] == []
+    assert report["schema"] == SCHEMA and report["model"] == "sim-h100"
+    assert report["capacity"]["texts_per_s"] > 0
+    carpool = report["carpool"]
+    assert carpool["requests"] == 96 and carpool["throughput_rps"] > 0 and carpool["ratio_to_capacity"] > 0
+    assert {k for k, _ in COMPONENTS} <= set(carpool["cpu_us_per_request"])
+    busy = report["device_busy"]
+    assert busy["forwards"] >= 1 and busy["devices"] == 1
+    assert 0.0 < busy["overall"] <= 1.0
+    assert all(0.0 <= v <= 1.0 for v in busy["buckets"])
+    pipeline = report["pipeline"]
+    assert pipeline["carpool"]["requests"] == 60 and pipeline["celery_noop"]["tasks"] == 60
+    assert pipeline["ratio"] > 0
+    assert report["light"]["requests"] == 3 and report["light"]["latency_ms"]["p99"] > 0
+    assert {"throughput_vs_device_capacity", "null_pipeline_vs_plain_celery"} <= {
+        t["name"] for t in report["targets"]
+    }
+    assert {"device_busy.png", "cpu_per_request.png"} <= set(report["plots"])
+    _check_pngs(out, report["plots"])
+    assert "Targets" in proc.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,3 +41,32 @@ def test_forward_sleeps_for_the_device_time_and_returns_minilm_sized_rows(
 def test_named_profiles_are_builtin_models() -> None:
     assert get_model("sim-h100").profile is PROFILES["h100"]  # type: ignore[attr-defined]
     assert get_model("sim-v100").max_length == 256
+
+
+def test_device_log_records_each_forward_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from carpool.models.simdevice import DEVICE_LOG_ENV
+    from carpool.tools.bench.device import read_device_log
+
+    log = tmp_path / "device.log"
+    monkeypatch.setenv("CARPOOL_SIM_DEVICE", "0.001,0.0")
+    monkeypatch.setenv(DEVICE_LOG_ENV, str(log))
+    model = SimulatedDevice()
+    model.load("cpu")
+    assert model._log is not None
+    mask = np.ones((3, 24), dtype=np.int64)
+    before = time.time()
+    model.forward(mask, mask)
+    model.forward(mask[:1], mask[:1])
+    model._log.close()  # what interpreter exit does
+    forwards = read_device_log(log)
+    assert [(f.rows, f.width) for f in forwards] == [(3, 24), (1, 24)]
+    assert all(before <= f.start < f.end for f in forwards)
+
+
+def test_no_device_log_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from carpool.models.simdevice import DEVICE_LOG_ENV
+
+    monkeypatch.delenv(DEVICE_LOG_ENV, raising=False)
+    model = SimulatedDevice()
+    model.load("cpu")
+    assert model._log is None

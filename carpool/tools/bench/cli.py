@@ -3,12 +3,19 @@
     carpool bench                                    # minilm, every system, rates up to 1.5x offline
     carpool bench --model toy --quick --out /tmp/b   # a small, fast run
     carpool bench --sweep                            # carpool over max batch x max wait
+    carpool bench --accelerator h100                 # carpool in front of a fast (simulated) device
 
 Per system: start it (processes up, model loaded, warmed), a burst of every request at once, an
 open-loop Poisson run at half the system's own burst throughput, one run per offered rate, then
 ``--light`` single short requests one at a time. Then, with ``--pipeline N``, a burst of N requests
 through carpool and through plain Celery with the ``null`` model (no compute: the pipeline's own cost).
 Rates ending in ``x`` are multiples of the offline limit measured first in the same invocation.
+
+``--accelerator PROFILE`` is a mode of its own: carpool serving a simulated device (``v100``,
+``h100``, or ``a_s,b_s``: seconds per batch and per padded token) at default settings, a burst of
+mixed-length texts through ``submit_many`` + ``gather`` against the device's own capacity on them;
+CPU per request by component; the device's busy fraction over time; the null model against plain
+Celery's no-op tasks; a lone short request's round trip. It ignores --model, --systems and --rates.
 """
 
 from __future__ import annotations
@@ -49,8 +56,18 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", default="bench-out", help="directory for report.json, plots and logs")
     parser.add_argument("--quick", action="store_true", help="tiny counts for a fast smoke run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch", type=int, default=32, help="max batch of every batching system")
-    parser.add_argument("--max-wait", type=float, default=0.05, help="max wait (s) of every batching system")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="max batch of every batching system (default 32; with --accelerator, carpool's setting)",
+    )
+    parser.add_argument(
+        "--max-wait",
+        type=float,
+        default=None,
+        help="max wait (s) of every batching system (default 0.05; with --accelerator, carpool's setting)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="carpool GPU-worker processes")
     parser.add_argument(
         "--light",
@@ -92,6 +109,13 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="torch CPU threads in every system (CARPOOL_TORCH_THREADS; 0 = torch's default)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for one run's results (s)")
+    parser.add_argument(
+        "--accelerator",
+        metavar="PROFILE",
+        default=None,
+        help="accelerator-regime mode on a simulated device: v100, h100, or a_s,b_s in seconds "
+        "(--requests defaults to 6000, --pipeline to 20000, --light to 200)",
+    )
     return parser
 
 
@@ -122,11 +146,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_cli(args: argparse.Namespace) -> int:
     from carpool.errors import ConfigError
 
+    if getattr(args, "accelerator", None):
+        return _run_accelerator(args)
     try:
         report, out = run_bench(args)
     except (ConfigError, ValueError) as exc:
         print(f"carpool bench: {exc}", file=sys.stderr)
         return 2
     print(summary_text(report))
+    print(f"report: {out / 'report.json'}; plots: {', '.join(report['plots']) or 'none'}")
+    return 1 if report["errors"] else 0
+
+
+def _run_accelerator(args: argparse.Namespace) -> int:
+    from carpool.errors import ConfigError
+    from carpool.tools.bench.accelerator import run_accelerator
+    from carpool.tools.bench.accelerator_report import print_report
+
+    try:
+        report, out = run_accelerator(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"carpool bench: {exc}", file=sys.stderr)
+        return 2
+    print_report(report)
     print(f"report: {out / 'report.json'}; plots: {', '.join(report['plots']) or 'none'}")
     return 1 if report["errors"] else 0

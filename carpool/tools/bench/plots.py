@@ -171,3 +171,73 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         ax.grid(alpha=0.3, which="both")
         save(fig, "sweep_throughput_latency.png")
     return written
+
+
+def write_accelerator_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
+    """The plots of ``carpool bench --accelerator``: the device's busy fraction over the run, and
+    CPU per request by component; returns the file names."""
+    plt = _plt()
+    written: list[str] = []
+    title = f"{report['model']}, {report['workload']['requests']} mixed-length texts"
+    busy = report.get("device_busy")
+    carpool = report.get("carpool") or {}
+    if busy and busy.get("buckets"):
+        width = busy["bucket_s"]
+        series = busy["buckets"]
+        fig, ax = plt.subplots(figsize=(8, 3.8))
+        ax.step(
+            [i * width for i in range(len(series) + 1)],
+            [*series, series[-1]],
+            where="post",
+            color=COLORS["carpool"],
+        )
+        ax.fill_between(
+            [i * width for i in range(len(series) + 1)],
+            [*series, series[-1]],
+            step="post",
+            alpha=0.25,
+            color=COLORS["carpool"],
+        )
+        if carpool.get("submit_s") is not None:
+            ax.axvline(carpool["submit_s"], color="#7f7f7f", ls=":", lw=1, label="submit_many returned")
+        ax.axhline(busy["overall"], color="#d62728", ls="--", lw=1, label=f"whole run {busy['overall']:.2f}")
+        ax.set_ylim(0, 1.05)
+        ax.set_xlim(0, busy["window_s"])
+        ax.set_xlabel("seconds since submit_many was called")
+        ax.set_ylabel(f"device busy fraction (per {width:g} s)")
+        ratio = carpool.get("ratio_to_capacity")
+        ax.set_title(
+            f"Simulated device busy over the run ({'' if ratio is None else f'{ratio:.2f} x capacity; '}"
+            f"{title})",
+            fontsize=10,
+        )
+        ax.legend(fontsize=8, loc="upper left")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "device_busy.png", dpi=110)
+        plt.close(fig)
+        written.append("device_busy.png")
+    cpu = carpool.get("cpu_us_per_request") or {}
+    parts = [
+        ("producer submit", cpu.get("producer_submit")),
+        ("producer gather", cpu.get("producer_gather")),
+        ("Redis", cpu.get("redis")),
+        ("coordinator:\ntokenization", cpu.get("tokenization")),
+        ("coordinator:\nthe rest", cpu.get("coordinator_besides_tokenization")),
+        ("worker", cpu.get("worker")),
+    ]
+    if all(v is not None for _, v in parts):
+        fig, ax = plt.subplots(figsize=(8, 3.8))
+        names = [n for n, _ in parts]
+        values = [max(0.0, float(v or 0.0)) for _, v in parts]
+        ax.bar(names, values, color=COLORS["carpool"])
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
+        ax.set_ylabel("CPU µs per request")
+        ax.set_title(f"CPU per request by component ({title})", fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "cpu_per_request.png", dpi=110)
+        plt.close(fig)
+        written.append("cpu_per_request.png")
+    return written

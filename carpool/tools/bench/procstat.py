@@ -1,7 +1,9 @@
 """CPU seconds of processes and of the whole machine, read from Linux /proc.
 
 A run takes a snapshot before and after and reports the difference per request, and how much CPU
-processes outside the run took meanwhile (a shared machine slows every figure).
+processes outside the run took meanwhile (a shared machine slows every figure). A process's figure
+covers its whole tree: its threads, its children that have exited, and every live descendant, so
+work a process hands to a helper process still counts as its own.
 """
 
 from __future__ import annotations
@@ -14,20 +16,58 @@ from typing import Any
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name: [0] state, [1] ppid, [11] utime..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds ``pid`` has used; OSError when it is gone or there is no /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """User + system CPU seconds ``pid`` (all its threads) has used; OSError when it is gone or there
+    is no /proc."""
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
 
 
-def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds of each pid, and ``_busy`` (CPU seconds the whole machine spent busy)
-    and ``_wall`` (a monotonic clock), so a run can tell how much CPU something else took from it.
-    Linux /proc only; elsewhere just ``_wall``."""
+def children_by_parent() -> dict[int, list[int]]:
+    """Every live process's children, from one pass over /proc."""
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            parent = int(_stat(int(entry))[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        out.setdefault(parent, []).append(int(entry))
+    return out
+
+
+def tree_cpu_s(pid: int, children: dict[int, list[int]]) -> float:
+    """CPU seconds of ``pid``'s tree: its threads, its exited (reaped) children, its live descendants."""
+    fields = _stat(pid)
+    total = sum(int(v) for v in fields[11:15]) / _TICKS_PER_S  # utime, stime, cutime, cstime
+    for child in children.get(pid, ()):
+        try:
+            total += tree_cpu_s(child, children)
+        except OSError:
+            continue  # exited meanwhile: its time moves to our cutime at the next reading
+    return total
+
+
+def cpu_snapshot(pids: dict[str, int], trees: bool = True) -> dict[str, float]:
+    """User + system CPU seconds of each pid (its whole tree with ``trees``; this process alone,
+    whose children are the processes under test), and ``_busy`` (CPU seconds the whole machine spent
+    busy) and ``_wall`` (a monotonic clock), so a run can tell how much CPU something else took from
+    it. Linux /proc only; elsewhere just ``_wall``."""
     out = {"_wall": time.monotonic()}
+    me = os.getpid()
+    try:
+        children = children_by_parent() if trees else {}
+    except OSError:
+        children = {}
     for name, pid in pids.items():
         try:
-            out[name] = process_cpu_s(pid)
+            out[name] = tree_cpu_s(pid, children) if trees and pid != me else process_cpu_s(pid)
         except OSError:
             continue
     try:
@@ -53,4 +93,4 @@ def cpu_usage(before: dict[str, float], after: dict[str, float], requests: int) 
 
 def this_process() -> dict[str, float]:
     """A snapshot of this process alone, as ``producer`` (the in-process systems' only process)."""
-    return cpu_snapshot({"producer": os.getpid()})
+    return cpu_snapshot({"producer": os.getpid()}, trees=False)

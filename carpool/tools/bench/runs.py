@@ -27,6 +27,8 @@ FULL = {
     "pipeline": 4000,
     "sweep_batches": "8,32,128",
     "sweep_waits": "0.005,0.05,0.2",
+    "max_batch": 32,
+    "max_wait": 0.05,
 }
 QUICK = {
     "requests": 40,
@@ -35,6 +37,8 @@ QUICK = {
     "pipeline": 200,
     "sweep_batches": "8,32",
     "sweep_waits": "0.005,0.05",
+    "max_batch": 32,
+    "max_wait": 0.05,
 }
 
 
@@ -50,6 +54,9 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     from carpool.tools.bench.plots import write_plots
     from carpool.tools.workload import describe, mixed_texts
 
+    # Every later step reads the batching options from ``args``: resolve their defaults once.
+    args.max_batch = int(option(args, "max_batch"))
+    args.max_wait = float(option(args, "max_wait"))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS) - set(POLICY_SYSTEMS)
     if unknown:
