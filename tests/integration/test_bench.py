@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,7 +101,7 @@ def test_quick_bench_with_celery_batches_and_asyncio(tmp_path: Path) -> None:
     report = json.loads((out / "report.json").read_text())
     assert validate_report(report) == [] and report["errors"] == []
     assert report["pipeline"] is None
-    by_system = {}
+    by_system: dict[str, list[dict[str, Any]]] = {}
     for run in report["runs"]:
         by_system.setdefault(run["system"], []).append(run)
     assert set(by_system) == {"celery-batches", "asyncio"}
