@@ -55,6 +55,9 @@ class CelerySystem:
         self.env = env
         self.timeout_s = timeout_s
         self.model = env.model
+        #: the last run's request ids and values (an exception for a failed request), in send order
+        self.last_ids: list[str] = []
+        self.last_values: list[Any] = []
 
     # subclasses ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,6 +111,8 @@ class CelerySystem:
         from carpool.producer.gather import gather
 
         values = gather(results, timeout=self.timeout_s, return_exceptions=True)
+        self.last_ids = [r.id for r in results]
+        self.last_values = values
         latencies = []
         failed = 0
         last = 0.0
