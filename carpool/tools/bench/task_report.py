@@ -138,7 +138,11 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         f"{_num(lengths.get('p50'), '.0f')}, max {_num(lengths.get('max'), '.0f')}; "
         f"max batch {task['max_batch']}, max wait {config['max_wait_s']:g} s"
     )
-    table = Table(title="Per system (batches: count x mean size; padding: padded / real lengths)", box=box.SIMPLE_HEAD, show_edge=False)
+    table = Table(
+        title="Per system (batches: count x mean size; padding: padded / real lengths)",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+    )
     table.add_column("system", no_wrap=True)
     table.add_column("run", no_wrap=True)
     for column in ("done/s", "p50 / p99 ms", "batches", "padding", "failed"):
