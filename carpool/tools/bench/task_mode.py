@@ -137,6 +137,7 @@ def _rates(args: argparse.Namespace) -> list[float]:
 
 
 def run_task(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    from carpool.registry import spec_for
     from carpool.tools.bench.env import BenchEnv
     from carpool.tools.bench.measure import length_stats
     from carpool.tools.bench.report import machine_info, now_iso
@@ -161,7 +162,8 @@ def run_task(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     lengths = task_lengths(task.name, items)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = _spec(task.name)
+    spec = spec_for(task.name)
+    assert spec is not None  # resolve_task found it
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "created_at": now_iso(),
@@ -210,12 +212,6 @@ def run_task(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         report["errors"].append({"system": "-", "phase": "schema", "error": "; ".join(problems)})
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report, out
-
-
-def _spec(name: str) -> Any:
-    from carpool.registry import spec_for
-
-    return spec_for(name)
 
 
 def _run_system(
