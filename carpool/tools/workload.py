@@ -7,6 +7,9 @@ where padding hurts FIFO batching most.
 ``ACCELERATOR_MIX`` (``carpool bench --accelerator``) adds a tail of documents: about 3% of texts
 run past the window by up to several thousand characters, so a tokenizer that reads them in full
 pays for it while the model sees no more tokens.
+
+``rerank_pairs`` (``carpool bench --task reranker``) pairs a short query with each of those texts as
+its passage: the pairs' lengths follow the passages' mix.
 """
 
 from __future__ import annotations
@@ -59,3 +62,14 @@ def mixed_texts(n: int, seed: int = 0, mix: LengthMix = LENGTH_MIX) -> list[str]
 
 def describe(mix: LengthMix = LENGTH_MIX) -> str:
     return ", ".join(f"{round(s * 100)}% {lo}-{hi} words" for s, lo, hi in mix)
+
+
+def rerank_pairs(n: int, seed: int = 0) -> list[list[str]]:
+    """``n`` [query, passage] pairs: a 2-8 word query and a passage from :func:`mixed_texts`."""
+    # Seeded apart from the passages, so a query does not echo its passage's first words.
+    rng = random.Random(f"queries-{seed}")
+    pairs = []
+    for passage in mixed_texts(n, seed):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 8))]
+        pairs.append([" ".join(words).capitalize() + "?", passage])
+    return pairs

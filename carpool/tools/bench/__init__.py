@@ -12,7 +12,9 @@ open-loop Poisson rates up to past saturation, against:
 - ``asyncio``: an in-process asyncio dynamic batcher (FIFO, max batch, max wait).
 
 It writes ``report.json`` and PNG plots; ``--sweep`` maps carpool's throughput-latency curve over
-max batch and max wait. Importing this package is light: the CLI module loads on demand.
+max batch and max wait; ``--task`` runs a ``@batched`` task of your own through carpool,
+celery-batches and plain Celery (:mod:`carpool.tools.bench.task_mode`).
+Importing this package is light: the CLI module loads on demand.
 """
 
 from __future__ import annotations

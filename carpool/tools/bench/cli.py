@@ -16,6 +16,11 @@ Rates ending in ``x`` are multiples of the offline limit measured first in the s
 mixed-length texts through ``submit_many`` + ``gather`` against the device's own capacity on them;
 CPU per request by component; the device's busy fraction over time; the null model against plain
 Celery's no-op tasks; a lone short request's round trip. It ignores --model, --systems and --rates.
+
+``--task`` is another mode: a ``@batched`` task (``package.module:attribute``, or ``reranker`` with
+``--model-dir``) through carpool, celery-batches running the same function and plain Celery, on
+``--items FILE.jsonl`` or built-in query/passage pairs; a burst each, then any ``--rates`` (requests/s).
+It ignores --model, --light and --pipeline (see :mod:`carpool.tools.bench.task_mode`).
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
-        help=f"comma separated, from {', '.join(SYSTEMS + POLICY_SYSTEMS)} (default: {', '.join(SYSTEMS)})",
+        default=None,
+        help=f"comma separated, from {', '.join(SYSTEMS + POLICY_SYSTEMS)} (default: {', '.join(SYSTEMS)}; "
+        "with --task: carpool, celery-batches, celery)",
     )
     parser.add_argument("--out", default="bench-out", help="directory for report.json, plots and logs")
     parser.add_argument("--quick", action="store_true", help="tiny counts for a fast smoke run")
@@ -116,6 +122,24 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="accelerator-regime mode on a simulated device: v100, h100, or a_s,b_s in seconds "
         "(--requests defaults to 6000, --pipeline to 20000, --light to 200)",
     )
+    parser.add_argument(
+        "--task",
+        metavar="MODULE:NAME",
+        default=None,
+        help="benchmark a @batched task (package.module:attribute, or 'reranker': the built-in "
+        "cross-encoder task over --model-dir) in carpool, celery-batches and plain Celery",
+    )
+    parser.add_argument(
+        "--items",
+        metavar="FILE.jsonl",
+        default=None,
+        help="the --task workload, one JSON item per line (default: built-in [query, passage] pairs)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="local model directory for --task reranker (CARPOOL_BENCH_MODEL_DIR for any task module)",
+    )
     return parser
 
 
@@ -146,6 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_cli(args: argparse.Namespace) -> int:
     from carpool.errors import ConfigError
 
+    if getattr(args, "task", None):
+        return _run_task(args)
+    if getattr(args, "items", None) or getattr(args, "model_dir", None):
+        print("carpool bench: --items and --model-dir go with --task", file=sys.stderr)
+        return 2
     if getattr(args, "accelerator", None):
         return _run_accelerator(args)
     try:
@@ -170,4 +199,21 @@ def _run_accelerator(args: argparse.Namespace) -> int:
         return 2
     print_report(report)
     print(f"report: {out / 'report.json'}; plots: {', '.join(report['plots']) or 'none'}")
+    return 1 if report["errors"] else 0
+
+
+def _run_task(args: argparse.Namespace) -> int:
+    from carpool.errors import ConfigError
+    from carpool.tools.bench.task_mode import run_task
+    from carpool.tools.bench.task_report import print_report
+
+    try:
+        if args.accelerator:
+            raise ValueError("--task and --accelerator are separate modes; give one")
+        report, out = run_task(args)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"carpool bench: {exc}", file=sys.stderr)
+        return 2
+    print_report(report)
+    print(f"report: {out / 'report.json'}")
     return 1 if report["errors"] else 0

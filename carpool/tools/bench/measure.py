@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -88,6 +88,23 @@ def make_record(
 def one_by_one_padding(lengths: Sequence[int]) -> tuple[int, int]:
     """(padded, real) tokens when every request runs alone (the plain-Celery baseline)."""
     return sum(padded_length(n) for n in lengths), sum(lengths)
+
+
+def padding_of_batches(
+    batches: Iterable[Sequence[str]], length_of: Mapping[str, int]
+) -> tuple[Counter[int], int, int]:
+    """(batch sizes, padded, real tokens) of batches given as request ids, each padded to its longest
+    member rounded up to the pad multiple; ids without a known length are left out."""
+    sizes: Counter[int] = Counter()
+    padded = real = 0
+    for ids in batches:
+        lengths = [length_of[i] for i in ids if i in length_of]
+        if not lengths:
+            continue
+        sizes[len(lengths)] += 1
+        padded += padded_length(max(lengths)) * len(lengths)
+        real += sum(lengths)
+    return sizes, padded, real
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float]:

@@ -57,7 +57,7 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     # Every later step reads the batching options from ``args``: resolve their defaults once.
     args.max_batch = int(option(args, "max_batch"))
     args.max_wait = float(option(args, "max_wait"))
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS) - set(POLICY_SYSTEMS)
     if unknown:
         raise ValueError(f"unknown systems {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")

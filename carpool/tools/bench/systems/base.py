@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 # Messages per MULTI/EXEC when a burst is sent (submit_many's chunk_size): the systems start on the
 # first chunk while the producer builds the rest, as an application streaming its work would.
 SEND_CHUNK = 500
+# Counters reach Redis a moment after the results they count (the coordinator writes them every
+# quarter second): waited out after a run, and after a warm-up so that its batches count in no run.
+SETTLE_S = 0.6
 
 
 def _done_at(result: AsyncResult) -> float:
@@ -55,6 +58,9 @@ class CelerySystem:
         self.env = env
         self.timeout_s = timeout_s
         self.model = env.model
+        #: the last run's request ids and values (an exception for a failed request), in send order
+        self.last_ids: list[str] = []
+        self.last_values: list[Any] = []
 
     # subclasses ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -99,6 +105,7 @@ class CelerySystem:
             self.env.check_alive()
             try:
                 gather(results, timeout=2.0, return_exceptions=True)
+                time.sleep(SETTLE_S)
                 return
             except CeleryTimeout:
                 if time.monotonic() > deadline:
@@ -108,6 +115,8 @@ class CelerySystem:
         from carpool.producer.gather import gather
 
         values = gather(results, timeout=self.timeout_s, return_exceptions=True)
+        self.last_ids = [r.id for r in results]
+        self.last_values = values
         latencies = []
         failed = 0
         last = 0.0
@@ -128,13 +137,13 @@ class CelerySystem:
         lengths: Sequence[int],
         before: dict[str, float],
         offered: float | None = None,
-        settle_s: float = 0.6,
+        settle_s: float = SETTLE_S,
         commands_before: dict[str, int] | None = None,
         cpu_before: dict[str, float] | None = None,
     ) -> RunRecord:
         latencies, failed, last = self._collect(results, arrivals)
         cpu_after = self.env.cpu_seconds()
-        time.sleep(settle_s)  # counters reach Redis a moment after the last result
+        time.sleep(settle_s)
         sizes, padded, real = self.batches_since(before, lengths)
         extra: dict[str, Any] = {}
         if cpu_before is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from carpool.tools.bench.env import BenchEnv
@@ -18,8 +18,16 @@ if TYPE_CHECKING:
     from celery.result import AsyncResult
 
 
-def spawn_celery_worker(env: BenchEnv, name: str, hostname: str, queue: str, *extra: str) -> None:
-    """A baseline ``celery worker`` (solo pool, no gossip/mingle/heartbeat) on ``queue``."""
+def spawn_celery_worker(
+    env: BenchEnv,
+    name: str,
+    hostname: str,
+    queue: str,
+    *extra: str,
+    overrides: Mapping[str, str] | None = None,
+) -> None:
+    """A baseline ``celery worker`` (solo pool, no gossip/mingle/heartbeat) on ``queue``;
+    ``overrides``: environment variables over the bench's own (:meth:`BenchEnv.child_env`)."""
     argv = [
         "celery",
         "-A",
@@ -38,7 +46,7 @@ def spawn_celery_worker(env: BenchEnv, name: str, hostname: str, queue: str, *ex
         "-n",
         f"{hostname}-{os.getpid()}@%h",
     ]
-    env.harness.spawn(name, argv, **env.child_env())
+    env.harness.spawn(name, argv, **env.child_env(**(overrides or {})))
 
 
 class PlainCelerySystem(CelerySystem):
