@@ -123,3 +123,4 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc, unused-ignore]  #
 
 SUCCESS = states.SUCCESS
 FAILURE = states.FAILURE
+REVOKED = states.REVOKED

@@ -30,7 +30,7 @@ from carpool.validation import (
     validate_infer,
     validate_item,
 )
-from carpool.wire import RequestSlot
+from carpool.wire import Links, RequestSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,8 @@ class Refused:
     id: str
     reason: str  # the metrics label: invalid, queue_full, too_long, deadline
     error: CarpoolError
+    links: Links | None = None  # its error callbacks and chain, which the failure goes on to
+    task: str | None = None  # its task's name, for error callbacks that read it
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +96,15 @@ def split_too_long(
     refused: list[Refused] = []
     for item, count in zip(items, counts, strict=True):
         if count > model.max_length:
-            refused.append(Refused(item[0].id, "too_long", too_long(count, model.max_length, model_name)))
+            refused.append(
+                Refused(
+                    item[0].id,
+                    "too_long",
+                    too_long(count, model.max_length, model_name),
+                    item[0].links,
+                    item[0].task,
+                )
+            )
         else:
             keep.append(item)
     return keep, refused
@@ -148,10 +158,17 @@ def to_request(
 
     Times the producer stamped on its wall clock become coordinator-clock times (``now`` and
     ``wall_now`` are the same instant on both clocks); a message sent "in the future" by a
-    producer whose clock runs ahead counts as arriving now.
+    producer whose clock runs ahead counts as arriving now. A request with an eta arrives at its
+    eta: its wait, and its default deadline, count from then (its ``arrival_s`` may lie ahead).
     """
     sent_at = msg.sent_at if msg.sent_at is not None else wall_now
-    deadline_wall = msg.expires_at if msg.expires_at is not None else sent_at + default_deadline_s
+    if msg.eta_at is None:
+        start = sent_at
+        arrival_s = now - max(0.0, wall_now - sent_at)
+    else:
+        start = max(sent_at, msg.eta_at)
+        arrival_s = now + (start - wall_now)
+    deadline_wall = msg.expires_at if msg.expires_at is not None else start + default_deadline_s
     size = len(ids) if length is None else length
     slot: RequestSlot = {
         "id": msg.id,
@@ -162,11 +179,13 @@ def to_request(
     }
     if length is not None:
         slot["item"] = item
+    if msg.links is not None:
+        slot["links"] = msg.links
     return Request(
         id=msg.id,
         model=model_name,
         length=max(1, size),
-        arrival_s=now - max(0.0, wall_now - sent_at),
+        arrival_s=arrival_s,
         deadline_s=now + (deadline_wall - wall_now),
         priority=msg.priority,
         payload=slot,
@@ -206,10 +225,11 @@ def take_in(
                 item = bind_item(msg.task, msg.args, msg.kwargs)
                 validate_item(msg.task, item, settings)
         except InvalidInput as exc:
-            out.refused.append(Refused(msg.id, "invalid", exc))
+            out.refused.append(Refused(msg.id, "invalid", exc, msg.links, msg.task))
             continue
         if room <= 0:
-            out.refused.append(Refused(msg.id, "queue_full", queue_full(settings.max_pending)))
+            full = queue_full(settings.max_pending)
+            out.refused.append(Refused(msg.id, "queue_full", full, msg.links, msg.task))
             continue
         room -= 1
         if msg.task == INFER_TASK:
@@ -221,7 +241,7 @@ def take_in(
     for task_name, entries in by_task.items():
         for (msg, item), size in zip(entries, measured(specs[task_name], entries), strict=True):
             if isinstance(size, InvalidInput):
-                out.refused.append(Refused(msg.id, "invalid", size))
+                out.refused.append(Refused(msg.id, "invalid", size, msg.links, msg.task))
                 continue
             request = to_request(msg, task_name, [], False, now, wall_now, deadline_s, item=item, length=size)
             out.admitted.append((msg, request))

@@ -18,18 +18,22 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import redis
 from celery import Celery
 
-from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan
+from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan, Request
 from carpool.batching.capacity import Capacity, free_workers, pool_capacity
+from carpool.celery_edge import links
 from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.requests import Incoming
 from carpool.celery_edge.results import FAILURE
 from carpool.celery_edge.task_messages import TaskMessageBuilder
 from carpool.config import Settings
 from carpool.coordinator import policy_config, task_policy_config
+from carpool.coordinator.deferred import Deferred
 from carpool.coordinator.intake import Malformed, Refused, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
@@ -89,6 +93,7 @@ class Coordinator:
         self.workers = 0
         self.stats = CoordinatorStats()
         self.pacer = Pacer(settings.idle_poll_s)
+        self.deferred = Deferred()  # requests waiting for their eta, leased like those in the policy
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
         self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
@@ -158,7 +163,7 @@ class Coordinator:
 
     def shutdown(self) -> None:
         """Hand every request not yet dispatched back to the front of the request queue."""
-        held = self.policy.drain()
+        held = self.policy.drain() + self.deferred.drain()
         try:
             returned = self.store.requeue([r.id for r in held])
         except redis.ConnectionError:
@@ -186,11 +191,16 @@ class Coordinator:
         if taken:
             self._admit(taken, self.clock())
         now = self.clock()
+        next_eta_s = None
+        if len(self.deferred):
+            next_eta_s = self._release_due(now)
         if self.pacer.poll_due(now):
             self.pacer.polled(now, self._dispatch(now))
         self.events.flush()
         busy = self.workers > 0 and free_workers(self.workers, len(self.outstanding)) == 0
-        return self.pacer.next_wait(now, took=bool(taken), held=len(self.policy), all_workers_busy=busy)
+        return self.pacer.next_wait(
+            now, took=bool(taken), held=len(self.policy), all_workers_busy=busy, next_eta_s=next_eta_s
+        )
 
     def _wait(self, wait: Wait) -> None:
         """Sleep ``wait.seconds``, or less if its list gets an element first: BLMOVE from the list to
@@ -224,19 +234,65 @@ class Coordinator:
             settings=self.settings,
             models=self.models,
             specs=self.specs,
-            room=self.settings.max_pending - len(self.policy),
+            room=self.settings.max_pending - len(self.policy) - len(self.deferred),
             now=now,
             wall_now=self.wall(),
         )
         for bad in intake.malformed:
             self._dead_letter(bad)
+        refused = intake.refused
         for msg, request in intake.admitted:
-            self.policy.add(request)
             self._held.add(request.id)
-            self.events.received(request.id, msg.argsrepr, msg.kwargsrepr)
-        if intake.refused:
-            self._fail(intake.refused)
+            if msg.eta_at is not None and request.arrival_s > now:
+                refusal = self._defer(msg, request, now)
+                if refusal is not None:
+                    refused.append(refusal)
+                continue
+            self.policy.add(request)
+            if msg.links is None:
+                self.events.received(request.id, msg.argsrepr, msg.kwargsrepr, name=msg.task)
+            else:
+                self._received(msg)
+        if refused:
+            self._fail(refused)
         self.pacer.changed()
+
+    def _received(self, msg: Incoming, eta: str | None = None) -> None:
+        links = msg.links or {}
+        self.events.received(
+            msg.id,
+            msg.argsrepr,
+            msg.kwargsrepr,
+            name=msg.task,
+            root_id=links.get("root_id"),
+            parent_id=links.get("parent_id"),
+            eta=eta,
+        )
+
+    # --- countdown / eta -----------------------------------------------------------------
+    def _defer(self, msg: Incoming, request: Request, now: float) -> Refused | None:
+        """Hold ``request`` until its eta (it stays leased in flight meanwhile), or refuse it when it
+        expires first: it could never run."""
+        if request.deadline_s <= request.arrival_s:
+            self._held.discard(request.id)
+            error = DeadlineExceeded(
+                f"the request expires {request.arrival_s - request.deadline_s:.3f} s before its eta "
+                "(countdown/eta later than expires); send it with an expires after its eta"
+            )
+            return Refused(request.id, "deadline", error, msg.links, msg.task)
+        self.deferred.add(request, request.arrival_s)
+        assert msg.eta_at is not None
+        self._received(msg, eta=datetime.fromtimestamp(msg.eta_at, UTC).isoformat())
+        return None
+
+    def _release_due(self, now: float) -> float | None:
+        """Move the requests whose eta has come into the policy; returns when the next one comes due."""
+        due = self.deferred.due(now)
+        if due:
+            for request in due:
+                self.policy.add(request)
+            self.pacer.changed()
+        return self.deferred.next_due_s()
 
     def _dead_letter(self, bad: Malformed) -> None:
         log.warning("dead-lettering message %s: %s", bad.id, bad.reason)
@@ -245,13 +301,24 @@ class Coordinator:
         self.metrics.failed("malformed")
 
     def _fail(self, refused: list[Refused]) -> None:
-        self.backend.store_many([(r.id, FAILURE, r.error) for r in refused])
+        """Store each refusal as its request's failure (and its chain steps'), acknowledge them, then
+        call their error callbacks (:mod:`carpool.celery_edge.links`)."""
+        entries: list[tuple[str, str, Any]] = [(r.id, FAILURE, r.error) for r in refused]
+        linked = [r for r in refused if r.links]
+        for r in linked:
+            entries += links.chain_failures(r.links, r.error)
+        stored = self.backend.store_many(entries)
         self.store.ack([r.id for r in refused])
         for r in refused:
             self.stats.failed[r.reason] += 1
             self.metrics.failed(r.reason)
             self.events.failed(r.id, r.error)
             log.info("request %s failed (%s): %s", r.id, r.reason, r.error)
+        if linked:
+            answered = set(stored)
+            for r in linked:
+                if r.id in answered and r.links is not None:
+                    links.on_failure(self.app, r.id, r.task, r.links, r.error)
 
     # --- dispatch ------------------------------------------------------------------------
     def _dispatch(self, now: float) -> float | None:
@@ -268,7 +335,13 @@ class Coordinator:
             self._held.difference_update(r.id for r in plan.expired)
             self._fail(
                 [
-                    Refused(r.id, "deadline", DeadlineExceeded.waited(now - r.deadline_s, where))
+                    Refused(
+                        r.id,
+                        "deadline",
+                        DeadlineExceeded.waited(now - r.deadline_s, where),
+                        cast("RequestSlot", r.payload).get("links"),
+                        INFER_TASK if r.model in self.models else r.model,
+                    )
                     for r in plan.expired
                 ]
             )

@@ -47,3 +47,9 @@ def unstorable(texts: list[str]) -> list[Any]:
 @batched(length=lambda item: item["n"])
 def by_declared_length(items: list[dict[str, Any]]) -> list[float]:
     return [item["x"] * 2 for item in items]
+
+
+@batched(length=len)
+def count(items: list[Any]) -> list[int]:
+    """The length of each item (a text, a list, a dict): a step to chain after any task."""
+    return [len(item) for item in items]
