@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
+from carpool.celery_edge import links
 from carpool.codec import loads
 from carpool.config import Settings
 from carpool.coordinator.loop import Coordinator
 from carpool.coordinator.waiting import FORCED_POLL_S, WaitFor
-from carpool.errors import DeadlineExceeded
+from carpool.errors import DeadlineExceeded, QueueFull
 from carpool.wire import WIRE_VERSION, batch_report, read_batch
 from tests.unit.messages import message
 
@@ -63,6 +64,11 @@ class FakeStore:
         return self.workers
 
     def renew_held(self, ids: Sequence[str]) -> int:
+        self.renewed = list(ids)
+        return len(ids)
+
+    def requeue(self, ids: Sequence[str]) -> int:
+        self.requeued = list(ids)
         return len(ids)
 
     def reap(self) -> int:
@@ -82,8 +88,9 @@ class FakeBackend:
     def __init__(self) -> None:
         self.stored: list[tuple[str, str, Any]] = []
 
-    def store_many(self, entries: list[tuple[str, str, Any]]) -> None:
+    def store_many(self, entries: list[tuple[str, str, Any]]) -> list[str]:
         self.stored.extend(entries)
+        return [task_id for task_id, _, _ in entries]
 
 
 class Built:
@@ -232,3 +239,77 @@ def test_the_policy_is_asked_only_when_something_may_have_changed(clocks: Clocks
     c.store.queue.append(("a", message("a", "hi")))
     c.step()
     assert len(asked) == 3, "a new request changes the plan"
+
+
+# --- countdown / eta -------------------------------------------------------------------------------
+def test_a_request_is_held_until_its_eta_then_batched(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=1, idle_poll_s=1.0)
+    c.store.queue.append(("later", message("later", "hello", eta=iso(WALL_START + 0.5))))
+    c.step()
+    wait = c.step()
+    assert len(c.deferred) == 1 and len(c.policy) == 0 and c.store.dispatched == []
+    # Nothing else to do: it waits for new requests, but no longer than until the eta.
+    assert wait.block_on is WaitFor.REQUESTS and wait.seconds == pytest.approx(0.5)
+    clocks.advance(0.2)
+    c._next_housekeeping = 0.0
+    c.step()
+    assert "later" in c.store.renewed, "its lease is renewed while it is held"
+    clocks.advance(0.29)
+    c.step()
+    assert c.store.dispatched == [] and len(c.deferred) == 1
+    clocks.advance(0.02)
+    for _ in range(10):  # due: it joins the policy, and a partial batch leaves after its short wait
+        c.step()
+        if c.store.dispatched:
+            break
+        clocks.advance(0.05)
+    assert len(c.deferred) == 0
+    assert [ids for _, ids in c.store.dispatched] == [["later"]]
+    [batch] = c._builders[c.settings.batch_queue].batches  # type: ignore[attr-defined]
+    [slot] = batch["requests"]
+    assert slot["deadline"] == pytest.approx(WALL_START + 0.5 + c.settings.default_deadline_s)
+
+
+def test_requests_held_for_their_eta_are_handed_back_at_shutdown(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=1)
+    c.store.queue += [
+        ("later", message("later", "hello", eta=iso(WALL_START + 60.0))),
+        ("now", message("now", "hello")),
+    ]
+    c.step()
+    c.shutdown()
+    assert sorted(c.store.requeued) == ["later", "now"]
+
+
+def test_held_requests_count_toward_max_pending(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0, max_pending=2)
+    c.store.queue += [(i, message(i, "x", eta=iso(WALL_START + 60.0))) for i in ("a", "b", "c")]
+    c.step()
+    assert len(c.deferred) == 2
+    [(request_id, state, error)] = c.backend.stored
+    assert request_id == "c" and state == "FAILURE" and isinstance(error, QueueFull)
+
+
+def test_a_request_expiring_before_its_eta_fails_at_once_and_calls_its_error_callbacks(
+    clocks: Clocks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    called: list[tuple[str, str | None, Any]] = []
+    monkeypatch.setattr(
+        links, "on_failure", lambda app, rid, task, lk, exc: called.append((rid, task, lk["errbacks"]))
+    )
+    c = coordinator(clocks, workers=1)
+    errback = {"task": "carpool.infer", "args": [], "kwargs": {}, "options": {}}
+    step = {**errback, "options": {"task_id": "chained"}}
+    embed = {"callbacks": None, "errbacks": [errback], "chain": [step], "chord": None}
+    c.store.queue.append(
+        (
+            "doomed",
+            message("doomed", "hi", eta=iso(WALL_START + 10), expires=iso(WALL_START + 5), embed=embed),
+        )
+    )
+    c.step()
+    assert len(c.deferred) == 0 and c.store.acked == ["doomed"]
+    stored = {task_id: error for task_id, _, error in c.backend.stored}
+    assert isinstance(stored["doomed"], DeadlineExceeded) and "before its eta" in str(stored["doomed"])
+    assert stored["chained"] is stored["doomed"], "the failure goes on to the rest of its chain"
+    assert called == [("doomed", "carpool.infer", [errback])]
