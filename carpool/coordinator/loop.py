@@ -5,6 +5,10 @@ One ``step``: take requests atomically into flight together with the reports of 
 when something changed (``waiting``), publish those batches in one script call, fail what expired.
 Housekeeping (lease renewal, recovery of requests whose holder died, worker count) runs every
 quarter lease.
+
+Celery's semantics on the way: a request with an eta (``countdown=`` / ``eta=``) is held, leased,
+until then (``deferred``); one revoked while held here, or before it is taken, is answered REVOKED
+(``revokes``); a refused request's failure goes on to its chain and error callbacks (``links``).
 """
 
 from __future__ import annotations
@@ -23,16 +27,17 @@ from typing import Any, cast
 
 import redis
 from celery import Celery
+from celery.exceptions import TaskRevokedError
 
 from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan, Request
 from carpool.batching.capacity import Capacity, free_workers, pool_capacity
 from carpool.celery_edge import links
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.requests import Incoming
-from carpool.celery_edge.results import FAILURE
+from carpool.celery_edge.results import FAILURE, REVOKED
 from carpool.celery_edge.task_messages import TaskMessageBuilder
 from carpool.config import Settings
-from carpool.coordinator import policy_config, task_policy_config
+from carpool.coordinator import policy_config, revokes, task_policy_config
 from carpool.coordinator.deferred import Deferred
 from carpool.coordinator.intake import Malformed, Refused, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
@@ -94,6 +99,8 @@ class Coordinator:
         self.stats = CoordinatorStats()
         self.pacer = Pacer(settings.idle_poll_s)
         self.deferred = Deferred()  # requests waiting for their eta, leased like those in the policy
+        self.revokes: revokes.RevokeListener | None = None  # started by run()
+        self._revoked = revokes.Revoked()  # a request revoked before it is taken is never batched
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
         self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
@@ -123,6 +130,7 @@ class Coordinator:
             self.settings.max_tokens,
         )
         self.warm_up()
+        self.revokes = revokes.listen(self.app, self.settings.broker_url)
         backoff = 0.1
         while not self.stopping.is_set():
             try:
@@ -143,6 +151,8 @@ class Coordinator:
                 continue
             if wait.seconds > 0:
                 self._wait(wait)
+        if self.revokes is not None:
+            self.revokes.stop()
         self.shutdown()
 
     def warm_up(self) -> None:
@@ -182,6 +192,10 @@ class Coordinator:
         if now >= self._next_stats:
             self._write_stats()
             self._next_stats = now + STATS_INTERVAL_S
+        if self.revokes is not None:
+            heard = self.revokes.take()
+            if heard:
+                self._revoke(heard)
         # One round trip: new requests, and the reports of batches still out (none asked when none are).
         taken, reports = self.store.take(
             self.settings.take_max, reports_of=self.hostname if self.outstanding else None
@@ -229,6 +243,10 @@ class Coordinator:
     def _admit(self, taken: list[tuple[str, bytes]], now: float) -> None:
         self.stats.taken += len(taken)
         self.metrics.requests.inc(len(taken))
+        if len(self._revoked):
+            taken, revoked = self._revoked.split(taken)
+            if revoked:
+                self._answer_revoked(revoked)
         intake = take_in(
             taken,
             settings=self.settings,
@@ -268,6 +286,25 @@ class Coordinator:
             parent_id=links.get("parent_id"),
             eta=eta,
         )
+
+    # --- revoke ---------------------------------------------------------------------------
+    def _revoke(self, ids: list[str]) -> None:
+        """Remember revoked ``ids``, and answer REVOKED those held here (for their eta, or while no
+        worker is up). Dispatched ones are the workers' to check when they claim them."""
+        self._revoked.remember(ids)
+        revoked = set(ids)
+        held = self.deferred.discard(revoked) + self.policy.discard(revoked)
+        if held:
+            self._answer_revoked([r.id for r in held])
+            self.pacer.changed()
+
+    def _answer_revoked(self, ids: list[str]) -> None:
+        self._held.difference_update(ids)
+        self.backend.store_many([(i, REVOKED, TaskRevokedError("revoked")) for i in ids])
+        self.store.ack(ids)
+        for request_id in ids:
+            self.events.revoked(request_id)
+        log.info("revoked %d requests before they were batched", len(ids))
 
     # --- countdown / eta -----------------------------------------------------------------
     def _defer(self, msg: Incoming, request: Request, now: float) -> Refused | None:

@@ -1,11 +1,15 @@
 """A GPU worker's state and its work per batch: claim, run, finish; and its heartbeat.
 
 Per batch: claim the requests this batch still owns (a recovered request may already be someone
-else's) and learn which are answered already, in one script; fail those past their deadline; run the
-rest padded to a multiple of 8; then, in one more script, store every request's result under its own
-task id (write-once), acknowledge the batch's requests, report its timing to the coordinator's
-latency model and publish the per-request task events. Two Redis round trips per batch when the
-result backend is a database of the broker's server (the default), a few more otherwise.
+else's) and learn which are answered already, in one script; answer REVOKED those this worker heard
+revoked (Celery's remote control), fail those past their deadline; run the rest padded to a
+multiple of 8; then, in one more script, store every request's result under its own task id
+(write-once; a failure also under the rest of its chain), acknowledge the batch's requests, report
+its timing to the coordinator's latency model and publish the per-request task events. Two Redis
+round trips per batch when the result backend is a database of the broker's server (the default),
+a few more otherwise. Last, the callbacks, chains' next steps and error callbacks of the requests
+whose results this run stored are applied (:mod:`carpool.celery_edge.links`): after the finish
+script, so a worker that dies between the two loses them.
 """
 
 from __future__ import annotations

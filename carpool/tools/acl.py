@@ -206,6 +206,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 channels=(f"{events}task.multi", f"{events}task.sent"),
             ),
             send_requests,
+            Grant("hear revoke() broadcasts", ("subscribe", "unsubscribe"), channels=(pidbox,)),
         ),
     )
     worker = RoleAcl(

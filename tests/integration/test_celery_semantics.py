@@ -181,3 +181,34 @@ def test_what_cannot_be_honoured_is_refused_at_the_call(processes: Processes) ->
     start_stack(processes, **ENV)
     with pytest.raises(UnsupportedOption, match="chord"):
         chord([t.shout.s("a"), t.shout.s("b")], t.count.s()).apply_async()
+
+
+def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    processes.start("coordinator", "coordinator", **ENV)  # no worker yet: it holds what it takes
+    held_for_eta = t.shout.apply_async(("never",), countdown=600)
+    no_worker_yet = infer.delay("never")
+    kept = t.shout.delay("kept")
+    client = redis.Redis(port=processes.server.port)
+    lease = Keys("carpool.requests").inflight_lease
+    deadline = time.monotonic() + 30
+    while client.zcard(lease) < 3:  # the coordinator took all three into flight
+        assert time.monotonic() < deadline, "the coordinator never took the requests"
+        time.sleep(0.05)
+    held_for_eta.revoke()
+    no_worker_yet.revoke()
+    for r in (held_for_eta, no_worker_yet):  # answered long before the eta, with no worker up
+        with pytest.raises(TaskRevokedError):
+            r.get(timeout=30)
+    # Revoked before it was sent: the coordinator remembers, and never batches it.
+    before = t.shout.s("never")
+    before.freeze()
+    AsyncResult(before.id).revoke()
+    time.sleep(0.5)
+    before.apply_async()
+    processes.start("worker0", "worker", **ENV)
+    assert kept.get(timeout=60)["out"] == "KEPT"
+    with pytest.raises(TaskRevokedError):
+        AsyncResult(before.id).get(timeout=30)

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from celery.exceptions import TaskRevokedError
 
 from carpool.celery_edge import links
 from carpool.codec import loads
@@ -313,3 +314,60 @@ def test_a_request_expiring_before_its_eta_fails_at_once_and_calls_its_error_cal
     assert isinstance(stored["doomed"], DeadlineExceeded) and "before its eta" in str(stored["doomed"])
     assert stored["chained"] is stored["doomed"], "the failure goes on to the rest of its chain"
     assert called == [("doomed", "carpool.infer", [errback])]
+
+
+# --- revoke ---------------------------------------------------------------------------------------
+class HeardRevokes:
+    """Stands in for the revoke listener's thread."""
+
+    def __init__(self) -> None:
+        self.heard: list[str] = []
+
+    def take(self) -> list[str]:
+        heard, self.heard = self.heard, []
+        return heard
+
+
+def test_revoked_requests_held_here_are_answered_revoked_and_never_batched(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0)  # nobody to run anything: the coordinator holds it all
+    c.revokes = HeardRevokes()  # type: ignore[assignment]
+    c.store.queue += [
+        ("later", message("later", "hi", eta=iso(WALL_START + 60.0))),
+        ("held", message("held", "hi")),
+        ("kept", message("kept", "hi")),
+    ]
+    c.step()
+    assert len(c.deferred) == 1 and len(c.policy) == 2
+    c.revokes.heard += ["later", "held", "unknown"]
+    c.step()
+    assert len(c.deferred) == 0 and len(c.policy) == 1
+    assert [(i, state) for i, state, _ in c.backend.stored] == [("later", "REVOKED"), ("held", "REVOKED")]
+    assert all(isinstance(error, TaskRevokedError) for _, _, error in c.backend.stored)
+    assert c.store.acked == ["later", "held"]
+    # One revoked before it was taken is answered when it is, without being decoded or batched.
+    c.store.queue.append(("unknown", b"not even a message"))
+    c.store.workers = 1
+    c._next_housekeeping = 0.0
+    for _ in range(10):
+        c.step()
+        clocks.advance(0.05)
+    assert c.backend.stored[-1][:2] == ("unknown", "REVOKED")
+    assert [ids for _, ids in c.store.dispatched] == [["kept"]]
+
+
+def test_a_revoke_broadcast_names_its_task_ids() -> None:
+    import base64
+
+    from carpool.coordinator.revokes import revoked_task_ids
+
+    def broadcast(command: dict[str, Any]) -> bytes:
+        body = base64.b64encode(json.dumps(command).encode()).decode()
+        return json.dumps({"body": body, "properties": {"body_encoding": "base64"}}).encode()
+
+    revoke = {"method": "revoke", "arguments": {"task_id": "a", "terminate": False}, "destination": None}
+    assert revoked_task_ids(broadcast(revoke)) == ["a"]
+    several = {**revoke, "arguments": {"task_id": ["a", "b"]}}
+    assert revoked_task_ids(broadcast(several)) == ["a", "b"]
+    assert revoked_task_ids(broadcast({**revoke, "destination": ["some-worker@host"]})) == []
+    assert revoked_task_ids(broadcast({"method": "ping", "arguments": {}})) == []
+    assert revoked_task_ids(b"garbage") == []
