@@ -10,6 +10,9 @@ import os
 from typing import Any
 
 from carpool import batched
+from carpool.celery_app import app
+
+PLAIN_QUEUE = "tests.plain"  # consumed by a plain `celery worker`, not by carpool
 
 
 @batched(length=len, max_batch=8, bins=(4, 16))
@@ -53,3 +56,9 @@ def by_declared_length(items: list[dict[str, Any]]) -> list[float]:
 def count(items: list[Any]) -> list[int]:
     """The length of each item (a text, a list, a dict): a step to chain after any task."""
     return [len(item) for item in items]
+
+
+@app.task(name="tests.plain.describe", queue=PLAIN_QUEUE)  # type: ignore[untyped-decorator, unused-ignore]
+def describe(value: Any) -> str:
+    """A plain Celery task, run by a plain Celery worker on its own queue: a chain's non-carpool step."""
+    return f"{type(value).__name__} of {len(value)}"

@@ -212,3 +212,16 @@ def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -
     assert kept.get(timeout=60)["out"] == "KEPT"
     with pytest.raises(TaskRevokedError):
         AsyncResult(before.id).get(timeout=30)
+
+
+def test_chains_between_carpool_and_plain_celery_tasks(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    plain_worker = ["celery", "-A", "carpool.celery_app", "worker", "--include", IMPORTS]
+    plain_worker += ["--queues", t.PLAIN_QUEUE, "--pool", "solo", "--without-mingle", "--without-gossip"]
+    processes.spawn("plain-worker", plain_worker, **ENV)
+    assert (infer.s("to a plain worker") | t.describe.s()).apply_async().get(timeout=60) == "list of 32"
+    # ...and back: the plain worker's tracer sends the carpool step, which a batch worker runs.
+    assert (t.describe.s("abc") | t.count.s()).apply_async().get(timeout=60) == len("str of 3")
