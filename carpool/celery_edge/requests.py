@@ -24,9 +24,10 @@ from carpool.wire import Links
 TASK_NAME = INFER_TASK  # the built-in task; @batched tasks' messages share the request queue
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, per request.
+@dataclass(slots=True)
 class Incoming:
-    """A decoded request message; ``args``/``kwargs`` still unvalidated."""
+    """A decoded request message; ``args``/``kwargs`` still unvalidated. Treat it as read-only."""
 
     id: str
     task: str
@@ -88,7 +89,13 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     if not (isinstance(decoded, list) and len(decoded) == 3):
         raise MalformedMessage("message body is not Celery protocol 2 (args, kwargs, embed)")
     args, kwargs, embed = decoded
-    parent_id = headers.get("parent_id")
+    eta = headers.get("eta")
+    links = None
+    # Celery sends {"callbacks": None, "errbacks": None, "chain": None, "chord": None} when none.
+    if headers.get("parent_id") or (
+        type(embed) is dict and (embed.get("callbacks") or embed.get("errbacks") or embed.get("chain"))
+    ):
+        links = _links(embed, headers)
     return Incoming(
         id=task_id,
         task=task,
@@ -99,15 +106,8 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         expires_at=_when(headers.get("expires")),
         argsrepr=str(headers.get("argsrepr") or "")[:200],
         kwargsrepr=str(headers.get("kwargsrepr") or "{}")[:200],
-        eta_at=_when(headers.get("eta")),
-        links=_links(embed, headers) if parent_id or _any_links(embed) else None,
-    )
-
-
-def _any_links(embed: Any) -> bool:
-    # Celery sends {"callbacks": None, "errbacks": None, "chain": None, "chord": None} when none.
-    return isinstance(embed, dict) and bool(
-        embed.get("callbacks") or embed.get("errbacks") or embed.get("chain")
+        eta_at=None if eta is None else _when(eta),
+        links=links,
     )
 
 

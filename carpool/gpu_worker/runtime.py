@@ -186,9 +186,12 @@ class WorkerRuntime:
         live: list[RequestSlot] = []
         revoked = compat.revoked_ids()
         revoked_ids = revoked if len(revoked) else None  # Celery's remote control fills it
+        linked: dict[str, Links] = {}  # callbacks, chains, error callbacks: what few requests carry
         for r, flag in zip(requests, flags, strict=True):
             if flag != 1:  # another batch's now, or answered already (a rerun after recovery)
                 continue
+            if "links" in r:
+                linked[r["id"]] = r["links"]
             if revoked_ids is not None and r["id"] in revoked_ids:
                 entries.append((r["id"], REVOKED, TaskRevokedError("revoked")))
             elif not may_start(r["deadline"], now):
@@ -224,7 +227,6 @@ class WorkerRuntime:
             done_at=time.time(),
         )
         done(report)
-        linked = {r["id"]: r["links"] for r in mine if "links" in r}
         writes = entries + self._chain_failures(entries, linked) if linked else entries
         # Redis may be restarting: the results are computed, so keep trying to hand them over for a
         # while before giving the batch up to recovery.
