@@ -27,7 +27,9 @@ from celery.app.task import Context
 from celery.canvas import maybe_signature
 
 from carpool.celery_edge import compat
+from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.results import FAILURE
+from carpool.errors import UnroutableLink
 from carpool.wire import Links
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[
     if not chain:
         return []
     try:
-        step = maybe_signature(chain[-1], app=app)
+        step = _routed(app, maybe_signature(chain[-1], app=app))
         step.apply_async(
             (result,), chain=chain[:-1], parent_id=request_id, root_id=root_id, add_to_parent=False
         )
@@ -82,11 +84,11 @@ def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[
 
 def _apply_callbacks(app: Celery, callbacks: list[Any], result: Any, parent_id: str, root_id: str) -> None:
     options: dict[str, Any] = {"parent_id": parent_id, "root_id": root_id, "add_to_parent": False}
-    if len(callbacks) == 1:
-        maybe_signature(callbacks[0], app=app).apply_async((result,), **options)
+    signatures = [_routed(app, maybe_signature(sig, app=app)) for sig in callbacks]
+    if len(signatures) == 1:
+        signatures[0].apply_async((result,), **options)
         return
     # As the tracer: each group callback on its own, the other callbacks together as one group.
-    signatures = [maybe_signature(sig, app=app) for sig in callbacks]
     for sig in signatures:
         if isinstance(sig, group):
             sig.apply_async((result,), **options)
@@ -95,9 +97,35 @@ def _apply_callbacks(app: Celery, callbacks: list[Any], result: Any, parent_id: 
         group(plain, app=app).apply_async((result,), **options)
 
 
+def _routed(app: Celery, sig: Any) -> Any:
+    """``sig``, or raise :class:`UnroutableLink` when it would go to the batch queue.
+
+    The carpool app's default queue is the batch queue, so a task this process does not know (a plain
+    Celery task whose module it does not import), sent without a queue of its own, would land where
+    batch workers reject it as unregistered, and its caller would wait forever.
+    """
+    if isinstance(sig, group) or sig.task in app.tasks:
+        return sig
+    queue = app.amqp.router.route(dict(sig.options), sig.task, (), {})["queue"]
+    if queue.name == settings_of(app).batch_queue:
+        raise UnroutableLink(
+            f"{sig.task!r} is not a task this process knows and the signature names no queue, so it "
+            f"would go to the batch queue {queue.name!r}; give it its queue (sig.set(queue=...)) or "
+            "import its module here (CARPOOL_IMPORTS)"
+        )
+    return sig
+
+
 def on_failure(app: Celery, request_id: str, task_name: str | None, links: Links, exc: BaseException) -> None:
     """Call ``links``' error callbacks for the failed request ``request_id``, as the backend does."""
-    errbacks = links.get("errbacks")
+    errbacks = []
+    for errback in links.get("errbacks") or ():
+        try:
+            _routed(app, maybe_signature(errback, app=app))
+        except UnroutableLink as why:
+            log.error("request %s: error callback not sent: %s", request_id, why)
+            continue
+        errbacks.append(errback)
     if not errbacks:
         return
     request = Context(

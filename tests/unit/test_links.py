@@ -10,7 +10,7 @@ from celery import group
 
 from carpool.celery_edge import links
 from carpool.celery_edge.app import app
-from carpool.errors import InvalidInput, ModelError
+from carpool.errors import InvalidInput, ModelError, UnroutableLink
 from carpool.tasks import infer
 from carpool.wire import Links
 
@@ -39,7 +39,8 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
 
 def sig(name: str, *args: Any, task_id: str | None = None) -> dict[str, Any]:
-    signature = app.signature(name, args=args)
+    """A signature of a task this process does not know, sent to a plain Celery worker's queue."""
+    signature = app.signature(name, args=args, options={"queue": "plain"})
     if task_id:
         signature.set(task_id=task_id)
     return dict(signature)
@@ -59,7 +60,7 @@ def test_without_a_root_id_the_request_is_the_root(sent: list[dict[str, Any]]) -
 
 
 def test_several_callbacks_are_sent_together(sent: list[dict[str, Any]]) -> None:
-    nested = dict(group(app.signature("g.one"), app.signature("g.two")))
+    nested = dict(group(app.signature("g.one", queue="plain"), app.signature("g.two", queue="plain")))
     lk: Links = {"callbacks": [sig("a.task"), sig("b.task"), nested]}
     links.on_success(app, "req", lk, 7)
     assert sorted(c["name"] for c in sent) == ["a.task", "b.task", "g.one", "g.two"]
@@ -116,3 +117,17 @@ def test_new_style_error_callbacks_run_here_with_a_request_and_the_exception(
         app, "req", "carpool.infer", {"errbacks": [sig("unit.links.on_error")]}, ModelError("boom")
     )
     assert sent == [] and seen_by_new_style == [("req", "boom")]
+
+
+def test_a_step_that_would_fall_to_the_batch_queue_fails_the_chain_instead(
+    sent: list[dict[str, Any]],
+) -> None:
+    # Not a task this process knows, and no queue: the app's default queue is the batch queue.
+    lk: Links = {"chain": [dict(app.signature("nobody.knows").set(task_id="t2"))]}
+    [(task_id, state, exc)] = links.on_success(app, "req", lk, "out")
+    assert sent == [] and (task_id, state) == ("t2", "FAILURE")
+    assert isinstance(exc, UnroutableLink) and "sig.set(queue=...)" in str(exc)
+    # With a queue of its own it is sent there.
+    routed: Links = {"chain": [sig("nobody.knows")]}
+    assert links.on_success(app, "req", routed, "out") == []
+    assert sent[0]["name"] == "nobody.knows" and sent[0]["queue"] == "plain"
