@@ -40,8 +40,16 @@ class Refused:
     id: str
     reason: str  # the metrics label: invalid, queue_full, too_long, deadline
     error: CarpoolError
-    links: Links | None = None  # its error callbacks and chain, which the failure goes on to
-    task: str | None = None  # its task's name, for error callbacks that read it
+    message: Incoming | None = None  # its message, when refused before its task-received event
+    # Its task and links (error callbacks, chain), when its message is no longer at hand.
+    task: str | None = None
+    links: Links | None = None
+
+    def task_and_links(self) -> tuple[str | None, Links | None]:
+        """The refused request's task name and links (None when it has none): what its failure goes on to."""
+        if self.message is not None:
+            return self.message.task, self.message.links
+        return self.task, self.links
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,15 +104,8 @@ def split_too_long(
     refused: list[Refused] = []
     for item, count in zip(items, counts, strict=True):
         if count > model.max_length:
-            refused.append(
-                Refused(
-                    item[0].id,
-                    "too_long",
-                    too_long(count, model.max_length, model_name),
-                    item[0].links,
-                    item[0].task,
-                )
-            )
+            error = too_long(count, model.max_length, model_name)
+            refused.append(Refused(item[0].id, "too_long", error, message=item[0]))
         else:
             keep.append(item)
     return keep, refused
@@ -225,11 +226,10 @@ def take_in(
                 item = bind_item(msg.task, msg.args, msg.kwargs)
                 validate_item(msg.task, item, settings)
         except InvalidInput as exc:
-            out.refused.append(Refused(msg.id, "invalid", exc, msg.links, msg.task))
+            out.refused.append(Refused(msg.id, "invalid", exc, message=msg))
             continue
         if room <= 0:
-            full = queue_full(settings.max_pending)
-            out.refused.append(Refused(msg.id, "queue_full", full, msg.links, msg.task))
+            out.refused.append(Refused(msg.id, "queue_full", queue_full(settings.max_pending), message=msg))
             continue
         room -= 1
         if msg.task == INFER_TASK:
@@ -241,7 +241,7 @@ def take_in(
     for task_name, entries in by_task.items():
         for (msg, item), size in zip(entries, measured(specs[task_name], entries), strict=True):
             if isinstance(size, InvalidInput):
-                out.refused.append(Refused(msg.id, "invalid", size, msg.links, msg.task))
+                out.refused.append(Refused(msg.id, "invalid", size, message=msg))
                 continue
             request = to_request(msg, task_name, [], False, now, wall_now, deadline_s, item=item, length=size)
             out.admitted.append((msg, request))

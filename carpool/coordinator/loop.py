@@ -49,7 +49,7 @@ from carpool.names import INFER_TASK, RUN_BATCH_TASK
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import import_task_modules, registered
-from carpool.wire import RequestSlot, batch_message, read_report
+from carpool.wire import Links, RequestSlot, batch_message, read_report
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class Coordinator:
                 f"the request expires {request.arrival_s - request.deadline_s:.3f} s before its eta "
                 "(countdown/eta later than expires); send it with an expires after its eta"
             )
-            return Refused(request.id, "deadline", error, msg.links, msg.task)
+            return Refused(request.id, "deadline", error, message=msg)
         self.deferred.add(request, request.arrival_s)
         assert msg.eta_at is not None
         self._received(msg, eta=datetime.fromtimestamp(msg.eta_at, UTC).isoformat())
@@ -341,9 +341,12 @@ class Coordinator:
         """Store each refusal as its request's failure (and its chain steps'), acknowledge them, then
         call their error callbacks (:mod:`carpool.celery_edge.links`)."""
         entries: list[tuple[str, str, Any]] = [(r.id, FAILURE, r.error) for r in refused]
-        linked = [r for r in refused if r.links]
-        for r in linked:
-            entries += links.chain_failures(r.links, r.error)
+        linked: list[tuple[Refused, str | None, Links]] = []
+        for r in refused:
+            task, lk = r.task_and_links()
+            if lk:
+                linked.append((r, task, lk))
+                entries += links.chain_failures(lk, r.error)
         stored = self.backend.store_many(entries)
         self.store.ack([r.id for r in refused])
         for r in refused:
@@ -353,9 +356,9 @@ class Coordinator:
             log.info("request %s failed (%s): %s", r.id, r.reason, r.error)
         if linked:
             answered = set(stored)
-            for r in linked:
-                if r.id in answered and r.links is not None:
-                    links.on_failure(self.app, r.id, r.task, r.links, r.error)
+            for r, task, lk in linked:
+                if r.id in answered:
+                    links.on_failure(self.app, r.id, task, lk, r.error)
 
     # --- dispatch ------------------------------------------------------------------------
     def _dispatch(self, now: float) -> float | None:
@@ -376,8 +379,8 @@ class Coordinator:
                         r.id,
                         "deadline",
                         DeadlineExceeded.waited(now - r.deadline_s, where),
-                        cast("RequestSlot", r.payload).get("links"),
-                        INFER_TASK if r.model in self.models else r.model,
+                        task=INFER_TASK if r.model in self.models else r.model,
+                        links=cast("RequestSlot", r.payload).get("links"),
                     )
                     for r in plan.expired
                 ]

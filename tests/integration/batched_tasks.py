@@ -12,8 +12,6 @@ from typing import Any
 from carpool import batched
 from carpool.celery_app import app
 
-PLAIN_QUEUE = "tests.plain"  # consumed by a plain `celery worker`, not by carpool
-
 
 @batched(length=len, max_batch=8, bins=(4, 16))
 def shout(texts: list[str]) -> list[dict[str, Any]]:
@@ -56,6 +54,9 @@ def by_declared_length(items: list[dict[str, Any]]) -> list[float]:
 def count(items: list[Any]) -> list[int]:
     """The length of each item (a text, a list, a dict): a step to chain after any task."""
     return [len(item) for item in items]
+
+
+PLAIN_QUEUE = "tests.plain"  # consumed by a plain `celery worker`, not by carpool
 
 
 @app.task(name="tests.plain.describe", queue=PLAIN_QUEUE)  # type: ignore[untyped-decorator, unused-ignore]
