@@ -87,7 +87,7 @@ class RevokeListener:
 
     def _listen(self) -> None:
         while not self._stop.is_set():
-            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
             try:
                 pubsub.subscribe(self._topic)
                 while not self._stop.is_set():

@@ -28,7 +28,7 @@ ENV = {"CARPOOL_MODEL": "toy", "CARPOOL_IMPORTS": IMPORTS}
 
 def _answered_at(result: AsyncResult) -> datetime:
     done = result.date_done
-    assert done is not None
+    assert isinstance(done, datetime)
     return done if done.tzinfo is not None else done.replace(tzinfo=UTC)
 
 
@@ -69,7 +69,7 @@ def test_a_held_request_survives_its_coordinators_crash(processes: Processes) ->
     start_stack(processes, **env)
     at = datetime.now(UTC) + timedelta(seconds=5)
     held = t.shout.apply_async(("held",), eta=at)
-    client = redis.Redis(port=processes.server.port)
+    client = redis.Redis.from_url(processes.broker_url)
     lease = Keys("carpool.requests").inflight_lease
     deadline = time.monotonic() + 20
     while client.zcard(lease) == 0:  # the coordinator took it into flight and holds it
@@ -191,7 +191,7 @@ def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -
     held_for_eta = t.shout.apply_async(("never",), countdown=600)
     no_worker_yet = infer.delay("never")
     kept = t.shout.delay("kept")
-    client = redis.Redis(port=processes.server.port)
+    client = redis.Redis.from_url(processes.broker_url)
     lease = Keys("carpool.requests").inflight_lease
     deadline = time.monotonic() + 30
     while client.zcard(lease) < 3:  # the coordinator took all three into flight

@@ -266,7 +266,7 @@ def test_a_request_is_held_until_its_eta_then_batched(clocks: Clocks) -> None:
         clocks.advance(0.05)
     assert len(c.deferred) == 0
     assert [ids for _, ids in c.store.dispatched] == [["later"]]
-    [batch] = c._builders[c.settings.batch_queue].batches  # type: ignore[attr-defined]
+    [batch] = c._builders[c.settings.batch_queue].batches
     [slot] = batch["requests"]
     assert slot["deadline"] == pytest.approx(WALL_START + 0.5 + c.settings.default_deadline_s)
 
@@ -330,7 +330,7 @@ class HeardRevokes:
 
 def test_revoked_requests_held_here_are_answered_revoked_and_never_batched(clocks: Clocks) -> None:
     c = coordinator(clocks, workers=0)  # nobody to run anything: the coordinator holds it all
-    c.revokes = HeardRevokes()  # type: ignore[assignment]
+    c.revokes = HeardRevokes()
     c.store.queue += [
         ("later", message("later", "hi", eta=iso(WALL_START + 60.0))),
         ("held", message("held", "hi")),
