@@ -16,7 +16,20 @@ from typing import Any, Final, NotRequired, TypedDict
 from carpool.errors import WireError, WireVersionMismatch
 
 #: Bump whenever a field below appears, goes or changes meaning.
-WIRE_VERSION: Final = 2
+WIRE_VERSION: Final = 3
+
+
+class Links(TypedDict, total=False):
+    """What Celery's tracer would do after a request, as its message asked: present only when it asks.
+
+    The signatures are Celery's own (``Signature`` dicts, as the message's embed carried them).
+    """
+
+    callbacks: list[dict[str, Any]]  # link=: applied with the result on success
+    errbacks: list[dict[str, Any]]  # link_error=: called on failure
+    chain: list[dict[str, Any]]  # the rest of a chain, the next step last (Celery's embed order)
+    root_id: str  # the id of the canvas's first task (Celery's root_id header)
+    parent_id: str  # the id of the task whose result this request received
 
 
 class RequestSlot(TypedDict):
@@ -28,6 +41,7 @@ class RequestSlot(TypedDict):
     len: int  # infer: tokens, special tokens included; a @batched task: its length function's value
     sent_at: float  # producer's wall clock
     deadline: float  # wall clock; the worker fails the request if its batch starts later
+    links: NotRequired[Links]  # callbacks, error callbacks, chain: only when the request has any
 
 
 class BatchMessage(TypedDict):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from carpool.batching.bins import PAD_MULTIPLE, AutoBins, LengthBins, padded_length
@@ -318,6 +318,16 @@ class BatchPolicy:
                 ahead_s += self.predict_s(best.key[0], best.requests)
         plan.wake_at_s = wake
         return plan
+
+    def discard(self, ids: Collection[str]) -> list[Request]:
+        """Remove and return the queued requests whose id is in ``ids`` (they were revoked)."""
+        out: list[Request] = []
+        for queue in self._queues.values():
+            gone = [queue.live[i] for i in ids if i in queue.live]
+            if gone:
+                queue.remove(gone)
+                out += gone
+        return out
 
     def expire(self, now_s: float) -> list[Request]:
         """Remove and return the requests whose deadline has passed."""

@@ -9,7 +9,7 @@ Widen a range only after reading the new release's code behind each function her
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -39,6 +39,8 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
         ("result", "state", "traceback", "request", "format_date", "encode"),
     ),
     ("celery:Celery", "_get_backend", ()),
+    ("celery.backends.base:Backend", "_call_task_errbacks", ("request", "exc", "traceback")),
+    ("celery.worker:state", "revoked", None),
     ("kombu.transport.redis:Channel", "_inplace_augment_message", ("message", "exchange", "routing_key")),
     ("kombu.transport.redis:Channel", "_get_publish_topic", ("exchange", "routing_key")),
     ("kombu.transport.redis:Channel", "_get_message_priority", ("message", "reverse")),
@@ -101,6 +103,25 @@ def result_meta(backend: Any, result: Any, state: str) -> dict[str, Any]:
     """The meta Celery's ``store_result`` would write for ``result`` (already encoded) in ``state``."""
     meta: dict[str, Any] = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
     return meta
+
+
+def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str | None = None) -> None:
+    """Call ``request.errbacks`` for the failed ``request`` as ``mark_as_failure`` does: new-style
+    ``(request, exc, traceback)`` tasks registered here run in this process, the others are sent
+    as tasks with the failed task's id."""
+    backend._call_task_errbacks(request, exc, traceback)
+
+
+# --- the worker's state (celery.worker.state) ---------------------------------------------------
+
+
+def revoked_ids() -> Collection[str]:
+    """The task ids this worker process was told to revoke (a ``LimitedSet`` that remote control's
+    ``revoke`` fills; empty outside a worker)."""
+    from celery.worker import state
+
+    revoked: Collection[str] = state.revoked
+    return revoked
 
 
 class AppWithBackendClass(Celery):

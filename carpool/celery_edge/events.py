@@ -91,6 +91,7 @@ class TaskEvents:
         root_id: str | None = None,
         parent_id: str | None = None,
         retries: int = 0,
+        eta: str | None = None,
     ) -> None:
         self._event(
             "task-received",
@@ -100,7 +101,7 @@ class TaskEvents:
                 "args": argsrepr,
                 "kwargs": kwargsrepr,
                 "retries": retries,
-                "eta": None,
+                "eta": eta,
                 "expires": None,
                 "root_id": root_id or task_id,
                 "parent_id": parent_id,
@@ -126,6 +127,11 @@ class TaskEvents:
         self._event(
             "task-failed",
             {"uuid": task_id, "exception": short_repr(exc), "traceback": traceback, "runtime": runtime_s},
+        )
+
+    def revoked(self, task_id: str, expired: bool = False) -> None:
+        self._event(
+            "task-revoked", {"uuid": task_id, "terminated": False, "signum": None, "expired": expired}
         )
 
     def take(self) -> tuple[str, bytes] | None:

@@ -19,13 +19,15 @@ from kombu.serialization import loads
 from carpool.codec import loads as json_loads
 from carpool.errors import MalformedMessage
 from carpool.names import INFER_TASK, SENT_AT_HEADER
+from carpool.wire import Links
 
 TASK_NAME = INFER_TASK  # the built-in task; @batched tasks' messages share the request queue
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, per request.
+@dataclass(slots=True)
 class Incoming:
-    """A decoded request message; ``args``/``kwargs`` still unvalidated."""
+    """A decoded request message; ``args``/``kwargs`` still unvalidated. Treat it as read-only."""
 
     id: str
     task: str
@@ -36,6 +38,8 @@ class Incoming:
     expires_at: float | None  # wall clock
     argsrepr: str
     kwargsrepr: str
+    eta_at: float | None = None  # wall clock: not to run before (countdown= / eta=)
+    links: Links | None = None  # callbacks, chain, root and parent ids: None when it has none
 
 
 def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
@@ -84,7 +88,14 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         raise MalformedMessage(f"message body does not decode: {exc}") from None
     if not (isinstance(decoded, list) and len(decoded) == 3):
         raise MalformedMessage("message body is not Celery protocol 2 (args, kwargs, embed)")
-    args, kwargs, _embed = decoded
+    args, kwargs, embed = decoded
+    eta = headers.get("eta")
+    links = None
+    # Celery sends {"callbacks": None, "errbacks": None, "chain": None, "chord": None} when none.
+    if headers.get("parent_id") or (
+        type(embed) is dict and (embed.get("callbacks") or embed.get("errbacks") or embed.get("chain"))
+    ):
+        links = _links(embed, headers)
     return Incoming(
         id=task_id,
         task=task,
@@ -95,7 +106,35 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         expires_at=_when(headers.get("expires")),
         argsrepr=str(headers.get("argsrepr") or "")[:200],
         kwargsrepr=str(headers.get("kwargsrepr") or "{}")[:200],
+        eta_at=None if eta is None else _when(eta),
+        links=links,
     )
+
+
+def _links(embed: Any, headers: dict[str, Any]) -> Links:
+    """The embed's callbacks, error callbacks and chain, and the canvas ids the tracer would pass on."""
+    links: Links = {}
+    if isinstance(embed, dict):
+        if embed.get("callbacks"):
+            links["callbacks"] = _signatures(embed, "callbacks")
+        if embed.get("errbacks"):
+            links["errbacks"] = _signatures(embed, "errbacks")
+        if embed.get("chain"):
+            links["chain"] = _signatures(embed, "chain")
+    root_id = headers.get("root_id")
+    if isinstance(root_id, str) and root_id:
+        links["root_id"] = root_id
+    parent_id = headers.get("parent_id")
+    if isinstance(parent_id, str) and parent_id:
+        links["parent_id"] = parent_id
+    return links
+
+
+def _signatures(embed: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    value = embed[key]
+    if not (isinstance(value, list) and all(isinstance(sig, dict) for sig in value)):
+        raise MalformedMessage(f"the message's {key} is not a list of signatures")
+    return value
 
 
 def _priority(value: Any) -> int:
@@ -110,7 +149,7 @@ def _number(value: Any) -> float | None:
 
 
 def _when(value: Any) -> float | None:
-    """Celery sends ``expires`` as an ISO 8601 datetime (or, from old clients, epoch seconds)."""
+    """Celery sends ``eta`` and ``expires`` as ISO 8601 datetimes (or, from old clients, epoch seconds)."""
     if value is None:
         return None
     if isinstance(value, int | float):

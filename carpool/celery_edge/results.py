@@ -123,3 +123,4 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
 
 SUCCESS = states.SUCCESS
 FAILURE = states.FAILURE
+REVOKED = states.REVOKED

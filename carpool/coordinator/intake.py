@@ -30,7 +30,7 @@ from carpool.validation import (
     validate_infer,
     validate_item,
 )
-from carpool.wire import RequestSlot
+from carpool.wire import Links, RequestSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,15 @@ class Refused:
     reason: str  # the metrics label: invalid, queue_full, too_long, deadline
     error: CarpoolError
     message: Incoming | None = None  # its message, when refused before its task-received event
+    # Its task and links (error callbacks, chain), when its message is no longer at hand.
+    task: str | None = None
+    links: Links | None = None
+
+    def task_and_links(self) -> tuple[str | None, Links | None]:
+        """The refused request's task name and links (None when it has none): what its failure goes on to."""
+        if self.message is not None:
+            return self.message.task, self.message.links
+        return self.task, self.links
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +159,17 @@ def to_request(
 
     Times the producer stamped on its wall clock become coordinator-clock times (``now`` and
     ``wall_now`` are the same instant on both clocks); a message sent "in the future" by a
-    producer whose clock runs ahead counts as arriving now.
+    producer whose clock runs ahead counts as arriving now. A request with an eta arrives at its
+    eta: its wait, and its default deadline, count from then (its ``arrival_s`` may lie ahead).
     """
     sent_at = msg.sent_at if msg.sent_at is not None else wall_now
-    deadline_wall = msg.expires_at if msg.expires_at is not None else sent_at + default_deadline_s
+    if msg.eta_at is None:
+        start = sent_at
+        arrival_s = now - max(0.0, wall_now - sent_at)
+    else:
+        start = max(sent_at, msg.eta_at)
+        arrival_s = now + (start - wall_now)
+    deadline_wall = msg.expires_at if msg.expires_at is not None else start + default_deadline_s
     size = len(ids) if length is None else length
     slot: RequestSlot = {
         "id": msg.id,
@@ -164,11 +180,13 @@ def to_request(
     }
     if length is not None:
         slot["item"] = item
+    if msg.links is not None:
+        slot["links"] = msg.links
     return Request(
         id=msg.id,
         model=model_name,
         length=max(1, size),
-        arrival_s=now - max(0.0, wall_now - sent_at),
+        arrival_s=arrival_s,
         deadline_s=now + (deadline_wall - wall_now),
         priority=msg.priority,
         payload=slot,

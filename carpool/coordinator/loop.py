@@ -5,6 +5,10 @@ One ``step``: take requests atomically into flight together with the reports of 
 when something changed (``waiting``), publish those batches in one script call, fail what expired.
 Housekeeping (lease renewal, recovery of requests whose holder died, worker count) runs every
 quarter lease.
+
+Celery's semantics on the way: a request with an eta (``countdown=`` / ``eta=``) is held, leased,
+until then (``deferred``); one revoked while held here, or before it is taken, is answered REVOKED
+(``revokes``); a refused request's failure goes on to its chain and error callbacks (``links``).
 """
 
 from __future__ import annotations
@@ -18,18 +22,23 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import redis
 from celery import Celery
+from celery.exceptions import TaskRevokedError
 
-from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan
+from carpool.batching import Batch, BatchPolicy, LatencyModel, Plan, Request
 from carpool.batching.capacity import Capacity, free_workers, pool_capacity
+from carpool.celery_edge import links
 from carpool.celery_edge.events import TaskEvents
-from carpool.celery_edge.results import FAILURE
+from carpool.celery_edge.requests import Incoming
+from carpool.celery_edge.results import FAILURE, REVOKED
 from carpool.celery_edge.task_messages import TaskMessageBuilder
 from carpool.config import Settings
-from carpool.coordinator import policy_config, task_policy_config
+from carpool.coordinator import policy_config, revokes, task_policy_config
+from carpool.coordinator.deferred import Deferred
 from carpool.coordinator.intake import Malformed, Refused, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
@@ -40,7 +49,7 @@ from carpool.names import INFER_TASK, RUN_BATCH_TASK
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import import_task_modules, registered
-from carpool.wire import RequestSlot, batch_message, read_report
+from carpool.wire import Links, RequestSlot, batch_message, read_report
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +98,9 @@ class Coordinator:
         self.workers = 0
         self.stats = CoordinatorStats()
         self.pacer = Pacer(settings.idle_poll_s)
+        self.deferred = Deferred()  # requests waiting for their eta, leased like those in the policy
+        self.revokes: revokes.RevokeListener | None = None  # started by run()
+        self._revoked = revokes.Revoked()  # a request revoked before it is taken is never batched
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
         self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
@@ -118,6 +130,7 @@ class Coordinator:
             self.settings.max_tokens,
         )
         self.warm_up()
+        self.revokes = revokes.listen(self.app, self.settings.broker_url)
         backoff = 0.1
         while not self.stopping.is_set():
             try:
@@ -138,6 +151,8 @@ class Coordinator:
                 continue
             if wait.seconds > 0:
                 self._wait(wait)
+        if self.revokes is not None:
+            self.revokes.stop()
         self.shutdown()
 
     def warm_up(self) -> None:
@@ -158,7 +173,7 @@ class Coordinator:
 
     def shutdown(self) -> None:
         """Hand every request not yet dispatched back to the front of the request queue."""
-        held = self.policy.drain()
+        held = self.policy.drain() + self.deferred.drain()
         try:
             returned = self.store.requeue([r.id for r in held])
         except redis.ConnectionError:
@@ -178,6 +193,10 @@ class Coordinator:
         if now >= self._next_stats:
             self._write_stats()
             self._next_stats = now + STATS_INTERVAL_S
+        if self.revokes is not None:
+            heard = self.revokes.take()
+            if heard:
+                self._revoke(heard)
         # One round trip: new requests, and the reports of batches still out (none asked when none are).
         taken, reports = self.store.take(
             self.settings.take_max, reports_of=self.hostname if self.outstanding else None
@@ -187,11 +206,16 @@ class Coordinator:
         if taken:
             self._admit(taken, self.clock())
         now = self.clock()
+        next_eta_s = None
+        if len(self.deferred):
+            next_eta_s = self._release_due(now)
         if self.pacer.poll_due(now):
             self.pacer.polled(now, self._dispatch(now))
         self.events.flush()
         busy = self.workers > 0 and free_workers(self.workers, len(self.outstanding)) == 0
-        return self.pacer.next_wait(now, took=bool(taken), held=len(self.policy), all_workers_busy=busy)
+        return self.pacer.next_wait(
+            now, took=bool(taken), held=len(self.policy), all_workers_busy=busy, next_eta_s=next_eta_s
+        )
 
     def _wait(self, wait: Wait) -> None:
         """Sleep ``wait.seconds``, or less if its list gets an element first: BLMOVE from the list to
@@ -220,24 +244,93 @@ class Coordinator:
     def _admit(self, taken: list[tuple[str, bytes]], now: float) -> None:
         self.stats.taken += len(taken)
         self.metrics.requests.inc(len(taken))
+        if len(self._revoked):
+            taken, revoked = self._revoked.split(taken)
+            if revoked:
+                self._answer_revoked(revoked)
         intake = take_in(
             taken,
             settings=self.settings,
             models=self.models,
             specs=self.specs,
-            room=self.settings.max_pending - len(self.policy),
+            room=self.settings.max_pending - len(self.policy) - len(self.deferred),
             now=now,
             wall_now=self.wall(),
         )
         for bad in intake.malformed:
             self._dead_letter(bad)
+        refused = intake.refused
         for msg, request in intake.admitted:
-            self.policy.add(request)
             self._held.add(request.id)
-            self.events.received(request.id, msg.argsrepr, msg.kwargsrepr)
-        if intake.refused:
-            self._fail(intake.refused)
+            if msg.eta_at is not None and request.arrival_s > now:
+                refusal = self._defer(msg, request, now)
+                if refusal is not None:
+                    refused.append(refusal)
+                continue
+            self.policy.add(request)
+            if msg.links is None:
+                self.events.received(request.id, msg.argsrepr, msg.kwargsrepr, name=msg.task)
+            else:
+                self._received(msg)
+        if refused:
+            self._fail(refused)
         self.pacer.changed()
+
+    def _received(self, msg: Incoming, eta: str | None = None) -> None:
+        links = msg.links or {}
+        self.events.received(
+            msg.id,
+            msg.argsrepr,
+            msg.kwargsrepr,
+            name=msg.task,
+            root_id=links.get("root_id"),
+            parent_id=links.get("parent_id"),
+            eta=eta,
+        )
+
+    # --- revoke ---------------------------------------------------------------------------
+    def _revoke(self, ids: list[str]) -> None:
+        """Remember revoked ``ids``, and answer REVOKED those held here (for their eta, or while no
+        worker is up). Dispatched ones are the workers' to check when they claim them."""
+        self._revoked.remember(ids)
+        revoked = set(ids)
+        held = self.deferred.discard(revoked) + self.policy.discard(revoked)
+        if held:
+            self._answer_revoked([r.id for r in held])
+            self.pacer.changed()
+
+    def _answer_revoked(self, ids: list[str]) -> None:
+        self._held.difference_update(ids)
+        self.backend.store_many([(i, REVOKED, TaskRevokedError("revoked")) for i in ids])
+        self.store.ack(ids)
+        for request_id in ids:
+            self.events.revoked(request_id)
+        log.info("revoked %d requests before they were batched", len(ids))
+
+    # --- countdown / eta -----------------------------------------------------------------
+    def _defer(self, msg: Incoming, request: Request, now: float) -> Refused | None:
+        """Hold ``request`` until its eta (it stays leased in flight meanwhile), or refuse it when it
+        expires first: it could never run."""
+        if request.deadline_s <= request.arrival_s:
+            self._held.discard(request.id)
+            error = DeadlineExceeded(
+                f"the request expires {request.arrival_s - request.deadline_s:.3f} s before its eta "
+                "(countdown/eta later than expires); send it with an expires after its eta"
+            )
+            return Refused(request.id, "deadline", error, message=msg)
+        self.deferred.add(request, request.arrival_s)
+        assert msg.eta_at is not None
+        self._received(msg, eta=datetime.fromtimestamp(msg.eta_at, UTC).isoformat())
+        return None
+
+    def _release_due(self, now: float) -> float | None:
+        """Move the requests whose eta has come into the policy; returns when the next one comes due."""
+        due = self.deferred.due(now)
+        if due:
+            for request in due:
+                self.policy.add(request)
+            self.pacer.changed()
+        return self.deferred.next_due_s()
 
     def _dead_letter(self, bad: Malformed) -> None:
         log.warning("dead-lettering message %s: %s", bad.id, bad.reason)
@@ -246,7 +339,16 @@ class Coordinator:
         self.metrics.failed("malformed")
 
     def _fail(self, refused: list[Refused]) -> None:
-        self.backend.store_many([(r.id, FAILURE, r.error) for r in refused])
+        """Store each refusal as its request's failure (and its chain steps'), acknowledge them, then
+        call their error callbacks (:mod:`carpool.celery_edge.links`)."""
+        entries: list[tuple[str, str, Any]] = [(r.id, FAILURE, r.error) for r in refused]
+        linked: list[tuple[Refused, str | None, Links]] = []
+        for r in refused:
+            task, lk = r.task_and_links()
+            if lk:
+                linked.append((r, task, lk))
+                entries += links.chain_failures(lk, r.error)
+        stored = self.backend.store_many(entries)
         self.store.ack([r.id for r in refused])
         for r in refused:
             self.stats.failed[r.reason] += 1
@@ -255,6 +357,11 @@ class Coordinator:
                 self.events.received(r.id, r.message.argsrepr, r.message.kwargsrepr, name=r.message.task)
             self.events.failed(r.id, r.error)
             log.info("request %s failed (%s): %s", r.id, r.reason, r.error)
+        if linked:
+            answered = set(stored)
+            for r, task, lk in linked:
+                if r.id in answered:
+                    links.on_failure(self.app, r.id, task, lk, r.error)
 
     # --- dispatch ------------------------------------------------------------------------
     def _dispatch(self, now: float) -> float | None:
@@ -271,7 +378,13 @@ class Coordinator:
             self._held.difference_update(r.id for r in plan.expired)
             self._fail(
                 [
-                    Refused(r.id, "deadline", DeadlineExceeded.waited(now - r.deadline_s, where))
+                    Refused(
+                        r.id,
+                        "deadline",
+                        DeadlineExceeded.waited(now - r.deadline_s, where),
+                        task=INFER_TASK if r.model in self.models else r.model,
+                        links=cast("RequestSlot", r.payload).get("links"),
+                    )
                     for r in plan.expired
                 ]
             )

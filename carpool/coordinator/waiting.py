@@ -74,20 +74,27 @@ class Pacer:
         """Redis refused a blocking wait: poll from now on."""
         self.can_block = False
 
-    def next_wait(self, now: float, *, took: bool, held: int, all_workers_busy: bool) -> Wait:
-        """How to wait after a step that ``took`` requests or not, with ``held`` requests in the policy.
+    def next_wait(
+        self, now: float, *, took: bool, held: int, all_workers_busy: bool, next_eta_s: float | None = None
+    ) -> Wait:
+        """How to wait after a step that ``took`` requests or not, with ``held`` requests in the policy
+        and, at ``next_eta_s``, the soonest request held for its eta coming due.
 
         - Something was taken: more may be queued, so go again at once.
-        - A deadline or a partial batch's wait is due within Redis's timeout grain: sleep locally.
+        - A deadline, a partial batch's wait or an eta is due within Redis's timeout grain: sleep
+          locally.
         - Every worker busy: wait for the next batch report. Arrivals are looked at when the wait
           times out: with no worker free they change at most which batch waits in a prefetch slot.
         - Nothing held: wait for the next request at the default priority (other priorities and
-          reports are looked at when the wait times out).
+          reports are looked at when the wait times out), or for the next eta, whichever comes first.
         - Otherwise a worker is idle and requests wait for a partial batch to fill: poll briefly.
         """
         if took:
             return GO_ON
-        until_wake = None if self._wake_at_s is None else max(0.0, self._wake_at_s - now)
+        wake_at_s = self._wake_at_s
+        if next_eta_s is not None and (wake_at_s is None or next_eta_s < wake_at_s):
+            wake_at_s = next_eta_s
+        until_wake = None if wake_at_s is None else max(0.0, wake_at_s - now)
         block_on: WaitFor | None = None
         if until_wake is not None and until_wake < REDIS_TIMEOUT_GRAIN_S:
             pass

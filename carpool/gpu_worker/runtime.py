@@ -1,11 +1,15 @@
 """A GPU worker's state and its work per batch: claim, run, finish; and its heartbeat.
 
 Per batch: claim the requests this batch still owns (a recovered request may already be someone
-else's) and learn which are answered already, in one script; fail those past their deadline; run the
-rest padded to a multiple of 8; then, in one more script, store every request's result under its own
-task id (write-once), acknowledge the batch's requests, report its timing to the coordinator's
-latency model and publish the per-request task events. Two Redis round trips per batch when the
-result backend is a database of the broker's server (the default), a few more otherwise.
+else's) and learn which are answered already, in one script; answer REVOKED those this worker heard
+revoked (Celery's remote control), fail those past their deadline; run the rest padded to a
+multiple of 8; then, in one more script, store every request's result under its own task id
+(write-once; a failure also under the rest of its chain), acknowledge the batch's requests, report
+its timing to the coordinator's latency model and publish the per-request task events. Two Redis
+round trips per batch when the result backend is a database of the broker's server (the default),
+a few more otherwise. Last, the callbacks, chains' next steps and error callbacks of the requests
+whose results this run stored are applied (:mod:`carpool.celery_edge.links`): after the finish
+script, so a worker that dies between the two loses them.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import Any, TypeVar, cast
 
 import redis
 from celery import Celery
+from celery.exceptions import TaskRevokedError
 
 from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
+from carpool.celery_edge import compat, links
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
-from carpool.celery_edge.results import FAILURE, SUCCESS
+from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
 from carpool.codec import dumps_exact
 from carpool.config import Settings
 from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
@@ -36,7 +42,7 @@ from carpool.names import INFER_TASK, RUN_BATCH_TASK
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import BatchedSpec, import_task_modules, registered
-from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
+from carpool.wire import BatchMessage, BatchReport, Links, RequestSlot, batch_report, read_batch
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,7 @@ class WorkerRuntime:
     """Per-process worker state: Redis edge, device, loaded models, heartbeat."""
 
     def __init__(self, app: Celery) -> None:
+        self.app = app
         self.settings = settings_of(app)
         self.client = redis.Redis.from_url(self.settings.broker_url)
         self.store = RequestStore(
@@ -177,10 +184,17 @@ class WorkerRuntime:
         now = time.time()
         entries: list[tuple[str, str, Any]] = []
         live: list[RequestSlot] = []
+        revoked = compat.revoked_ids()
+        revoked_ids = revoked if len(revoked) else None  # Celery's remote control fills it
+        linked: dict[str, Links] = {}  # callbacks, chains, error callbacks: what few requests carry
         for r, flag in zip(requests, flags, strict=True):
             if flag != 1:  # another batch's now, or answered already (a rerun after recovery)
                 continue
-            if not may_start(r["deadline"], now):
+            if "links" in r:
+                linked[r["id"]] = r["links"]
+            if revoked_ids is not None and r["id"] in revoked_ids:
+                entries.append((r["id"], REVOKED, TaskRevokedError("revoked")))
+            elif not may_start(r["deadline"], now):
                 late = DeadlineExceeded.waited(now - r["deadline"], "when its batch started")
                 entries.append((r["id"], FAILURE, late))
             else:
@@ -193,8 +207,10 @@ class WorkerRuntime:
         for task_id, state, value in entries:
             if state == SUCCESS:
                 self.events.succeeded(task_id, value, per_request_s)
-            else:
+            elif state == FAILURE:
                 self.events.failed(task_id, value, per_request_s)
+            else:
+                self.events.revoked(task_id)
         report = batch_report(
             batch_id=batch_id,
             model=batch["model"],
@@ -211,10 +227,50 @@ class WorkerRuntime:
             done_at=time.time(),
         )
         done(report)
+        writes = entries + self._chain_failures(entries, linked) if linked else entries
         # Redis may be restarting: the results are computed, so keep trying to hand them over for a
         # while before giving the batch up to recovery.
-        _retrying(lambda: self._finish(entries, [r["id"] for r in mine], report, batch["coordinator"]))
+        stored = _retrying(
+            lambda: self._finish(writes, [r["id"] for r in mine], report, batch["coordinator"])
+        )
+        if linked:
+            self._apply_links(batch["task"], entries, stored, linked)
         return report
+
+    @staticmethod
+    def _chain_failures(
+        entries: list[tuple[str, str, Any]], linked: dict[str, Links]
+    ) -> list[tuple[str, str, Any]]:
+        """The failures to store under the chain steps after each failed request (as Celery does)."""
+        out: list[tuple[str, str, Any]] = []
+        for task_id, state, value in entries:
+            if state == FAILURE and task_id in linked:
+                out += links.chain_failures(linked[task_id], value)
+        return out
+
+    def _apply_links(
+        self,
+        task: str,
+        entries: list[tuple[str, str, Any]],
+        stored: list[int],
+        linked: dict[str, Links],
+    ) -> None:
+        """Apply the callbacks, chains and error callbacks of the requests whose results this run
+        stored (see :mod:`carpool.celery_edge.links`: after the results, so at most once)."""
+        unsent: list[tuple[str, str, Any]] = []
+        for i in stored:
+            if i > len(entries):  # a chain step's propagated failure
+                continue
+            task_id, state, value = entries[i - 1]
+            request_links = linked.get(task_id)
+            if request_links is None:
+                continue
+            if state == SUCCESS:
+                unsent += links.on_success(self.app, task_id, request_links, value)
+            elif state == FAILURE:
+                links.on_failure(self.app, task_id, task, request_links, value)
+        if unsent:
+            _retrying(lambda: self.backend.store_many(unsent))
 
     def _claim(self, batch_id: str, ids: list[str]) -> list[int]:
         """Per id: 0 (no longer this batch's), 1 (claimed, to run) or 2 (claimed, answered already)."""
@@ -279,14 +335,15 @@ class WorkerRuntime:
         ack_ids: list[str],
         report: BatchReport,
         coordinator: str,
-    ) -> None:
+    ) -> list[int]:
         """Results (write-once), acks, the report and the task events: one round trip when the
         results live on the broker's server, else a store on the backend and one trip for the rest.
         The events leave the buffer on the first attempt: a retry after a lost connection sends none
-        (they are telemetry; the results, acks and report are what a retry must deliver)."""
+        (they are telemetry; the results, acks and report are what a retry must deliver).
+        Returns the 1-based indexes in ``entries`` of the results stored (the others had one)."""
         events = self.events.take()
         if self.dbs is not None:
-            self.store.finish(
+            return self.store.finish(
                 results_db=self.dbs[1],
                 broker_db=self.dbs[0],
                 writes=self.backend.store_args(entries),
@@ -295,13 +352,13 @@ class WorkerRuntime:
                 coordinator=coordinator,
                 events=events,
             )
-            return
-        self.backend.store_many(entries)
+        stored_ids = set(self.backend.store_many(entries))
         with self.client.pipeline(transaction=False) as pipe:
             self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
             if events is not None:
                 pipe.publish(*events)
             pipe.execute()
+        return [i for i, entry in enumerate(entries, 1) if entry[0] in stored_ids]
 
 
 def _retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0.1) -> T:

@@ -1,8 +1,11 @@
 """Which ``apply_async`` options a carpool task honours, and a clear refusal for the rest.
 
-A carpool request is run by a batch worker, not by Celery's tracer, so options that only the tracer
-or a worker's scheduler would act on would be dropped without a word. Each is refused at the call
-instead, with what to do about it.
+A carpool request is run by a batch worker, not by Celery's tracer. What the tracer or a worker's
+scheduler would do for the others, carpool does itself: ``countdown`` / ``eta`` (the coordinator
+holds the request until then), ``link`` / ``link_error`` and chains (the process that stores the
+result applies them, :mod:`carpool.celery_edge.links`), ``expires``, ``priority``, and ``revoke()``.
+Options it cannot honour would be dropped without a word; each is refused at the call instead, with
+what to do about it.
 """
 
 from __future__ import annotations
@@ -13,21 +16,10 @@ from typing import Any, Final
 from carpool.errors import UnsupportedOption
 
 _WHY: Final[Mapping[str, str]] = {
-    "countdown": "the coordinator batches a request as soon as it arrives; send it later from your code",
-    "eta": "the coordinator batches a request as soon as it arrives; send it later from your code",
-    "link": (
-        "callbacks are run by Celery's tracer, which batch workers bypass; call the next step with "
-        "the result of .get() (or gather) in your code"
+    "chord": (
+        "a chord's body waits on a counter that Celery's tracer advances per header task, which batch "
+        "workers do not run; gather() the header's results and call the body with them"
     ),
-    "link_error": (
-        "error callbacks are run by Celery's tracer, which batch workers bypass; catch the exception "
-        "that .get() raises"
-    ),
-    "chain": (
-        "a chain's next step is run by Celery's tracer, which batch workers bypass; call the next step "
-        "with the result of .get() in your code"
-    ),
-    "chord": "a chord's callback is run by Celery's tracer, which batch workers bypass; use gather()",
     "time_limit": "batch workers run a batch to its end; bound the wait with .get(timeout=...) instead",
     "soft_time_limit": "batch workers run a batch to its end; bound the wait with .get(timeout=...) instead",
     "ignore_result": "every request's result is stored: it is how the batch answers each caller",

@@ -133,6 +133,15 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
         (f"~{glob_escape(BINDING_PREFIX)}*",),
     )
 
+    # A chain's next step, a callback or an error callback on a carpool task is sent by the process
+    # that answered the request (a worker, or a coordinator refusing it), through Celery's publish.
+    send_requests = Grant(
+        "send chains' next steps and callbacks to the request queue (Celery's publish path)",
+        ("lpush", "llen", "sadd"),
+        _exact(requests)
+        + _exact([BINDING_TABLE % settings.request_queue, BINDING_PERMANENT % settings.request_queue]),
+    )
+
     producer = RoleAcl(
         "producer",
         "sends requests (infer.delay, submit_many, send_task) and reads the results it names",
@@ -197,7 +206,13 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 (f"~{results}",),
                 (results,),
             ),
-            Grant("task-received events", ("publish",), channels=(f"{events}task.multi",)),
+            Grant(
+                "task-received events, and task-sent ones for the error callbacks it sends",
+                ("publish",),
+                channels=(f"{events}task.multi", f"{events}task.sent"),
+            ),
+            send_requests,
+            Grant("hear revoke() broadcasts", ("subscribe", "unsubscribe"), channels=(pidbox,)),
         ),
     )
     worker = RoleAcl(
@@ -239,6 +254,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 (pidbox,),
             ),
             consumer_bindings,
+            send_requests,
         ),
     )
     flower = RoleAcl(

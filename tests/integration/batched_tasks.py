@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from carpool import batched
+from carpool.celery_app import app
 
 
 # carpool.batched returns Any (the Celery task it builds is untyped), hence the ignores below.
@@ -48,3 +49,18 @@ def unstorable(texts: list[str]) -> list[Any]:
 @batched(length=lambda item: item["n"])
 def by_declared_length(items: list[dict[str, Any]]) -> list[float]:
     return [item["x"] * 2 for item in items]
+
+
+@batched(length=len)
+def count(items: list[Any]) -> list[int]:
+    """The length of each item (a text, a list, a dict): a step to chain after any task."""
+    return [len(item) for item in items]
+
+
+PLAIN_QUEUE = "tests.plain"  # consumed by a plain `celery worker`, not by carpool
+
+
+@app.task(name="tests.plain.describe", queue=PLAIN_QUEUE)  # type: ignore[untyped-decorator, unused-ignore]
+def describe(value: Any) -> str:
+    """A plain Celery task, run by a plain Celery worker on its own queue: a chain's non-carpool step."""
+    return f"{type(value).__name__} of {len(value)}"

@@ -41,6 +41,7 @@ FLOWER_AUTH = ("user", "pass")
 PRODUCER = """
 import asyncio, json
 import carpool
+from celery import chain
 from carpool.celery_app import app
 from carpool.tasks import infer
 
@@ -53,6 +54,9 @@ out["gather_async"] = asyncio.run(carpool.gather_async(pending, timeout=60))
 sent = app.send_task("carpool.infer", args=["hello acl", "toy"])
 out["send_task"] = sent.get(timeout=60)
 out["send_task_id"] = sent.id
+# The worker sends the chain's second step, on its own user.
+steps = chain(infer.s("one", model="toy"), infer.si("hello acl", model="toy"))
+out["chain"] = steps.apply_async().get(timeout=60)
 rejected = app.send_task("carpool.infer", args=["fine", "nope"])
 out["rejected"] = repr(rejected.get(timeout=60, propagate=False))
 print(json.dumps(out))
@@ -180,6 +184,7 @@ def test_every_role_serves_with_its_own_user(
     assert out["gather"][2] == vector and len(out["gather"]) == 3
     assert out["gather_async"][1] == vector and len(out["gather_async"]) == 2
     assert out["send_task"] == vector
+    assert out["chain"] == vector
     assert "UnknownModel" in out["rejected"]  # stored by the coordinator on its own user
 
     # Flower heard the events, inspected the worker and reads a result, all on its own user.

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from celery import chain
 
 from carpool.batching import Request
 from carpool.config import Settings
@@ -77,10 +76,9 @@ def test_two_functions_under_one_name_is_a_configuration_error() -> None:
         (lambda: shout.delay(2**70), InvalidInput, "64-bit"),
         (lambda: shout.delay({"when": object()}), InvalidInput, "cannot travel as JSON"),
         (lambda: shout.delay("x" * 70_000), InputTooLong, "CARPOOL_MAX_INPUT_BYTES"),
-        (lambda: shout.apply_async(("a",), countdown=3), UnsupportedOption, "countdown"),
-        (lambda: shout.apply_async(("a",), link=infer.s()), UnsupportedOption, "callbacks"),
-        (lambda: chain(shout.s("a"), shout.s()).apply_async(), UnsupportedOption, "chain"),
-        (lambda: infer.apply_async(("a",), eta=1e9), UnsupportedOption, "eta"),
+        (lambda: shout.apply_async(("a",), chord=infer.s()), UnsupportedOption, "chord"),
+        (lambda: infer.apply_async(("a",), time_limit=3), UnsupportedOption, "time_limit"),
+        (lambda: infer.apply_async(("a",), ignore_result=True), UnsupportedOption, "ignore_result"),
         (lambda: infer.apply_async(("a",), serializer="pickle"), UnsupportedOption, "plain JSON"),
     ],
 )

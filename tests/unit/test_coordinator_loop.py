@@ -9,12 +9,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from celery.exceptions import TaskRevokedError
 
+from carpool.celery_edge import links
 from carpool.codec import loads
 from carpool.config import Settings
 from carpool.coordinator.loop import Coordinator
 from carpool.coordinator.waiting import FORCED_POLL_S, WaitFor
-from carpool.errors import DeadlineExceeded
+from carpool.errors import DeadlineExceeded, QueueFull
 from carpool.wire import WIRE_VERSION, batch_report, read_batch
 from tests.unit.messages import message
 
@@ -63,6 +65,11 @@ class FakeStore:
         return self.workers
 
     def renew_held(self, ids: Sequence[str]) -> int:
+        self.renewed = list(ids)
+        return len(ids)
+
+    def requeue(self, ids: Sequence[str]) -> int:
+        self.requeued = list(ids)
         return len(ids)
 
     def reap(self) -> int:
@@ -82,8 +89,9 @@ class FakeBackend:
     def __init__(self) -> None:
         self.stored: list[tuple[str, str, Any]] = []
 
-    def store_many(self, entries: list[tuple[str, str, Any]]) -> None:
+    def store_many(self, entries: list[tuple[str, str, Any]]) -> list[str]:
         self.stored.extend(entries)
+        return [task_id for task_id, _, _ in entries]
 
 
 class Built:
@@ -284,3 +292,134 @@ def test_a_request_refused_at_intake_is_received_before_it_fails(clocks: Clocks)
     clocks.advance(1.01)
     c.step()  # expired in the coordinator's queue: received once, at admission, then failed
     assert events.of("ok") == ["received", "failed"]
+
+
+# --- countdown / eta -------------------------------------------------------------------------------
+def test_a_request_is_held_until_its_eta_then_batched(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=1, idle_poll_s=1.0)
+    c.store.queue.append(("later", message("later", "hello", eta=iso(WALL_START + 0.5))))
+    c.step()
+    wait = c.step()
+    assert len(c.deferred) == 1 and len(c.policy) == 0 and c.store.dispatched == []
+    # Nothing else to do: it waits for new requests, but no longer than until the eta.
+    assert wait.block_on is WaitFor.REQUESTS and wait.seconds == pytest.approx(0.5)
+    clocks.advance(0.2)
+    c._next_housekeeping = 0.0
+    c.step()
+    assert "later" in c.store.renewed, "its lease is renewed while it is held"
+    clocks.advance(0.29)
+    c.step()
+    assert c.store.dispatched == [] and len(c.deferred) == 1
+    clocks.advance(0.02)
+    for _ in range(10):  # due: it joins the policy, and a partial batch leaves after its short wait
+        c.step()
+        if c.store.dispatched:
+            break
+        clocks.advance(0.05)
+    assert len(c.deferred) == 0
+    assert [ids for _, ids in c.store.dispatched] == [["later"]]
+    [batch] = c._builders[c.settings.batch_queue].batches
+    [slot] = batch["requests"]
+    assert slot["deadline"] == pytest.approx(WALL_START + 0.5 + c.settings.default_deadline_s)
+
+
+def test_requests_held_for_their_eta_are_handed_back_at_shutdown(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=1)
+    c.store.queue += [
+        ("later", message("later", "hello", eta=iso(WALL_START + 60.0))),
+        ("now", message("now", "hello")),
+    ]
+    c.step()
+    c.shutdown()
+    assert sorted(c.store.requeued) == ["later", "now"]
+
+
+def test_held_requests_count_toward_max_pending(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0, max_pending=2)
+    c.store.queue += [(i, message(i, "x", eta=iso(WALL_START + 60.0))) for i in ("a", "b", "c")]
+    c.step()
+    assert len(c.deferred) == 2
+    [(request_id, state, error)] = c.backend.stored
+    assert request_id == "c" and state == "FAILURE" and isinstance(error, QueueFull)
+
+
+def test_a_request_expiring_before_its_eta_fails_at_once_and_calls_its_error_callbacks(
+    clocks: Clocks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    called: list[tuple[str, str | None, Any]] = []
+    monkeypatch.setattr(
+        links, "on_failure", lambda app, rid, task, lk, exc: called.append((rid, task, lk["errbacks"]))
+    )
+    c = coordinator(clocks, workers=1)
+    errback = {"task": "carpool.infer", "args": [], "kwargs": {}, "options": {}}
+    step = {**errback, "options": {"task_id": "chained"}}
+    embed = {"callbacks": None, "errbacks": [errback], "chain": [step], "chord": None}
+    c.store.queue.append(
+        (
+            "doomed",
+            message("doomed", "hi", eta=iso(WALL_START + 10), expires=iso(WALL_START + 5), embed=embed),
+        )
+    )
+    c.step()
+    assert len(c.deferred) == 0 and c.store.acked == ["doomed"]
+    stored = {task_id: error for task_id, _, error in c.backend.stored}
+    assert isinstance(stored["doomed"], DeadlineExceeded) and "before its eta" in str(stored["doomed"])
+    assert stored["chained"] is stored["doomed"], "the failure goes on to the rest of its chain"
+    assert called == [("doomed", "carpool.infer", [errback])]
+
+
+# --- revoke ---------------------------------------------------------------------------------------
+class HeardRevokes:
+    """Stands in for the revoke listener's thread."""
+
+    def __init__(self) -> None:
+        self.heard: list[str] = []
+
+    def take(self) -> list[str]:
+        heard, self.heard = self.heard, []
+        return heard
+
+
+def test_revoked_requests_held_here_are_answered_revoked_and_never_batched(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0)  # nobody to run anything: the coordinator holds it all
+    c.revokes = HeardRevokes()
+    c.store.queue += [
+        ("later", message("later", "hi", eta=iso(WALL_START + 60.0))),
+        ("held", message("held", "hi")),
+        ("kept", message("kept", "hi")),
+    ]
+    c.step()
+    assert len(c.deferred) == 1 and len(c.policy) == 2
+    c.revokes.heard += ["later", "held", "unknown"]
+    c.step()
+    assert len(c.deferred) == 0 and len(c.policy) == 1
+    assert [(i, state) for i, state, _ in c.backend.stored] == [("later", "REVOKED"), ("held", "REVOKED")]
+    assert all(isinstance(error, TaskRevokedError) for _, _, error in c.backend.stored)
+    assert c.store.acked == ["later", "held"]
+    # One revoked before it was taken is answered when it is, without being decoded or batched.
+    c.store.queue.append(("unknown", b"not even a message"))
+    c.store.workers = 1
+    c._next_housekeeping = 0.0
+    for _ in range(10):
+        c.step()
+        clocks.advance(0.05)
+    assert c.backend.stored[-1][:2] == ("unknown", "REVOKED")
+    assert [ids for _, ids in c.store.dispatched] == [["kept"]]
+
+
+def test_a_revoke_broadcast_names_its_task_ids() -> None:
+    import base64
+
+    from carpool.coordinator.revokes import revoked_task_ids
+
+    def broadcast(command: dict[str, Any]) -> bytes:
+        body = base64.b64encode(json.dumps(command).encode()).decode()
+        return json.dumps({"body": body, "properties": {"body_encoding": "base64"}}).encode()
+
+    revoke = {"method": "revoke", "arguments": {"task_id": "a", "terminate": False}, "destination": None}
+    assert revoked_task_ids(broadcast(revoke)) == ["a"]
+    several = {**revoke, "arguments": {"task_id": ["a", "b"]}}
+    assert revoked_task_ids(broadcast(several)) == ["a", "b"]
+    assert revoked_task_ids(broadcast({**revoke, "destination": ["some-worker@host"]})) == []
+    assert revoked_task_ids(broadcast({"method": "ping", "arguments": {}})) == []
+    assert revoked_task_ids(b"garbage") == []

@@ -106,3 +106,25 @@ def test_a_wait_below_redis_timeout_resolution_is_not_a_blocking_one() -> None:
 def test_a_blocking_wait_that_fails_falls_back_to_a_short_sleep() -> None:
     assert Wait(1.0, WaitFor.REQUESTS).fallback_s == BUSY_POLL_S
     assert Wait(0.001, WaitFor.REPORTS).fallback_s == 0.001
+
+
+# --- requests held for their eta ----------------------------------------------------------------
+def test_the_next_eta_ends_a_blocking_wait_for_requests() -> None:
+    pacer = polled_at(100.0, idle_poll_s=1.0)
+    wait = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False, next_eta_s=100.5)
+    assert wait.block_on is WaitFor.REQUESTS and wait.seconds == pytest.approx(0.5)
+
+
+def test_an_eta_within_the_grain_is_slept_locally_and_a_past_one_means_no_wait() -> None:
+    pacer = polled_at(100.0, idle_poll_s=1.0)
+    wait = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=True, next_eta_s=100.05)
+    assert wait.block_on is None and wait.seconds <= 0.05
+    assert pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False, next_eta_s=99.0) == Wait(0.0)
+
+
+def test_the_sooner_of_the_plans_wake_time_and_the_next_eta_counts() -> None:
+    pacer = polled_at(100.0, wake_at_s=100.3, idle_poll_s=1.0)
+    late_eta = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False, next_eta_s=100.8)
+    assert late_eta.seconds == pytest.approx(0.3)
+    early_eta = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False, next_eta_s=100.2)
+    assert early_eta.seconds == pytest.approx(0.2)

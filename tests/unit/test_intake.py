@@ -147,3 +147,53 @@ def test_with_truncation_on_long_texts_are_cut_to_the_window() -> None:
     out, _ = run([("a", message("a", "one two three four five"))])
     [(_, req)] = out.admitted
     assert req.length == 4
+
+
+def iso(wall_s: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(wall_s, UTC).isoformat()
+
+
+def test_a_request_with_an_eta_arrives_at_its_eta_and_its_default_deadline_counts_from_then() -> None:
+    out, _ = run([("a", message("a", "hi", sent_at=WALL - 1.0, eta=iso(WALL + 30.0)))])
+    [(msg, req)] = out.admitted
+    assert msg.eta_at == pytest.approx(WALL + 30.0)
+    assert req.arrival_s == pytest.approx(NOW + 30.0)
+    assert req.deadline_s == pytest.approx(NOW + 30.0 + 60.0)
+    assert req.payload["deadline"] == pytest.approx(WALL + 90.0)
+    with_expiry = message("b", "hi", eta=iso(WALL + 30.0), expires=iso(WALL + 45.0))
+    [(_, req)] = run([("b", with_expiry)])[0].admitted
+    assert req.deadline_s == pytest.approx(NOW + 45.0)
+
+
+def test_an_eta_already_past_counts_the_wait_from_the_eta() -> None:
+    out, _ = run([("a", message("a", "hi", sent_at=WALL - 10.0, eta=iso(WALL - 4.0)))])
+    [(_, req)] = out.admitted
+    assert req.arrival_s == pytest.approx(NOW - 4.0)
+
+
+def test_callbacks_chain_and_canvas_ids_ride_in_the_slot_only_when_present() -> None:
+    callback: dict[str, Any] = {
+        "task": "carpool.infer",
+        "args": [],
+        "kwargs": {},
+        "options": {},
+        "subtask_type": None,
+    }
+    step = {**callback, "options": {"task_id": "next"}}
+    embed = {"callbacks": [callback], "errbacks": None, "chain": [step], "chord": None}
+    linked = message("a", "hi", embed=embed, extra_headers={"root_id": "root", "parent_id": None})
+    child = message("b", "hi", extra_headers={"root_id": "root", "parent_id": "a"})
+    plain = message("c", "hi", extra_headers={"root_id": None, "parent_id": None})
+    out, _ = run([("a", linked), ("b", child), ("c", plain)])
+    (msg_a, a), (msg_b, b), (msg_c, c) = out.admitted
+    assert msg_a.links == a.payload["links"] == {"callbacks": [callback], "chain": [step], "root_id": "root"}
+    assert msg_b.links == b.payload["links"] == {"root_id": "root", "parent_id": "a"}
+    assert msg_c.links is None and "links" not in c.payload
+
+
+def test_callbacks_that_are_not_signatures_make_the_message_malformed() -> None:
+    embed = {"callbacks": "carpool.infer", "errbacks": None, "chain": None, "chord": None}
+    out, _ = run([("a", message("a", "hi", embed=embed))])
+    assert not out.admitted and "callbacks" in out.malformed[0].reason

@@ -1,0 +1,140 @@
+"""The revokes a coordinator hears: ``AsyncResult.revoke()`` broadcasts, read on a thread of their own.
+
+``revoke()`` broadcasts Celery's remote-control command on the ``celery.pidbox`` fanout (a Redis
+PUB/SUB topic), which every Celery worker hears, carpool's GPU workers among them. A coordinator
+listens too, so that a request it still holds (for its eta, or while no worker is up) is answered
+REVOKED at once, and one it takes later is never batched. Like Celery's workers it remembers
+revoked ids for a while (``celery.worker.state``'s limits), in memory: a revoke broadcast while no
+coordinator and no worker listens is heard by nobody.
+
+The thread only collects ids; the coordinator's loop takes them between steps, so the loop's cost
+stays one list check per step.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import threading
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.utils.collections import LimitedSet
+from celery.worker import state as worker_state
+
+from carpool.celery_edge import compat
+from carpool.celery_edge.app import state_of
+from carpool.codec import loads
+
+log = logging.getLogger(__name__)
+
+RECONNECT_S = 1.0
+
+
+def revoked_task_ids(raw: bytes | str) -> list[str]:
+    """The task ids a remote-control message revokes; none when it is another command, or one aimed at
+    named workers (``destination=``), or not a message at all.
+
+    The message is kombu's envelope of Celery's ``{"method", "arguments", "destination", ...}`` body;
+    ``arguments["task_id"]`` is one id or a list of them.
+    """
+    try:
+        envelope = loads(raw)
+        body: Any = envelope["body"]
+        if envelope.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        command = loads(body) if isinstance(body, str | bytes) else body
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error):
+        return []
+    if not isinstance(command, dict) or command.get("method") != "revoke" or command.get("destination"):
+        return []
+    arguments = command.get("arguments")
+    task_ids = arguments.get("task_id") if isinstance(arguments, dict) else None
+    if isinstance(task_ids, str):
+        task_ids = [task_ids]
+    if not isinstance(task_ids, list):
+        return []
+    return [t for t in task_ids if isinstance(t, str) and t]
+
+
+class RevokeListener:
+    """Collects the ids revoked on ``topic`` (the remote-control fanout) until :meth:`take` is called."""
+
+    def __init__(self, client: redis.Redis, topic: str) -> None:
+        self._client = client
+        self._topic = topic
+        self._heard: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._listen, name="carpool-revokes", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def take(self) -> list[str]:
+        """The ids heard since the last call."""
+        if not self._heard:
+            return []
+        with self._lock:
+            heard, self._heard = self._heard, []
+        return heard
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
+            try:
+                pubsub.subscribe(self._topic)
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=RECONNECT_S)
+                    if message is not None and message.get("type") == "message":
+                        ids = revoked_task_ids(message["data"])
+                        if ids:
+                            with self._lock:
+                                self._heard.extend(ids)
+            except redis.ResponseError as exc:  # e.g. an ACL without this channel: workers still check
+                log.warning("cannot hear revokes on %s (%s); only workers will check them", self._topic, exc)
+                return
+            except redis.RedisError as exc:
+                log.info("revoke listener lost redis (%s); resubscribing", exc)
+                self._stop.wait(RECONNECT_S)
+            finally:
+                pubsub.close()
+
+
+class Revoked:
+    """The ids revoked lately, remembered as a Celery worker remembers them (same count and age)."""
+
+    def __init__(self) -> None:
+        self._ids = LimitedSet(maxlen=worker_state.REVOKES_MAX, expires=worker_state.REVOKE_EXPIRES)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def remember(self, ids: list[str]) -> None:
+        self._ids.update(ids)
+
+    def split(self, taken: list[tuple[str, bytes]]) -> tuple[list[tuple[str, bytes]], list[str]]:
+        """(the taken requests not revoked, the ids of those revoked)."""
+        revoked = [request_id for request_id, _ in taken if request_id in self._ids]
+        if not revoked:
+            return taken, []
+        gone = set(revoked)
+        return [(request_id, raw) for request_id, raw in taken if request_id not in gone], revoked
+
+
+def listen(app: Celery, broker_url: str) -> RevokeListener | None:
+    """A started listener for ``app``'s remote-control broadcasts; None (logged) if it cannot start."""
+    try:
+        topic = compat.publish_topic(state_of(app).message_channel(), app.control.mailbox.exchange.name, "")
+    except Exception as exc:
+        log.warning("cannot hear revokes (%s); only workers will check them", exc)
+        return None
+    listener = RevokeListener(redis.Redis.from_url(broker_url), topic)
+    listener.start()
+    return listener

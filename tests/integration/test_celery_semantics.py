@@ -1,0 +1,227 @@
+"""Celery's task semantics on carpool tasks, through real coordinator and worker processes: countdown
+and eta, callbacks, error callbacks, chains and groups, and revoke.
+
+Each is tried on ``carpool.infer`` (toy model) and on a ``@batched`` task, as a user of ``.delay()``
+would write it.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import redis
+from celery import chain, group
+from celery.exceptions import TaskRevokedError
+from celery.result import AsyncResult
+
+from carpool.errors import DeadlineExceeded, InvalidInput, ModelError, UnsupportedOption
+from carpool.redis_edge.keys import Keys
+from tests.integration.conftest import Processes, start_stack
+
+pytestmark = pytest.mark.integration
+
+IMPORTS = "tests.integration.batched_tasks"
+ENV = {"CARPOOL_MODEL": "toy", "CARPOOL_IMPORTS": IMPORTS}
+
+
+def _answered_at(result: AsyncResult) -> datetime:
+    done = result.date_done
+    assert isinstance(done, datetime)
+    return done if done.tzinfo is not None else done.replace(tzinfo=UTC)
+
+
+def test_countdown_and_eta_hold_a_request_until_then(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    sent = datetime.now(UTC)
+    later = infer.apply_async(("later",), countdown=5)
+    at = sent + timedelta(seconds=5)
+    shouted = t.shout.apply_async(("at",), eta=at)
+    now = infer.delay("now")
+    # A request without an eta, sent after them, is answered while they wait.
+    assert len(now.get(timeout=30)) == 32
+    assert _answered_at(now) < at
+
+    assert later.get(timeout=30) == infer.delay("later").get(timeout=30)
+    assert shouted.get(timeout=30)["out"] == "AT"
+    # Celery's countdown counts from its own clock reading at the send, just after ``sent``.
+    assert _answered_at(later) >= at
+    assert _answered_at(shouted) >= at
+
+
+def test_a_request_expiring_before_its_eta_fails_at_once(processes: Processes) -> None:
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    doomed = t.shout.apply_async(("x",), countdown=60, expires=2)
+    with pytest.raises(DeadlineExceeded, match="before its eta"):
+        doomed.get(timeout=30)
+
+
+def test_a_held_request_survives_its_coordinators_crash(processes: Processes) -> None:
+    from tests.integration import batched_tasks as t
+
+    env = {**ENV, "CARPOOL_RECOVERY_TIMEOUT_S": "1"}
+    start_stack(processes, **env)
+    at = datetime.now(UTC) + timedelta(seconds=8)  # later than a new coordinator takes to start
+    held = t.shout.apply_async(("held",), eta=at)
+    client = redis.Redis.from_url(processes.broker_url)
+    lease = Keys("carpool.requests").inflight_lease
+    deadline = time.monotonic() + 20
+    while client.zcard(lease) == 0:  # the coordinator took it into flight and holds it
+        assert time.monotonic() < deadline, "the coordinator never took the request"
+        time.sleep(0.05)
+    processes.kill("coordinator")
+    time.sleep(1.5)  # its lease runs out: the next coordinator's recovery requeues it
+    processes.restart("coordinator")
+    assert held.get(timeout=60)["out"] == "HELD"
+    assert _answered_at(held) >= at
+
+
+def test_chains_of_carpool_tasks_return_the_last_steps_result(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    two = chain(infer.s("one"), infer.si("two")).apply_async()
+    assert two.get(timeout=30) == infer.delay("two").get(timeout=30)
+    assert two.parent is not None and len(two.parent.get(timeout=30)) == 32
+    assert (t.shout.s("four") | t.count.s()).apply_async().get(timeout=30) == 3  # {"out", "batch", "pid"}
+    assert (
+        chain(infer.s("a vector"), t.count.s(), t.shout.si("end")).apply_async().get(timeout=30)["out"]
+        == "END"
+    )
+
+
+def test_a_failed_step_fails_the_rest_of_its_chain(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    with pytest.raises(ModelError, match="boom is not a word"):
+        chain(t.fragile.s("boom"), t.count.s(), t.shout.s()).apply_async().get(timeout=30)
+    # The next step refuses the result as its input: the chain's result says so.
+    with pytest.raises(InvalidInput):
+        (t.shout.s("x") | infer.s()).apply_async().get(timeout=30)
+
+
+def test_callbacks_and_error_callbacks(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    counted = t.count.s()
+    counted.freeze()
+    twice = [t.count.s(), t.count.s()]
+    for sig in twice:
+        sig.freeze()
+    vector = infer.apply_async(("linked",), link=counted)
+    shouted = t.shout.apply_async(("hi",), link=twice)
+    assert len(vector.get(timeout=30)) == 32
+    assert AsyncResult(counted.id).get(timeout=30) == 32
+    shouted.get(timeout=30)
+    assert [AsyncResult(sig.id).get(timeout=30) for sig in twice] == [3, 3]
+
+    # An error callback gets the failed request's id (an old-style errback), from the worker...
+    on_error = t.shout.s()
+    on_error.freeze()
+    failed = t.fragile.apply_async(("boom",), link_error=on_error)
+    with pytest.raises(ModelError):
+        failed.get(timeout=30)
+    assert AsyncResult(on_error.id).get(timeout=30)["out"] == failed.id.upper()
+    # ...and from the coordinator, when it refuses the request.
+    on_expiry = t.shout.s()
+    on_expiry.freeze()
+    expired = t.shout.apply_async(("x",), countdown=60, expires=1, link_error=on_expiry)
+    with pytest.raises(DeadlineExceeded):
+        expired.get(timeout=30)
+    assert AsyncResult(on_expiry.id).get(timeout=30)["out"] == expired.id.upper()
+
+
+def test_groups_of_carpool_tasks(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    got = group(infer.s("one"), infer.s("two"), t.shout.s("x")).apply_async().get(timeout=30)
+    assert len(got[0]) == len(got[1]) == 32 and got[2]["out"] == "X"
+
+
+def test_a_revoked_request_never_runs(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    counted = t.count.s()
+    counted.freeze()
+    revoked = [
+        infer.apply_async(("never",), countdown=2),
+        t.shout.apply_async(("never",), countdown=2, link=counted),
+    ]
+    kept = t.shout.apply_async(("kept",), countdown=2)
+    for r in revoked:
+        r.revoke()
+    for r in revoked:
+        with pytest.raises(TaskRevokedError):
+            r.get(timeout=30)
+        assert r.state == "REVOKED"
+    assert kept.get(timeout=30)["out"] == "KEPT"
+    assert not AsyncResult(counted.id).ready(), "a revoked request's callbacks are not applied"
+
+
+def test_what_cannot_be_honoured_is_refused_at_the_call(processes: Processes) -> None:
+    from celery import chord
+
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    with pytest.raises(UnsupportedOption, match="chord"):
+        chord([t.shout.s("a"), t.shout.s("b")], t.count.s()).apply_async()
+
+
+def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    processes.start("coordinator", "coordinator", **ENV)  # no worker yet: it holds what it takes
+    held_for_eta = t.shout.apply_async(("never",), countdown=600)
+    no_worker_yet = infer.delay("never")
+    kept = t.shout.delay("kept")
+    client = redis.Redis.from_url(processes.broker_url)
+    lease = Keys("carpool.requests").inflight_lease
+    deadline = time.monotonic() + 30
+    while client.zcard(lease) < 3:  # the coordinator took all three into flight
+        assert time.monotonic() < deadline, "the coordinator never took the requests"
+        time.sleep(0.05)
+    held_for_eta.revoke()
+    no_worker_yet.revoke()
+    for r in (held_for_eta, no_worker_yet):  # answered long before the eta, with no worker up
+        with pytest.raises(TaskRevokedError):
+            r.get(timeout=30)
+    # Revoked before it was sent: the coordinator remembers, and never batches it.
+    before = t.shout.s("never")
+    before.freeze()
+    AsyncResult(before.id).revoke()
+    time.sleep(0.5)
+    before.apply_async()
+    processes.start("worker0", "worker", **ENV)
+    assert kept.get(timeout=60)["out"] == "KEPT"
+    with pytest.raises(TaskRevokedError):
+        AsyncResult(before.id).get(timeout=30)
+
+
+def test_chains_between_carpool_and_plain_celery_tasks(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    plain_worker = ["celery", "-A", "carpool.celery_app", "worker", "--include", IMPORTS]
+    plain_worker += ["--queues", t.PLAIN_QUEUE, "--pool", "solo", "--without-mingle", "--without-gossip"]
+    processes.spawn("plain-worker", plain_worker, **ENV)
+    assert (infer.s("to a plain worker") | t.describe.s()).apply_async().get(timeout=60) == "list of 32"
+    # ...and back: the plain worker's tracer sends the carpool step, which a batch worker runs.
+    assert (t.describe.s("abc") | t.count.s()).apply_async().get(timeout=60) == len("str of 3")

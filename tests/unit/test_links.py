@@ -1,0 +1,133 @@
+"""Callbacks, chains and error callbacks of carpool requests, applied as Celery's tracer would: what
+gets sent, with which arguments and ids (sends recorded, nothing reaches a broker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import group
+
+from carpool.celery_edge import links
+from carpool.celery_edge.app import app
+from carpool.errors import InvalidInput, ModelError, UnroutableLink
+from carpool.tasks import infer
+from carpool.wire import Links
+
+seen_by_new_style: list[tuple[str, str]] = []
+
+
+@app.task(name="unit.links.on_error")  # type: ignore[untyped-decorator, unused-ignore]
+def on_error(request: Any, exc: Any, traceback: Any) -> None:
+    """A new-style error callback: Celery calls it in the process that stored the failure."""
+    seen_by_new_style.append((request.id, str(exc)))
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every task message the app would send: name, args and options."""
+    out: list[dict[str, Any]] = []
+
+    def send_task(name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        out.append({"name": name, "args": tuple(args or ()), **options})
+        return app.AsyncResult(options.get("task_id") or "sent")
+
+    monkeypatch.setattr(app, "send_task", send_task)
+    # A group's apply_async subscribes to its members' results (Celery's barrier); no Redis here.
+    monkeypatch.setattr(app.backend, "add_pending_result", lambda *args, **kwargs: None)
+    return out
+
+
+def sig(name: str, *args: Any, task_id: str | None = None) -> dict[str, Any]:
+    """A signature of a task this process does not know, sent to a plain Celery worker's queue."""
+    signature = app.signature(name, args=args, options={"queue": "plain"})
+    if task_id:
+        signature.set(task_id=task_id)
+    return dict(signature)
+
+
+def test_a_callback_gets_the_result_with_the_request_as_parent(sent: list[dict[str, Any]]) -> None:
+    lk: Links = {"callbacks": [sig("other.task", "first")], "root_id": "root"}
+    assert links.on_success(app, "req", lk, [1.5]) == []
+    [call] = sent
+    assert call["name"] == "other.task" and call["args"] == ([1.5], "first")  # result first, as Celery
+    assert call["parent_id"] == "req" and call["root_id"] == "root"
+
+
+def test_without_a_root_id_the_request_is_the_root(sent: list[dict[str, Any]]) -> None:
+    links.on_success(app, "req", {"callbacks": [sig("other.task")]}, "out")
+    assert sent[0]["root_id"] == "req"
+
+
+def test_several_callbacks_are_sent_together(sent: list[dict[str, Any]]) -> None:
+    nested = dict(group(app.signature("g.one", queue="plain"), app.signature("g.two", queue="plain")))
+    lk: Links = {"callbacks": [sig("a.task"), sig("b.task"), nested]}
+    links.on_success(app, "req", lk, 7)
+    assert sorted(c["name"] for c in sent) == ["a.task", "b.task", "g.one", "g.two"]
+    assert all(c["args"] == (7,) and c["parent_id"] == "req" for c in sent)
+
+
+def test_the_chains_next_step_gets_the_result_and_the_rest_of_the_chain(sent: list[dict[str, Any]]) -> None:
+    last = sig("third.task", task_id="t3")
+    lk: Links = {"chain": [last, sig("second.task", task_id="t2")], "root_id": "root"}
+    assert links.on_success(app, "req", lk, "out") == []
+    [call] = sent
+    assert call["name"] == "second.task" and call["task_id"] == "t2" and call["args"] == ("out",)
+    assert [dict(s)["task"] for s in call["chain"]] == ["third.task"]
+    assert call["parent_id"] == "req" and call["root_id"] == "root"
+
+
+def test_a_carpool_step_that_refuses_the_result_fails_the_rest_of_the_chain(
+    sent: list[dict[str, Any]],
+) -> None:
+    lk: Links = {"chain": [sig("third.task", task_id="t3"), dict(infer.s().set(task_id="t2"))]}
+    failures = links.on_success(app, "req", lk, {"not": "a text"})
+    assert sent == []
+    assert [(task_id, state) for task_id, state, _ in failures] == [("t3", "FAILURE"), ("t2", "FAILURE")]
+    assert all(isinstance(exc, InvalidInput) for _, _, exc in failures)
+
+
+def test_an_immutable_carpool_step_is_sent_with_its_own_arguments(sent: list[dict[str, Any]]) -> None:
+    lk: Links = {"chain": [dict(infer.si("two").set(task_id="t2"))]}
+    assert links.on_success(app, "req", lk, [0.1, 0.2]) == []
+    [call] = sent
+    assert call["name"] == "carpool.infer" and call["args"] == ("two",) and call["task_id"] == "t2"
+
+
+def test_a_failure_goes_on_to_every_chain_step_with_an_id() -> None:
+    error = ModelError("boom")
+    lk: Links = {"chain": [sig("c.task", task_id="t3"), sig("b.task"), sig("a.task", task_id="t1")]}
+    assert links.chain_failures(lk, error) == [("t3", "FAILURE", error), ("t1", "FAILURE", error)]
+    assert links.chain_failures(None, error) == []
+
+
+def test_old_style_error_callbacks_are_sent_the_failed_requests_id(sent: list[dict[str, Any]]) -> None:
+    lk: Links = {"errbacks": [sig("errors.task")], "root_id": "root"}
+    links.on_failure(app, "req", "carpool.infer", lk, ModelError("boom"))
+    [call] = sent
+    assert call["name"] == "errors.task" and call["args"] == ("req",)
+    assert call["parent_id"] == "req" and call["root_id"] == "root"
+
+
+def test_new_style_error_callbacks_run_here_with_a_request_and_the_exception(
+    sent: list[dict[str, Any]],
+) -> None:
+    seen_by_new_style.clear()
+    links.on_failure(
+        app, "req", "carpool.infer", {"errbacks": [sig("unit.links.on_error")]}, ModelError("boom")
+    )
+    assert sent == [] and seen_by_new_style == [("req", "boom")]
+
+
+def test_a_step_that_would_fall_to_the_batch_queue_fails_the_chain_instead(
+    sent: list[dict[str, Any]],
+) -> None:
+    # Not a task this process knows, and no queue: the app's default queue is the batch queue.
+    lk: Links = {"chain": [dict(app.signature("nobody.knows").set(task_id="t2"))]}
+    [(task_id, state, exc)] = links.on_success(app, "req", lk, "out")
+    assert sent == [] and (task_id, state) == ("t2", "FAILURE")
+    assert isinstance(exc, UnroutableLink) and "sig.set(queue=...)" in str(exc)
+    # With a queue of its own it is sent there.
+    routed: Links = {"chain": [sig("nobody.knows")]}
+    assert links.on_success(app, "req", routed, "out") == []
+    assert sent[0]["name"] == "nobody.knows" and sent[0]["queue"] == "plain"

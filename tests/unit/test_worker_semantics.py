@@ -1,0 +1,124 @@
+"""The worker's side of Celery's semantics, with its Redis edge faked: revoked requests are answered
+REVOKED without running, callbacks follow only the results this run stored, and a failure goes on
+to the rest of its chain in the batch's one finish script."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from celery.worker import state
+
+from carpool.celery_edge import links
+from carpool.codec import loads
+from carpool.errors import DeadlineExceeded
+from carpool.wire import Links, RequestSlot, batch_message
+
+
+class FakeStore:
+    """Claims everything; a finish stores the results at ``stored`` (1-based), all when None."""
+
+    def __init__(self) -> None:
+        self.stored: list[int] | None = None
+        self.writes: list[tuple[str, dict[str, Any]]] = []
+
+    def claim_fresh(self, batch_id: str, ids: Sequence[str], keys: Sequence[str], db: int) -> list[int]:
+        return [1] * len(ids)
+
+    def finish(self, **kwargs: Any) -> list[int]:
+        writes = kwargs["writes"]
+        self.writes = [(loads(p)["task_id"], loads(p)) for p in writes.payloads]
+        return self.stored if self.stored is not None else list(range(1, len(writes.payloads) + 1))
+
+
+@pytest.fixture
+def runtime() -> Any:
+    from carpool.celery_edge.app import app
+    from carpool.gpu_worker.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(app)
+    rt.device = "cpu"
+    rt.dbs = (0, 1)
+    rt.events.enabled = False
+    rt.store = FakeStore()  # type: ignore[assignment]
+    return rt
+
+
+@pytest.fixture
+def applied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+    """The links the worker applies: ("success", id, result) and ("failure", id, exception)."""
+    out: list[tuple[str, str, Any]] = []
+
+    def on_success(app: Any, request_id: str, lk: Links, result: Any) -> list[Any]:
+        out.append(("success", request_id, result))
+        return []
+
+    def on_failure(app: Any, request_id: str, task: str | None, lk: Links, exc: BaseException) -> None:
+        out.append(("failure", request_id, exc))
+
+    monkeypatch.setattr(links, "on_success", on_success)
+    monkeypatch.setattr(links, "on_failure", on_failure)
+    return out
+
+
+@pytest.fixture
+def revoked() -> Iterator[set[str]]:
+    ids: set[str] = set()
+    yield ids
+    for task_id in ids:
+        state.revoked.discard(task_id)
+
+
+def slot(request_id: str, deadline: float = 2e9, **extra: Any) -> RequestSlot:
+    return {"id": request_id, "ids": [101, 7, 102], "len": 3, "sent_at": 1.7e9, "deadline": deadline, **extra}  # type: ignore[typeddict-item]
+
+
+def batch(*slots: RequestSlot) -> Any:
+    return batch_message(
+        batch_id="batch-1",
+        task="carpool.infer",
+        model="toy",
+        bin_label="1-16",
+        flush="full",
+        padded_len=8,
+        dispatched_at=1.7e9,
+        coordinator="c",
+        requests=list(slots),
+    )
+
+
+def test_a_revoked_request_is_answered_revoked_without_running(
+    runtime: Any, applied: list[Any], revoked: set[str]
+) -> None:
+    state.revoked.add("gone")
+    revoked.add("gone")
+    linked: Links = {"callbacks": [{"task": "x", "args": [], "kwargs": {}, "options": {}}]}
+    report = runtime.run(batch(slot("gone", links=linked), slot("kept")))
+    metas = dict(runtime.store.writes)
+    assert metas["gone"]["status"] == "REVOKED"
+    assert metas["gone"]["result"]["exc_type"] == "TaskRevokedError"
+    assert metas["kept"]["status"] == "SUCCESS"
+    assert report["size"] == 1, "only the kept request ran"
+    assert applied == [], "a revoked request's callbacks are not applied"
+
+
+def test_links_follow_only_the_results_this_run_stored(runtime: Any, applied: list[Any]) -> None:
+    linked: Links = {"callbacks": [{"task": "x", "args": [], "kwargs": {}, "options": {}}]}
+    runtime.store.stored = [2]  # "a" had a result already (another run stored it first)
+    runtime.run(batch(slot("a", links=linked), slot("b", links=linked), slot("c")))
+    assert [(kind, request_id) for kind, request_id, _ in applied] == [("success", "b")]
+    assert isinstance(applied[0][2], list) and len(applied[0][2]) == 32
+
+
+def test_a_failure_goes_on_to_its_chain_in_the_same_finish_then_to_its_error_callbacks(
+    runtime: Any, applied: list[Any]
+) -> None:
+    step = {"task": "carpool.infer", "args": [], "kwargs": {}, "options": {"task_id": "next"}}
+    linked: Links = {"chain": [step], "errbacks": [{"task": "e", "args": [], "kwargs": {}, "options": {}}]}
+    runtime.run(batch(slot("late", deadline=1.0, links=linked)))
+    metas = dict(runtime.store.writes)
+    assert metas["late"]["status"] == metas["next"]["status"] == "FAILURE"
+    assert metas["next"]["result"] == metas["late"]["result"]
+    [(kind, request_id, exc)] = applied
+    assert (kind, request_id) == ("failure", "late") and isinstance(exc, DeadlineExceeded)
