@@ -41,7 +41,7 @@ no_engine() {
   exit 1
 }
 
-compose() { docker compose --env-file /dev/null -f docker-compose.yml --profile cpu "$@"; }
+compose() { docker compose --ansi never --env-file /dev/null -f docker-compose.yml --profile cpu "$@"; }
 
 teardown() {
   local status=$?
@@ -72,6 +72,7 @@ teardown() {
   say "$([ "$status" -eq 0 ] && echo passed || echo "FAILED (exit $status); logs in $LOG_DIR") in $((SECONDS - STARTED)) s"
 }
 trap teardown EXIT
+trap 'say "failed at line $LINENO: $BASH_COMMAND"' ERR
 
 # --- engine and compose v2 ---------------------------------------------------------------------
 [ "$(id -u)" -eq 0 ] || no_engine "needs root to install and start dockerd (running as $(id -un))"
@@ -112,7 +113,7 @@ install_compose_v2() {
   rm -rf "$work"
 }
 
-compose_major() { docker compose version --short 2>/dev/null | sed 's/^v//' | cut -d. -f1; }
+compose_major() { { docker compose version --short 2>/dev/null || true; } | sed 's/^v//' | cut -d. -f1; }
 
 if ! docker info >/dev/null 2>&1; then
   if ! command -v dockerd >/dev/null; then
@@ -195,7 +196,7 @@ REDIS_PORT=$(free_port) METRICS_PORT=$(free_port) FLOWER_PORT=$(free_port)
 compose --profile demo down --volumes --remove-orphans >/dev/null 2>&1 || true
 say "docker compose --profile cpu up -d --no-build --scale worker=0 --wait"
 STACK_UP=1
-timeout 420 docker compose --env-file /dev/null -f docker-compose.yml --profile cpu up -d --no-build --scale worker=0 --wait
+timeout 420 docker compose --ansi never --env-file /dev/null -f docker-compose.yml --profile cpu up -d --no-build --scale worker=0 --wait
 say "every service healthy"
 compose ps --format 'table {{.Service}}\t{{.Status}}\t{{.Ports}}'
 

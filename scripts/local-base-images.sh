@@ -35,7 +35,7 @@ command -v debootstrap >/dev/null || { say "debootstrap is not installed"; exit 
 
 rootfs=$(mktemp -d /tmp/carpool-rootfs.XXXXXX)
 context=$(mktemp -d /tmp/carpool-base-context.XXXXXX)
-trap 'rm -rf "$rootfs" "$rootfs.log" "$context"' EXIT
+trap 'rm -rf "$rootfs" "$rootfs.log" "$context" "$context".*.log' EXIT
 say "debootstrap $suite from $mirror"
 debootstrap --variant=minbase "$suite" "$rootfs" "$mirror" >"$rootfs.log" 2>&1 || {
   tail -n 30 "$rootfs.log" >&2
@@ -46,12 +46,15 @@ rm -f "$rootfs.log"
 rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
 tar -C "$rootfs" -c . | docker import - "$prefix/debian:$suite" >/dev/null
 
-for image in python redis; do
-  tag=$([ "$image" = python ] && echo 3.11 || echo 7)
-  say "building $prefix/$image:$tag"
-  DOCKER_BUILDKIT=0 docker build -q -t "$prefix/$image:$tag" \
-    --build-arg "DEBIAN_IMAGE=$prefix/debian:$suite" -f "docker/$image.Dockerfile" "$context" >/dev/null
-done
+say "building $prefix/python:3.11 and $prefix/redis:7"
+build() {
+  DOCKER_BUILDKIT=0 docker build -q -t "$prefix/$1" --build-arg "DEBIAN_IMAGE=$prefix/debian:$suite" \
+    -f "docker/$2.Dockerfile" "$context" >/dev/null 2>"$context.$2.log" || { cat "$context.$2.log" >&2; return 1; }
+}
+build python:3.11 python &
+python_build=$!
+build redis:7 redis
+wait "$python_build"
 
 echo "PYTHON_IMAGE=$prefix/python:3.11"
 echo "REDIS_IMAGE=$prefix/redis:7"
