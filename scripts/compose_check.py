@@ -367,12 +367,11 @@ def wait_for_quietly(probe: Callable[[], bool], timeout_s: float) -> bool:
 
 def check_crashes(stack: Stack, results: Results, texts: list[str], reference: dict[str, np.ndarray]) -> None:
     """A second burst in one wave per service; each wave's service is SIGKILLed while it serves."""
-    waves = [texts[i :: len(CRASHED)] for i in range(len(CRASHED))]
     sent: dict[str, str] = {}
-    for service, wave in zip(CRASHED, waves, strict=True):
-        with step(f"kill -9 {service}'s main process while it serves {len(wave)} requests; it restarts"):
+    for service in CRASHED:
+        with step(f"kill -9 {service}'s main process while it serves {len(texts)} requests; it restarts"):
             before = stack.restart_count(service)
-            ids = submit(wave)
+            ids = submit(texts)
             sent.update(ids)
 
             def under_way(ids: dict[str, str] = ids) -> bool:
@@ -384,8 +383,12 @@ def check_crashes(stack: Stack, results: Results, texts: list[str], reference: d
                 return count if count > before and running else None
 
             # Kill once the wave is flowing, so the crash lands in the middle of work.
-            wait_for("the wave to be under way", under_way, 120)
+            wait_for("the wave to be under way", under_way, 120, every_s=0.05)
+            answered = len(results.done(list(ids)))
             stack.kill_main_process(service)
+            if answered == len(ids):
+                raise CheckFailed(f"the whole wave was answered before {service} died: no crash mid-work")
+            print(f"compose-check:    killed with {answered} of {len(ids)} answered", flush=True)
             count = wait_for(f"{service} to restart", restarted, 60)
             stack.restarts[service] = count - before
     with step(f"nothing lost: all {len(sent)} requests of the second burst answered right"):
