@@ -99,6 +99,7 @@ apt_install() {
 
 # The Debian mirror this host's apt uses (not the security archive), as apt itself reports it.
 debian_mirror() {
+  [ -z "${DEBIAN_MIRROR:-}" ] || { echo "$DEBIAN_MIRROR"; return; }
   apt-get indextargets --format '$(REPO_URI) $(LABEL) $(COMPONENT)' "Identifier: Packages" 2>/dev/null \
     | awk '$2 == "Debian" && $3 == "main" { print $1; exit }'
 }
@@ -108,7 +109,9 @@ debian_mirror() {
 install_compose_v2() {
   local mirror work
   mirror=$(debian_mirror)
-  [ -n "$mirror" ] || return 1
+  # apt names a mirror's label only once it has fetched that mirror's Release file.
+  [ -n "$mirror" ] || [ -n "$apt_updated" ] || { apt-get update -qq && apt_updated=1 && mirror=$(debian_mirror); }
+  [ -n "$mirror" ] || { say "no Debian mirror in apt's configuration; set DEBIAN_MIRROR"; return 1; }
   work=$(mktemp -d)
   mkdir -p "$work/lists/partial" "$work/archives/partial"
   echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" >"$work/sources.list"
