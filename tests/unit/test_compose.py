@@ -1,22 +1,21 @@
-"""docker-compose.yml, Dockerfile and .dockerignore, checked statically.
+"""docker-compose.yml, Dockerfile, .dockerignore and the compose docs, checked statically.
 
-No Docker engine runs on CI machines, so the compose file is never started here. Instead: every
-command must be a real carpool or Celery entry point, every ``CARPOOL_*`` variable a real setting
-that parses, every image built from this repository's Dockerfile, Redis protected and persistent,
-Flower behind basic auth, the GPU worker reserving an NVIDIA device, and the health checks real
-Python that succeeds when the process is up and fails when it is not.
+CI starts the stack with a real engine (.ci/compose-stack.sh, scripts/compose_check.py); these
+checks run everywhere and start nothing: every command must be a real carpool or Celery entry
+point, every ``CARPOOL_*`` variable a real setting that parses, every carpool service the one image
+built from this repository's Dockerfile, Redis protected and persistent, Flower behind basic auth,
+each GPU worker reserving one NVIDIA device, and the Dockerfile buildable without a registry, a
+BuildKit frontend or a named package index. The health checks run against real processes in
+tests/integration/test_compose_processes.py.
 """
 
 from __future__ import annotations
 
-import http.server
+import importlib.util
 import os
 import re
 import shlex
-import socket
-import subprocess
 import sys
-import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,12 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
+CHECKER = ROOT / "scripts" / "compose_check.py"
+CI_RUN = ROOT / ".ci" / "run"
+CI_STAGE = ROOT / ".ci" / "compose-stack.sh"
+GPU_OVERRIDE_MARKER = "# docker-compose.override.yml: one worker per GPU"
+OFFICIAL_PYTHON = "python:3.11-slim"
+OFFICIAL_REDIS = "redis:7"
 
 # Started by a plain `docker compose up`; each needs a health check.
 DEFAULT_SERVICES = {"redis", "coordinator", "worker", "flower"}
@@ -93,17 +98,25 @@ def healthcheck_argv(service: dict[str, Any]) -> list[str]:
     return argv(test)
 
 
-@pytest.fixture(scope="module")
-def raw() -> dict[str, Any]:
+def load_raw() -> dict[str, Any]:
     document = yaml.safe_load(COMPOSE.read_text())
     assert isinstance(document, dict) and isinstance(document.get("services"), dict)
     return document
 
 
-@pytest.fixture(scope="module")
-def services(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def load_services() -> dict[str, dict[str, Any]]:
     """Services with YAML anchors merged (PyYAML does ``<<``) and variables at their defaults."""
-    return deep_interpolate(raw["services"])  # type: ignore[no-any-return]
+    return deep_interpolate(load_raw()["services"])  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict[str, Any]:
+    return load_raw()
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    return load_services()
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +151,20 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return out
 
 
+SHELL_KEYWORDS = {"if", "then", "else", "elif", "fi", "do", "done", "!"}
+
+
 def shell_commands(script: str) -> list[list[str]]:
-    """A RUN line's simple commands: words split like sh does, at ``&&``, ``||``, ``;`` and ``|``."""
+    """A RUN line's simple commands: words split like sh does, at ``&&``, ``||``, ``;`` and ``|``,
+    without the ``if``/``then``/``else`` that introduce them."""
     lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     commands: list[list[str]] = [[]]
     for token in lexer:
         if token in ("&&", "||", ";", "|", "&"):
             commands.append([])
+        elif token in SHELL_KEYWORDS and not commands[-1]:
+            continue
         else:
             commands[-1].append(token)
     return [c for c in commands if c]
@@ -273,7 +292,7 @@ def test_every_carpool_process_reaches_the_compose_redis_with_its_password(
 
 def test_redis_is_persistent_and_password_protected(services: dict[str, dict[str, Any]]) -> None:
     redis_svc = services["redis"]
-    assert str(redis_svc["image"]).split(":")[0] == "redis" and str(redis_svc["image"]).endswith(":7")
+    assert redis_svc["image"] == OFFICIAL_REDIS
     cmd = argv(redis_svc["command"])
     assert cmd[0] == "redis-server"
     assert cmd[cmd.index("--appendonly") + 1] == "yes"
@@ -359,7 +378,49 @@ def test_images_are_built_from_this_repository(
         assert build.get("context") == ".", name
         assert build.get("dockerfile") == "Dockerfile", name
         assert (ROOT / build["context"] / build["dockerfile"]).is_file()
-    assert len({svc.get("image") for svc in carpool_services.values()}) == 1, "one image for every role"
+    assert {svc.get("image") for svc in carpool_services.values()} == {"carpool:latest"}, (
+        "one image, one name"
+    )
+
+
+def test_up_wait_meets_no_one_shot_container(services: dict[str, dict[str, Any]]) -> None:
+    """`up --wait` fails on a container that exits, even successfully: every service it starts runs
+    for good, restarts after a crash and says when it is healthy."""
+    for name, svc in services.items():
+        if svc.get("profiles") == ["demo"]:
+            continue  # started by hand with `run`, never by `up`
+        assert svc.get("restart") == "unless-stopped", f"{name}: restart policy {svc.get('restart')}"
+        assert svc.get("healthcheck"), f"{name}: no healthcheck"
+        for dep, spec in (svc.get("depends_on") or {}).items():
+            assert spec.get("condition") == "service_healthy", f"{name} waits for {dep} to {spec}"
+
+
+def test_base_images_are_variables_with_the_official_defaults(raw: dict[str, Any]) -> None:
+    assert raw["services"]["redis"]["image"] == "${REDIS_IMAGE:-" + OFFICIAL_REDIS + "}"
+    build_args = raw["x-carpool-build"]["args"]
+    assert build_args["PYTHON_IMAGE"] == "${PYTHON_IMAGE:-" + OFFICIAL_PYTHON + "}"
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    first_from = next(i for i, line in enumerate(lines) if line.upper().startswith("FROM "))
+    assert lines[first_from] == "FROM ${PYTHON_IMAGE}"
+    assert f"ARG PYTHON_IMAGE={OFFICIAL_PYTHON}" in lines[:first_from], (
+        "declared before FROM, official default"
+    )
+
+
+def test_compose_passes_every_build_argument_with_the_dockerfiles_default(raw: dict[str, Any]) -> None:
+    declared = {}
+    for inst, rest in dockerfile_instructions():
+        if inst == "ARG":
+            name, eq, default = rest.partition("=")
+            declared[name] = default.strip('"') if eq else None
+    passed = raw["x-carpool-build"]["args"]
+    assert set(passed) == set(declared), "compose passes exactly the Dockerfile's build arguments"
+    for name, default in declared.items():
+        if default is None:
+            # Unset stays unset: pip's own variables only reach the build when the user sets them.
+            assert passed[name] is None, f"{name}: pass it without a value"
+        else:
+            assert interpolate(str(passed[name])) == default, f"{name}: compose's default differs"
 
 
 def test_published_ports_match_the_processes(services: dict[str, dict[str, Any]]) -> None:
@@ -370,83 +431,7 @@ def test_published_ports_match_the_processes(services: dict[str, dict[str, Any]]
     assert any(str(p).endswith(":6379") for p in services["redis"]["ports"])
 
 
-# --- health checks, run for real against a stand-in -------------------------------------------
-def _run_check(svc: dict[str, Any], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    test = healthcheck_argv(svc)
-    assert test[:3] == ["CMD", "python", "-c"], "run in exec form, so it needs no shell"
-    return subprocess.run(
-        [sys.executable, "-c", test[3]],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**_clean_env(), **env},
-    )
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
-
-
-def test_coordinator_healthcheck_follows_its_metrics_server(services: dict[str, dict[str, Any]]) -> None:
-    class Metrics(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200 if self.path == "/metrics" else 404)
-            self.end_headers()
-            self.wfile.write(b"# carpool\n")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
-    port = str(server.server_address[1])
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        up = _run_check(services["coordinator"], {"CARPOOL_METRICS_PORT": port})
-        assert up.returncode == 0, up.stderr
-    finally:
-        server.shutdown()
-        server.server_close()
-    down = _run_check(services["coordinator"], {"CARPOOL_METRICS_PORT": port})
-    assert down.returncode != 0
-
-
-def test_worker_healthcheck_follows_this_hosts_heartbeat(services: dict[str, dict[str, Any]]) -> None:
-    import redis
-
-    from carpool.redis_edge.keys import Keys
-    from carpool.redis_edge.store import RequestStore
-    from carpool.tools.embedded import EmbeddedRedis
-
-    try:
-        server = EmbeddedRedis().start()
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    try:
-        env = {"CARPOOL_BROKER_URL": server.url(0), "CARPOOL_RESULT_BACKEND": server.url(1)}
-        client = redis.Redis.from_url(server.url(0))
-        store = RequestStore(client, Keys(Settings.model_fields["request_queue"].default), 30)
-        for name in ("worker", "worker-cpu"):
-            assert services[name]["healthcheck"] == services["worker"]["healthcheck"]
-
-        def unhealthy(why: str) -> None:
-            result = _run_check(services["worker"], env)
-            # Exit 1 and nothing on stderr: the check ran and said no, rather than crashing.
-            assert (result.returncode, result.stderr) == (1, ""), f"{why}: {result.stderr}"
-
-        unhealthy("no worker yet")
-        store.heartbeat("some-other-host:1", 30)
-        unhealthy("only another container's worker")
-        store.heartbeat(f"{socket.gethostname()}:4242", 30)
-        ok = _run_check(services["worker"], env)
-        assert ok.returncode == 0, ok.stderr
-        store.leave(f"{socket.gethostname()}:4242")
-        unhealthy("this worker left")
-        client.close()
-    finally:
-        server.stop()
-
-
+# --- health checks ------------------------------------------------------------------------------
 def test_flower_healthcheck_is_an_unauthenticated_flower_route(services: dict[str, dict[str, Any]]) -> None:
     from flower.urls import handlers
 
@@ -471,7 +456,7 @@ def test_flower_healthcheck_is_an_unauthenticated_flower_route(services: dict[st
 def test_dockerfile_base_user_and_command() -> None:
     instructions = dockerfile_instructions()
     froms = [rest for inst, rest in instructions if inst == "FROM"]
-    assert froms and froms[-1].split()[0] == "python:3.11-slim"
+    assert froms == ["${PYTHON_IMAGE}"], "one stage, on the base image named by PYTHON_IMAGE"
     users = [rest for inst, rest in instructions if inst == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), "run as a non-root user"
     assert not [rest for inst, rest in instructions if inst == "ENTRYPOINT"], (
@@ -590,6 +575,129 @@ def test_dockerignore_sends_the_package_and_nothing_heavy() -> None:
         assert not _dockerignored(needed), needed
     for heavy in (".venv/bin/python", ".git/HEAD", "carpool/__pycache__/cli.cpython-311.pyc"):
         assert _dockerignored(heavy), heavy
+
+
+def test_dockerfile_builds_with_the_classic_builder_and_no_registry_but_the_base() -> None:
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I), (
+        "a syntax line makes BuildKit fetch a frontend"
+    )
+    assert "<<" not in text, "heredocs need BuildKit"
+    for inst, rest in dockerfile_instructions():
+        flags = re.findall(r"--([a-z-]+)", rest.split()[0]) if rest.startswith("--") else []
+        if inst == "RUN":
+            assert not rest.startswith("--"), f"RUN {rest[:40]}: mounts and RUN flags need BuildKit"
+        if inst in ("COPY", "ADD"):
+            assert set(flags) <= {"chown", "from"}, f"{inst} --{flags}: needs BuildKit"
+            assert "://" not in rest, f"{inst} {rest}: downloads"
+
+
+def test_neither_file_names_a_package_index() -> None:
+    """pip's own configuration applies unless the user passes an index (TORCH_INDEX_URL, PIP_*)."""
+    for path in (DOCKERFILE, COMPOSE):
+        for url in re.findall(r"[a-z+]+://[^\s'\"]+", path.read_text()):
+            host = urlsplit(url).hostname
+            assert host in ("127.0.0.1", "localhost", "redis") or url.startswith("redis://"), (
+                f"{path.name}: {url}"
+            )
+
+
+def test_dockerfile_leaves_the_base_images_pip_settings_alone() -> None:
+    instructions = dockerfile_instructions()
+    for inst, rest in instructions:
+        if inst == "ENV":
+            assert "PIP_" not in rest, f"ENV {rest}: would override the base image's pip settings"
+        if inst == "ARG" and rest.startswith("PIP_"):
+            assert "=" not in rest, f"ARG {rest}: a default would override the base image's setting"
+    runs = [rest for inst, rest in instructions if inst == "RUN" and "pip install" in rest]
+    for run in runs:
+        # PIP_CERT and PIP_FIND_LINKS only when the build names a CA bundle or a wheelhouse.
+        for words in shell_commands(run):
+            if words[0] == "export":
+                name = words[1].split("=", 1)[0]
+                guarded = re.search(r'if \[ -n "\$(CA_BUNDLE|WHEELHOUSE)" \]; then export ' + name + "=", run)
+                assert guarded, f"export {name} whatever the build arguments"
+
+
+def test_dockerignore_sends_the_build_extras() -> None:
+    assert not _dockerignored("docker/build-extras/wheels/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl")
+    assert not _dockerignored("docker/build-extras/ca-bundle.pem")
+    assert (ROOT / "docker" / "build-extras" / ".gitignore").is_file(), "the Dockerfile COPYs the directory"
+    copies = [rest for inst, rest in dockerfile_instructions() if inst == "COPY"]
+    assert any(rest.split()[0].rstrip("/") == "docker/build-extras" for rest in copies)
+
+
+# --- GPU workers -------------------------------------------------------------------------------
+class _ComposeLoader(yaml.SafeLoader):
+    """PyYAML plus compose's merge tags, kept as {"!override": value}."""
+
+
+_ComposeLoader.add_constructor(
+    "!override", lambda loader, node: {"!override": loader.construct_mapping(node, deep=True)}
+)
+
+
+def documented_gpu_override() -> dict[str, Any]:
+    blocks = [
+        block
+        for block in re.findall(r"```yaml\n(.*?)```", OPERATIONS.read_text(), re.S)
+        if block.startswith(GPU_OVERRIDE_MARKER)
+    ]
+    assert len(blocks) == 1, f"docs/OPERATIONS.md needs one yaml block starting {GPU_OVERRIDE_MARKER!r}"
+    return yaml.load(blocks[0], Loader=_ComposeLoader)  # type: ignore[no-any-return]
+
+
+def test_documented_override_runs_one_worker_per_gpu(services: dict[str, dict[str, Any]]) -> None:
+    override = documented_gpu_override()["services"]
+    assert "worker" in override and len(override) >= 2, "the worker and at least one more GPU's worker"
+    gpus = []
+    for name, svc in override.items():
+        if name != "worker":
+            assert svc["extends"] == {"file": "docker-compose.yml", "service": "worker"}, name
+        # Compose appends device requests when merging; only !override replaces `count: 1` (GPU 0).
+        deploy = svc["deploy"]
+        assert set(deploy) == {"!override"}, f"{name}: deploy must replace the worker's reservation"
+        devices = deploy["!override"]["resources"]["reservations"]["devices"]
+        assert len(devices) == 1 and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+        assert "count" not in devices[0] and len(devices[0]["device_ids"]) == 1, f"{name}: one GPU by id"
+        gpus += devices[0]["device_ids"]
+        # Inside the container its one GPU is device 0.
+        assert environment(svc).get("CUDA_VISIBLE_DEVICES", "0") == "0", name
+    assert len(set(gpus)) == len(gpus), f"two workers share a GPU: {gpus}"
+    assert environment(services["worker"]).get("CARPOOL_DEVICE") in ("auto", "cuda")
+
+
+def test_the_ci_checker_reads_the_same_override() -> None:
+    spec = importlib.util.spec_from_file_location("compose_check", CHECKER)
+    assert spec and spec.loader
+    checker = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = checker  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(checker)
+    finally:
+        del sys.modules[spec.name]
+    assert checker.GPU_OVERRIDE_MARKER == GPU_OVERRIDE_MARKER
+    parsed = yaml.load(checker.documented_gpu_override(), Loader=_ComposeLoader)
+    assert parsed == documented_gpu_override()
+
+
+# --- CI and docs -------------------------------------------------------------------------------
+def test_ci_starts_the_stack_and_never_skips_it_silently() -> None:
+    steps = [line.strip() for line in CI_RUN.read_text().splitlines() if line.strip() and line[0] != "#"]
+    stage = [i for i, line in enumerate(steps) if ".ci/compose-stack.sh" in line]
+    assert len(stage) == 1 and stage[0] > steps.index("make test"), "after the tests, once"
+    assert not re.search(r"compose-stack\.sh.*(\|\||;|&)", steps[stage[0]]), "its failure must fail CI"
+    script = CI_STAGE.read_text()
+    assert 'CARPOOL_COMPOSE_STACK:-}" = skip' in script and "exit 1" in script
+    assert "trap teardown EXIT" in script
+
+
+def test_operations_doc_states_the_minimum_compose_version() -> None:
+    text = OPERATIONS.read_text()
+    found = re.search(r"Compose v2, (\d+)\.(\d+)\.(\d+) or later", text)
+    assert found, "docs/OPERATIONS.md states the minimum Compose v2 version"
+    assert tuple(map(int, found.groups())) >= (2, 24, 4), "the GPU override's !override needs 2.24.4"
+    assert re.search(r"Compose v1 .*is not supported", text)
 
 
 # --- docs --------------------------------------------------------------------------------------
