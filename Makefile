@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck clean image
+.PHONY: install demo test lint typecheck check clean image
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,19 +24,22 @@ test: install
 	$(BIN)/pytest
 
 lint: install
-	$(BIN)/ruff check carpool tests
-	$(BIN)/ruff format --check carpool tests
+	$(BIN)/ruff check carpool tests scripts
+	$(BIN)/ruff format --check carpool tests scripts
 
 typecheck: install
 	$(BIN)/mypy
+
+# What CI runs before the compose stage: lint, types (package and tests), then every test.
+check: lint typecheck test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache $(EXTRAS)/wheels $(EXTRAS)/ca-bundle.pem
 
 # `make image`: the image CI runs (docs/OPERATIONS.md). The torch `make install` would give this host
 # goes into a wheelhouse in the build context and the image installs exactly that build (its version
-# with any local label, e.g. +cpu); the image's pip trusts the CA bundle this host's pip trusts, so the build works behind a TLS-intercepting proxy and never fetches a torch the host
-# would not. Set PYTHON_IMAGE for a base built without registry access (scripts/local-base-images.sh)
+# with any local label, e.g. +cpu); the image's pip trusts the CA bundle this host's pip trusts, so
+# the build works behind a TLS-intercepting proxy and never fetches a torch the host would not. Set PYTHON_IMAGE for a base built without registry access (scripts/local-base-images.sh)
 # and TORCH_INDEX_URL for torch from another index.
 IMAGE ?= carpool:latest
 PYTHON_IMAGE ?= python:3.11-slim

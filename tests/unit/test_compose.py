@@ -408,19 +408,19 @@ def test_base_images_are_variables_with_the_official_defaults(raw: dict[str, Any
 
 
 def test_compose_passes_every_build_argument_with_the_dockerfiles_default(raw: dict[str, Any]) -> None:
-    declared = {}
+    declared: dict[str, str | None] = {}
     for inst, rest in dockerfile_instructions():
         if inst == "ARG":
             name, eq, default = rest.partition("=")
             declared[name] = default.strip('"') if eq else None
     passed = raw["x-carpool-build"]["args"]
     assert set(passed) == set(declared), "compose passes exactly the Dockerfile's build arguments"
-    for name, default in declared.items():
-        if default is None:
+    for arg, value in declared.items():
+        if value is None:
             # Unset stays unset: pip's own variables only reach the build when the user sets them.
-            assert passed[name] is None, f"{name}: pass it without a value"
+            assert passed[arg] is None, f"{arg}: pass it without a value"
         else:
-            assert interpolate(str(passed[name])) == default, f"{name}: compose's default differs"
+            assert interpolate(str(passed[arg])) == value, f"{arg}: compose's default differs"
 
 
 def test_published_ports_match_the_processes(services: dict[str, dict[str, Any]]) -> None:
@@ -628,7 +628,7 @@ def test_dockerignore_sends_the_build_extras() -> None:
 
 
 # --- GPU workers -------------------------------------------------------------------------------
-class _ComposeLoader(yaml.SafeLoader):
+class _ComposeLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types here
     """PyYAML plus compose's merge tags, kept as {"!override": value}."""
 
 
