@@ -685,7 +685,8 @@ def test_the_ci_checker_reads_the_same_override() -> None:
 def test_ci_starts_the_stack_and_never_skips_it_silently() -> None:
     steps = [line.strip() for line in CI_RUN.read_text().splitlines() if line.strip() and line[0] != "#"]
     stage = [i for i, line in enumerate(steps) if ".ci/compose-stack.sh" in line]
-    assert len(stage) == 1 and stage[0] > steps.index("make test"), "after the tests, once"
+    tests = next(i for i, line in enumerate(steps) if line in ("make test", "make check"))
+    assert len(stage) == 1 and stage[0] > tests, "after the tests, once"
     assert not re.search(r"compose-stack\.sh.*(\|\||;|&)", steps[stage[0]]), "its failure must fail CI"
     script = CI_STAGE.read_text()
     assert 'CARPOOL_COMPOSE_STACK:-}" = skip' in script and "exit 1" in script
