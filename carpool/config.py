@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     device: DeviceName = Field("auto", description="auto picks CUDA when available, else CPU.")
     torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default.")
     autocast_bf16: bool = Field(False, description="Run CUDA batches under bf16 autocast.")
+    overlap_finish: bool = Field(
+        True, description="Store a batch's results while the next batch runs (false: one after the other)."
+    )
 
     # --- batching policy ---------------------------------------------------------------------
     policy: PolicyName = Field("binned", description="Queueing strategy of the coordinator.")

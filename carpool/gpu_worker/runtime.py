@@ -78,6 +78,7 @@ class WorkerRuntime:
         self.served = served_tasks(self.settings.serve_tasks, registered())
         self.specs = {name: spec for name, spec in registered().items() if name in self.served}
         self._running: list[str] = []
+        self._finisher: Finisher | None = None  # set by start(): results stored beside the next batch
         self._last_run_s: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,19 +99,25 @@ class WorkerRuntime:
             t0 = time.perf_counter()
             spec.load(self.device)
             log.info("task %s ready on %s in %.1fs", name, self.device, time.perf_counter() - t0)
+        if self.settings.overlap_finish:
+            self._finisher = Finisher()
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        if self._finisher is not None:
+            self._finisher.drain()
         self._stop.set()
         with contextlib.suppress(redis.RedisError):
             self.store.leave(self.hostname)
 
     def _beat(self) -> None:
         self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S)
-        # Keep the running batch's leases alive: a batch longer than the lease is not a dead worker.
-        self.store.renew_running(list(self._running))
+        # Keep the running batch's leases alive: a batch longer than the lease is not a dead worker;
+        # so are those of a batch whose results are being stored.
+        finishing = self._finisher.pending_ids() if self._finisher is not None else []
+        self.store.renew_running([*self._running, *finishing])
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -228,13 +235,21 @@ class WorkerRuntime:
         )
         done(report)
         writes = entries + self._chain_failures(entries, linked) if linked else entries
-        # Redis may be restarting: the results are computed, so keep trying to hand them over for a
-        # while before giving the batch up to recovery.
-        stored = _retrying(
-            lambda: self._finish(writes, [r["id"] for r in mine], report, batch["coordinator"])
-        )
-        if linked:
-            self._apply_links(batch["task"], entries, stored, linked)
+        ack_ids = [r["id"] for r in mine]
+        events = self.events.take()
+
+        def hand_over() -> None:
+            # Redis may be restarting: the results are computed, so keep trying to hand them over
+            # for a while before giving the batch up to recovery.
+            stored = _retrying(lambda: self._finish(writes, ack_ids, report, batch["coordinator"], events))
+            if linked:
+                self._apply_links(batch["task"], entries, stored, linked)
+
+        if self._finisher is None:
+            hand_over()
+        else:
+            # The device can start the next batch while this one's results are stored.
+            self._finisher.submit(hand_over, ack_ids)
         return report
 
     @staticmethod
@@ -335,13 +350,11 @@ class WorkerRuntime:
         ack_ids: list[str],
         report: BatchReport,
         coordinator: str,
+        events: tuple[str, bytes] | None,
     ) -> list[int]:
         """Results (write-once), acks, the report and the task events: one round trip when the
         results live on the broker's server, else a store on the backend and one trip for the rest.
-        The events leave the buffer on the first attempt: a retry after a lost connection sends none
-        (they are telemetry; the results, acks and report are what a retry must deliver).
         Returns the 1-based indexes in ``entries`` of the results stored (the others had one)."""
-        events = self.events.take()
         if self.dbs is not None:
             return self.store.finish(
                 results_db=self.dbs[1],
@@ -435,3 +448,54 @@ def batch_queues(settings: Settings) -> list[str]:
         if queue not in queues:
             queues.append(queue)
     return queues
+
+
+class Finisher:
+    """One background thread that stores a batch's results while the worker runs the next batch.
+
+    At most one batch waits here: handing over the next one first waits for the previous to be
+    stored, so results never pile up in memory and a worker is never more than one batch ahead.
+    A batch whose hand-over fails for good is left to lease recovery, as a worker that died would.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._ids: list[str] = []
+        self._job: Callable[[], None] | None = None
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="carpool-finisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], ids: list[str]) -> None:
+        self._idle.wait()
+        with self._lock:
+            self._idle.clear()
+            self._job, self._ids = job, ids
+        self._wake.set()
+
+    def pending_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._ids)
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait for the batch being stored, if any; False if it did not finish in time."""
+        return self._idle.wait(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                job = self._job
+            if job is None:
+                continue
+            try:
+                job()
+            except Exception:
+                log.exception("storing a batch's results failed; its requests return through lease recovery")
+            finally:
+                with self._lock:
+                    self._job, self._ids = None, []
+                self._idle.set()

@@ -16,6 +16,7 @@ from celery import chain, group
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
+from carpool.celery_app import app as carpool_app
 from carpool.errors import DeadlineExceeded, InvalidInput, ModelError, UnsupportedOption
 from carpool.redis_edge.keys import Keys
 from tests.integration.conftest import Processes, start_stack
@@ -122,9 +123,9 @@ def test_callbacks_and_error_callbacks(processes: Processes) -> None:
     vector = infer.apply_async(("linked",), link=counted)
     shouted = t.shout.apply_async(("hi",), link=twice)
     assert len(vector.get(timeout=30)) == 32
-    assert AsyncResult(counted.id).get(timeout=30) == 32
+    assert carpool_app.AsyncResult(counted.id).get(timeout=30) == 32
     shouted.get(timeout=30)
-    assert [AsyncResult(sig.id).get(timeout=30) for sig in twice] == [3, 3]
+    assert [carpool_app.AsyncResult(sig.id).get(timeout=30) for sig in twice] == [3, 3]
 
     # An error callback gets the failed request's id (an old-style errback), from the worker...
     on_error = t.shout.s()
@@ -132,14 +133,14 @@ def test_callbacks_and_error_callbacks(processes: Processes) -> None:
     failed = t.fragile.apply_async(("boom",), link_error=on_error)
     with pytest.raises(ModelError):
         failed.get(timeout=30)
-    assert AsyncResult(on_error.id).get(timeout=30)["out"] == failed.id.upper()
+    assert carpool_app.AsyncResult(on_error.id).get(timeout=30)["out"] == failed.id.upper()
     # ...and from the coordinator, when it refuses the request.
     on_expiry = t.shout.s()
     on_expiry.freeze()
     expired = t.shout.apply_async(("x",), countdown=60, expires=1, link_error=on_expiry)
     with pytest.raises(DeadlineExceeded):
         expired.get(timeout=30)
-    assert AsyncResult(on_expiry.id).get(timeout=30)["out"] == expired.id.upper()
+    assert carpool_app.AsyncResult(on_expiry.id).get(timeout=30)["out"] == expired.id.upper()
 
 
 def test_groups_of_carpool_tasks(processes: Processes) -> None:
@@ -170,7 +171,7 @@ def test_a_revoked_request_never_runs(processes: Processes) -> None:
             r.get(timeout=30)
         assert r.state == "REVOKED"
     assert kept.get(timeout=30)["out"] == "KEPT"
-    assert not AsyncResult(counted.id).ready(), "a revoked request's callbacks are not applied"
+    assert not carpool_app.AsyncResult(counted.id).ready(), "a revoked request's callbacks are not applied"
 
 
 def test_what_cannot_be_honoured_is_refused_at_the_call(processes: Processes) -> None:
@@ -205,13 +206,13 @@ def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -
     # Revoked before it was sent: the coordinator remembers, and never batches it.
     before = t.shout.s("never")
     before.freeze()
-    AsyncResult(before.id).revoke()
+    carpool_app.AsyncResult(before.id).revoke()
     time.sleep(0.5)
     before.apply_async()
     processes.start("worker0", "worker", **ENV)
     assert kept.get(timeout=60)["out"] == "KEPT"
     with pytest.raises(TaskRevokedError):
-        AsyncResult(before.id).get(timeout=30)
+        carpool_app.AsyncResult(before.id).get(timeout=30)
 
 
 def test_chains_between_carpool_and_plain_celery_tasks(processes: Processes) -> None:
