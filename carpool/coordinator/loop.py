@@ -19,7 +19,6 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,21 +34,21 @@ from carpool.celery_edge import links
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.requests import Incoming
 from carpool.celery_edge.results import FAILURE, REVOKED
-from carpool.celery_edge.task_messages import TaskMessageBuilder
 from carpool.config import Settings
 from carpool.coordinator import policy_config, revokes, task_policy_config
 from carpool.coordinator.deferred import Deferred
 from carpool.coordinator.intake import Malformed, Refused, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
+from carpool.coordinator.publish import BatchPublisher
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, DeadlineExceeded, WireError
 from carpool.models import get_model
-from carpool.names import INFER_TASK, RUN_BATCH_TASK
+from carpool.names import INFER_TASK
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import import_task_modules, registered
-from carpool.wire import Links, RequestSlot, batch_message, read_report
+from carpool.wire import Links, RequestSlot, read_report
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +115,7 @@ class Coordinator:
         self._refused_kinds: set[tuple[str, str]] = set()
         # Kept for the process's life: the builder renders batch messages from a template it learns
         # from Celery's own first messages.
-        self._builders: dict[str, TaskMessageBuilder] = {}
+        self.publisher = BatchPublisher(app, self.store, settings, self.specs, self.hostname)
 
     # --- process -------------------------------------------------------------------------
     def run(self) -> None:
@@ -393,88 +392,20 @@ class Coordinator:
         return plan.wake_at_s
 
     def _publish(self, batches: list[Batch], now: float) -> None:
-        """Hand ``batches`` on: every batch's task message, ownership and lease renewal, and the events
-        buffered so far (published first, so Flower sees requests received before started), in one
-        script call. The messages are the ones ``app.send_task`` would send, built by
-        :class:`~carpool.celery_edge.task_messages.TaskMessageBuilder` without kombu's per-publish
-        overhead."""
+        """Hand ``batches`` on (:mod:`carpool.coordinator.publish`); a group Redis did not take goes
+        back into the policy, still held and leased by us, to leave with a later plan."""
         wall_now = self.wall()
-        by_queue: dict[str, list[Batch]] = {}
-        for batch in batches:
-            by_queue.setdefault(self._batch_queue_of(batch.model), []).append(batch)
-        # One script call per batch queue: a single one unless a task has workers of its own.
-        for queue, group in by_queue.items():
-            self._publish_to(queue, group, now, wall_now)
-
-    def _batch_queue_of(self, key: str) -> str:
-        spec = self.specs.get(key)
-        return (spec.batch_queue if spec is not None else None) or self.settings.batch_queue
-
-    def _builder(self, queue: str) -> TaskMessageBuilder:
-        # Kept for the process's life: a builder renders batch messages from a template it learns
-        # from Celery's own first messages.
-        builder = self._builders.get(queue)
-        if builder is None:
-            builder = self._builders[queue] = TaskMessageBuilder(
-                RUN_BATCH_TASK,
-                app=self.app,
-                queue=queue,
-                sent_events=False,
-                # The header overrides run_batch's own ignore_result on the worker: nobody reads a
-                # batch's result, so the backend must not store one.
-                ignore_result=True,
-            )
-        return builder
-
-    def _publish_to(self, queue: str, batches: list[Batch], now: float, wall_now: float) -> None:
-        batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
-        calls: list[tuple[list[Any], dict[str, Any]]] = []
-        summaries: list[str] = []
-        for batch_id, batch in zip(batch_ids, batches, strict=True):
-            task = INFER_TASK if batch.model in self.models else batch.model
-            message = batch_message(
-                batch_id=batch_id,
-                task=task,
-                model=batch.model,
-                bin_label=batch.bin_label,
-                flush=batch.flush_reason.value,
-                padded_len=batch.padded_len,
-                dispatched_at=wall_now,
-                coordinator=self.hostname,
-                requests=cast("list[RequestSlot]", [r.payload for r in batch.requests]),
-            )
-            calls.append(([message], {}))
-            # Flower shows argsrepr; the token ids or items it would otherwise show help nobody.
-            padding = batch.padded_tokens / max(1, batch.real_tokens)
-            what = f"model={batch.model}" if task == INFER_TASK else f"task={task}"
-            summaries.append(
-                f"size={batch.size} bin={batch.bin_label} width={batch.padded_len} "
-                f"padding={padding:.2f} flush={batch.flush_reason.value} {what}"
-            )
-        try:
-            built = self._builder(queue).build(calls, task_ids=batch_ids, argsreprs=summaries)
-            (queue_list, raws), *others = built.pushes.items()
-            if others:
-                raise RuntimeError("batch messages must all go to one list (no priorities on batches)")
-            self.store.dispatch(
-                queue_list,
-                [
-                    (bid, [r.id for r in b.requests], raw)
-                    for bid, b, raw in zip(batch_ids, batches, raws, strict=True)
-                ],
-                self.events.take(),
-            )
-        except Exception:
-            # The broker went away: nothing of the script ran, so the batches go back into the policy
-            # (still held and leased by us), to leave with a later plan once Redis answers again.
-            for batch in batches:
-                for req in batch.requests:
-                    self.policy.add(req)
-            self.pacer.changed()
-            raise
-        built.published()
-        for batch_id, batch in zip(batch_ids, batches, strict=True):
-            self._dispatched(batch_id, batch, now)
+        for queue, group in self.publisher.by_queue(batches).items():
+            try:
+                batch_ids = self.publisher.publish(queue, group, wall_now, self.events.take())
+            except Exception:
+                for batch in group:
+                    for req in batch.requests:
+                        self.policy.add(req)
+                self.pacer.changed()
+                raise
+            for batch_id, batch in zip(batch_ids, group, strict=True):
+                self._dispatched(batch_id, batch, now)
 
     def _dispatched(self, batch_id: str, batch: Batch, now: float) -> None:
         ids = [r.id for r in batch.requests]

@@ -144,8 +144,9 @@ def coordinator(clocks: Clocks, workers: int, **overrides: Any) -> Any:
     fields.update(overrides)
     c = Coordinator(Settings(**fields), app, client=FakeClient(), clock=clocks.mono, wall=clocks.wall)  # type: ignore[arg-type]
     c.store = FakeStore(workers)  # type: ignore[assignment]
+    c.publisher.store = c.store
     c.backend = FakeBackend()
-    c._builders[c.settings.batch_queue] = FakeBuilder()  # type: ignore[assignment]
+    c.publisher._builders[c.settings.batch_queue] = FakeBuilder()  # type: ignore[assignment]
     return c
 
 
@@ -182,7 +183,7 @@ def test_the_batch_message_is_what_the_worker_reads_and_its_report_frees_the_wor
             break
         clocks.advance(0.05)
         c.step()
-    [batch] = c._builders[c.settings.batch_queue].batches
+    [batch] = c.publisher._builders[c.settings.batch_queue].batches
     got = read_batch(loads(json.dumps(batch)))
     assert got["version"] == WIRE_VERSION and got["coordinator"] == c.hostname
     assert [r["id"] for r in got["requests"]] == ["a", "b"]
@@ -318,7 +319,7 @@ def test_a_request_is_held_until_its_eta_then_batched(clocks: Clocks) -> None:
         clocks.advance(0.05)
     assert len(c.deferred) == 0
     assert [ids for _, ids in c.store.dispatched] == [["later"]]
-    [batch] = c._builders[c.settings.batch_queue].batches
+    [batch] = c.publisher._builders[c.settings.batch_queue].batches
     [slot] = batch["requests"]
     assert slot["deadline"] == pytest.approx(WALL_START + 0.5 + c.settings.default_deadline_s)
 
