@@ -15,7 +15,15 @@ import pytest
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.harness import Harness, release_result_consumer
 
-pytestmark = pytest.mark.integration
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test in this folder is an integration test (``-m "not integration"`` leaves them out);
+    a ``pytestmark`` in a conftest would mark nothing."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.integration)
+
 
 # ``Processes(server, log_dir)``: coordinators and workers with their own environment on ``server``,
 # logs kept in ``log_dir`` for failure messages.
