@@ -1,7 +1,8 @@
 """``toy``: a small deterministic torch model whose cost grows with padded tokens, for fast tests.
 
 Words are hashed to ids (no vocabulary file); the network is a seeded embedding, two linear layers
-and a masked mean, so a text's output does not depend on the batch or padding it rides in.
+and a masked mean, so a text's output does not depend on the batch or padding it rides in (up to
+the float32 rounding that different matrix shapes bring).
 """
 
 from __future__ import annotations
