@@ -2,7 +2,7 @@
 
 Words are hashed to ids (no vocabulary file); the network is a seeded embedding, two linear layers
 and a masked mean, so a text's output does not depend on the batch or padding it rides in (up to
-the float32 rounding that different matrix shapes bring).
+float32 rounding, which the math library may do differently in another process).
 """
 
 from __future__ import annotations
