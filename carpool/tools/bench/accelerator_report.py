@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from carpool.tools.bench.report import top_level_problems
+
 SCHEMA = "carpool-bench-accelerator/1"
 
 # The issue's throughput targets, carpool end to end / device capacity, per named profile.
@@ -108,28 +110,25 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def validate_report(report: Any) -> list[str]:
     """Problems with ``report`` against schema carpool-bench-accelerator/1 (empty when well-formed)."""
-    if not isinstance(report, dict):
-        return ["report is not an object"]
-    problems = []
-    for key, kind in (
-        ("schema", str),
-        ("created_at", str),
-        ("machine", dict),
-        ("model", str),
-        ("device", dict),
-        ("config", dict),
-        ("workload", dict),
-        ("capacity", dict),
-        ("targets", list),
-        ("plots", list),
-        ("errors", list),
-    ):
-        if not isinstance(report.get(key), kind):
-            problems.append(f"{key}: missing or not a {kind.__name__}")
-    if problems:
+    problems, complete = top_level_problems(
+        report,
+        SCHEMA,
+        (
+            ("schema", str),
+            ("created_at", str),
+            ("machine", dict),
+            ("model", str),
+            ("device", dict),
+            ("config", dict),
+            ("workload", dict),
+            ("capacity", dict),
+            ("targets", list),
+            ("plots", list),
+            ("errors", list),
+        ),
+    )
+    if not complete:
         return problems
-    if report["schema"] != SCHEMA:
-        problems.append(f"schema is {report['schema']!r}, expected {SCHEMA!r}")
     if not {"profile", "a_s", "b_s"} <= set(report["device"]):
         problems.append("device: profile / a_s / b_s missing")
     if not isinstance(report["capacity"].get("texts_per_s"), int | float):

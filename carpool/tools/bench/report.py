@@ -206,30 +206,47 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return targets
 
 
+def top_level_problems(
+    report: Any, schema: str, fields: tuple[tuple[str, type], ...]
+) -> tuple[list[str], bool]:
+    """What is wrong with a report's top level (not an object, a field missing or of the wrong type,
+    another schema), and whether its fields are all there for deeper checks. Every bench report's
+    validator starts here."""
+    if not isinstance(report, dict):
+        return ["report is not an object"], False
+    problems = [
+        f"{key}: missing or not a {kind.__name__}"
+        for key, kind in fields
+        if not isinstance(report.get(key), kind)
+    ]
+    if problems:
+        return problems, False
+    if report["schema"] != schema:
+        problems.append(f"schema is {report['schema']!r}, expected {schema!r}")
+    return problems, True
+
+
 def validate_report(report: Any) -> list[str]:
     """Problems with ``report`` against schema carpool-bench/1 (empty when well-formed)."""
-    problems: list[str] = []
-    if not isinstance(report, dict):
-        return ["report is not an object"]
-    for key, kind in (
-        ("schema", str),
-        ("created_at", str),
-        ("command", str),
-        ("machine", dict),
-        ("model", str),
-        ("config", dict),
-        ("workload", dict),
-        ("runs", list),
-        ("targets", list),
-        ("plots", list),
-        ("errors", list),
-    ):
-        if not isinstance(report.get(key), kind):
-            problems.append(f"{key}: missing or not a {kind.__name__}")
-    if problems:
+    problems, complete = top_level_problems(
+        report,
+        SCHEMA,
+        (
+            ("schema", str),
+            ("created_at", str),
+            ("command", str),
+            ("machine", dict),
+            ("model", str),
+            ("config", dict),
+            ("workload", dict),
+            ("runs", list),
+            ("targets", list),
+            ("plots", list),
+            ("errors", list),
+        ),
+    )
+    if not complete:
         return problems
-    if report["schema"] != SCHEMA:
-        problems.append(f"schema is {report['schema']!r}, expected {SCHEMA!r}")
     if not isinstance(report["machine"].get("cpus"), int):
         problems.append("machine.cpus missing")
     wl = report["workload"]

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from carpool.tools.bench.report import top_level_problems
+
 SCHEMA = "carpool-bench-task/1"
 TOLERANCE = {"rel": 1e-4, "abs": 1e-5}
 
@@ -79,27 +81,24 @@ def compare(runs: list[dict[str, Any]], outputs: dict[str, list[Any]]) -> dict[s
 
 def validate_report(report: Any) -> list[str]:
     """Problems with ``report`` against schema carpool-bench-task/1 (empty when well-formed)."""
-    if not isinstance(report, dict):
-        return ["report is not an object"]
-    problems = []
-    for key, kind in (
-        ("schema", str),
-        ("created_at", str),
-        ("machine", dict),
-        ("task", dict),
-        ("config", dict),
-        ("workload", dict),
-        ("runs", list),
-        ("comparison", dict),
-        ("samples", dict),
-        ("errors", list),
-    ):
-        if not isinstance(report.get(key), kind):
-            problems.append(f"{key}: missing or not a {kind.__name__}")
-    if problems:
+    problems, complete = top_level_problems(
+        report,
+        SCHEMA,
+        (
+            ("schema", str),
+            ("created_at", str),
+            ("machine", dict),
+            ("task", dict),
+            ("config", dict),
+            ("workload", dict),
+            ("runs", list),
+            ("comparison", dict),
+            ("samples", dict),
+            ("errors", list),
+        ),
+    )
+    if not complete:
         return problems
-    if report["schema"] != SCHEMA:
-        problems.append(f"schema is {report['schema']!r}, expected {SCHEMA!r}")
     if not isinstance(report["task"].get("name"), str):
         problems.append("task.name missing")
     if not isinstance(report["workload"].get("lengths"), dict):
