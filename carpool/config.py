@@ -24,8 +24,39 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CARPOOL_", extra="ignore", frozen=True)
 
     # --- connections -------------------------------------------------------------------------
-    broker_url: str = Field("redis://localhost:6379/0", description="Celery broker (Redis) URL.")
-    result_backend: str = Field("redis://localhost:6379/1", description="Result backend (Redis) URL.")
+    broker_url: str = Field(
+        "redis://localhost:6379/0",
+        description="Celery broker (Redis) URL, or Sentinel addresses: sentinel://h1:26379;sentinel://h2:26379/0.",
+    )
+    result_backend: str = Field(
+        "redis://localhost:6379/1",
+        description="Result backend (Redis) URL, or Sentinel addresses like the broker.",
+    )
+    sentinel_master: str = Field(
+        "", description="Name of the master the Sentinels monitor; required with sentinel:// URLs."
+    )
+    sentinel_password: str = Field(
+        "",
+        description=(
+            "The Sentinels' own password (their requirepass), if any; the master's goes in the URLs."
+        ),
+        repr=False,
+    )
+    wait_replicas: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description=(
+            "> 0: .delay() returns only once this many replicas have the request (Redis WAIT); workers "
+            "and coordinators wait likewise for results and in-flight state. 0: asynchronous."
+        ),
+    )
+    wait_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Longest a WAIT for CARPOOL_WAIT_REPLICAS waits; fewer acks by then raise NotReplicated.",
+    )
 
     # --- queues ------------------------------------------------------------------------------
     request_queue: str = Field("carpool.requests", min_length=1, description="List `.delay()` writes to.")
@@ -145,12 +176,13 @@ class Settings(BaseSettings):
 
         Then a worker claims a batch in one script and finishes it (results, acks, report, events) in
         another, switching databases inside the script; otherwise it needs a few more round trips.
+        Two Sentinel URLs name one server when they list the same Sentinels (which name one master,
+        ``sentinel_master``) with the same credentials.
         """
-        from redis.connection import parse_url
+        from carpool.redis_edge.connect import server_and_db
 
-        broker = parse_url(self.broker_url)  # type: ignore[no-untyped-call]
-        results = parse_url(self.result_backend)  # type: ignore[no-untyped-call]
-        broker_db, results_db = int(broker.pop("db", 0) or 0), int(results.pop("db", 0) or 0)
+        broker, broker_db = server_and_db(self.broker_url)
+        results, results_db = server_and_db(self.result_backend)
         return (broker_db, results_db) if broker == results else None
 
     @field_validator("bin_edges")
@@ -163,8 +195,14 @@ class Settings(BaseSettings):
     @field_validator("broker_url", "result_backend")
     @classmethod
     def _check_url(cls, url: str) -> str:
+        from carpool.redis_edge.connect import is_sentinel, parse_sentinel
+
+        if is_sentinel(url):
+            # Rewritten with the database and credentials on every address: kombu and Celery read
+            # them from the first address only.
+            return parse_sentinel(url).url()
         if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+            raise ValueError("must be a redis://, rediss://, unix:// or sentinel:// URL")
         return url
 
     @model_validator(mode="after")
@@ -177,6 +215,12 @@ class Settings(BaseSettings):
                     f"CARPOOL_MODEL/CARPOOL_MODELS: {name!r} is not minilm, toy, null "
                     "or package.module:ClassName"
                 )
+        from carpool.redis_edge.connect import is_sentinel
+
+        if not self.sentinel_master and (is_sentinel(self.broker_url) or is_sentinel(self.result_backend)):
+            raise ValueError(
+                "sentinel:// URLs need CARPOOL_SENTINEL_MASTER, the name of the master the Sentinels monitor"
+            )
         if self.request_queue == self.batch_queue:
             raise ValueError("CARPOOL_REQUEST_QUEUE and CARPOOL_BATCH_QUEUE must differ")
         return self

@@ -82,3 +82,19 @@ class SubmitInterrupted(CarpoolError):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.results = []
+
+
+class NotReplicated(CarpoolError):
+    """Raised at ``.delay()`` / ``submit_many`` when fewer Redis replicas than ``CARPOOL_WAIT_REPLICAS``
+    confirmed the request within ``CARPOOL_WAIT_TIMEOUT_S``.
+
+    The request is on the master and will run unless the master fails before a replica has it.
+    ``results`` holds the AsyncResults of the requests sent (resend them only if running twice is
+    harmless: a resent request is another task). Raised in the producer only, never stored as a result.
+    """
+
+    results: list[Any]
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.results = []

@@ -28,10 +28,11 @@ from celery import Task
 from celery.result import AsyncResult
 from redis.exceptions import RedisError
 
-from carpool.celery_edge.app import app, settings_of
+from carpool.celery_edge.app import app, settings_of, state_of
 from carpool.names import INFER_TASK, SENT_AT_HEADER
 from carpool.producer.options import check_options
 from carpool.producer.submit import publish_tasks
+from carpool.redis_edge.replication import fence, not_replicated
 from carpool.registry import BatchedSpec, BatchFunction, LengthFunction, register
 from carpool.validation import bind_infer_args, bind_item, validate_infer, validate_item
 
@@ -77,7 +78,26 @@ class CarpoolTask(Task):  # type: ignore[misc]  # Celery is untyped
                 return result
             except RedisError as exc:
                 log.info("direct publish failed (%s); sending through Celery, with its retries", exc)
-        return super().apply_async(args, kwargs, headers=headers, **options)
+        result = super().apply_async(args, kwargs, headers=headers, **options)
+        settings = settings_of(self.app)
+        if settings.wait_replicas and not self.app.conf.task_always_eager:
+            _replicated(self.app, result, settings.wait_replicas, settings.wait_timeout_s)
+        return result
+
+
+def _replicated(app: Any, result: AsyncResult, replicas: int, timeout_s: float) -> None:
+    """Raise :class:`~carpool.errors.NotReplicated` unless ``replicas`` replicas have the message
+    Celery just published (on a kombu connection of its own: a WAIT after a write of ours covers it)."""
+    try:
+        acked = fence(state_of(app).publisher(), replicas, timeout_s)
+    except RedisError as exc:
+        error = not_replicated(f"request {result.id} ({exc})", 0, replicas, timeout_s)
+    else:
+        if acked >= replicas:
+            return
+        error = not_replicated(f"request {result.id}", acked, replicas, timeout_s)
+    error.results = [result]
+    raise error
 
 
 class InferTask(CarpoolTask):

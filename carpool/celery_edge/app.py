@@ -61,9 +61,10 @@ class CarpoolCelery(compat.AppWithBackendClass):
     carpool: AppState
 
     def result_backend_class(self) -> type[Any]:
-        from carpool.celery_edge.results import CarpoolRedisBackend
+        from carpool.celery_edge.results import CarpoolRedisBackend, CarpoolSentinelBackend
+        from carpool.redis_edge.connect import is_sentinel
 
-        return CarpoolRedisBackend
+        return CarpoolSentinelBackend if is_sentinel(str(self.conf.result_backend)) else CarpoolRedisBackend
 
 
 def _batched_to(request_queue: str) -> Any:
@@ -107,7 +108,8 @@ def create_app(settings: Settings | None = None) -> Celery:
         # ...and so kombu's ack emulation (each fetched message copied into an "unacked" hash, then
         # removed on ack: two more round trips per batch) protects nothing carpool needs; a batch
         # message lost with a killed worker is recovered through the leases of its requests.
-        broker_transport_options={"ack_emulation": False},
+        broker_transport_options={"ack_emulation": False, **_sentinel_options(settings.broker_url, settings)},
+        result_backend_transport_options=_sentinel_options(settings.result_backend, settings),
         broker_connection_retry_on_startup=True,
         task_send_sent_event=True,
         worker_send_task_events=True,
@@ -115,6 +117,13 @@ def create_app(settings: Settings | None = None) -> Celery:
     )
     app.carpool = AppState(app, settings)
     return app
+
+
+def _sentinel_options(url: str, settings: Settings) -> dict[str, Any]:
+    """The transport options kombu's and Celery's Sentinel support read, for a sentinel:// ``url``."""
+    from carpool.redis_edge.connect import is_sentinel, transport_options
+
+    return transport_options(settings) if is_sentinel(url) else {}
 
 
 app = create_app()

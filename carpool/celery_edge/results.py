@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery import states
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 
 from carpool.celery_edge.compat import result_meta
 from carpool.celery_edge.result_consumer import PromptResultConsumer
@@ -119,6 +119,11 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             return set()
         found = self.client.mget([self.get_key_for_task(t) for t in task_ids])
         return {t for t, v in zip(task_ids, found, strict=True) if v is not None}
+
+
+class CarpoolSentinelBackend(CarpoolRedisBackend, SentinelBackend):  # type: ignore[misc]
+    """:class:`CarpoolRedisBackend` on the master a Redis Sentinel names (a ``sentinel://`` URL,
+    ``CARPOOL_SENTINEL_MASTER``): Celery's Sentinel backend finds the master, carpool's adds the rest."""
 
 
 SUCCESS = states.SUCCESS

@@ -45,6 +45,7 @@ from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, DeadlineExceeded, WireError
 from carpool.models import get_model
 from carpool.names import INFER_TASK
+from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import import_task_modules, registered
@@ -75,9 +76,15 @@ class Coordinator:
         self.settings = settings
         self.app = app
         self.backend = app.backend
-        self.client = client or redis.Redis.from_url(settings.broker_url)
+        self.client = client or client_for(settings.broker_url, settings)
         self.keys = Keys(settings.request_queue)
-        self.store = RequestStore(self.client, self.keys, settings.recovery_timeout_s)
+        self.store = RequestStore(
+            self.client,
+            self.keys,
+            settings.recovery_timeout_s,
+            settings.wait_replicas,
+            settings.wait_timeout_s,
+        )
         self.clock = clock
         self.wall = wall
         self.latency = LatencyModel()
@@ -129,7 +136,7 @@ class Coordinator:
             self.settings.max_tokens,
         )
         self.warm_up()
-        self.revokes = revokes.listen(self.app, self.settings.broker_url)
+        self.revokes = revokes.listen(self.app, self.settings)
         backoff = 0.1
         while not self.stopping.is_set():
             try:
@@ -203,6 +210,9 @@ class Coordinator:
         if reports:
             self._apply_reports(reports)
         if taken:
+            # In flight on the replicas too before any of it is batched.
+            if self.settings.wait_replicas:
+                self.store.replicated("requests taken into flight")
             self._admit(taken, self.clock())
         now = self.clock()
         next_eta_s = None

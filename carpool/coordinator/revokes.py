@@ -27,6 +27,8 @@ from celery.worker import state as worker_state
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import state_of
 from carpool.codec import loads
+from carpool.config import Settings
+from carpool.redis_edge.connect import client_for
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +130,13 @@ class Revoked:
         return [(request_id, raw) for request_id, raw in taken if request_id not in gone], revoked
 
 
-def listen(app: Celery, broker_url: str) -> RevokeListener | None:
+def listen(app: Celery, settings: Settings) -> RevokeListener | None:
     """A started listener for ``app``'s remote-control broadcasts; None (logged) if it cannot start."""
     try:
         topic = compat.publish_topic(state_of(app).message_channel(), app.control.mailbox.exchange.name, "")
     except Exception as exc:
         log.warning("cannot hear revokes (%s); only workers will check them", exc)
         return None
-    listener = RevokeListener(redis.Redis.from_url(broker_url), topic)
+    listener = RevokeListener(client_for(settings.broker_url, settings), topic)
     listener.start()
     return listener

@@ -39,6 +39,7 @@ from carpool.config import Settings
 from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating, run_items_isolating
 from carpool.names import INFER_TASK, RUN_BATCH_TASK
+from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import BatchedSpec, import_task_modules, registered
@@ -59,9 +60,13 @@ class WorkerRuntime:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self.settings = settings_of(app)
-        self.client = redis.Redis.from_url(self.settings.broker_url)
+        self.client = client_for(self.settings.broker_url, self.settings)
         self.store = RequestStore(
-            self.client, Keys(self.settings.request_queue), self.settings.recovery_timeout_s
+            self.client,
+            Keys(self.settings.request_queue),
+            self.settings.recovery_timeout_s,
+            self.settings.wait_replicas,
+            self.settings.wait_timeout_s,
         )
         self.backend = app.backend
         self.device = pick_device(self.settings.device)
@@ -371,6 +376,9 @@ class WorkerRuntime:
             if events is not None:
                 pipe.publish(*events)
             pipe.execute()
+        if self.store.replicas:  # the results' server, then the broker's, each WAITed on
+            self.store.replicated("a batch's results", self.backend.client)
+            self.store.replicated("a batch's acknowledgements")
         return [i for i, entry in enumerate(entries, 1) if entry[0] in stored_ids]
 
 

@@ -272,9 +272,12 @@ def _async_client(backend: Any) -> Any:
     """A ``redis.asyncio`` client on the result backend's server, with the backend's settings."""
     import redis.asyncio as aioredis
 
+    from carpool.redis_edge.connect import async_client_for
+
     protocol = backend.connparams.get("protocol", 2)  # RESP2: see CarpoolRedisBackend.__init__
     if getattr(backend, "url", None):
-        return aioredis.Redis.from_url(backend.url, protocol=protocol)
+        settings = getattr(getattr(backend.app, "carpool", None), "settings", None)  # a carpool app's
+        return async_client_for(backend.url, settings, protocol=protocol)
     params = {
         k: v
         for k, v in backend.connparams.items()

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from carpool.celery_edge.app import settings_of, state_of
 from carpool.celery_edge.result_consumer import subscribe_results, unsubscribe_results
-from carpool.celery_edge.task_messages import TaskMessageBuilder
+from carpool.celery_edge.task_messages import TaskMessageBuilder, TaskMessages
 from carpool.errors import SubmitInterrupted
 from carpool.names import INFER_TASK, SENT_AT_HEADER
+from carpool.redis_edge.replication import not_replicated, transaction_then_wait
 from carpool.validation import bind_infer_args, validate_infer, validate_item
 
 if TYPE_CHECKING:
@@ -174,6 +176,8 @@ def publish_tasks(
         sent_events=sent_events,
     )
     publisher = state_of(app).publisher()
+    settings = settings_of(app)
+    replicas, wait_s = settings.wait_replicas, settings.wait_timeout_s
     backend = app.backend
     step = chunk_size or len(calls)
     results: list[AsyncResult] = []
@@ -181,15 +185,14 @@ def publish_tasks(
         built = builder.build(calls[start : start + step])
         if subscribe:
             subscribe_results(backend, built.ids)
+        acked = replicas
         try:
-            with publisher.pipeline(transaction=True) as pipe:
-                # LPUSH k a b c == LPUSH k a; LPUSH k b; LPUSH k c: same order, one command per list.
-                for key, raws in built.pushes.items():
-                    for first in range(0, len(raws), _LPUSH_CHUNK):
-                        pipe.lpush(key, *raws[first : first + _LPUSH_CHUNK])
-                for topic, raw in built.events:
-                    pipe.publish(topic, raw)
-                pipe.execute()
+            if replicas:
+                _, acked = transaction_then_wait(publisher, partial(_queue, built), replicas, wait_s)
+            else:
+                with publisher.pipeline(transaction=True) as pipe:
+                    _queue(built, pipe)
+                    pipe.execute()
         except BaseException as exc:
             if subscribe:
                 unsubscribe_results(backend, built.ids)
@@ -199,7 +202,21 @@ def publish_tasks(
         built.published()
         # The backend is passed in: looked up per result it is a thread-local property.
         results.extend(app.AsyncResult(task_id, backend=backend) for task_id in built.ids)
+        if acked < replicas:
+            error = not_replicated(f"{len(results)} of {len(calls)} messages", acked, replicas, wait_s)
+            error.results = results  # sent: they will run unless the master fails first
+            raise error
     return results
+
+
+def _queue(built: TaskMessages, pipe: Any) -> None:
+    """Queue the pushes and task-sent events of ``built`` on ``pipe``."""
+    # LPUSH k a b c == LPUSH k a; LPUSH k b; LPUSH k c: same order, one command per list.
+    for key, raws in built.pushes.items():
+        for first in range(0, len(raws), _LPUSH_CHUNK):
+            pipe.lpush(key, *raws[first : first + _LPUSH_CHUNK])
+    for topic, raw in built.events:
+        pipe.publish(topic, raw)
 
 
 def _interrupted(sent: list[AsyncResult], total: int, cause: Exception) -> SubmitInterrupted:

@@ -16,6 +16,7 @@ so hosts with skewed clocks agree on expiry.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,9 @@ import redis
 
 from carpool.redis_edge import lua
 from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.replication import fence, script_then_wait
+
+log = logging.getLogger(__name__)
 
 REPORTS_TTL_S = 3600  # a dead coordinator's report list expires after this many idle seconds
 REPORTS_KEPT = 10_000  # newest reports kept per coordinator
@@ -61,10 +65,17 @@ def finish_call(
 class RequestStore:
     """The Redis edge for in-flight requests. One per process; thread-safe as redis-py is."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, lease_s: float) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, lease_s: float, replicas: int = 0, wait_s: float = 1.0
+    ) -> None:
+        """``replicas`` > 0: :meth:`finish` and :meth:`replicated` WAIT for that many replicas, up to
+        ``wait_s`` (see :mod:`carpool.redis_edge.replication`)."""
         self.client = client
         self.keys = keys
         self.lease_ms = max(1, int(lease_s * 1000))
+        self.replicas = replicas
+        self.wait_s = wait_s
+        self._lagging = False  # the last WAIT saw fewer replicas than asked (warned once)
         self._take = lua.register(client, "take")
         self._dispatch = lua.register(client, "dispatch")
         self._renew_held = lua.register(client, "renew_held")
@@ -199,7 +210,35 @@ class RequestStore:
             events=events,
             ack_ids=ack_ids,
         )
-        return [int(i) for i in self._finish(keys=keys, args=args)]
+        if not self.replicas:
+            return [int(i) for i in self._finish(keys=keys, args=args)]
+        stored, acked = script_then_wait(self.client, self._finish, keys, args, self.replicas, self.wait_s)
+        self._confirmed(acked, "a batch's results and acknowledgements")
+        return [int(i) for i in stored]
+
+    def replicated(self, what: str, client: redis.Redis | None = None) -> bool:
+        """WAIT until the replicas have every write the master (of ``client``, by default this
+        store's) applied so far; a no-op without ``replicas``. False, warned once until they catch
+        up, when fewer confirmed in time."""
+        if not self.replicas:
+            return True
+        return self._confirmed(fence(client or self.client, self.replicas, self.wait_s), what)
+
+    def _confirmed(self, acked: int, what: str) -> bool:
+        ok = acked >= self.replicas
+        if not ok and not self._lagging:
+            log.warning(
+                "%s: only %d of CARPOOL_WAIT_REPLICAS=%d replicas confirmed within %gs; going on (a "
+                "failover before they catch up makes these requests run again through lease recovery)",
+                what,
+                acked,
+                self.replicas,
+                self.wait_s,
+            )
+        elif ok and self._lagging:
+            log.info("replicas confirm writes again")
+        self._lagging = not ok
+        return ok
 
     def renew_running(self, ids: Sequence[str]) -> None:
         if ids:

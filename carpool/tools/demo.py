@@ -47,11 +47,10 @@ class RunStats:
 
 def coordinator_stats(settings: Settings) -> dict[str, float]:
     """The coordinator's counters hash, as numbers."""
-    import redis
-
+    from carpool.redis_edge.connect import client_for
     from carpool.redis_edge.keys import Keys
 
-    client = redis.Redis.from_url(settings.broker_url)
+    client = client_for(settings.broker_url, settings)
     try:
         raw = client.hgetall(Keys(settings.request_queue).stats)
     finally:

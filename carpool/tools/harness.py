@@ -111,10 +111,19 @@ class Harness:
         return self.server
 
     def redis_client(self, db: int = 0) -> Any:
-        """A ``redis.Redis`` on the broker's server (``db`` 0) or the results' (``db`` 1)."""
-        import redis
+        """A ``redis.Redis`` on the broker's server (``db`` 0) or the results' (``db`` 1), as the
+        children reach it (through Sentinel when the URLs are Sentinel ones)."""
+        from carpool.redis_edge.connect import client_for
 
-        return redis.Redis.from_url(self.broker_url if db == 0 else self.result_backend)
+        return client_for(self.broker_url if db == 0 else self.result_backend, self.settings())
+
+    def settings(self) -> Any:
+        """The :class:`carpool.config.Settings` the children start with (from :meth:`env`)."""
+        from carpool.config import Settings, load_settings
+
+        env = self.env()
+        fields = {name: env.get(f"CARPOOL_{name.upper()}") for name in Settings.model_fields}
+        return load_settings(**{name: value for name, value in fields.items() if value is not None})
 
     # --- children ------------------------------------------------------------------------------
     def env(self, **overrides: str) -> dict[str, str]:

@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from carpool.config import redact_url
+from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.tools.status.snapshot import Rates, Snapshot, as_dict, collect, rates
 from carpool.tools.status.view import render
@@ -51,7 +52,7 @@ def run_cli(args: argparse.Namespace) -> int:
     settings = load_settings()  # ConfigError propagates: the CLI prints it and exits 2
     interval = max(0.0, float(args.interval))
     keys = Keys(settings.request_queue)
-    client = redis.Redis.from_url(settings.broker_url, socket_connect_timeout=5, socket_timeout=5)
+    client = client_for(settings.broker_url, settings, socket_connect_timeout=5, socket_timeout=5)
     try:
         if args.json or args.once:
             return _print_once(

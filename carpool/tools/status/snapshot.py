@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 
+from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import PRIORITY_SEP, Keys
 
 
@@ -195,7 +196,7 @@ def snapshot_dict(settings: Any = None) -> dict[str, Any]:
     from carpool.config import load_settings
 
     settings = settings or load_settings()
-    client = redis.Redis.from_url(settings.broker_url)
+    client = client_for(settings.broker_url, settings)
     try:
         return as_dict(collect(client, Keys(settings.request_queue)), None, settings.request_queue)
     finally:

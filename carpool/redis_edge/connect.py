@@ -1,0 +1,202 @@
+"""Every Redis client carpool builds for itself: a URL (and the settings) in, a client out.
+
+``redis://``, ``rediss://`` and ``unix://`` URLs give a plain client. A list of Sentinel addresses in
+kombu's form (``sentinel://h1:26379;sentinel://h2:26379;sentinel://h3:26379/0``) gives a client of
+the master the Sentinels know as ``CARPOOL_SENTINEL_MASTER``: it asks them where the master is when
+it connects, so after a failover its next connection goes to the promoted replica by itself.
+Keyword options pass through to the client (and the connections to the master).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
+from urllib.parse import quote, unquote, urlsplit
+
+import redis
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+SENTINEL_SCHEME = "sentinel"
+SENTINEL_PORT = 26379  # Sentinel's own default port
+_SEPARATOR = ";"  # between the addresses of one Sentinel URL, as kombu and Celery split them
+
+
+class SentinelSettings(Protocol):
+    """What a Sentinel client needs from :class:`carpool.config.Settings`."""
+
+    @property
+    def sentinel_master(self) -> str: ...
+
+    @property
+    def sentinel_password(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelUrl:
+    """A parsed Sentinel URL: where the Sentinels listen, and what to use on the master they name."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    db: int
+    username: str | None
+    password: str | None
+
+    def server(self) -> tuple[object, ...]:
+        """What names the Redis server, without the database: equal for two URLs of one master."""
+        return (frozenset(self.sentinels), self.username, self.password)
+
+    def url(self) -> str:
+        """The URL again, with the database and credentials on every address.
+
+        kombu and Celery read both from the first address only, so ``.../0`` written on the last one
+        alone (the usual way to write it) would silently mean database 0 to them.
+        """
+        creds = ""
+        if self.password is not None:
+            creds = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@"
+        elif self.username is not None:
+            creds = f"{quote(self.username, safe='')}@"
+        return _SEPARATOR.join(
+            f"{SENTINEL_SCHEME}://{creds}{_host(host)}:{port}/{self.db}" for host, port in self.sentinels
+        )
+
+
+def is_sentinel(url: str) -> bool:
+    """Whether ``url`` is a list of Sentinel addresses rather than one Redis server."""
+    return url.startswith(f"{SENTINEL_SCHEME}://")
+
+
+def parse_sentinel(url: str) -> SentinelUrl:
+    """Parse ``sentinel://[user:password@]host[:port][/db]`` addresses joined by ``;``.
+
+    The database and credentials may be written on any address (kombu's own examples put the
+    database on the last); raises ValueError when two addresses disagree, or an address is not a
+    ``sentinel://`` one.
+    """
+    sentinels: list[tuple[str, int]] = []
+    dbs: set[int] = set()
+    creds: set[tuple[str | None, str | None]] = set()
+    for part in url.split(_SEPARATOR):
+        part = part.strip()
+        if not part:
+            continue
+        split = urlsplit(part)
+        if split.scheme != SENTINEL_SCHEME or not split.hostname:
+            raise ValueError(f"{_redacted(part)!r} is not a sentinel://host:port address")
+        try:
+            port = split.port or SENTINEL_PORT
+        except ValueError:
+            raise ValueError(f"{_redacted(part)!r} has an invalid port") from None
+        sentinels.append((split.hostname, port))
+        path = split.path.strip("/")
+        if path:
+            if not path.isdigit():
+                raise ValueError(f"{_redacted(part)!r}: the path must be a database number")
+            dbs.add(int(path))
+        if split.username is not None or split.password is not None:
+            creds.add((_unquoted(split.username) or None, _unquoted(split.password)))
+    if not sentinels:
+        raise ValueError("names no Sentinel address")
+    if len(dbs) > 1:
+        raise ValueError(f"its addresses name different databases ({sorted(dbs)}); give one")
+    if len(creds) > 1:
+        raise ValueError("its addresses carry different credentials; give the master's once")
+    username, password = next(iter(creds), (None, None))
+    return SentinelUrl(tuple(sentinels), next(iter(dbs), 0), username, password)
+
+
+def server_and_db(url: str) -> tuple[object, int]:
+    """(what names the server, the database number) of a carpool Redis URL of any scheme."""
+    if is_sentinel(url):
+        parsed = parse_sentinel(url)
+        return parsed.server(), parsed.db
+    from redis.connection import parse_url
+
+    params = parse_url(url)  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+    db = int(params.pop("db", 0) or 0)
+    return tuple(sorted((k, repr(v)) for k, v in params.items())), db
+
+
+def sentinel_kwargs(settings: SentinelSettings, **options: Any) -> dict[str, Any]:
+    """The options of the connections to the Sentinels themselves: the socket options among
+    ``options`` and ``CARPOOL_SENTINEL_PASSWORD`` (the Sentinels' own, not the master's)."""
+    kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+    if settings.sentinel_password:
+        kwargs["password"] = settings.sentinel_password
+    return kwargs
+
+
+def transport_options(settings: SentinelSettings) -> dict[str, Any]:
+    """What kombu's Sentinel transport and Celery's Sentinel backend read from their transport
+    options (``broker_transport_options`` / ``result_backend_transport_options``)."""
+    options: dict[str, Any] = {"master_name": settings.sentinel_master}
+    kwargs = sentinel_kwargs(settings)
+    if kwargs:
+        options["sentinel_kwargs"] = kwargs
+    return options
+
+
+def client_for(url: str, settings: SentinelSettings | None = None, **options: Any) -> redis.Redis:
+    """A ``redis.Redis`` for ``url``: a plain client, or one that follows the Sentinels' master."""
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **options)
+    from redis.sentinel import Sentinel
+
+    parsed, master = _sentinel_target(url, settings)
+    assert settings is not None  # _sentinel_target refused None
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs(settings, **options), **options
+    )
+    client = sentinel.master_for(  # type: ignore[no-untyped-call]
+        master, db=parsed.db, username=parsed.username, password=parsed.password
+    )
+    return cast("redis.Redis", client)
+
+
+def async_client_for(
+    url: str, settings: SentinelSettings | None = None, **options: Any
+) -> redis.asyncio.Redis:
+    """The ``redis.asyncio`` twin of :func:`client_for`."""
+    import redis.asyncio as aioredis
+
+    if not is_sentinel(url):
+        return aioredis.Redis.from_url(url, **options)
+    from redis.asyncio.sentinel import Sentinel
+
+    parsed, master = _sentinel_target(url, settings)
+    assert settings is not None
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs(settings, **options), **options
+    )
+    client = sentinel.master_for(master, db=parsed.db, username=parsed.username, password=parsed.password)
+    return cast("redis.asyncio.Redis", client)
+
+
+def _sentinel_target(url: str, settings: SentinelSettings | None) -> tuple[SentinelUrl, str]:
+    from carpool.errors import ConfigError
+
+    master = settings.sentinel_master if settings is not None else ""
+    if not master:
+        raise ConfigError(
+            "a sentinel:// URL needs the name of the master the Sentinels monitor: "
+            "set CARPOOL_SENTINEL_MASTER"
+        )
+    try:
+        return parse_sentinel(url), master
+    except ValueError as exc:
+        raise ConfigError(f"Sentinel URL {_redacted(url)!r}: {exc}") from None
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _unquoted(value: str | None) -> str | None:
+    return unquote(value) if value is not None else None
+
+
+def _redacted(url: str) -> str:
+    from carpool.config import redact_url
+
+    return redact_url(url)
