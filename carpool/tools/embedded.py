@@ -188,7 +188,16 @@ class SentinelGroup:
         return None
 
     def kill_master(self) -> None:
+        """``kill -9`` the master; after the promotion, :meth:`rejoin` brings it back as a replica."""
         self.master.stop(kill=True)
+
+    def rejoin(self) -> None:
+        """Start the killed master again on its port, empty, as a replica of the promoted one (what
+        Sentinel would reconfigure it to); ``master`` and ``replica`` then name the new roles."""
+        old = self.master
+        old.cleanup()
+        self.master = self.replica
+        self.replica = EmbeddedRedis(port=old.port, replica_of=self.master.port).start()
 
     def wait_promoted(self, timeout_s: float = 30.0) -> None:
         """Wait until the Sentinels name the replica master and it accepts writes."""

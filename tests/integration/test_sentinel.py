@@ -1,0 +1,171 @@
+"""Redis failover under Sentinel, with real processes: a master, a replica, three Sentinels.
+
+A producer sends requests one at a time through the Sentinel URLs while a coordinator and a worker
+batch them; the master is killed with SIGKILL mid-run, the Sentinels promote the replica, the old
+master comes back as a replica of the new one, and the producer keeps sending. Every request whose
+send returned must end with its right result on the new master: with ``CARPOOL_WAIT_REPLICAS=1``
+that is asserted; with 0 (asynchronous replication) what was lost is counted and recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from carpool.celery_edge.app import create_app
+from carpool.config import load_settings
+from carpool.errors import NotReplicated
+from carpool.producer.submit import submit_many
+from carpool.redis_edge.connect import client_for
+from carpool.redis_edge.keys import Keys
+from carpool.tools.embedded import SentinelGroup
+from carpool.tools.harness import Harness, release_result_consumer
+from carpool.tools.workload import mixed_texts
+from tests.integration.models import SLOW
+from tests.integration.test_reliability import expected, record, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MASTER = "carpool-test"
+RECOVERY_S = 3.0
+ENV = {
+    "CARPOOL_MODEL": SLOW,
+    "CARPOOL_MAX_BATCH": "8",
+    "CARPOOL_RECOVERY_TIMEOUT_S": str(RECOVERY_S),
+    "CARPOOL_SENTINEL_MASTER": MASTER,
+    "CARPOOL_WAIT_TIMEOUT_S": "0.5",
+    "SLOW_TOY_DELAY_S": "0.05",
+}
+BEFORE_KILL_S = 2.0  # sending before the master dies
+AFTER_RETURN_S = 2.0  # sending once the old master is back, as a replica
+PACE_S = 0.005  # between two sends
+KEYS = Keys("carpool.requests")
+
+
+def run_failover(tmp_path: Path, wait_replicas: int) -> dict[str, Any]:
+    """One run; returns what happened to the requests sent (ids of those accepted, and counts)."""
+    env = {**ENV, "CARPOOL_WAIT_REPLICAS": str(wait_replicas)}
+    with SentinelGroup(MASTER) as group:
+        settings = load_settings(
+            broker_url=group.url(0),
+            result_backend=group.url(1),
+            sentinel_master=MASTER,
+            wait_replicas=wait_replicas,
+            wait_timeout_s=0.5,
+        )
+        app = create_app(settings)
+        base_env = {**os.environ, **env}
+        with Harness(
+            broker_url=group.url(0), result_backend=group.url(1), log_dir=tmp_path, base_env=base_env
+        ) as h:
+            try:
+                h.start_stack(1)
+                return _produce_through_failover(group, h, app, settings)
+            finally:
+                release_result_consumer(app)
+
+
+def _produce_through_failover(group: SentinelGroup, h: Harness, app: Any, settings: Any) -> dict[str, Any]:
+    texts = iter(mixed_texts(5000, seed=14))
+    accepted: dict[str, str] = {}  # id -> text of every request whose send returned
+    unconfirmed: dict[str, str] = {}  # sent, but NotReplicated: on the master, maybe not on a replica
+    failed: Counter[str] = Counter()
+
+    def send() -> None:
+        text = next(texts)
+        try:
+            (result,) = submit_many([text], model=SLOW, app=app, subscribe=False)
+            accepted[result.id] = text
+        except NotReplicated as exc:
+            unconfirmed.update((r.id, text) for r in exc.results)
+        except (redis.RedisError, OSError) as exc:
+            failed[type(exc).__name__] += 1
+            time.sleep(0.05)
+        time.sleep(PACE_S)
+
+    end = time.monotonic() + BEFORE_KILL_S
+    while time.monotonic() < end:
+        send()
+    with client_for(group.url(0), settings) as broker:
+        at_kill = {"queued": _queued(broker), "in_flight": int(broker.zcard(KEYS.inflight_lease))}
+    group.kill_master()
+    t_kill = time.monotonic()
+    while group.master_port() != group.replica.port:
+        send()
+        assert time.monotonic() - t_kill < 30, "the Sentinels did not promote the replica"
+    promoted_s = time.monotonic() - t_kill
+    group.rejoin()
+    end = time.monotonic() + AFTER_RETURN_S
+    while time.monotonic() < end:
+        send()
+    _wait_answered(group, settings, [*accepted, *unconfirmed])
+    done_s = time.monotonic() - t_kill
+    with client_for(group.url(1), settings) as results_db:
+        keys = [app.backend.get_key_for_task(i) for i in accepted]
+        stored = dict(zip(accepted, results_db.mget(keys), strict=True))
+    lost = [i for i, raw in stored.items() if raw is None]
+    right = _right_results(app, {i: raw for i, raw in stored.items() if raw is not None}, accepted)
+    h.check_alive()
+    return {
+        "accepted": len(accepted),
+        "unconfirmed": len(unconfirmed),
+        "send_errors": dict(failed),
+        "lost": len(lost),
+        "right": right,
+        "answered": len(stored) - len(lost),
+        "promoted_after_s": round(promoted_s, 2),
+        "all_done_after_kill_s": round(done_s, 2),
+        **{f"{k}_at_kill": v for k, v in at_kill.items()},
+    }
+
+
+def _queued(client: redis.Redis) -> int:
+    return sum(int(client.llen(k)) for k in KEYS.request_lists)
+
+
+def _wait_answered(group: SentinelGroup, settings: Any, ids: list[str], timeout_s: float = 60) -> None:
+    """Wait until nothing is queued or in flight on the new master: every request answered, or lost
+    for good."""
+    with client_for(group.url(0), settings) as broker:
+
+        def settled() -> bool:
+            try:
+                return _queued(broker) == 0 and int(broker.zcard(KEYS.inflight_lease)) == 0
+            except redis.ConnectionError:
+                return False
+
+        wait_for(settled, timeout_s, f"{len(ids)} requests never settled")
+
+
+def _right_results(app: Any, stored: dict[str, bytes], texts: dict[str, str]) -> int:
+    ids = list(stored)
+    want = expected([texts[i] for i in ids])
+    right = 0
+    for task_id, w in zip(ids, want, strict=True):
+        meta = app.backend.decode_result(stored[task_id])
+        right += meta["status"] == "SUCCESS" and bool(np.allclose(meta["result"], w, atol=1e-4))
+    return right
+
+
+def test_failover_with_wait_loses_no_accepted_request(tmp_path: Path) -> None:
+    outcome = run_failover(tmp_path, wait_replicas=1)
+    record("kill -9 the Redis master under Sentinel, CARPOOL_WAIT_REPLICAS=1", **outcome)
+    assert outcome["accepted"] > 100, outcome
+    assert outcome["lost"] == 0, outcome
+    assert outcome["right"] == outcome["accepted"], outcome
+
+
+def test_failover_without_wait_counts_what_it_loses(tmp_path: Path) -> None:
+    outcome = run_failover(tmp_path, wait_replicas=0)
+    record("kill -9 the Redis master under Sentinel, CARPOOL_WAIT_REPLICAS=0", **outcome)
+    assert outcome["accepted"] > 100, outcome
+    # Asynchronous replication may lose what the master had not yet sent to the replica; whatever
+    # survived must be right.
+    assert outcome["right"] == outcome["answered"], outcome
