@@ -191,6 +191,15 @@ class SentinelGroup:
         """``kill -9`` the master; after the promotion, :meth:`rejoin` brings it back as a replica."""
         self.master.stop(kill=True)
 
+    def cut_replica(self) -> None:
+        """Cut the replica off the master's writes, as a broken link would: its connection is closed
+        and it cannot reconnect (a wrong ``masterauth``). Kill the master within ``down_after_ms`` of
+        this, or the Sentinels may find the replica too stale to promote."""
+        with redis.Redis(port=self.replica.port) as replica:
+            replica.config_set("masterauth", "cut-off")
+        with redis.Redis(port=self.master.port) as master:
+            master.client_kill_filter(_type="replica")
+
     def rejoin(self) -> None:
         """Start the killed master again on its port, empty, as a replica of the promoted one (what
         Sentinel would reconfigure it to); ``master`` and ``replica`` then name the new roles."""

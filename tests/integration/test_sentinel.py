@@ -1,10 +1,12 @@
 """Redis failover under Sentinel, with real processes: a master, a replica, three Sentinels.
 
 A producer sends requests one at a time through the Sentinel URLs while a coordinator and a worker
-batch them; the master is killed with SIGKILL mid-run, the Sentinels promote the replica, the old
+batch them. Then the replica is cut off the master's writes for half a second (as a broken or slow
+link would leave it behind), the master is killed with SIGKILL, the Sentinels promote the replica, the old
 master comes back as a replica of the new one, and the producer keeps sending. Every request whose
 send returned must end with its right result on the new master: with ``CARPOOL_WAIT_REPLICAS=1``
-that is asserted; with 0 (asynchronous replication) what was lost is counted and recorded.
+that is asserted (the sends in the lag raise NotReplicated); with 0 (asynchronous replication)
+what was lost is counted and recorded.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ ENV = {
     "SLOW_TOY_DELAY_S": "0.05",
 }
 BEFORE_KILL_S = 2.0  # sending before the master dies
+LAG_S = 0.5  # of those, the last ones with the replica cut off (under the Sentinels' 1 s down-after)
 AFTER_RETURN_S = 2.0  # sending once the old master is back, as a replica
 PACE_S = 0.005  # between two sends
 KEYS = Keys("carpool.requests")
@@ -90,7 +93,11 @@ def _produce_through_failover(group: SentinelGroup, h: Harness, app: Any, settin
             time.sleep(0.05)
         time.sleep(PACE_S)
 
-    end = time.monotonic() + BEFORE_KILL_S
+    end = time.monotonic() + BEFORE_KILL_S - LAG_S
+    while time.monotonic() < end:
+        send()
+    group.cut_replica()
+    end = time.monotonic() + LAG_S
     while time.monotonic() < end:
         send()
     with client_for(group.url(0), settings) as broker:
@@ -110,12 +117,18 @@ def _produce_through_failover(group: SentinelGroup, h: Harness, app: Any, settin
     with client_for(group.url(1), settings) as results_db:
         keys = [app.backend.get_key_for_task(i) for i in accepted]
         stored = dict(zip(accepted, results_db.mget(keys), strict=True))
+        unconfirmed_keys = [app.backend.get_key_for_task(i) for i in unconfirmed]
+        unconfirmed_answered = (
+            sum(v is not None for v in results_db.mget(unconfirmed_keys)) if unconfirmed else 0
+        )
     lost = [i for i, raw in stored.items() if raw is None]
     right = _right_results(app, {i: raw for i, raw in stored.items() if raw is not None}, accepted)
     h.check_alive()
     return {
         "accepted": len(accepted),
         "unconfirmed": len(unconfirmed),
+        "unconfirmed_answered": unconfirmed_answered,
+        "replica_lag_s": LAG_S,
         "send_errors": dict(failed),
         "lost": len(lost),
         "right": right,
@@ -169,3 +182,47 @@ def test_failover_without_wait_counts_what_it_loses(tmp_path: Path) -> None:
     # Asynchronous replication may lose what the master had not yet sent to the replica; whatever
     # survived must be right.
     assert outcome["right"] == outcome["answered"], outcome
+
+
+def test_without_enough_replicas_the_producer_is_told(clean_redis: Any) -> None:
+    """On a server with no replica, WAIT 1 cannot be met: the direct publish, submit_many and the
+    Celery path each raise NotReplicated carrying the results of what was sent (it is queued)."""
+    import carpool.tasks  # noqa: F401  (registers carpool.infer on every app)
+
+    settings = load_settings(
+        broker_url=clean_redis.url(0), result_backend=clean_redis.url(1), wait_replicas=1, wait_timeout_s=0.05
+    )
+    app = create_app(settings)
+    client = redis.Redis(port=clean_redis.port)
+    try:
+        with pytest.raises(NotReplicated, match="CARPOOL_WAIT_REPLICAS=1") as direct:
+            submit_many(["a", "b"], model="toy", app=app, subscribe=False)
+        assert len(direct.value.results) == 2
+        with pytest.raises(NotReplicated) as chunked:
+            submit_many(["c", "d", "e"], model="toy", app=app, subscribe=False, chunk_size=2)
+        assert len(chunked.value.results) == 2  # the first chunk was sent; the rest were not
+        assert client.llen(KEYS.request_queue) == 4
+        task = app.tasks["carpool.infer"]
+        with pytest.raises(NotReplicated) as celery_path:
+            task.apply_async(("f",), countdown=60)  # countdown: Celery's own publish, then the fence
+        assert [r.id for r in celery_path.value.results] and client.llen(KEYS.request_queue) == 5
+    finally:
+        release_result_consumer(app)
+        client.close()
+
+
+def test_scripts_reload_on_a_server_that_lacks_them(clean_redis: Any) -> None:
+    """A promoted replica may not have the scripts cached: script_then_wait loads them again."""
+    from carpool.redis_edge import lua
+    from carpool.redis_edge.replication import script_then_wait
+
+    client = redis.Redis(port=clean_redis.port)
+    try:
+        script = lua.register(client, "heartbeat")
+        client.script_flush()
+        reply, acked = script_then_wait(client, script, [KEYS.workers], ["w1", 1000], 0, 0.01)
+        assert int(reply) == 1 and acked == 0
+        client.script_flush()
+        assert int(script(keys=[KEYS.workers], args=["", 0])) == 1  # redis-py's Script does the same
+    finally:
+        client.close()

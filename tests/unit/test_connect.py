@@ -1,0 +1,135 @@
+"""The Redis client factory and the Sentinel settings: URL parsing, no connection made."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import redis.asyncio
+from redis.sentinel import SentinelConnectionPool
+
+from carpool.celery_edge.app import create_app
+from carpool.config import load_settings
+from carpool.errors import ConfigError
+from carpool.redis_edge.connect import (
+    async_client_for,
+    client_for,
+    is_sentinel,
+    parse_sentinel,
+    server_and_db,
+    transport_options,
+)
+
+THREE = "sentinel://h1:26379;sentinel://h2:26380;sentinel://h3/1"
+
+
+def test_parse_reads_every_address_and_the_database_wherever_it_is_written() -> None:
+    parsed = parse_sentinel(THREE)
+    assert parsed.sentinels == (("h1", 26379), ("h2", 26380), ("h3", 26379))
+    assert parsed.db == 1
+    assert (parsed.username, parsed.password) == (None, None)
+
+
+def test_the_rewritten_url_carries_database_and_credentials_on_every_address() -> None:
+    # kombu and Celery read both from the first address only.
+    parsed = parse_sentinel("sentinel://h1;sentinel://:p%40ss@h2:26380/3")
+    assert parsed.password == "p@ss"
+    assert parsed.url() == "sentinel://:p%40ss@h1:26379/3;sentinel://:p%40ss@h2:26380/3"
+    assert parse_sentinel(parsed.url()) == parsed
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sentinel://h1/0;sentinel://h2/1",  # two databases
+        "sentinel://:a@h1;sentinel://:b@h2",  # two passwords
+        "sentinel://h1;redis://h2",  # not a sentinel address
+        "sentinel://h1/x",  # not a database number
+        "sentinel://h1:notaport",
+    ],
+)
+def test_ambiguous_or_malformed_urls_are_refused(url: str) -> None:
+    with pytest.raises(ValueError):
+        parse_sentinel(url)
+
+
+def test_settings_accept_sentinel_urls_only_with_the_master_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="CARPOOL_SENTINEL_MASTER"):
+        load_settings(broker_url=THREE)
+    monkeypatch.setenv("CARPOOL_SENTINEL_MASTER", "mymaster")
+    settings = load_settings(broker_url=THREE.replace("/1", "/0"), result_backend=THREE)
+    assert settings.broker_url.endswith("sentinel://h3:26379/0")
+    assert settings.broker_url.startswith("sentinel://h1:26379/0;")
+    with pytest.raises(ConfigError, match="CARPOOL_BROKER_URL"):
+        load_settings(broker_url="sentinel://h1/0;sentinel://h2/1")
+
+
+def test_sentinel_password_stays_out_of_the_settings_repr() -> None:
+    settings = load_settings(sentinel_master="m", sentinel_password="s3cret")
+    assert "s3cret" not in repr(settings)
+    assert transport_options(settings) == {"master_name": "m", "sentinel_kwargs": {"password": "s3cret"}}
+
+
+def test_one_master_means_one_server_for_the_worker_finish() -> None:
+    settings = load_settings(
+        broker_url="sentinel://h2:26380;sentinel://h1/0",
+        result_backend=THREE.replace("h3", "h3"),
+        sentinel_master="m",
+    )
+    assert settings.shared_server_dbs() is None  # h3 is not among the broker's Sentinels
+    settings = load_settings(
+        broker_url="sentinel://h1;sentinel://h2:26380/0",
+        result_backend="sentinel://h2:26380;sentinel://h1/1",
+        sentinel_master="m",
+    )
+    assert settings.shared_server_dbs() == (0, 1)
+    mixed = load_settings(
+        broker_url="sentinel://h1/0", result_backend="redis://h1:6379/1", sentinel_master="m"
+    )
+    assert mixed.shared_server_dbs() is None
+    plain = load_settings(broker_url="redis://h:6379/0", result_backend="redis://h:6379/1")
+    assert plain.shared_server_dbs() == (0, 1)
+    assert server_and_db("redis://h:6379/2")[1] == 2
+
+
+def test_plain_urls_give_plain_clients_with_the_options_passed_through() -> None:
+    client = client_for("redis://h:6380/2", None, socket_timeout=3)
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["host"], kwargs["port"], kwargs["db"], kwargs["socket_timeout"]) == ("h", 6380, 2, 3)
+    assert not is_sentinel("redis://h")
+
+
+def test_sentinel_urls_give_master_clients_of_the_named_master() -> None:
+    settings = load_settings(
+        broker_url=THREE, result_backend=THREE, sentinel_master="m", sentinel_password="sp"
+    )
+    client = client_for(settings.broker_url, settings, socket_timeout=3)
+    pool = client.connection_pool
+    assert isinstance(pool, SentinelConnectionPool)
+    assert pool.service_name == "m" and pool.is_master
+    assert pool.connection_kwargs["db"] == 1 and pool.connection_kwargs["socket_timeout"] == 3
+    sentinels = pool.sentinel_manager.sentinels
+    assert [
+        (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+        for s in sentinels
+    ] == [
+        ("h1", 26379),
+        ("h2", 26380),
+        ("h3", 26379),
+    ]
+    assert sentinels[0].connection_pool.connection_kwargs["password"] == "sp"
+    assert isinstance(async_client_for(settings.broker_url, settings), redis.asyncio.Redis)
+    with pytest.raises(ConfigError, match="CARPOOL_SENTINEL_MASTER"):
+        client_for(THREE)
+
+
+def test_the_celery_app_gets_the_master_name_for_broker_and_backend() -> None:
+    from carpool.celery_edge.results import CarpoolSentinelBackend
+
+    settings = load_settings(broker_url=THREE.replace("/1", "/0"), result_backend=THREE, sentinel_master="m")
+    app = create_app(settings)
+    assert app.conf.broker_transport_options == {"ack_emulation": False, "master_name": "m"}
+    assert app.conf.result_backend_transport_options == {"master_name": "m"}
+    backend = app.backend
+    assert isinstance(backend, CarpoolSentinelBackend)
+    assert backend.connparams["db"] == 1
+    assert [h["host"] for h in backend.connparams["hosts"]] == ["h1", "h2", "h3"]
