@@ -106,9 +106,9 @@ def _exact(names: Sequence[str], access: str = "~") -> tuple[str, ...]:
 
 
 def _broker_db(settings: Settings) -> int:
-    from redis.connection import parse_url
+    from carpool.redis_edge.connect import server_and_db
 
-    return int(parse_url(settings.broker_url).get("db", 0) or 0)  # type: ignore[no-untyped-call]
+    return server_and_db(settings.broker_url)[1]
 
 
 def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
