@@ -62,7 +62,10 @@ RUN set -e; \
     pip install --no-cache-dir --disable-pip-version-check ".[worker,flower]"; \
     python -c "import torch, carpool.cli; from carpool.models.minilm import MiniLM; MiniLM()"
 
-RUN useradd --create-home --uid 10001 --user-group carpool
+# /var/lib/carpool/acl: where docker-compose.acl.yml's one-shot service writes Redis's aclfile; a
+# new volume mounted there starts owned by carpool, as this directory is.
+RUN useradd --create-home --uid 10001 --user-group carpool \
+ && install -d -o carpool -g carpool /var/lib/carpool/acl
 USER carpool
 WORKDIR /home/carpool
 

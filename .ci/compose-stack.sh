@@ -5,8 +5,9 @@
 # answers, builds the base images locally when the official ones cannot be pulled, builds carpool's
 # image once (`make image`), brings up the CPU profile with generated passwords, and runs
 # scripts/compose_check.py against it: results, Flower, metrics, Redis auth, then a kill -9 of each
-# service's main process. Always tears the stack down and stops the engine it started; a failed run
-# prints the services' logs and keeps them under $LOG_DIR.
+# service's main process. Then brings the same stack up again with docker-compose.acl.yml (each
+# service on its own Redis user) and runs scripts/compose_acl_check.py. Always tears the stack down
+# and stops the engine it started; a failed run prints the services' logs and keeps them under $LOG_DIR.
 #
 # Where no engine can run, the stage fails with a banner saying so. CARPOOL_COMPOSE_STACK=skip turns
 # that failure into a loud skip for machines known to have no engine.
@@ -45,7 +46,10 @@ no_engine() {
   exit 1
 }
 
-compose() { docker compose --ansi never --env-file /dev/null -f docker-compose.yml --profile cpu "$@"; }
+# Grows by docker-compose.acl.yml for the role-user run, so that teardown sees what is up.
+COMPOSE_FILES=(-f docker-compose.yml)
+SERVICES=(redis coordinator worker-cpu flower)
+compose() { docker compose --ansi never --env-file /dev/null "${COMPOSE_FILES[@]}" --profile cpu "$@"; }
 
 teardown() {
   local status=$?
@@ -54,7 +58,7 @@ teardown() {
     compose logs --no-color --timestamps >"$LOG_DIR/services.log" 2>&1
     if [ "$status" -ne 0 ]; then
       say "FAILED: the services' logs (last 150 lines each; all of it in $LOG_DIR/services.log)"
-      for service in redis coordinator worker-cpu flower; do
+      for service in "${SERVICES[@]}"; do
         echo "----- $service -----"
         compose logs --no-color --timestamps --tail 150 "$service" 2>&1
       done
@@ -216,3 +220,15 @@ compose ps --format 'table {{.Service}}\t{{.Status}}\t{{.Ports}}'
 
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 "$PYTHON" scripts/compose_check.py
+
+# --- the same stack, each service on its own Redis user ----------------------------------------
+export REDIS_PRODUCER_PASSWORD REDIS_COORDINATOR_PASSWORD REDIS_WORKER_PASSWORD REDIS_FLOWER_PASSWORD
+for role in PRODUCER COORDINATOR WORKER FLOWER; do
+  printf -v "REDIS_${role}_PASSWORD" '%s' "$(od -An -tx1 -N24 /dev/urandom | tr -d ' \n')"
+done
+COMPOSE_FILES+=(-f docker-compose.acl.yml)
+SERVICES=(redis-acl "${SERVICES[@]}")
+say "docker compose -f docker-compose.yml -f docker-compose.acl.yml --profile cpu up -d --no-build --scale worker=0 --wait"
+timeout 300 docker compose --ansi never --env-file /dev/null "${COMPOSE_FILES[@]}" --profile cpu up -d --no-build --scale worker=0 --wait
+say "every service healthy on its own Redis user"
+"$PYTHON" scripts/compose_acl_check.py

@@ -137,6 +137,15 @@ class Coordinator:
         )
         self.warm_up()
         self.revokes = revokes.listen(self.app, self.settings)
+        try:
+            self._loop()
+        finally:
+            # Also when a ConfigError ends the loop: what this process holds goes back at once.
+            if self.revokes is not None:
+                self.revokes.stop()
+            self.shutdown()
+
+    def _loop(self) -> None:
         backoff = 0.1
         while not self.stopping.is_set():
             try:
@@ -157,9 +166,6 @@ class Coordinator:
                 continue
             if wait.seconds > 0:
                 self._wait(wait)
-        if self.revokes is not None:
-            self.revokes.stop()
-        self.shutdown()
 
     def warm_up(self) -> None:
         """Load each model's tokenizer now, not inside the first request's latency."""
@@ -237,6 +243,14 @@ class Coordinator:
             # Redis >= 6 takes a fractional timeout; redis-py's stub says int.
             self.client.blmove(key, key, round(wait.seconds, 3), "RIGHT", "RIGHT")  # type: ignore[arg-type]
             return
+        except redis.exceptions.NoPermissionError as exc:
+            # An ACL user without BLMOVE is a deployment error, not an old Redis: polling instead
+            # would hide it behind a busy loop.
+            username = self.client.connection_pool.connection_kwargs.get("username") or "default"
+            raise ConfigError(
+                f"the coordinator's Redis user {username!r} may not BLMOVE {key!r} ({exc}); grant it "
+                "+blmove on its request and report lists, as `carpool acl --role coordinator` does"
+            ) from exc
         except redis.ResponseError:  # Redis < 6.2: no BLMOVE
             log.info("this Redis has no BLMOVE (6.2+); polling instead")
             self.pacer.cannot_block()

@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args
 from carpool.config import Settings
 from carpool.errors import ConfigError
 from carpool.redis_edge.keys import PRIORITY_SEP, PRIORITY_STEPS, Keys
+from carpool.redis_edge.replication import FENCE_CHANNEL
 
 Role = Literal["producer", "coordinator", "worker", "flower"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -47,8 +48,9 @@ def _commands(names: str) -> tuple[str, ...]:
     return tuple(names.split())
 
 
-# Commands any role needs on its connections: results live in another database than the broker.
-_CONNECTION = _commands("ping select multi exec")
+# Commands any role needs on its connections: results live in another database than the broker;
+# WAIT is how each role makes its writes durable on replicas (CARPOOL_WAIT_REPLICAS).
+_CONNECTION = _commands("ping select multi exec wait")
 # redis-py's Script: EVALSHA, loading the script on NOSCRIPT (SCRIPT EXISTS first inside pipelines).
 # Redis checks EVALSHA against the keys the script declares, all in one grant, and then each command the
 # script runs on its own, so a script grant holds every key its scripts name and nothing else.
@@ -157,9 +159,10 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 _exact([BINDING_TABLE % settings.request_queue, BINDING_PERMANENT % settings.request_queue]),
             ),
             Grant(
-                "task-sent events (Celery's, and carpool's batched ones)",
+                "task-sent events (Celery's, and carpool's batched ones); the replication fence, a"
+                " write of its own to WAIT behind after Celery's publish",
                 ("publish",),
-                channels=(f"{events}task.sent", f"{events}task.multi"),
+                channels=(f"{events}task.sent", f"{events}task.multi", glob_escape(FENCE_CHANNEL)),
             ),
             Grant(
                 "read and await a result by its task id",

@@ -35,6 +35,7 @@ class RunStats:
     padded_tokens: int
     real_tokens: int
     flush: Counter[str]
+    batch_stats: bool = True  # False: the coordinator's stats were not readable, the batch figures are empty
 
     @property
     def throughput(self) -> float:
@@ -45,14 +46,19 @@ class RunStats:
         return self.padded_tokens / self.real_tokens if self.real_tokens else 0.0
 
 
-def coordinator_stats(settings: Settings) -> dict[str, float]:
-    """The coordinator's counters hash, as numbers."""
+def coordinator_stats(settings: Settings) -> dict[str, float] | None:
+    """The coordinator's counters hash, as numbers; None when this Redis user may not read it (a
+    producer's user, see ``carpool acl``)."""
+    from redis.exceptions import NoPermissionError
+
     from carpool.redis_edge.connect import client_for
     from carpool.redis_edge.keys import Keys
 
     client = client_for(settings.broker_url, settings)
     try:
         raw = client.hgetall(Keys(settings.request_queue).stats)
+    except NoPermissionError:
+        return None
     finally:
         client.close()
     return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in raw.items()}
@@ -77,7 +83,10 @@ def send_burst(app: Celery, texts: Sequence[str], progress: object | None = None
     # Let the coordinator write its counters after the last batch report.
     time.sleep(0.6)
     after = coordinator_stats(settings)
-    diff = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    readable = before is not None and after is not None
+    diff: dict[str, float] = {}
+    if before is not None and after is not None:
+        diff = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     sizes = Counter({int(k.split(":", 1)[1]): int(v) for k, v in diff.items() if k.startswith("size:") and v})
     flush = Counter({k.split(":", 1)[1]: int(v) for k, v in diff.items() if k.startswith("flush:") and v})
     return RunStats(
@@ -88,6 +97,7 @@ def send_burst(app: Celery, texts: Sequence[str], progress: object | None = None
         int(diff.get("padded_tokens", 0)),
         int(diff.get("real_tokens", 0)),
         flush,
+        readable,
     )
 
 
@@ -105,6 +115,7 @@ def offline_throughput(model_name: str, texts: Sequence[str], max_batch: int) ->
 
 
 def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: bool = False) -> int:
+    from redis.exceptions import NoPermissionError
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -135,9 +146,12 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
                 f"[bold]carpool demo[/]: broker {where}, model {settings.model}, {workers} worker(s)"
             )
             with console.status("starting coordinator and worker (loading the model)..."):
-                harness.wait_workers(
-                    1 if external else workers, timeout_s=180, request_queue=settings.request_queue
-                )
+                try:
+                    harness.wait_workers(
+                        1 if external else workers, timeout_s=180, request_queue=settings.request_queue
+                    )
+                except NoPermissionError:  # a producer's user: the warm-up request waits for a worker
+                    console.print("[dim]this Redis user may not read worker heartbeats; not counting them[/]")
                 app.tasks[INFER_TASK].delay("warm up").get(timeout=120)
             with Progress(
                 TextColumn("{task.description}"),
@@ -166,6 +180,10 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
     table.add_row("carpool / offline", f"{stats.throughput / offline:.2f}")
     for q in (50, 95, 99):
         table.add_row(f"latency p{q}", f"{percentile(stats.latencies_s, q) * 1000:.0f} ms")
+    if not stats.batch_stats:
+        table.add_row("batches", "(this Redis user may not read the coordinator's stats)")
+        console.print(table)
+        return 0
     mean_size = sum(k * v for k, v in stats.batch_sizes.items()) / max(1, sum(stats.batch_sizes.values()))
     table.add_row("batches", f"{sum(stats.batch_sizes.values())} (mean size {mean_size:.1f})")
     table.add_row("batch sizes", " ".join(f"{k}x{v}" for k, v in sorted(stats.batch_sizes.items())))

@@ -378,3 +378,41 @@ def test_urls_with_a_user_reach_redis_as_that_user(role_users: redis.Redis) -> N
             with pytest.raises(NoPermissionError):  # and the producer's permissions
                 client.keys("*")
                 pytest.fail(f"{name} connected as the default user")
+
+
+def test_a_coordinator_user_without_blmove_stops_the_coordinator_saying_so(
+    role_users: redis.Redis, processes: Processes
+) -> None:
+    rules = acl.user_rules(acl.role_acls(load_settings())["coordinator"], PASSWORDS["coordinator"])
+    role_users.execute_command("ACL", "SETUSER", user("coordinator"), *rules, "-blmove")  # type: ignore[no-untyped-call]
+    proc = processes.start(
+        "coordinator", "coordinator", **TOY, **role_env(server_of(processes), "coordinator")
+    )
+    assert proc.wait(timeout=60) == 2, "a ConfigError, not a coordinator polling on without it"
+    log = processes.log("coordinator")
+    assert "may not BLMOVE" in log and "carpool-coordinator" in log and "'blmove'" in log, log
+
+
+def test_the_demo_measures_on_a_producers_user_without_the_batch_figures(role_users: redis.Redis) -> None:
+    from carpool.tools.demo import coordinator_stats
+
+    port = role_users.connection_pool.connection_kwargs["port"]
+    role_users.hset(KEYS.stats, "taken", 3)
+    assert coordinator_stats(load_settings(broker_url=f"redis://127.0.0.1:{port}/0")) == {"taken": 3.0}
+    producer = load_settings(
+        broker_url=f"redis://{user('producer')}:{PASSWORDS['producer']}@127.0.0.1:{port}/0"
+    )
+    assert coordinator_stats(producer) is None
+
+
+def test_every_role_may_wait_for_replicas_and_the_producer_may_fence(role_users: redis.Redis) -> None:
+    """``CARPOOL_WAIT_REPLICAS`` needs WAIT on every role's connection, and the producer's fence."""
+    from carpool.redis_edge.replication import FENCE_CHANNEL
+
+    port = role_users.connection_pool.connection_kwargs["port"]
+    for role in acl.ROLES:
+        client = redis.Redis(port=port, username=user(role), password=PASSWORDS[role])
+        assert client.execute_command("WAIT", 0, 10) == 0  # no replicas here: none acknowledge
+        if role == "producer":
+            assert client.publish(FENCE_CHANNEL, b"") == 0
+        client.close()

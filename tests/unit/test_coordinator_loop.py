@@ -6,17 +6,19 @@ import json
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery.exceptions import TaskRevokedError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from carpool.celery_edge import links
 from carpool.codec import loads
 from carpool.config import Settings
 from carpool.coordinator.loop import Coordinator
-from carpool.coordinator.waiting import FORCED_POLL_S, WaitFor
-from carpool.errors import DeadlineExceeded, QueueFull
+from carpool.coordinator.waiting import FORCED_POLL_S, Wait, WaitFor
+from carpool.errors import ConfigError, DeadlineExceeded, QueueFull
 from carpool.wire import WIRE_VERSION, batch_report, read_batch
 from tests.unit.messages import message
 
@@ -424,3 +426,31 @@ def test_a_revoke_broadcast_names_its_task_ids() -> None:
     assert revoked_task_ids(broadcast({**revoke, "destination": ["some-worker@host"]})) == []
     assert revoked_task_ids(broadcast({"method": "ping", "arguments": {}})) == []
     assert revoked_task_ids(b"garbage") == []
+
+
+class RefusedBlmove(FakeClient):
+    """A Redis that answers BLMOVE with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.connection_pool = SimpleNamespace(connection_kwargs={"username": "carpool-coordinator"})
+
+    def blmove(self, *args: Any) -> None:
+        raise self.error
+
+
+def test_a_redis_user_without_blmove_is_a_config_error_not_an_old_redis(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=1)
+    denied = NoPermissionError("User carpool-coordinator has no permissions to run the 'blmove' command")
+    c.client = RefusedBlmove(denied)
+    with pytest.raises(
+        ConfigError,
+        match=r"'carpool-coordinator' may not BLMOVE 'carpool\.requests'.*carpool acl --role coordinator",
+    ):
+        c._wait(Wait(0.01, WaitFor.REQUESTS))
+    assert c.pacer.can_block, "a denied BLMOVE is not taken for a Redis without it"
+
+    # A Redis before 6.2 does not know the command: the coordinator polls instead.
+    c.client = RefusedBlmove(ResponseError("unknown command 'blmove'"))
+    c._wait(Wait(0.01, WaitFor.REQUESTS))
+    assert not c.pacer.can_block
