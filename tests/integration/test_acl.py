@@ -412,7 +412,7 @@ def test_every_role_may_wait_for_replicas_and_the_producer_may_fence(role_users:
     port = role_users.connection_pool.connection_kwargs["port"]
     for role in acl.ROLES:
         client = redis.Redis(port=port, username=user(role), password=PASSWORDS[role])
-        assert client.execute_command("WAIT", 0, 10) == 0  # no replicas here: none acknowledge
+        assert client.wait(0, 10) == 0  # no replicas here: none acknowledge
         if role == "producer":
             assert client.publish(FENCE_CHANNEL, b"") == 0
         client.close()
