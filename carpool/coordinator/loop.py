@@ -479,4 +479,4 @@ class Coordinator:
         depths = self.policy.depth_by_bin()
         self.metrics.set_depths(depths)
         gauges = {"pending": len(self.policy), "outstanding": len(self.outstanding)}
-        self._stats_writer.write(self.stats, depths, gauges)
+        self._stats_writer.write(self.stats, depths, gauges, self._task_name)
