@@ -1,49 +1,66 @@
-"""Batched tasks by name: what the coordinator needs to bin a request, and what a worker runs.
+"""Batched tasks by name: how a request is validated, measured and routed, and what a worker runs.
 
-``@carpool.batched`` fills the registry when a task module is imported: producers import it to call
-``.delay()``, the coordinator and workers import the modules named in ``CARPOOL_IMPORTS``. Nothing
-here loads a model; a spec's ``load`` runs on a worker, once per process.
+Every task a coordinator batches is a :class:`TaskSpec`: ``carpool.infer`` (the built-in text
+models, :mod:`carpool.models.task`) and each ``@carpool.batched`` function (:class:`BatchedSpec`).
+A spec has three halves, one per process: ``accept`` validates one call (producer and coordinator),
+``prepare`` measures one take's values of one routing key in one call (coordinator), ``load`` and
+``batch_function`` build and run the work (worker). ``carpool.tasks`` registers ``carpool.infer``;
+``@carpool.batched`` fills the registry when a task module is imported. Nothing here loads a model.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
-from carpool.errors import ConfigError
+from carpool.errors import ConfigError, InvalidInput
+from carpool.validation import bind_item, checked_length, validate_item
+
+if TYPE_CHECKING:
+    from carpool.config import Settings
 
 log = logging.getLogger(__name__)
 
 BatchFunction = Callable[[list[Any]], Sequence[Any]]
 LengthFunction = Callable[[Any], int]
+#: A worker's batch: (the requests' travelling items, their lengths) -> one output per item.
+BatchCall = Callable[[list[Any], list[int]], Sequence[Any]]
+
+#: The module that registers the built-in ``carpool.infer``; every coordinator and worker imports it.
+BUILTIN_TASK_MODULE = "carpool.tasks"
+
+
+class Prepared(NamedTuple):
+    """What a task's coordinator half made of one group of values, position by position."""
+
+    lengths: list[int | InvalidInput]  # each value's length, or why its request is refused
+    items: Sequence[Any]  # what travels to the worker in each request's slot (unused where refused)
 
 
 @dataclass(frozen=True, slots=True)
-class BatchedSpec:
-    """One batched task: its batch function, its length function and its own batching limits.
+class TaskSpec(ABC):
+    """One task the coordinator batches, with its own batching limits.
 
-    ``None`` limits fall back to the deployment's settings (``CARPOOL_MAX_BATCH``, ...).
+    ``None`` limits fall back to the deployment's settings (``CARPOOL_MAX_BATCH``, ...). Requests are
+    batched per routing key (``accept`` names it): two keys never share a batch, and the key is the
+    policy's queue, the latency model's and the metrics' ``model`` label.
     """
 
     name: str
-    fn: BatchFunction
-    length: LengthFunction
+    _: KW_ONLY
     max_batch: int | None = None
     max_tokens: int | None = None
     bin_edges: tuple[int, ...] | Literal["auto"] | None = None
     batch_queue: str | None = None  # None: the deployment's batch queue
 
+    #: whether workers check that each output travels as JSON unchanged before storing it
+    checks_outputs: ClassVar[bool] = True
+
     def __post_init__(self) -> None:
-        if not callable(self.fn):
-            raise TypeError(f"batched task {self.name!r}: the batch function must be callable")
-        if not callable(self.length):
-            raise TypeError(
-                f"batched task {self.name!r}: length= must be a function item -> int "
-                "(e.g. length=len for texts)"
-            )
         for field, value in (("max_batch", self.max_batch), ("max_tokens", self.max_tokens)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(
@@ -56,6 +73,56 @@ class BatchedSpec:
                 f"not {edges!r}"
             )
 
+    def keys(self, settings: Settings) -> tuple[str, ...]:
+        """Every routing key ``accept`` can give under ``settings``."""
+        return (self.name,)
+
+    @abstractmethod
+    def accept(self, args: Any, kwargs: Any, settings: Settings) -> tuple[str, Any]:
+        """(routing key, value) of one call, or raise :class:`~carpool.errors.InvalidInput`."""
+
+    @abstractmethod
+    def prepare(self, key: str, values: list[Any], settings: Settings) -> Prepared:
+        """Lengths and travelling items of the values ``accept`` gave under ``key`` (coordinator)."""
+
+    def warm_up(self, settings: Settings) -> None:
+        """Build what ``prepare`` needs before the first request waits for it (coordinator start)."""
+        return None
+
+    def load(self, device: str, settings: Settings) -> None:
+        """Build the heavy state ``batch_function`` needs on ``device`` (worker start, after any fork)."""
+        return None
+
+    @abstractmethod
+    def batch_function(self, key: str, device: str, settings: Settings) -> BatchCall:
+        """What a worker runs for one batch of ``key`` (worker)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedSpec(TaskSpec):
+    """A ``@batched`` function: its item is its value and travels as is; ``length`` measures it."""
+
+    fn: BatchFunction
+    length: LengthFunction
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"batched task {self.name!r}: the batch function must be callable")
+        if not callable(self.length):
+            raise TypeError(
+                f"batched task {self.name!r}: length= must be a function item -> int "
+                "(e.g. length=len for texts)"
+            )
+        TaskSpec.__post_init__(self)
+
+    def accept(self, args: Any, kwargs: Any, settings: Settings) -> tuple[str, Any]:
+        item = bind_item(self.name, args, kwargs)
+        validate_item(self.name, item, settings)
+        return self.name, item
+
+    def prepare(self, key: str, values: list[Any], settings: Settings) -> Prepared:
+        return Prepared(self.measured(values), values)
+
     def lengths(self, items: Sequence[Any]) -> list[int]:
         """``length`` of each item; uses the function's batch form (``.lengths``) when it has one."""
         batch_form = getattr(self.length, "__self__", None)
@@ -64,11 +131,47 @@ class BatchedSpec:
             return list(many(items))
         return [self.length(item) for item in items]
 
-    def load(self, device: str) -> None:
+    def measured(self, values: list[Any]) -> list[int | InvalidInput]:
+        """Each item's length, or the error its request fails with.
+
+        The batch form (one call for all) is tried first; if it raises, each item is measured alone
+        so that one bad item fails only its own request.
+        """
+        try:
+            raw: Sequence[Any] = self.lengths(values)
+            if len(raw) != len(values):
+                raise ValueError(f"lengths() gave {len(raw)} values for {len(values)} items")
+        except Exception:
+            raw = []
+            for value in values:
+                try:
+                    raw.append(self.length(value))
+                except Exception as exc:
+                    raw.append(
+                        InvalidInput(
+                            f"{self.name}: length() raised {type(exc).__name__}: {exc}; fix the item"
+                        )
+                    )
+        out: list[int | InvalidInput] = []
+        for value in raw:
+            if isinstance(value, InvalidInput):
+                out.append(value)
+                continue
+            try:
+                out.append(checked_length(self.name, value))
+            except InvalidInput as exc:
+                out.append(exc)
+        return out
+
+    def load(self, device: str, settings: Settings | None = None) -> None:
         """Build the function's heavy state on ``device`` when it has a ``load`` (adapters do)."""
         load = getattr(self.fn, "load", None)
         if callable(load):
             load(device)
+
+    def batch_function(self, key: str, device: str, settings: Settings) -> BatchCall:
+        fn = self.fn
+        return lambda items, _lengths: fn(items)
 
 
 def _increasing_positive(edges: tuple[int, ...]) -> bool:
@@ -76,31 +179,49 @@ def _increasing_positive(edges: tuple[int, ...]) -> bool:
     return ok and bool(edges) and list(edges) == sorted(set(edges))
 
 
-_SPECS: dict[str, BatchedSpec] = {}
+_SPECS: dict[str, TaskSpec] = {}
 
 
-def register(spec: BatchedSpec) -> None:
+def register(spec: TaskSpec) -> None:
     """Make ``spec`` known by its name; a second, different task under one name is a mistake."""
     known = _SPECS.get(spec.name)
-    if known is not None and known.fn is not spec.fn:
+    # A module imported twice registers its task again: the same function is no clash.
+    same = known is None or (type(known) is type(spec) and getattr(known, "fn", 0) is getattr(spec, "fn", 0))
+    if not same:
         raise ConfigError(
             f"two batched tasks are named {spec.name!r}; give one of them another name= in @batched"
         )
     _SPECS[spec.name] = spec
 
 
-def spec_for(name: str) -> BatchedSpec | None:
+def spec_for(name: str) -> TaskSpec | None:
     return _SPECS.get(name)
 
 
-def registered() -> dict[str, BatchedSpec]:
+def registered() -> dict[str, TaskSpec]:
     """Every batched task imported in this process, by name."""
     return dict(_SPECS)
 
 
+def routing_keys(specs: Iterable[TaskSpec], settings: Settings) -> dict[str, TaskSpec]:
+    """The task of each routing key; a key two tasks claim (a model named like a task) is refused."""
+    out: dict[str, TaskSpec] = {}
+    for spec in specs:
+        for key in spec.keys(settings):
+            other = out.setdefault(key, spec)
+            if other is not spec:
+                raise ConfigError(
+                    f"{key!r} routes requests of both {other.name} and {spec.name} (a model named like "
+                    "a @batched task?); rename the task (name=) or the model"
+                )
+    return out
+
+
 def import_task_modules(modules: Iterable[str]) -> list[str]:
-    """Import each module (``CARPOOL_IMPORTS``) so its ``@batched`` tasks register; returns their names."""
+    """Import ``carpool.tasks`` and each module (``CARPOOL_IMPORTS``) so their tasks register;
+    returns the names of the tasks added."""
     before = set(_SPECS)
+    importlib.import_module(BUILTIN_TASK_MODULE)
     for module in modules:
         try:
             importlib.import_module(module)

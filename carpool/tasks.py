@@ -29,12 +29,12 @@ from celery.result import AsyncResult
 from redis.exceptions import RedisError
 
 from carpool.celery_edge.app import app, settings_of, state_of
+from carpool.models.task import InferSpec
 from carpool.names import INFER_TASK, SENT_AT_HEADER
 from carpool.producer.options import check_options
 from carpool.producer.submit import publish_tasks
 from carpool.redis_edge.replication import fence, not_replicated
-from carpool.registry import BatchedSpec, BatchFunction, LengthFunction, register
-from carpool.validation import bind_infer_args, bind_item, validate_infer, validate_item
+from carpool.registry import BatchedSpec, BatchFunction, LengthFunction, TaskSpec, register
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 _DIRECT_OPTIONS = frozenset({"priority", "expires", "queue"})
 
 
-class CarpoolTask(Task):  # type: ignore[misc]  # Celery is untyped
-    """A task whose requests a coordinator batches: validated at the producer, published cheaply.
+class BatchedTask(Task):  # type: ignore[misc]  # Celery is untyped
+    """A task whose requests a coordinator batches (``infer`` and every ``@batched`` function):
+    validated at the producer by its :class:`~carpool.registry.TaskSpec`, published cheaply.
 
     The message is the one Celery would send (built by
     :class:`carpool.celery_edge.task_messages.TaskMessageBuilder` from Celery's own
@@ -55,9 +56,11 @@ class CarpoolTask(Task):  # type: ignore[misc]  # Celery is untyped
     applies) take Celery's own path.
     """
 
+    spec: TaskSpec
+
     def validate(self, args: Any, kwargs: Any) -> None:
         """Raise :class:`~carpool.errors.InvalidInput` unless ``(args, kwargs)`` is a valid request."""
-        raise NotImplementedError
+        self.spec.accept(args, kwargs, settings_of(self.app))
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         self.validate(args, kwargs)
@@ -100,24 +103,12 @@ def _replicated(app: Any, result: AsyncResult, replicas: int, timeout_s: float) 
     raise error
 
 
-class InferTask(CarpoolTask):
-    """``carpool.infer``: a text through one of the deployment's models."""
-
-    def validate(self, args: Any, kwargs: Any) -> None:
-        text, model = bind_infer_args(args, kwargs)
-        validate_infer(text, model, settings_of(self.app))
+# The built-in text models: one task of the mechanism @batched uses, registered like any other.
+_INFER_SPEC = InferSpec(INFER_TASK)
+register(_INFER_SPEC)
 
 
-class BatchedTask(CarpoolTask):
-    """A ``@batched`` function as a task: one JSON item per request, one output back."""
-
-    spec: BatchedSpec
-
-    def validate(self, args: Any, kwargs: Any) -> None:
-        validate_item(self.name, bind_item(self.name, args, kwargs), settings_of(self.app))
-
-
-@app.task(base=InferTask, name=INFER_TASK, bind=False)  # type: ignore[untyped-decorator]
+@app.task(base=BatchedTask, name=INFER_TASK, bind=False, spec=_INFER_SPEC)  # type: ignore[untyped-decorator]
 def infer(text: str, model: str | None = None) -> Any:
     """Embed/run ``text`` on ``model`` (default: ``CARPOOL_MODEL``).
 
@@ -199,8 +190,7 @@ def batched(
 
         run.__name__ = task_name.rpartition(".")[2] or task_name
         run.__doc__ = getattr(function, "__doc__", None)
-        task: BatchedTask = app.task(base=BatchedTask, name=task_name, bind=False)(run)
-        task.spec = spec
+        task: BatchedTask = app.task(base=BatchedTask, name=task_name, bind=False, spec=spec)(run)
         return task
 
     if fn is not None:

@@ -16,7 +16,7 @@ from typing import Any, Final, NotRequired, TypedDict
 from carpool.errors import WireError, WireVersionMismatch
 
 #: Bump whenever a field below appears, goes or changes meaning.
-WIRE_VERSION: Final = 3
+WIRE_VERSION: Final = 4
 
 
 class Links(TypedDict, total=False):
@@ -36,9 +36,10 @@ class RequestSlot(TypedDict):
     """One request inside a batch: all the worker needs, so it never tokenizes again."""
 
     id: str  # the request's Celery task id: its result is stored under it
-    ids: list[int] | None  # infer: token ids; None when the model reads only the attention mask
-    item: NotRequired[Any]  # a @batched task: the request's item, as the producer sent it
-    len: int  # infer: tokens, special tokens included; a @batched task: its length function's value
+    # What the task's batch function takes: a @batched task's item as the producer sent it;
+    # infer's token ids (None when the model reads only the attention mask).
+    item: Any
+    len: int  # what the request is binned by: its task's length (infer: tokens, special tokens included)
     sent_at: float  # producer's wall clock
     deadline: float  # wall clock; the worker fails the request if its batch starts later
     links: NotRequired[Links]  # callbacks, error callbacks, chain: only when the request has any
@@ -50,7 +51,7 @@ class BatchMessage(TypedDict):
     version: int
     id: str  # the batch's Celery task id
     task: str  # the requests' task: carpool.infer, or a @batched task's name
-    model: str  # infer: the model; a @batched task: its name again
+    model: str  # the routing key: infer's model; a @batched task's name again
     bin: str  # token lengths the batch's bin holds, e.g. "17-32"
     flush: str  # why the batch left the coordinator (a FlushReason value)
     padded_len: int

@@ -13,7 +13,7 @@ import dataclasses
 
 from carpool.batching import PolicyConfig
 from carpool.config import Settings
-from carpool.registry import BatchedSpec
+from carpool.registry import TaskSpec
 
 
 def policy_config(settings: Settings) -> PolicyConfig:
@@ -29,8 +29,8 @@ def policy_config(settings: Settings) -> PolicyConfig:
     )
 
 
-def task_policy_config(base: PolicyConfig, spec: BatchedSpec) -> PolicyConfig:
-    """``base`` with the limits and bins a ``@batched`` task names for itself."""
+def task_policy_config(base: PolicyConfig, spec: TaskSpec) -> PolicyConfig:
+    """``base`` with the limits and bins a task names for itself."""
     changes: dict[str, object] = {}
     if spec.max_batch is not None:
         changes["max_batch"] = spec.max_batch

@@ -1,11 +1,12 @@
 """Intake: raw messages taken from the request queue -> policy Requests, and the requests refused.
 
-Per message: decode it (what is not a carpool request is set aside to be dead-lettered), bind and
-validate its arguments, refuse it when ``CARPOOL_MAX_PENDING`` requests already wait; then per model,
-refuse texts over the model's window (with truncation off), tokenize the rest in one call; per
-``@batched`` task, measure each item with the task's length function; and move the producer's
-wall-clock times onto the coordinator's monotonic clock. No I/O: the tokenizers and
-both clocks' readings are passed in, and the caller stores the failures.
+Per message: decode it (what is not a carpool request is set aside to be dead-lettered), let its
+task accept it (bind and validate its arguments, name its routing key), refuse it when
+``CARPOOL_MAX_PENDING`` requests already wait; then per routing key, one ``prepare`` call of its task
+measures every value taken (``carpool.infer``: one tokenizer call per model; a ``@batched`` task: its
+length function) and says what travels to the worker; last, the producer's wall-clock times move
+onto the coordinator's monotonic clock. No I/O: the tasks and both clocks' readings are passed in,
+and the caller stores the failures.
 """
 
 from __future__ import annotations
@@ -19,17 +20,8 @@ from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.requests import Incoming
 from carpool.config import Settings
 from carpool.errors import CarpoolError, InputTooLong, InvalidInput, MalformedMessage, QueueFull
-from carpool.models import BatchModel
 from carpool.names import INFER_TASK
-from carpool.registry import BatchedSpec
-from carpool.validation import (
-    InferPayload,
-    bind_infer_args,
-    bind_item,
-    checked_length,
-    validate_infer,
-    validate_item,
-)
+from carpool.registry import TaskSpec
 from carpool.wire import Links, RequestSlot
 
 
@@ -78,84 +70,21 @@ def decode_taken(request_id: str, raw: bytes, tasks: Any = (INFER_TASK,)) -> Inc
     return msg
 
 
-def validated(msg: Incoming, settings: Settings) -> InferPayload:
-    """The text and served model of ``msg``'s ``carpool.infer`` call, or raise :class:`InvalidInput`."""
-    text, model = bind_infer_args(msg.args, msg.kwargs)
-    return validate_infer(text, model, settings)
-
-
 def queue_full(max_pending: int) -> QueueFull:
     return QueueFull(f"{max_pending} requests already wait (CARPOOL_MAX_PENDING); retry later")
 
 
-def too_long(count: int, max_length: int, model_name: str) -> InputTooLong:
-    return InputTooLong(
-        f"text is {count} tokens, over the {max_length}-token window of {model_name}; "
-        "shorten it, or set CARPOOL_TRUNCATE=true to cut it as sentence-transformers does"
-    )
-
-
-def split_too_long(
-    model: BatchModel, model_name: str, items: list[tuple[Incoming, str]]
-) -> tuple[list[tuple[Incoming, str]], list[Refused]]:
-    """(items that fit the model's window, refusals of those that do not), by untruncated counts."""
-    counts = model.count_tokens([text for _, text in items])  # type: ignore[attr-defined]
-    keep: list[tuple[Incoming, str]] = []
-    refused: list[Refused] = []
-    for item, count in zip(items, counts, strict=True):
-        if count > model.max_length:
-            error = too_long(count, model.max_length, model_name)
-            refused.append(Refused(item[0].id, "too_long", error, message=item[0]))
-        else:
-            keep.append(item)
-    return keep, refused
-
-
-def measured(spec: BatchedSpec, items: list[tuple[Incoming, Any]]) -> list[int | InvalidInput]:
-    """Each item's length by the task's length function, or the error that request fails with.
-
-    The function's batch form (one call for all) is tried first; if it raises, each item is measured
-    alone so that one bad item fails only its own request.
-    """
-    values = [item for _, item in items]
-    try:
-        raw: Sequence[Any] = spec.lengths(values)
-        if len(raw) != len(values):
-            raise ValueError(f"lengths() gave {len(raw)} values for {len(values)} items")
-    except Exception:
-        raw = []
-        for value in values:
-            try:
-                raw.append(spec.length(value))
-            except Exception as exc:
-                raw.append(
-                    InvalidInput(f"{spec.name}: length() raised {type(exc).__name__}: {exc}; fix the item")
-                )
-    out: list[int | InvalidInput] = []
-    for value in raw:
-        if isinstance(value, InvalidInput):
-            out.append(value)
-            continue
-        try:
-            out.append(checked_length(spec.name, value))
-        except InvalidInput as exc:
-            out.append(exc)
-    return out
-
-
 def to_request(
     msg: Incoming,
-    model_name: str,
-    ids: list[int],
-    keep_ids: bool,
+    key: str,
+    item: Any,
+    length: int,
     now: float,
     wall_now: float,
     default_deadline_s: float,
-    *,
-    item: Any = None,
-    length: int | None = None,
 ) -> Request:
-    """The policy's view of ``msg``, carrying the slot the worker will read.
+    """The policy's view of ``msg`` under routing ``key``, carrying the slot the worker will read
+    (``item``: what its task's batch function takes; ``length``: what it is binned by).
 
     Times the producer stamped on its wall clock become coordinator-clock times (``now`` and
     ``wall_now`` are the same instant on both clocks); a message sent "in the future" by a
@@ -170,22 +99,19 @@ def to_request(
         start = max(sent_at, msg.eta_at)
         arrival_s = now + (start - wall_now)
     deadline_wall = msg.expires_at if msg.expires_at is not None else start + default_deadline_s
-    size = len(ids) if length is None else length
     slot: RequestSlot = {
         "id": msg.id,
-        "ids": ids if keep_ids else None,
-        "len": size,
+        "item": item,
+        "len": length,
         "sent_at": sent_at,
         "deadline": deadline_wall,
     }
-    if length is not None:
-        slot["item"] = item
     if msg.links is not None:
         slot["links"] = msg.links
     return Request(
         id=msg.id,
-        model=model_name,
-        length=max(1, size),
+        model=key,
+        length=max(1, length),
         arrival_s=arrival_s,
         deadline_s=now + (deadline_wall - wall_now),
         priority=msg.priority,
@@ -197,34 +123,27 @@ def take_in(
     taken: Sequence[tuple[str, bytes]],
     *,
     settings: Settings,
-    models: Mapping[str, BatchModel],
+    specs: Mapping[str, TaskSpec],
     room: int,
     now: float,
     wall_now: float,
-    specs: Mapping[str, BatchedSpec] | None = None,
 ) -> Intake:
     """Turn ``taken`` (request id, raw message) pairs into requests for the policy and refusals.
 
-    ``room``: how many more requests the policy may hold; ``now`` and ``wall_now``: the coordinator's
-    monotonic and wall clocks, read at one instant.
+    ``specs``: the tasks served, by name; ``room``: how many more requests the policy may hold;
+    ``now`` and ``wall_now``: the coordinator's monotonic and wall clocks, read at one instant.
     """
-    specs = specs or {}
-    tasks = {INFER_TASK, *specs}
     out = Intake()
-    by_model: dict[str, list[tuple[Incoming, str]]] = {}
-    by_task: dict[str, list[tuple[Incoming, Any]]] = {}
+    by_key: dict[str, tuple[TaskSpec, list[tuple[Incoming, Any]]]] = {}
     for request_id, raw in taken:
         try:
-            msg = decode_taken(request_id, raw, tasks)
+            msg = decode_taken(request_id, raw, specs)
         except MalformedMessage as exc:
             out.malformed.append(Malformed(request_id, raw, str(exc)))
             continue
+        spec = specs[msg.task]
         try:
-            if msg.task == INFER_TASK:
-                payload = validated(msg, settings)
-            else:
-                item = bind_item(msg.task, msg.args, msg.kwargs)
-                validate_item(msg.task, item, settings)
+            key, value = spec.accept(msg.args, msg.kwargs, settings)
         except InvalidInput as exc:
             out.refused.append(Refused(msg.id, "invalid", exc, message=msg))
             continue
@@ -232,27 +151,18 @@ def take_in(
             out.refused.append(Refused(msg.id, "queue_full", queue_full(settings.max_pending), message=msg))
             continue
         room -= 1
-        if msg.task == INFER_TASK:
-            by_model.setdefault(payload.model, []).append((msg, payload.text))
-        else:
-            by_task.setdefault(msg.task, []).append((msg, item))
+        group = by_key.get(key)
+        if group is None:
+            group = by_key[key] = (spec, [])
+        group[1].append((msg, value))
 
     deadline_s = settings.default_deadline_s
-    for task_name, entries in by_task.items():
-        for (msg, item), size in zip(entries, measured(specs[task_name], entries), strict=True):
-            if isinstance(size, InvalidInput):
-                out.refused.append(Refused(msg.id, "invalid", size, message=msg))
+    for key, (spec, entries) in by_key.items():
+        lengths, items = spec.prepare(key, [value for _, value in entries], settings)
+        for (msg, _), length, item in zip(entries, lengths, items, strict=True):
+            if isinstance(length, InvalidInput):
+                reason = "too_long" if isinstance(length, InputTooLong) else "invalid"
+                out.refused.append(Refused(msg.id, reason, length, message=msg))
                 continue
-            request = to_request(msg, task_name, [], False, now, wall_now, deadline_s, item=item, length=size)
-            out.admitted.append((msg, request))
-
-    for model_name, items in by_model.items():
-        model = models[model_name]
-        if not settings.truncate and hasattr(model, "count_tokens"):
-            items, refused = split_too_long(model, model_name, items)
-            out.refused.extend(refused)
-        token_ids = model.encode([text for _, text in items])
-        keep_ids = model.needs_token_ids
-        for (msg, _), ids in zip(items, token_ids, strict=True):
-            out.admitted.append((msg, to_request(msg, model_name, ids, keep_ids, now, wall_now, deadline_s)))
+            out.admitted.append((msg, to_request(msg, key, item, length, now, wall_now, deadline_s)))
     return out

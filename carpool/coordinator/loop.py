@@ -43,12 +43,10 @@ from carpool.coordinator.publish import BatchPublisher
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, DeadlineExceeded, WireError
-from carpool.models import get_model
-from carpool.names import INFER_TASK
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
-from carpool.registry import import_task_modules, registered
+from carpool.registry import import_task_modules, registered, routing_keys
 from carpool.wire import Links, RequestSlot, read_report
 
 log = logging.getLogger(__name__)
@@ -89,16 +87,12 @@ class Coordinator:
         self.wall = wall
         self.latency = LatencyModel()
         import_task_modules(settings.imports)
-        self.specs = registered()
-        self.models = {name: get_model(name) for name in settings.served_models}
-        clash = sorted(set(self.specs) & set(self.models))
-        if clash:
-            raise ConfigError(
-                f"{', '.join(clash)} names both a model and a @batched task; rename the task (name=)"
-            )
+        self.specs = registered()  # carpool.infer and the tasks of CARPOOL_IMPORTS, by name
+        # Requests are batched per routing key: infer's model, else the task's name.
+        self.task_of_key = routing_keys(self.specs.values(), settings)
         base = policy_config(settings)
         self.policy = BatchPolicy(
-            base, self.latency, per_key={n: task_policy_config(base, s) for n, s in self.specs.items()}
+            base, self.latency, per_key={k: task_policy_config(base, s) for k, s in self.task_of_key.items()}
         )
         self.outstanding: dict[str, _Outstanding] = {}
         self.workers = 0
@@ -110,7 +104,7 @@ class Coordinator:
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
         self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
-        self.metrics = CoordinatorMetrics(task_of=lambda key: key if key in self.specs else INFER_TASK)
+        self.metrics = CoordinatorMetrics(task_of=self._task_name)
         self._held: set[str] = set()
         self._next_housekeeping = 0.0
         self._next_stats = 0.0
@@ -122,7 +116,11 @@ class Coordinator:
         self._refused_kinds: set[tuple[str, str]] = set()
         # Kept for the process's life: the builder renders batch messages from a template it learns
         # from Celery's own first messages.
-        self.publisher = BatchPublisher(app, self.store, settings, self.specs, self.hostname)
+        self.publisher = BatchPublisher(app, self.store, settings, self.task_of_key, self.hostname)
+
+    def _task_name(self, key: str) -> str:
+        spec = self.task_of_key.get(key)
+        return key if spec is None else spec.name
 
     # --- process -------------------------------------------------------------------------
     def run(self) -> None:
@@ -168,12 +166,9 @@ class Coordinator:
                 self._wait(wait)
 
     def warm_up(self) -> None:
-        """Load each model's tokenizer now, not inside the first request's latency."""
-        for name, model in self.models.items():
-            try:
-                model.encode(["warm up"])
-            except Exception:
-                log.exception("warming up the tokenizer of %s failed; requests will show the error", name)
+        """Build what each task measures requests with (infer: the tokenizers) before taking any."""
+        for spec in self.specs.values():
+            spec.warm_up(self.settings)
 
     def install_signal_handlers(self) -> None:
         def _stop(signum: int, _frame: Any) -> None:
@@ -274,7 +269,6 @@ class Coordinator:
         intake = take_in(
             taken,
             settings=self.settings,
-            models=self.models,
             specs=self.specs,
             room=self.settings.max_pending - len(self.policy) - len(self.deferred),
             now=now,
@@ -405,7 +399,7 @@ class Coordinator:
                         r.id,
                         "deadline",
                         DeadlineExceeded.waited(now - r.deadline_s, where),
-                        task=INFER_TASK if r.model in self.models else r.model,
+                        task=self._task_name(r.model),
                         links=cast("RequestSlot", r.payload).get("links"),
                     )
                     for r in plan.expired
@@ -509,4 +503,4 @@ class Coordinator:
         depths = self.policy.depth_by_bin()
         self.metrics.set_depths(depths)
         gauges = {"pending": len(self.policy), "outstanding": len(self.outstanding)}
-        self._stats_writer.write(self.stats, depths, gauges)
+        self._stats_writer.write(self.stats, depths, gauges, self._task_name)

@@ -13,9 +13,9 @@ from celery import Celery
 from carpool.batching import Batch
 from carpool.celery_edge.task_messages import TaskMessageBuilder
 from carpool.config import Settings
-from carpool.names import INFER_TASK, RUN_BATCH_TASK
+from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.store import RequestStore
-from carpool.registry import BatchedSpec
+from carpool.registry import TaskSpec
 from carpool.wire import RequestSlot, batch_message
 
 
@@ -28,20 +28,19 @@ class BatchPublisher:
         app: Celery,
         store: RequestStore,
         settings: Settings,
-        specs: Mapping[str, BatchedSpec],
+        task_of_key: Mapping[str, TaskSpec],
         hostname: str,
     ) -> None:
         self.app = app
         self.store = store
         self.settings = settings
-        self.specs = specs
+        self.task_of_key = task_of_key
         self.hostname = hostname
         self._builders: dict[str, TaskMessageBuilder] = {}
 
     def queue_of(self, key: str) -> str:
-        """The batch queue of a policy key: a ``@batched`` task's own, else the deployment's."""
-        spec = self.specs.get(key)
-        return (spec.batch_queue if spec is not None else None) or self.settings.batch_queue
+        """The batch queue of a routing key: its task's own, else the deployment's."""
+        return self.task_of_key[key].batch_queue or self.settings.batch_queue
 
     def by_queue(self, batches: list[Batch]) -> dict[str, list[Batch]]:
         groups: dict[str, list[Batch]] = {}
@@ -59,7 +58,7 @@ class BatchPublisher:
         calls: list[tuple[list[Any], dict[str, Any]]] = []
         summaries: list[str] = []
         for batch_id, batch in zip(batch_ids, batches, strict=True):
-            task = batch.model if batch.model in self.specs else INFER_TASK
+            task = self.task_of_key[batch.model].name
             message = batch_message(
                 batch_id=batch_id,
                 task=task,
@@ -74,7 +73,7 @@ class BatchPublisher:
             calls.append(([message], {}))
             # Flower shows argsrepr; the token ids or items it would otherwise show help nobody.
             padding = batch.padded_tokens / max(1, batch.real_tokens)
-            what = f"model={batch.model}" if task == INFER_TASK else f"task={task}"
+            what = f"task={task}" if task == batch.model else f"model={batch.model}"
             summaries.append(
                 f"size={batch.size} bin={batch.bin_label} width={batch.padded_len} "
                 f"padding={padding:.2f} flush={batch.flush_reason.value} {what}"

@@ -50,9 +50,14 @@ class StatsWriter:
         self._depth_keys: set[tuple[str, str]] = set()
 
     def write(
-        self, stats: CoordinatorStats, depths: Mapping[tuple[str, str], int], gauges: Mapping[str, int]
+        self,
+        stats: CoordinatorStats,
+        depths: Mapping[tuple[str, str], int],
+        gauges: Mapping[str, int],
+        task_of: Callable[[str], str] | None = None,
     ) -> None:
-        """``depths``: requests waiting per (model, bin); a bin that emptied is written as 0."""
+        """``depths``: requests waiting per (routing key, bin); a bin that emptied is written as 0.
+        ``task_of``: the task of a routing key (written as ``task:<key>``, for ``carpool status``)."""
         counters: dict[str, int] = {
             "taken": stats.taken,
             "batches": stats.batches,
@@ -63,11 +68,13 @@ class StatsWriter:
         counters.update({f"flush:{k}": v for k, v in stats.flush.items()})
         counters.update({f"failed:{k}": v for k, v in stats.failed.items()})
         counters.update({f"size:{k}": v for k, v in stats.sizes.items()})
-        values = dict(gauges)
+        values: dict[str, int | str] = dict(gauges)
         for key in self._depth_keys - set(depths):
             values[f"depth:{key[0]}:{key[1]}"] = 0
         self._depth_keys |= set(depths)
         values.update({f"depth:{m}:{b}": n for (m, b), n in depths.items()})
+        if task_of is not None:
+            values.update({f"task:{m}": task_of(m) for m in {m for m, _ in self._depth_keys}})
         now_ms = int(self.wall() * 1000)
         with self.client.pipeline(transaction=False) as pipe:
             for name, value in counters.items():

@@ -1,9 +1,9 @@
 """Padding and running batches on a model; no Redis or Celery here.
 
-``run_padded`` is the hot path: one numpy fill of a (rows x padded length) array, one forward under
-``torch.inference_mode()``. When a batch raises, ``run_isolating`` halves it until the failing rows
-are alone, so one bad request fails only itself; out-of-memory errors are handled the same way
-(smaller halves fit). ``run_items_isolating`` does the same for a ``@batched`` task's function.
+A worker runs every task's batch the same way: ``run_call_isolating(call, items, lengths)`` calls the
+task's batch function under ``torch.inference_mode()`` and, when a batch raises, halves it until the
+failing items are alone, so one bad request fails only itself. ``carpool.infer``'s batch function is
+``forward_padded``: one numpy fill of a (rows x padded length) array, one ``forward``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -68,23 +69,60 @@ def pad(
     return ids, mask
 
 
-def run_padded(model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]) -> list[Any]:
-    import torch
-
+def forward_padded(
+    model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]
+) -> Sequence[Any]:
+    """``model.forward`` of the rows padded: ``carpool.infer``'s batch function on a worker."""
     ids, mask = pad(rows, lengths, model.pad_id)
-    with torch.inference_mode():
-        outputs = list(model.forward(ids, mask))
-    if len(outputs) != len(lengths):
-        raise RuntimeError(f"model returned {len(outputs)} outputs for a batch of {len(lengths)}")
-    return outputs
+    return model.forward(ids, mask)
+
+
+def run_padded(model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]) -> list[Any]:
+    """One forward of the padded rows under ``inference_mode``, one output per row."""
+    return run_call(partial(forward_padded, model), rows, lengths)
 
 
 def run_isolating(
     model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]
 ) -> list[tuple[bool, Any]]:
-    """Per row (ok, output-or-exception). A failing batch is split in halves until failures are alone."""
+    """Per row (ok, output-or-exception) of ``model``; see :func:`run_call_isolating`."""
+    return run_call_isolating(partial(forward_padded, model), rows, lengths)
+
+
+class OutputCountMismatch(Exception):
+    """A batch function returned a different number of outputs than it was given items."""
+
+
+def run_call(
+    call: Callable[[Any, Any], Sequence[Any]], items: Sequence[Any], lengths: Sequence[int]
+) -> list[Any]:
+    """``call(items, lengths)``, checked to give one output per item; under ``inference_mode`` if torch
+    is loaded (a batch function that never imported torch needs none)."""
+    torch = sys.modules.get("torch")
+    context = torch.inference_mode() if torch is not None else contextlib.nullcontext()
+    with context:
+        outputs = call(items, lengths)
     try:
-        return [(True, out) for out in run_padded(model, rows, lengths)]
+        outputs = list(outputs)
+    except TypeError:
+        raise OutputCountMismatch(
+            f"returned {type(outputs).__name__}, not a list with one output per item"
+        ) from None
+    if len(outputs) != len(lengths):
+        raise OutputCountMismatch(f"returned {len(outputs)} outputs for {len(lengths)} items")
+    return outputs
+
+
+def run_call_isolating(
+    call: Callable[[Any, Any], Sequence[Any]], items: Sequence[Any], lengths: Sequence[int]
+) -> list[tuple[bool, Any]]:
+    """Per item (ok, output-or-exception): a batch that raises is split in halves until failures are
+    alone (out-of-memory errors too: smaller halves fit). A wrong number of outputs fails the whole
+    batch: splitting cannot say which output is whose."""
+    try:
+        return [(True, out) for out in run_call(call, items, lengths)]
+    except OutputCountMismatch as exc:
+        return [(False, exc)] * len(lengths)
     except Exception as exc:
         if len(lengths) == 1:
             return [(False, exc)]
@@ -93,9 +131,14 @@ def run_isolating(
         )
         _free_accelerator_memory()
         half = len(lengths) // 2
-        return run_isolating(model, rows[:half], lengths[:half]) + run_isolating(
-            model, rows[half:], lengths[half:]
+        return run_call_isolating(call, items[:half], lengths[:half]) + run_call_isolating(
+            call, items[half:], lengths[half:]
         )
+
+
+def run_items_isolating(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[tuple[bool, Any]]:
+    """:func:`run_call_isolating` of a function of the items alone, as a ``@batched`` task's."""
+    return run_call_isolating(lambda batch, _lengths: fn(batch), items, [0] * len(items))
 
 
 def _free_accelerator_memory() -> None:
@@ -109,40 +152,3 @@ def run_single(model_name: str, text: str) -> Any:
     model = loaded_model(model_name)
     ids = model.encode([text])[0]
     return run_padded(model, [ids if model.needs_token_ids else None], [len(ids)])[0]
-
-
-class OutputCountMismatch(Exception):
-    """A batch function returned a different number of outputs than it was given items."""
-
-
-def run_items(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[Any]:
-    """``fn(items)``, checked to give one output per item; under ``inference_mode`` if torch is loaded."""
-    torch = sys.modules.get("torch")
-    context = torch.inference_mode() if torch is not None else contextlib.nullcontext()
-    with context:
-        outputs = fn(items)
-    try:
-        outputs = list(outputs)
-    except TypeError:
-        raise OutputCountMismatch(
-            f"returned {type(outputs).__name__}, not a list with one output per item"
-        ) from None
-    if len(outputs) != len(items):
-        raise OutputCountMismatch(f"returned {len(outputs)} outputs for {len(items)} items")
-    return outputs
-
-
-def run_items_isolating(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[tuple[bool, Any]]:
-    """Per item (ok, output-or-exception): a batch that raises is split in halves until failures are
-    alone. A wrong number of outputs fails the whole batch: splitting cannot say which output is whose."""
-    try:
-        return [(True, out) for out in run_items(fn, items)]
-    except OutputCountMismatch as exc:
-        return [(False, exc)] * len(items)
-    except Exception as exc:
-        if len(items) == 1:
-            return [(False, exc)]
-        log.warning("batch of %d failed (%s: %s); splitting to isolate", len(items), type(exc).__name__, exc)
-        _free_accelerator_memory()
-        half = len(items) // 2
-        return run_items_isolating(fn, items[:half]) + run_items_isolating(fn, items[half:])

@@ -37,12 +37,12 @@ from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
 from carpool.codec import dumps_exact
 from carpool.config import Settings
 from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
-from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating, run_items_isolating
-from carpool.names import INFER_TASK, RUN_BATCH_TASK
+from carpool.gpu_worker.runner import pick_device, run_call_isolating
+from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import RequestStore
-from carpool.registry import BatchedSpec, import_task_modules, registered
+from carpool.registry import TaskSpec, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, Links, RequestSlot, batch_report, read_batch
 
 log = logging.getLogger(__name__)
@@ -94,15 +94,10 @@ class WorkerRuntime:
 
     # --- life ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Load every served model and task, then start announcing this worker to coordinators."""
-        if INFER_TASK in self.served:
-            for name in self.settings.served_models:
-                t0 = time.perf_counter()
-                loaded_model(name, self.device, self.settings.autocast_bf16)
-                log.info("model %s loaded on %s in %.1fs", name, self.device, time.perf_counter() - t0)
+        """Load every served task (``carpool.infer``: its models), then start announcing this worker."""
         for name, spec in self.specs.items():
             t0 = time.perf_counter()
-            spec.load(self.device)
+            spec.load(self.device, self.settings)
             log.info("task %s ready on %s in %.1fs", name, self.device, time.perf_counter() - t0)
         if self.settings.overlap_finish:
             self._finisher = Finisher()
@@ -317,19 +312,18 @@ class WorkerRuntime:
         padded_len = 0
         try:
             lengths = [r["len"] for r in live]
-            spec = None if batch["task"] == INFER_TASK else self._spec(batch["task"])
+            spec = self._spec(batch["task"])
             t0 = time.perf_counter()
-            if spec is None:
-                model = loaded_model(batch["model"], self.device, self.settings.autocast_bf16)
-                outcomes = run_isolating(model, [r["ids"] for r in live], lengths)
-            else:
-                outcomes = storable(spec.name, run_items_isolating(spec.fn, [r.get("item") for r in live]))
+            call = spec.batch_function(batch["model"], self.device, self.settings)
+            outcomes = run_call_isolating(call, [r["item"] for r in live], lengths)
+            if spec.checks_outputs:
+                outcomes = storable(spec.name, outcomes)
             elapsed = time.perf_counter() - t0
             self._last_run_s[batch["model"]] = elapsed
             if all(ok for ok, _ in outcomes):
                 run_s = elapsed  # a split batch's time says nothing about the latency model
             padded_len = padded_length(max(max(lengths), 1))
-        except Exception as exc:  # model failed to load: every request fails with the reason
+        except Exception as exc:  # model or task failed to load: every request fails with the reason
             log.exception("batch %s: %s unavailable", batch["id"], batch["model"])
             outcomes = [(False, exc)] * len(live)
         for r, (ok, out) in zip(live, outcomes, strict=True):
@@ -339,7 +333,7 @@ class WorkerRuntime:
                 entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
         return run_s, padded_len
 
-    def _spec(self, task: str) -> BatchedSpec:
+    def _spec(self, task: str) -> TaskSpec:
         spec = self.specs.get(task)
         if spec is None:
             raise LookupError(
@@ -397,15 +391,16 @@ def _retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0
     raise AssertionError("unreachable")
 
 
-def served_tasks(serve: tuple[str, ...], specs: dict[str, BatchedSpec]) -> frozenset[str]:
-    """The tasks a worker runs: those named (a dedicated worker), else ``carpool.infer`` and every task."""
+def served_tasks(serve: tuple[str, ...], specs: dict[str, TaskSpec]) -> frozenset[str]:
+    """The tasks a worker runs: those named (a dedicated worker), else every task (``carpool.infer``
+    and those of ``CARPOOL_IMPORTS``)."""
     if not serve:
-        return frozenset({INFER_TASK, *specs})
-    unknown = sorted(set(serve) - {INFER_TASK, *specs})
+        return frozenset(specs)
+    unknown = sorted(set(serve) - set(specs))
     if unknown:
         raise ConfigError(
             f"CARPOOL_SERVE_TASKS names {', '.join(unknown)}, which no module in CARPOOL_IMPORTS defines "
-            f"(known: {', '.join(sorted({INFER_TASK, *specs}))})"
+            f"(known: {', '.join(sorted(specs))})"
         )
     return frozenset(serve)
 
@@ -451,8 +446,7 @@ def batch_queues(settings: Settings) -> list[str]:
     specs = registered()
     queues = []
     for task in sorted(served_tasks(settings.serve_tasks, specs)):
-        spec = specs.get(task)
-        queue = (spec.batch_queue if spec is not None else None) or settings.batch_queue
+        queue = specs[task].batch_queue or settings.batch_queue
         if queue not in queues:
             queues.append(queue)
     return queues

@@ -1,7 +1,8 @@
 """Models by name: ``minilm``, ``toy``, ``null``, ``sim-v100`` / ``sim-h100`` / ``sim``, or
 ``package.module:ClassName`` (see ``base``).
 
-Only names and classes live here; weights load in ``BatchModel.load`` on the worker.
+Only names and classes live here; weights load in ``BatchModel.load`` on the worker. ``task`` makes
+the served models the task ``carpool.infer``.
 """
 
 from __future__ import annotations

@@ -35,11 +35,13 @@ from carpool.celery_edge.task_messages import TaskMessageBuilder, TaskMessages
 from carpool.errors import SubmitInterrupted
 from carpool.names import INFER_TASK, SENT_AT_HEADER
 from carpool.redis_edge.replication import not_replicated, transaction_then_wait
-from carpool.validation import bind_infer_args, validate_infer, validate_item
+from carpool.validation import bind_infer_args, validate_infer
 
 if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
+
+    from carpool.registry import TaskSpec
 
 SUPPORTED_OPTIONS = frozenset({"priority", "expires", "headers", "queue"})
 _LPUSH_CHUNK = 10_000  # values per LPUSH command
@@ -95,16 +97,18 @@ def submit_many(
     settings = settings_of(app)
     calls: list[tuple[list[Any], dict[str, Any]]] = []
     name = INFER_TASK
-    if task is not None:
-        name = _batched_name(task, model)
+    if task is not None and getattr(task, "name", task) != INFER_TASK:
+        spec = _batched_spec(task, model)
+        name = spec.name
         for index, item in enumerate(payloads):
+            one = [item]
             try:
-                validate_item(name, item, settings)
+                spec.accept(one, {}, settings)
             except Exception as exc:
                 exc.add_note(f"(in submit_many: payloads[{index}]; nothing was sent)")
                 raise
-            calls.append(([item], {}))
-    for index, payload in enumerate(payloads if task is None else ()):
+            calls.append((one, {}))
+    for index, payload in enumerate(payloads if name == INFER_TASK else ()):
         if isinstance(payload, Mapping):
             kwargs = dict(payload)
             if model is not None:
@@ -128,17 +132,18 @@ def submit_many(
     )
 
 
-def _batched_name(task: Any, model: str | None) -> str:
+def _batched_spec(task: Any, model: str | None) -> TaskSpec:
     from carpool.registry import spec_for
 
     name = getattr(task, "name", task)
-    if not isinstance(name, str) or spec_for(name) is None:
+    spec = spec_for(name) if isinstance(name, str) else None
+    if spec is None:
         raise TypeError(f"submit_many(task=...) takes a @batched task, not {task!r}")
     if model is not None:
         raise TypeError(
             "submit_many(task=...) sends items to that task; model= applies to carpool.infer only"
         )
-    return name
+    return spec
 
 
 def publish_tasks(

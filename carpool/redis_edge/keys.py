@@ -100,6 +100,7 @@ class Keys:
         return f"{self._base}:coordinators"
 
     def gauges_of(self, coordinator: str) -> str:
-        """HASH of one coordinator's gauges (pending, outstanding, depth:<model>:<bin>); it expires
-        soon after the coordinator stops writing, so a dead one's gauges disappear."""
+        """HASH of one coordinator's gauges (pending, outstanding, depth:<model>:<bin>) and the task of
+        each routing key (task:<model>); it expires soon after the coordinator stops writing, so a
+        dead one's gauges disappear."""
         return f"{self._base}:gauges:{coordinator}"

@@ -32,5 +32,28 @@ class Exploding(ToyModel):
         return super().forward(input_ids, attention_mask)
 
 
+class Letters:
+    """A user model written against the protocol alone (carpool.models.base), without torch: a token
+    per character (its code point), a window of 16; each output is its row's token sum and count."""
+
+    max_length = 16
+    pad_id = 0
+    needs_token_ids = True
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[ord(c) for c in text[: self.max_length]] for text in texts]
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(text) for text in texts]
+
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None:
+        self.device = device
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Sequence[Any]:
+        sums = (input_ids * attention_mask).sum(axis=1)
+        return [{"sum": int(s), "len": int(n)} for s, n in zip(sums, attention_mask.sum(axis=1), strict=True)]
+
+
 SLOW = f"{__name__}:SlowToy"
 EXPLODING = f"{__name__}:Exploding"
+LETTERS = f"{__name__}:Letters"

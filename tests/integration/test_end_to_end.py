@@ -109,6 +109,22 @@ def test_same_text_alone_and_inside_a_batch_of_long_texts(processes: Processes) 
     assert np.abs(alone - together).max() < 1e-4
 
 
+def test_a_user_model_class_is_served_beside_a_builtin_and_refuses_texts_over_its_window(
+    processes: Processes,
+) -> None:
+    from carpool.errors import InputTooLong
+    from carpool.tasks import infer
+    from tests.integration.models import LETTERS
+
+    start_stack(processes, CARPOOL_MODEL=LETTERS, CARPOOL_MODELS=f"{LETTERS},toy", CARPOOL_TRUNCATE="false")
+    texts = ["a", "hello", "x" * 16, "Ünïcödé"]
+    results = [infer.delay(t) for t in texts]  # the coordinator's default model: the user's class
+    assert [r.get(timeout=30) for r in results] == [{"sum": sum(map(ord, t)), "len": len(t)} for t in texts]
+    with pytest.raises(InputTooLong, match=f"17 tokens, over the 16-token window of {LETTERS}"):
+        infer.delay("y" * 17).get(timeout=30)
+    assert len(infer.delay("y" * 17, model="toy").get(timeout=30)) == 32  # toy's window is 256
+
+
 def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
     """Length bins complete requests out of order; .get() in submission order must not stall."""
     from carpool.tasks import infer

@@ -343,10 +343,12 @@ def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> N
     assert snap["pending"] == snap["in_flight"] == len(texts)
     assert sum(snap["depth_by_bin"].values()) == len(texts), snap["depth_by_bin"]
     assert all(k.startswith("toy:") for k in snap["depth_by_bin"])
+    assert snap["task_of_model"] == {"toy": "carpool.infer"}
     assert len([v for v in snap["depth_by_bin"].values() if v]) > 1
     text_view = run_status(processes, "--once", "--interval", "0")
     assert text_view.returncode == 0, text_view.stderr
-    assert "per length bin" in text_view.stdout and "toy" in text_view.stdout
+    assert "per length bin" in text_view.stdout and "carpool.infer" in text_view.stdout
+    assert "model=toy" in text_view.stdout
 
     # A worker comes up: everything runs; rates over a window that saw a burst are real.
     before = collect(client, keys)

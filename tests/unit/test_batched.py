@@ -35,7 +35,7 @@ def test_the_decorator_makes_a_celery_task_named_like_celery_names_tasks() -> No
     assert shout.name == f"{__name__}.shout"
     assert declared.name == "unit.declared"
     assert shout.spec.max_batch == 4 and shout.spec.bin_edges == (8, 32)
-    assert spec_for(shout.name) is shout.spec and registered()[declared.name].fn is not None
+    assert spec_for(shout.name) is shout.spec and registered()[declared.name] is declared.spec
     assert shout.run("hi") == "HI"  # a plain Celery worker runs one item through the function
 
 
@@ -91,7 +91,7 @@ def test_delay_refuses_what_it_cannot_send_or_honour_before_anything_is_sent(
 
 def _intake(taken: list[tuple[str, bytes]]) -> Any:
     specs = {shout.name: shout.spec, declared.name: declared.spec}
-    return take_in(taken, settings=Settings(), models={}, room=100, now=NOW, wall_now=WALL, specs=specs)
+    return take_in(taken, settings=Settings(), specs=specs, room=100, now=NOW, wall_now=WALL)
 
 
 def test_intake_measures_items_with_the_tasks_length_and_keeps_the_item_for_the_worker() -> None:
@@ -106,9 +106,8 @@ def test_intake_measures_items_with_the_tasks_length_and_keeps_the_item_for_the_
     assert isinstance(a, Request) and (a.model, a.length) == (shout.name, 5)
     assert a.payload == {
         "id": "a",
-        "ids": None,
-        "len": 5,
         "item": "hello",
+        "len": 5,
         "sent_at": WALL,
         "deadline": WALL + 60,
     }

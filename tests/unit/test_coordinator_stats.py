@@ -92,3 +92,38 @@ def test_a_coordinator_that_leaves_withdraws_its_gauges_at_once() -> None:
         ("delete", (KEYS.gauges_of("c1"),), {}),
         ("zrem", (KEYS.coordinators, "c1"), {}),
     ]
+
+
+def test_carpool_status_shows_the_task_of_each_queue() -> None:
+    from rich.console import Console
+
+    from carpool.tools.status import Snapshot, render
+
+    client = RecordingClient()
+    writer(client, "c1").write(
+        CoordinatorStats(),
+        {("toy", "1-16"): 2, ("app.shout", "1-8"): 1},
+        {"pending": 3},
+        lambda key: "carpool.infer" if key == "toy" else key,
+    )
+    [(_, _, kwargs)] = [c for c in client.calls if c[0] == "hset"]
+    assert (
+        kwargs["mapping"]["task:toy"] == "carpool.infer"
+        and kwargs["mapping"]["task:app.shout"] == "app.shout"
+    )
+
+    snap = Snapshot(
+        taken_at=0.0,
+        redis_time=0.0,
+        queued={},
+        workers=[],
+        in_flight=3,
+        dead_letter=0,
+        stats={"pending": 3, "depth:toy:1-16": 2, "depth:app.shout:1-8": 1},
+        tasks={"toy": "carpool.infer", "app.shout": "app.shout"},
+    )
+    console = Console(width=120, record=True)
+    console.print(render(snap, None, "q", "redis://localhost"))
+    lines = console.export_text().splitlines()
+    assert any("carpool.infer" in line and "model=toy" in line and "1-16: 2" in line for line in lines)
+    assert any("app.shout" in line and "model=" not in line and "1-8: 1" in line for line in lines)

@@ -10,7 +10,7 @@ import pytest
 from carpool.config import Settings
 from carpool.coordinator.intake import decode_taken, take_in, to_request
 from carpool.errors import InputTooLong, InvalidInput, MalformedMessage, QueueFull, UnknownModel
-from carpool.models import BatchModel
+from carpool.models.task import InferSpec
 from tests.unit.messages import message
 
 NOW = 500.0  # the coordinator's monotonic clock
@@ -46,9 +46,12 @@ def settings(**overrides: Any) -> Settings:
     return Settings(**fields)
 
 
-def run(taken: list[tuple[str, bytes]], room: int = 100, **overrides: Any) -> Any:
-    models: dict[str, BatchModel] = {"toy": Words(), "null": Words()}
-    out = take_in(taken, settings=settings(**overrides), models=models, room=room, now=NOW, wall_now=WALL)
+def run(
+    taken: list[tuple[str, bytes]], room: int = 100, models: dict[str, Any] | None = None, **overrides: Any
+) -> Any:
+    models = models or {"toy": Words(), "null": Words()}
+    specs = {"carpool.infer": InferSpec("carpool.infer", model_of=models.__getitem__)}
+    out = take_in(taken, settings=settings(**overrides), specs=specs, room=room, now=NOW, wall_now=WALL)
     return out, models
 
 
@@ -62,7 +65,7 @@ def test_a_request_becomes_a_policy_request_on_the_coordinators_clock() -> None:
     assert req.deadline_s == pytest.approx(NOW - 2.0 + 60.0)  # sent_at + CARPOOL_DEFAULT_DEADLINE_S
     assert req.payload == {
         "id": "a",
-        "ids": [3, 3, 5],
+        "item": [3, 3, 5],
         "len": 3,
         "sent_at": WALL - 2.0,
         "deadline": WALL + 58.0,
@@ -79,17 +82,18 @@ def test_expires_sets_the_deadline_and_a_missing_stamp_means_sent_now() -> None:
 
 def test_a_producer_clock_ahead_of_ours_counts_as_arriving_now() -> None:
     req = to_request(
-        decode_taken("a", message("a", "hi", sent_at=WALL + 5.0)), "toy", [1], True, NOW, WALL, 60.0
+        decode_taken("a", message("a", "hi", sent_at=WALL + 5.0)), "toy", [1], 1, NOW, WALL, 60.0
     )
     assert req.arrival_s == NOW
     assert req.deadline_s == pytest.approx(NOW + 65.0)
 
 
 def test_a_model_without_token_ids_gets_lengths_only() -> None:
-    out, _ = run([("a", message("a", "one two"))])
-    [(msg, _)] = out.admitted
-    req = to_request(msg, "toy", [7, 7], False, NOW, WALL, 60.0)
-    assert req.payload is not None and req.payload["ids"] is None and req.payload["len"] == 2  # type: ignore[index]
+    reads_mask_only = Words()
+    reads_mask_only.needs_token_ids = False
+    out, _ = run([("a", message("a", "one two"))], models={"toy": reads_mask_only})
+    [(_, req)] = out.admitted
+    assert req.payload["item"] is None and req.payload["len"] == req.length == 2
 
 
 def test_each_models_texts_are_tokenized_in_one_call() -> None:

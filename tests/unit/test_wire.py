@@ -23,7 +23,7 @@ from carpool.wire import (
 
 def slot(request_id: str, ids: list[int] | None = None, deadline: float = 2e9) -> RequestSlot:
     ids = ids if ids is not None else [101, 7, 102]
-    return {"id": request_id, "ids": ids, "len": len(ids), "sent_at": 1.7e9, "deadline": deadline}
+    return {"id": request_id, "item": ids, "len": len(ids), "sent_at": 1.7e9, "deadline": deadline}
 
 
 def message(requests: list[RequestSlot], **overrides: Any) -> BatchMessage:

@@ -71,7 +71,8 @@ def revoked() -> Iterator[set[str]]:
 
 
 def slot(request_id: str, deadline: float = 2e9, **extra: Any) -> RequestSlot:
-    return {"id": request_id, "ids": [101, 7, 102], "len": 3, "sent_at": 1.7e9, "deadline": deadline, **extra}  # type: ignore[typeddict-item]
+    fields = {"id": request_id, "item": [101, 7, 102], "len": 3, "sent_at": 1.7e9, "deadline": deadline}
+    return {**fields, **extra}  # type: ignore[typeddict-item]
 
 
 def batch(*slots: RequestSlot) -> Any:

@@ -87,13 +87,13 @@ def _load_task(**_: Any) -> None:
 def _bench_spec() -> BatchedSpec | None:
     """The BatchedSpec named by ``CARPOOL_BENCH_TASK``, or None when the variable is unset."""
     from carpool.errors import ConfigError
-    from carpool.registry import spec_for
+    from carpool.registry import BatchedSpec, spec_for
 
     name = os.environ.get(TASK_ENV)
     if not name:
         return None
     spec = spec_for(name)
-    if spec is None:
+    if not isinstance(spec, BatchedSpec):
         raise ConfigError(f"{TASK_ENV}={name!r} is no @batched task of CARPOOL_IMPORTS {settings.imports}")
     return spec
 

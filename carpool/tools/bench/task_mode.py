@@ -44,7 +44,7 @@ def resolve_task(given: str, max_batch: int, model_dir: str | None = None) -> Be
     """
     import importlib
 
-    from carpool.registry import import_task_modules, spec_for
+    from carpool.registry import BatchedSpec, import_task_modules, spec_for
     from carpool.tools.bench.systems.task import BenchTask
 
     target = BUILTIN_TASKS.get(given, given)
@@ -67,7 +67,7 @@ def resolve_task(given: str, max_batch: int, model_dir: str | None = None) -> Be
     obj = getattr(importlib.import_module(module), attribute, None)
     name = getattr(obj, "name", None)
     spec = spec_for(name) if isinstance(name, str) else None
-    if spec is None:
+    if not isinstance(spec, BatchedSpec):
         raise ValueError(f"{module}:{attribute} is not a @batched task (found {obj!r:.80})")
     return BenchTask(
         name=spec.name, module=module, max_batch=spec.max_batch or max_batch, extra_env=extra_env
@@ -97,10 +97,10 @@ def repeat_to(items: list[Any], count: int) -> list[Any]:
 
 def task_lengths(task: str, items: list[Any]) -> list[int]:
     """The task's ``length`` of every item, as the coordinator computes it; ``ValueError`` if it fails."""
-    from carpool.registry import spec_for
+    from carpool.registry import BatchedSpec, spec_for
 
     spec = spec_for(task)
-    assert spec is not None
+    assert isinstance(spec, BatchedSpec)
     try:
         lengths = spec.lengths(items)
     except Exception as exc:

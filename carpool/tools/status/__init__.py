@@ -4,8 +4,9 @@ Everything shown comes from Redis, so it works from any machine that reaches the
 neither torch nor a metrics port:
 
 * queue depth: the request lists ``.delay()`` writes to (one per priority step), plus what the
-  coordinators hold (``pending``, and per length bin ``depth:<model>:<bin>``: each live
-  coordinator's gauges, ``carpool:<queue>:gauges:<hostname>``, summed);
+  coordinators hold (``pending``, and per length bin ``depth:<model>:<bin>``, shown under the
+  model's task ``task:<model>``: each live coordinator's gauges, ``carpool:<queue>:gauges:<hostname>``,
+  summed);
 * workers online: the heartbeat ZSET ``carpool:<queue>:workers`` (members with a live expiry);
 * rates: deltas of the coordinators' counters (``carpool:<queue>:stats``) over the refresh interval;
 * padding ratio, flush reasons, failures, batch sizes, in-flight requests, dead-letter length.

@@ -25,6 +25,7 @@ class Snapshot:
     dead_letter: int
     stats: dict[str, float]  # the coordinators' counters, and their live gauges summed
     coordinators: list[str] = field(default_factory=list)  # hostnames whose gauges are live
+    tasks: dict[str, str] = field(default_factory=dict)  # routing key (model) -> its task
 
     # --- derived -----------------------------------------------------------------------------
     def counter(self, name: str) -> float:
@@ -124,10 +125,14 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
     workers, in_flight, dead, raw_stats = replies[n : n + 4]
     stats = _numbers(raw_stats)
     live = []
+    tasks: dict[str, str] = {}
     for name, raw_gauges in zip(names, replies[n + 4 :], strict=True):
         if raw_gauges:  # an expired coordinator's hash is gone
             live.append(name)
-            for key, value in _numbers(raw_gauges).items():
+            gauges = {_text(k): v for k, v in raw_gauges.items()}
+            for key in [k for k in gauges if k.startswith("task:")]:
+                tasks[key[len("task:") :]] = _text(gauges.pop(key))
+            for key, value in _numbers(gauges).items():
                 stats[key] = stats.get(key, 0.0) + value
     return Snapshot(
         taken_at=time.monotonic(),
@@ -138,6 +143,7 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         dead_letter=int(dead),
         stats=stats,
         coordinators=sorted(live),
+        tasks=tasks,
     )
 
 
@@ -163,6 +169,7 @@ def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
         "queued_by_priority": snap.queued,
         "pending": snap.pending,
         "depth_by_bin": {f"{m}:{b}": n for (m, b), n in sorted(snap.depth_by_bin.items())},
+        "task_of_model": dict(sorted(snap.tasks.items())),
         "in_flight": snap.in_flight,
         "outstanding_batches": int(s("outstanding")),
         "workers_online": len(snap.workers),

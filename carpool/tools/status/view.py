@@ -110,14 +110,21 @@ def render(
             by_model.setdefault(model, []).append((label, n))
     if snap.depth_by_bin:
         bins = Table.grid(padding=(0, 2))
-        bins.add_column(style="bold", no_wrap=True)
+        bins.add_column(style="bold", no_wrap=True)  # the task
+        bins.add_column(no_wrap=True)  # its routing key when that is not the task itself: infer's model
         bins.add_column()
-        for model in sorted(by_model):
+        rows = sorted((snap.tasks.get(model, ""), model) for model in by_model)
+        for task, model in rows:
             cells = sorted(by_model[model], key=lambda c: _bin_order(c[0]))
-            bins.add_row(model, "  ".join(f"{label}: {n:,}" for label, n in cells))
+            shown = (task, "" if model == task else f"model={model}") if task else (model, "")
+            bins.add_row(*shown, "  ".join(f"{label}: {n:,}" for label, n in cells))
         if not by_model:
-            bins.add_row("[dim]none waiting[/]", "")
-        parts += ["", "[bold underline]waiting per length bin[/] [dim](tokens)[/]", bins]
+            bins.add_row("[dim]none waiting[/]", "", "")
+        parts += [
+            "",
+            "[bold underline]waiting per length bin[/] [dim](per task, and per model for infer)[/]",
+            bins,
+        ]
     return Panel(Group(*parts), title=title, title_align="left", expand=False)
 
 

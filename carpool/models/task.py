@@ -1,0 +1,94 @@
+"""``carpool.infer`` as a batched task: a text through one of the deployment's models.
+
+Producer and coordinator: the call binds as ``infer(text, model=None)`` and routes by the served
+model it names (two models never share a batch). Coordinator: one ``encode`` call per model per
+take gives every text's token ids (with ``CARPOOL_TRUNCATE=false`` the texts over the model's window
+are refused first, by ``count_tokens``); the ids travel in the request's slot (nothing does when the
+model reads only the attention mask). Worker: the ids padded to a multiple of 8, one ``forward``.
+The model protocol is :mod:`carpool.models.base`; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from carpool.errors import InputTooLong, InvalidInput
+from carpool.models import BatchModel, get_model
+from carpool.registry import BatchCall, Prepared, TaskSpec
+from carpool.validation import bind_infer_args, validate_infer
+
+if TYPE_CHECKING:
+    from carpool.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+def too_long(count: int, max_length: int, model_name: str) -> InputTooLong:
+    return InputTooLong(
+        f"text is {count} tokens, over the {max_length}-token window of {model_name}; "
+        "shorten it, or set CARPOOL_TRUNCATE=true to cut it as sentence-transformers does"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class InferSpec(TaskSpec):
+    """The built-in text models as one task; its routing keys are the served models' names."""
+
+    #: the (unloaded) model by name, on the coordinator; stand-ins are passed here in tests
+    model_of: Callable[[str], BatchModel] = field(default=get_model, kw_only=True, compare=False)
+
+    # A model's outputs are its own to make JSON-ready (protocol); checking each would cost per request.
+    checks_outputs: ClassVar[bool] = False
+
+    def keys(self, settings: Settings) -> tuple[str, ...]:
+        return settings.served_models
+
+    def accept(self, args: Any, kwargs: Any, settings: Settings) -> tuple[str, Any]:
+        text, model = bind_infer_args(args, kwargs)
+        payload = validate_infer(text, model, settings)
+        return payload.model, payload.text
+
+    def prepare(self, key: str, values: list[Any], settings: Settings) -> Prepared:
+        model = self.model_of(key)
+        texts: list[str] = values
+        refused: dict[int, InvalidInput] = {}
+        if not settings.truncate and hasattr(model, "count_tokens"):
+            window = model.max_length
+            counts = model.count_tokens(texts)
+            refused = {i: too_long(n, window, key) for i, n in enumerate(counts) if n > window}
+            if refused:
+                texts = [text for i, text in enumerate(texts) if i not in refused]
+        rows = model.encode(texts)
+        lengths: list[int | InvalidInput] = [len(row) for row in rows]
+        items: list[Any] = rows if model.needs_token_ids else [None] * len(rows)
+        for i in sorted(refused):  # back into place, so positions match the values given
+            lengths.insert(i, refused[i])
+            items.insert(i, None)
+        return Prepared(lengths, items)
+
+    def warm_up(self, settings: Settings) -> None:
+        """Build each served model and load its tokenizer now, not inside the first request's latency."""
+        for name in settings.served_models:
+            model = self.model_of(name)  # an unknown model stops the coordinator here
+            try:
+                model.encode(["warm up"])
+            except Exception:
+                log.exception("warming up the tokenizer of %s failed; requests will show the error", name)
+
+    def load(self, device: str, settings: Settings) -> None:
+        from carpool.gpu_worker.runner import loaded_model
+
+        for name in settings.served_models:
+            t0 = time.perf_counter()
+            loaded_model(name, device, settings.autocast_bf16)
+            log.info("model %s loaded on %s in %.1fs", name, device, time.perf_counter() - t0)
+
+    def batch_function(self, key: str, device: str, settings: Settings) -> BatchCall:
+        from carpool.gpu_worker.runner import forward_padded, loaded_model
+
+        return partial(forward_padded, loaded_model(key, device, settings.autocast_bf16))

@@ -1,0 +1,122 @@
+"""``carpool.infer`` is one task of the batched mechanism: registered where every task is, accepted,
+prepared and run by the same code as a ``@batched`` task, on the coordinator and on the worker."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from carpool.codec import loads
+from carpool.config import Settings
+from carpool.errors import ConfigError, InputTooLong, InvalidInput
+from carpool.models.task import InferSpec
+from carpool.names import INFER_TASK
+from carpool.registry import BatchedSpec, import_task_modules, registered, routing_keys
+from carpool.tasks import batched, infer
+from tests.unit.messages import message
+from tests.unit.test_coordinator_loop import Clocks, coordinator
+from tests.unit.test_worker_semantics import FakeStore
+
+SETTINGS = Settings(model="toy", models=("toy", "null"))
+
+
+@batched(length=len, name="unit.infer_peer")
+def reverse(texts: list[str]) -> list[str]:
+    return [t[::-1] for t in texts]
+
+
+class Words:
+    """A stand-in model: a token per word (its length), a window of 4; records its encode calls."""
+
+    max_length = 4
+    pad_id = 0
+    needs_token_ids = True
+
+    def __init__(self) -> None:
+        self.encoded: list[list[str]] = []
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        self.encoded.append(list(texts))
+        return [[len(w) for w in t.split()][: self.max_length] for t in texts]
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(t.split()) for t in texts]
+
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None: ...
+
+    def forward(self, input_ids: Any, attention_mask: Any) -> Sequence[Any]:
+        return [int(n) for n in attention_mask.sum(axis=1)]
+
+
+def test_infer_is_registered_as_the_tasks_of_carpool_imports_are() -> None:
+    import_task_modules(())  # what the coordinator and every worker call first
+    spec = registered()[INFER_TASK]
+    assert isinstance(spec, InferSpec) and infer.spec is spec and reverse.spec is registered()[reverse.name]
+    # Its routing keys are the served models: infer's requests are batched per model.
+    assert spec.keys(SETTINGS) == ("toy", "null") and reverse.spec.keys(SETTINGS) == (reverse.name,)
+    assert spec.accept(["hi"], {}, SETTINGS) == ("toy", "hi")
+    assert spec.accept([], {"text": "hi", "model": "null"}, SETTINGS) == ("null", "hi")
+    with pytest.raises(InvalidInput, match="text must be a str"):
+        spec.accept([3], {}, SETTINGS)
+
+
+def test_a_routing_key_two_tasks_claim_is_a_configuration_error() -> None:
+    settings = Settings(model="toy", models=("toy", "pkg.mod:Model"))
+    clash = BatchedSpec("pkg.mod:Model", lambda items: items, len)
+    assert routing_keys([infer.spec, reverse.spec], settings)["toy"] is infer.spec
+    with pytest.raises(ConfigError, match=r"routes requests of both carpool\.infer and pkg\.mod:Model"):
+        routing_keys([infer.spec, clash], settings)
+
+
+def test_prepare_tokenizes_once_and_refuses_texts_over_the_window_in_place() -> None:
+    words = Words()
+    spec = InferSpec(INFER_TASK, model_of=lambda name: words)
+    texts = ["a bb", "one two three four five", "ccc", "x " * 9]
+    lengths, items = spec.prepare("toy", texts, Settings(model="toy", truncate=False))
+    assert words.encoded == [["a bb", "ccc"]], "one tokenizer call, for the texts that fit"
+    assert [lengths[0], lengths[2]] == [2, 1] and [items[0], items[2]] == [[1, 2], [3]]
+    for i, count in ((1, 5), (3, 9)):
+        assert isinstance(lengths[i], InputTooLong) and items[i] is None
+        assert f"text is {count} tokens, over the 4-token window of toy" in str(lengths[i])
+    lengths, items = spec.prepare("toy", texts, Settings(model="toy"))  # truncation on: all cut to fit
+    assert lengths == [2, 4, 1, 4]
+
+
+def test_infer_and_a_batched_task_go_through_one_coordinator_and_one_worker_path() -> None:
+    from carpool.celery_edge.app import app
+    from carpool.gpu_worker.runtime import WorkerRuntime
+
+    clocks = Clocks()
+    c = coordinator(clocks, workers=2, imports=(), max_wait_s=0.01)
+    assert c.metrics.task_of("toy") == INFER_TASK and c.metrics.task_of(reverse.name) == reverse.name
+    c.store.queue += [
+        ("a", message("a", "one two three")),
+        ("b", message("b", "abc", task=reverse.name)),
+        ("c", message("c", "four five")),
+    ]
+    for _ in range(10):
+        c.step()
+        clocks.advance(0.05)
+    batches = {b["task"]: loads(json.dumps(b)) for b in c.publisher._builders[c.settings.batch_queue].batches}
+    assert set(batches) == {INFER_TASK, reverse.name}
+    toy, peer = batches[INFER_TASK], batches[reverse.name]
+    assert toy["model"] == "toy" and [r["id"] for r in toy["requests"]] == ["a", "c"]
+    assert [len(r["item"]) for r in toy["requests"]] == [4, 3], "token ids travel"
+    assert peer["model"] == reverse.name and peer["requests"][0]["item"] == "abc", "the item travels"
+
+    worker = WorkerRuntime(app)
+    worker.device, worker.dbs, worker.events.enabled = "cpu", (0, 1), False
+    store = worker.store = FakeStore()  # type: ignore[assignment]
+    assert {INFER_TASK, reverse.name} <= set(worker.specs)
+    results: dict[str, Any] = {}
+    for message_ in (toy, peer):
+        for slot in message_["requests"]:  # the coordinator's wall clock was a made-up one
+            slot["deadline"] = 2e9
+        report = worker.run(message_)
+        assert report["size"] == len(message_["requests"]) and report["failed_model"] == 0
+        results.update({task_id: meta["result"] for task_id, meta in store.writes})
+    assert results["b"] == "cba"
+    assert len(results["a"]) == len(results["c"]) == 32  # the toy model's vectors
