@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 QueueOrder = Literal["arrival", "length", "tight"]
 
-# A lane: the requests of one (priority, padded width), in arrival order, with their arrival sequence.
-_Lane = deque[tuple[int, Request]]
+# A lane: the requests of one (priority, padded width), in arrival order.
+_Lane = deque[Request]
 
 
 class BinQueue:
@@ -41,6 +41,7 @@ class BinQueue:
 
     def __init__(self, order: QueueOrder, pad_multiple: int) -> None:
         self.order = order
+        self._tight = order == "tight"
         self.pad_multiple = pad_multiple
         self.live: dict[str, Request] = {}  # in arrival order: dicts keep insertion order
         # served order: (-priority, length, arrival, seq)
@@ -61,15 +62,15 @@ class BinQueue:
         seq = next(self._seq)
         self.live[req.id] = req
         self._head = None
-        if self.order == "tight":
-            width = padded_length(req.length, self.pad_multiple)
+        if self._tight:
             lanes = self._lanes.get(req.priority)
             if lanes is None:
                 lanes = self._lanes[req.priority] = {}
+            width = -(-req.length // self.pad_multiple) * self.pad_multiple  # padded_length, inlined
             lane = lanes.get(width)
             if lane is None:
                 lane = lanes[width] = deque()
-            lane.append((seq, req))
+            lane.append(req)
         elif self.order == "length":
             heapq.heappush(self._by_length, (-req.priority, req.length, req.arrival_s, seq, req))
         else:
@@ -168,7 +169,7 @@ class BinQueue:
             widths = sorted(lanes)
             cut = bisect_right(widths, batch.width)
             for width in itertools.chain(reversed(widths[:cut]), widths[cut:]):
-                for _, req in lanes[width]:
+                for req in lanes[width]:
                     if self._alive(req) and not batch.add(req):
                         return batch.members, True
         return batch.members, len(batch.members) < len(self.live)
@@ -178,18 +179,18 @@ class BinQueue:
         lanes = self._lanes[prio]
         for width in list(lanes):
             lane = lanes[width]
-            while lane and not self._alive(lane[0][1]):
+            while lane and not self._alive(lane[0]):
                 lane.popleft()
             if not lane:
                 del lanes[width]
         return lanes
 
     def _oldest(self) -> Request:
-        """The request that arrived first among the highest priority present."""
+        """The request that arrived first among the highest priority present (ties: any of them)."""
         for prio in sorted(self._lanes, reverse=True):
             lanes = self._clean_lanes(prio)
             if lanes:
-                return min((lane[0] for lane in lanes.values()), key=lambda entry: entry[0])[1]
+                return min((lane[0] for lane in lanes.values()), key=lambda req: req.arrival_s)
             del self._lanes[prio]
         raise LookupError("the queue is empty")
 
