@@ -211,7 +211,7 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
         rates = [offered_rate(base)]
     else:
         rates = [round(f * bound, 3) for f in DEFAULT_LOAD_FRACTIONS]
-    configs = {kind: replace(config, kind=kind) for kind in args.policies}
+    configs: dict[str, PolicyConfig] = {kind: replace(config, kind=kind) for kind in args.policies}
     if args.tight_backlog == "both" and "binned" in configs:
         configs[ARRIVAL_VARIANT] = replace(config, kind="binned", tight_backlog=False)
     results = []

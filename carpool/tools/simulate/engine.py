@@ -321,7 +321,7 @@ def compare(
     **kwargs: Any,
 ) -> dict[str, SimResult]:
     """``simulate`` once per policy kind on the same arrivals (other settings unchanged)."""
-    configs = {kind: replace(policy_config, kind=kind) for kind in policies}
+    configs: dict[str, PolicyConfig] = {kind: replace(policy_config, kind=kind) for kind in policies}
     return compare_configs(configs, latency, arrivals, **kwargs)
 
 
