@@ -85,11 +85,13 @@ def plot(sweep: Sweep, out: Path) -> None:
     # A burst offers an infinite rate, which no axis holds: put such runs one step past the others.
     finite = [r for r in sweep.rates if math.isfinite(r)]
     past = max(finite, default=1.0) * 1.15
-    xs = [r if math.isfinite(r) else past for r in sweep.rates]
+    # Lines join the runs left to right, whatever order the rates were given in.
+    order = sorted(range(len(sweep.rates)), key=lambda i: sweep.rates[i])
+    xs = [sweep.rates[i] if math.isfinite(sweep.rates[i]) else past for i in order]
     fig, (ax_lat, ax_thr, ax_pad) = plt.subplots(1, 3, figsize=(15, 4.6))
     colors = {"fifo": "tab:red", "shortest": "tab:orange", "binned": "tab:blue", "binned-arrival": "tab:cyan"}
     for kind in kinds:
-        rs = [by[kind] for by in sweep.results]
+        rs = [sweep.results[i][kind] for i in order]
         c = colors.get(kind)
         ax_lat.plot(xs, [r.p50_s * 1000 for r in rs], "o-", color=c, label=f"{kind} p50")
         ax_lat.plot(xs, [r.p99_s * 1000 for r in rs], "s--", color=c, label=f"{kind} p99")
