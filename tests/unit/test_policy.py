@@ -444,16 +444,32 @@ def test_a_long_request_is_not_starved_by_a_stream_of_short_ones() -> None:
     assert long_own_bin.id in left_at
 
 
-def test_an_urgent_request_goes_first_in_a_deep_bin() -> None:
-    p = policy(max_batch=4, bin_edges=(), max_wait_s=10.0)
-    for i in range(12):
-        p.add(req(8, at=i * 0.001, deadline=100.0))
-    urgent = req(90, at=0.5, deadline=1.0)
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 256), st.integers(0, 3)), min_size=2, max_size=60),
+    urgent_length=st.integers(1, 256),
+    max_batch=st.integers(1, 8),
+    tight=st.booleans(),
+)
+def test_an_urgent_request_leaves_first_from_a_deep_bin(
+    lengths: list[tuple[int, int]], urgent_length: int, max_batch: int, tight: bool
+) -> None:
+    """With no slot free only a deadline flush may leave, and it takes the urgent request along,
+    whatever its length or the priorities of the requests waiting with it."""
+    p = policy(max_batch=max_batch, bin_edges=(), max_wait_s=10.0, tight_backlog=tight)
+    for i, (n, prio) in enumerate(lengths):
+        p.add(req(n, at=i * 0.001, deadline=100.0, priority=prio))
+    urgent = req(urgent_length, at=0.5, deadline=1.0)
     p.add(urgent)
-    plan = p.poll(0.98, free_workers=0, free_slots=0)  # no slot: only a deadline flush may leave
-    assert len(plan.batches) == 1
+    now = 0.5
+    for _ in range(10):
+        plan = p.poll(now, free_workers=0, free_slots=0)
+        if plan.batches or plan.wake_at_s is None:
+            break
+        now = plan.wake_at_s
+    assert now < 1.0 and len(plan.batches) == 1
     assert plan.batches[0].flush_reason is FlushReason.DEADLINE
-    assert urgent in plan.batches[0].requests and plan.batches[0].size == 4
+    assert urgent in plan.batches[0].requests
 
 
 def test_higher_priority_first_in_a_deep_bin() -> None:
