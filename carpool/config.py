@@ -101,6 +101,13 @@ class Settings(BaseSettings):
         le=32,
         description="> 0: fit that many bins to recent lengths (CARPOOL_BIN_EDGES=auto sets 6).",
     )
+    tight_backlog: bool = Field(
+        True,
+        description=(
+            "binned: a bin holding more than one batch cuts its oldest request plus the nearest lengths, "
+            "padding about as little as a length-sorted pass (false: its oldest requests, in arrival order)."
+        ),
+    )
     default_deadline_s: float = Field(60.0, gt=0, description="Deadline of a request without `expires`.")
     prefetch_batches: int = Field(
         1, ge=0, le=64, description="Batches queued per worker beyond the one it runs, to hide hand-off."

@@ -11,6 +11,8 @@ Rules, in order of precedence for a (model, bin) queue:
    time of the batch and the work already ahead of it, the batch leaves now, even with no free slot
    (only while it can still make it: otherwise it waits for a slot like any batch, or expires);
 3. full: ``max_batch`` requests, or one more would pass ``max_tokens``, leaves when a slot is free;
+   a ``binned`` queue holding more than that cuts its oldest request and its nearest lengths
+   (``PolicyConfig.tight_backlog``, see :mod:`carpool.batching.binqueue`);
 4. wait: with a worker idle, a partial batch leaves once its oldest member waited
    ``min(max_wait_s, wait_factor * predicted run time)``, or at once when the recent arrival rate
    says fewer than one more request would arrive in that time (light traffic: waiting only adds
@@ -20,12 +22,12 @@ Requests of different models never share a batch.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from carpool.batching.binqueue import BinQueue, QueueOrder
 from carpool.batching.bins import PAD_MULTIPLE, AutoBins, LengthBins, padded_length
 from carpool.batching.latency import LatencyModel
 from carpool.batching.types import Batch, FlushReason, Plan, Request
@@ -49,6 +51,9 @@ class PolicyConfig:
     bin_edges: tuple[int, ...] = DEFAULT_BIN_EDGES
     auto_bins: int = 0  # > 0: that many bins fitted to recent lengths, per model; edges then seed them
     pad_multiple: int = PAD_MULTIPLE
+    # binned: a bin holding more than one batch cuts its oldest request's nearest widths, not the
+    # oldest few, so a backlog pads about as little as a length-sorted pass
+    tight_backlog: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -59,137 +64,6 @@ class PolicyConfig:
             raise ValueError("max_wait_s and wait_factor must be >= 0")
         if self.kind not in POLICY_NAMES:
             raise ValueError(f"kind must be one of {', '.join(POLICY_NAMES)}")
-
-
-class _Queue:
-    """Requests of one (model, bin), in the order the policy serves them.
-
-    Removal is lazy: a request leaves ``live`` at once and its stale heap entries are skipped later,
-    so cutting a batch costs O(batch log n), not O(n).
-    """
-
-    def __init__(self, order_by_length: bool) -> None:
-        self.order_by_length = order_by_length
-        self.live: dict[str, Request] = {}
-        # served order: (-priority, length or 0, arrival, seq)
-        self._order: list[tuple[int, int, float, int, Request]] = []
-        self._fifo: dict[int, deque[Request]] = {}  # priority -> arrival order (fifo/binned)
-        self._deadlines: list[tuple[float, int, Request]] = []
-        self._arrivals: deque[Request] = deque()
-        self._seq = itertools.count()
-        # The head batch as select() last chose it, valid until the membership changes (add, remove,
-        # expiry): a saturated coordinator polls once per freed slot and must not re-select each time.
-        self._head: tuple[list[Request], bool] | None = None
-
-    def __len__(self) -> int:
-        return len(self.live)
-
-    def add(self, req: Request) -> None:
-        seq = next(self._seq)
-        self.live[req.id] = req
-        self._head = None
-        if self.order_by_length:
-            heapq.heappush(self._order, (-req.priority, req.length, req.arrival_s, seq, req))
-        else:
-            self._fifo.setdefault(req.priority, deque()).append(req)
-        heapq.heappush(self._deadlines, (req.deadline_s, seq, req))
-        self._arrivals.append(req)
-
-    def _alive(self, req: Request) -> bool:
-        return self.live.get(req.id) is req
-
-    def oldest_arrival(self) -> float:
-        while self._arrivals and not self._alive(self._arrivals[0]):
-            self._arrivals.popleft()
-        return self._arrivals[0].arrival_s
-
-    def earliest_deadline(self) -> float:
-        while not self._alive(self._deadlines[0][2]):
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0]
-
-    def pop_expired(self, now_s: float) -> list[Request]:
-        out = []
-        while self.live and self.earliest_deadline() <= now_s:
-            req = heapq.heappop(self._deadlines)[2]
-            del self.live[req.id]
-            out.append(req)
-        if out:
-            self._head = None
-        return out
-
-    def _served(self, limit: int) -> Iterator[Request]:
-        """Live requests in service order, at most ``limit``, without removing them."""
-        if self.order_by_length:
-            # Pop stale heads so the smallest live entries can be read without a full sort.
-            while self._order and not self._alive(self._order[0][4]):
-                heapq.heappop(self._order)
-            entries = heapq.nsmallest(limit + 8, self._order)
-            yield from itertools.islice((e[4] for e in entries if self._alive(e[4])), limit)
-            return
-        count = 0
-        for prio in sorted(self._fifo, reverse=True):
-            q = self._fifo[prio]
-            while q and not self._alive(q[0]):
-                q.popleft()
-            for req in q:
-                if count >= limit:
-                    return
-                if self._alive(req):
-                    count += 1
-                    yield req
-
-    def _urgent(self, until_s: float) -> Iterator[Request]:
-        """Live requests whose deadline is at or before ``until_s``, earliest first."""
-        for deadline, _, req in sorted(self._deadlines):
-            if deadline > until_s:
-                return
-            if self._alive(req):
-                yield req
-
-    def head(self, cfg: PolicyConfig) -> tuple[list[Request], bool]:
-        """``select(cfg)``, remembered until the queue's membership changes."""
-        if self._head is None:
-            self._head = self.select(cfg)
-        return self._head
-
-    def select(self, cfg: PolicyConfig, first: Iterable[Request] = ()) -> tuple[list[Request], bool]:
-        """The next batch (not removed) and whether a limit cut it short of the queue."""
-        chosen: list[Request] = []
-        seen: set[str] = set()
-        longest = 0
-        limited = False
-        for req in itertools.chain(first, self._served(cfg.max_batch)):
-            if req.id in seen:
-                continue
-            if len(chosen) >= cfg.max_batch:
-                limited = True
-                break
-            new_longest = max(longest, req.length)
-            if chosen and (len(chosen) + 1) * padded_length(new_longest, cfg.pad_multiple) > cfg.max_tokens:
-                limited = True
-                break
-            chosen.append(req)
-            seen.add(req.id)
-            longest = new_longest
-        if not limited and len(chosen) >= cfg.max_batch:
-            limited = True
-        return chosen, limited
-
-    def remove(self, reqs: Iterable[Request]) -> None:
-        self._head = None
-        for req in reqs:
-            del self.live[req.id]
-
-    def drain(self) -> list[Request]:
-        out = list(self.live.values())
-        self._head = None
-        self.live.clear()
-        self._order.clear()
-        self._fifo.clear()
-        self._deadlines.clear()
-        self._arrivals.clear()
-        return out
 
 
 @dataclass(slots=True)
@@ -217,7 +91,7 @@ class BatchPolicy:
         self._model_bins: dict[str, LengthBins] = {}
         # Recent arrival times per model: the arrival rate says whether waiting can gain company.
         self._arrivals: dict[str, deque[float]] = {}
-        self._queues: dict[tuple[str, str], _Queue] = {}
+        self._queues: dict[tuple[str, str], BinQueue] = {}
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -253,7 +127,8 @@ class BatchPolicy:
         key = (req.model, bins.label_for(req.length))
         queue = self._queues.get(key)
         if queue is None:
-            queue = self._queues[key] = _Queue(order_by_length=self.config_for(req.model).kind == "shortest")
+            cfg = self.config_for(req.model)
+            queue = self._queues[key] = BinQueue(_queue_order(cfg), cfg.pad_multiple)
         queue.add(req)
 
     def expected_arrivals(self, model: str, now_s: float, within_s: float) -> float:
@@ -344,7 +219,7 @@ class BatchPolicy:
     def _evaluate(
         self,
         key: tuple[str, str],
-        queue: _Queue,
+        queue: BinQueue,
         selected: tuple[list[Request], bool],
         now_s: float,
         free_workers: int,
@@ -365,7 +240,7 @@ class BatchPolicy:
         # "Plausibly": work ahead is an estimate, so half of it is allowed to melt away.
         if urgent_at <= now_s < deadline - predicted - ahead_s / 2:
             # Put the members about to miss their deadline in first, then fill up.
-            first = list(queue._urgent(now_s + ahead_s + predicted + DEADLINE_GUARD_S))
+            first = list(queue.urgent(now_s + ahead_s + predicted + DEADLINE_GUARD_S))
             reqs, _ = queue.select(cfg, first=first)
             return _Candidate(key, reqs, FlushReason.DEADLINE, (0, urgent_at, -priority, oldest)), None
         # Past the point where a deadline flush helps, the next event for this queue is its expiry.
@@ -391,3 +266,9 @@ class BatchPolicy:
             out.extend(queue.drain())
         self._queues = {k: q for k, q in self._queues.items() if q}
         return out
+
+
+def _queue_order(cfg: PolicyConfig) -> QueueOrder:
+    if cfg.kind == "shortest":
+        return "length"
+    return "tight" if cfg.kind == "binned" and cfg.tight_backlog else "arrival"

@@ -26,6 +26,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         wait_factor=settings.wait_factor,
         bin_edges=settings.bin_edges,
         auto_bins=settings.auto_bins,
+        tight_backlog=settings.tight_backlog,
     )
 
 

@@ -58,3 +58,12 @@ def test_automatic_bin_edges(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CARPOOL_BIN_EDGES", "auto")
     s = load_settings()
     assert s.auto_bins == 6 and s.bin_edges == (16, 32, 48, 64, 96, 128, 192)
+
+
+def test_tight_backlog_is_on_by_default_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from carpool.coordinator import policy_config
+
+    monkeypatch.delenv("CARPOOL_TIGHT_BACKLOG", raising=False)
+    assert policy_config(load_settings()).tight_backlog is True
+    monkeypatch.setenv("CARPOOL_TIGHT_BACKLOG", "false")
+    assert policy_config(load_settings()).tight_backlog is False

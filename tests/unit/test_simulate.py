@@ -17,6 +17,7 @@ from carpool.tools.simulate import (
     burst_arrivals,
     capacity_bound,
     compare,
+    compare_configs,
     fit_linear,
     load_trace,
     offered_rate,
@@ -24,6 +25,7 @@ from carpool.tools.simulate import (
     run_cli,
     scale_to_rate,
     simulate,
+    sorted_pass_s,
     uniform_lengths,
     workload_lengths,
     write_trace,
@@ -261,3 +263,26 @@ def test_cli_reports_bad_input_not_a_traceback(tmp_path: Path, capsys: pytest.Ca
     assert run_cli(parse(["simulate", "--lengths", "zipf", "--out", str(tmp_path / "x.png")])) == 2
     with pytest.raises(SystemExit):
         parse(["simulate", "--policies", "lifo"])
+
+
+def test_tight_backlog_changes_only_the_deep_queue(mixed_lengths: list[int]) -> None:
+    """A burst: padding near a sorted pass; light load: the very same batches and latencies."""
+    configs = {"tight": config(), "arrival": config(tight_backlog=False)}
+    burst = compare_configs(configs, LATENCY, burst_arrivals(mixed_lengths))
+    sorted_s = sorted_pass_s(LATENCY, mixed_lengths, config())
+    assert burst["tight"].device_s <= 1.02 * sorted_s < burst["arrival"].device_s
+    assert burst["tight"].padding_ratio < burst["arrival"].padding_ratio
+    light = compare_configs(configs, LATENCY, poisson_arrivals(mixed_lengths, 10.0))
+    assert light["tight"].batches == light["arrival"].batches
+    assert light["tight"].latencies_s == light["arrival"].latencies_s
+
+
+def test_cli_runs_a_burst_with_binned_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "both.png"
+    argv = ["simulate", "--model", "toy", "--lengths", "accelerator", "--requests", "400"]
+    argv += ["--rates", "inf,20", "--policies", "binned", "--tight-backlog", "both"]
+    argv += ["--latency", "0.01,0.0001", "--out", str(out)]
+    assert run_cli(parse(argv)) == 0
+    printed = capsys.readouterr().out
+    assert "binned-arrival" in printed and "device/sorted" in printed and "inf" in printed
+    assert out.exists()

@@ -26,7 +26,16 @@ from __future__ import annotations
 
 from carpool.tools.simulate.calibrate import CALIBRATION_SHAPES, calibrate, fit_linear
 from carpool.tools.simulate.cli import DEFAULT_LOAD_FRACTIONS, add_parser, main, run_cli, run_sweep
-from carpool.tools.simulate.engine import POLICIES, BatchRecord, SimResult, capacity_bound, compare, simulate
+from carpool.tools.simulate.engine import (
+    POLICIES,
+    BatchRecord,
+    SimResult,
+    capacity_bound,
+    compare,
+    compare_configs,
+    simulate,
+    sorted_pass_s,
+)
 from carpool.tools.simulate.report import Sweep, plot, results_table
 from carpool.tools.simulate.trace import (
     Arrival,
@@ -56,6 +65,7 @@ __all__ = [
     "calibrate",
     "capacity_bound",
     "compare",
+    "compare_configs",
     "fit_linear",
     "load_trace",
     "main",
@@ -68,6 +78,7 @@ __all__ = [
     "run_sweep",
     "scale_to_rate",
     "simulate",
+    "sorted_pass_s",
     "uniform_lengths",
     "workload_lengths",
     "write_trace",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 from carpool.batching import LatencyModel, PolicyConfig
 from carpool.batching.policy import PolicyKind
 from carpool.tools.simulate.calibrate import calibrate
-from carpool.tools.simulate.engine import POLICIES, capacity_bound, compare
+from carpool.tools.simulate.engine import POLICIES, capacity_bound, compare_configs, sorted_pass_s
 from carpool.tools.simulate.report import Sweep, plot, results_table
 from carpool.tools.simulate.trace import (
     TraceError,
@@ -27,6 +26,8 @@ from carpool.tools.simulate.trace import (
 # Offered rates tried when none are given, as fractions of the ideal capacity (see capacity_bound):
 # from light load to just past saturation, where the policies differ most.
 DEFAULT_LOAD_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 0.95, 1.1)
+# The name `--tight-backlog both` gives binned with a deep bin cut in arrival order.
+ARRIVAL_VARIANT = "binned-arrival"
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,15 +54,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--rates",
         metavar="R,R,...",
         type=_floats,
-        help="offered requests/s (Poisson; a trace is time-scaled to each rate); default: "
-        f"{', '.join(f'{f:g}' for f in DEFAULT_LOAD_FRACTIONS)} x the capacity bound, "
-        "or the trace as recorded",
+        help="offered requests/s (Poisson; a trace is time-scaled to each rate; inf: a burst, every "
+        f"request at 0); default: {', '.join(f'{f:g}' for f in DEFAULT_LOAD_FRACTIONS)} x the capacity "
+        "bound, or the trace as recorded",
     )
     arr.add_argument("--requests", type=int, default=2000, help="requests per run (default 2000)")
     arr.add_argument(
         "--lengths",
         default="workload",
-        help="'workload' (carpool.tools.workload.mixed_texts tokenized by --model) or uniform:LO-HI",
+        help="'workload' (carpool.tools.workload.mixed_texts tokenized by --model), 'accelerator' (the "
+        "same with ACCELERATOR_MIX, carpool bench --accelerator's texts) or uniform:LO-HI",
     )
     arr.add_argument("--model", default="minilm", help="tokenizer for --lengths workload (default minilm)")
     arr.add_argument(
@@ -112,6 +114,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--wait-factor", type=float)
     pol.add_argument("--bin-edges", metavar="E,E,...", help="upper bin edges, or auto (as CARPOOL_BIN_EDGES)")
     pol.add_argument("--auto-bins", type=int, help="> 0: fit that many bins to recent lengths")
+    pol.add_argument(
+        "--tight-backlog",
+        choices=("on", "off", "both"),
+        help="binned: cut a deep bin by length (on) or arrival (off); both: run binned each way "
+        "(default CARPOOL_TIGHT_BACKLOG)",
+    )
     p.add_argument("--out", default="simulate.png", help="PNG plot path (default simulate.png)")
 
 
@@ -163,6 +171,8 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
     overrides: dict[str, object] = {k: getattr(args, k) for k in knobs if getattr(args, k) is not None}
     if args.bin_edges is not None:
         overrides["bin_edges"] = args.bin_edges
+    if args.tight_backlog is not None:
+        overrides["tight_backlog"] = args.tight_backlog != "off"
     settings = load_settings(**overrides)
     config = policy_config(settings)
     if args.workers < 1 or args.requests < 1:
@@ -190,17 +200,20 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
         lengths = _lengths(args.lengths, args.requests, args.seed, args.model)
         base = []
         what = f"{len(lengths)} requests, lengths {args.lengths}" + (
-            f" ({args.model} tokens)" if args.lengths == "workload" else ""
+            f" ({args.model} tokens)" if args.lengths in ("workload", "accelerator") else ""
         )
     bound = capacity_bound(latency, lengths, config, args.workers, batch_overhead_s=args.overhead_s)
     if args.rates:
         rates = list(args.rates)
-        if any(not (r > 0 and math.isfinite(r)) for r in rates):
-            raise ValueError("--rates must be finite and > 0")
+        if any(not r > 0 for r in rates):
+            raise ValueError("--rates must be > 0 (inf: a burst)")
     elif base:
         rates = [offered_rate(base)]
     else:
         rates = [round(f * bound, 3) for f in DEFAULT_LOAD_FRACTIONS]
+    configs: dict[str, PolicyConfig] = {kind: replace(config, kind=kind) for kind in args.policies}
+    if args.tight_backlog == "both" and "binned" in configs:
+        configs[ARRIVAL_VARIANT] = replace(config, kind="binned", tight_backlog=False)
     results = []
     offered = []  # what each run's arrivals really offer: a Poisson draw is off its nominal rate
     for rate in rates:
@@ -210,11 +223,10 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
         else:
             arrivals = poisson_arrivals(lengths, rate, args.seed, deadline)
         results.append(
-            compare(
-                config,
+            compare_configs(
+                configs,
                 latency,
                 arrivals,
-                args.policies,
                 workers=args.workers,
                 prefetch_batches=settings.prefetch_batches,
                 default_deadline_s=deadline,
@@ -228,8 +240,10 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
         f"{what}; {args.workers} worker(s), t = {a * 1000:.3g} ms + {b * 1e6:.3g} us/token"
         + (f" + {args.overhead_s * 1000:.3g} ms/batch" if args.overhead_s else "")
         + f"; max_batch {config.max_batch}, bins {_bins(config)}"
+        + ("" if config.tight_backlog else "; deep bins cut in arrival order")
     )
-    return Sweep(offered, results, bound, (a, b), args.workers, description)
+    sorted_s = sorted_pass_s(latency, lengths, config)
+    return Sweep(offered, results, bound, (a, b), args.workers, description, sorted_s)
 
 
 def _bins(config: PolicyConfig) -> str:
@@ -240,6 +254,10 @@ def _bins(config: PolicyConfig) -> str:
 def _lengths(spec: str, n: int, seed: int, model: str) -> list[int]:
     if spec == "workload":
         return workload_lengths(n, seed, model)
+    if spec == "accelerator":
+        from carpool.tools.workload import ACCELERATOR_MIX
+
+        return workload_lengths(n, seed, model, ACCELERATOR_MIX)
     kind, _, rest = spec.partition(":")
     low, sep, high = rest.partition("-")
     if kind == "uniform" and sep:
@@ -247,7 +265,7 @@ def _lengths(spec: str, n: int, seed: int, model: str) -> list[int]:
             return uniform_lengths(n, int(low), int(high), seed)
         except ValueError:
             pass
-    raise ValueError(f"--lengths must be 'workload' or uniform:LO-HI, got {spec!r}")
+    raise ValueError(f"--lengths must be 'workload', 'accelerator' or uniform:LO-HI, got {spec!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import heapq
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,6 +62,7 @@ class SimResult:
     latencies_s: list[float] = field(default_factory=list)
     padded_tokens: int = 0
     real_tokens: int = 0
+    device_s: float = 0.0  # the latency model's time for the batches as dispatched, without noise or overhead
     flush: Counter[str] = field(default_factory=Counter)
     batches: list[BatchRecord] = field(default_factory=list)
     missed_ids: list[str] = field(default_factory=list)
@@ -260,6 +261,7 @@ def _run(batch: Batch, now: float, seq: int, pool: _Pool, result: SimResult) -> 
     result.busy_s += end - start
     result.padded_tokens += batch.padded_tokens
     result.real_tokens += batch.real_tokens
+    result.device_s += pool.truth.predict(pool.model, batch.padded_tokens)
     result.flush[batch.flush_reason.value] += 1
     result.batches.append(
         BatchRecord(
@@ -299,6 +301,18 @@ def capacity_bound(
     return workers * len(lengths) / work if work > 0 else math.inf
 
 
+def sorted_pass_s(
+    latency: LatencyModel, lengths: Sequence[int], config: PolicyConfig, model: str = "sim"
+) -> float:
+    """Model seconds of the plain offline way to run ``lengths``: sorted by length and cut into
+    batches of ``max_batch``, each padded to its longest (rounded up to the pad multiple)."""
+    ordered = sorted(lengths)
+    chunks = (ordered[i : i + config.max_batch] for i in range(0, len(ordered), config.max_batch))
+    return sum(
+        latency.predict(model, padded_length(chunk[-1], config.pad_multiple) * len(chunk)) for chunk in chunks
+    )
+
+
 def compare(
     policy_config: PolicyConfig,
     latency: LatencyModel,
@@ -307,6 +321,12 @@ def compare(
     **kwargs: Any,
 ) -> dict[str, SimResult]:
     """``simulate`` once per policy kind on the same arrivals (other settings unchanged)."""
-    return {
-        kind: simulate(replace(policy_config, kind=kind), latency, arrivals, **kwargs) for kind in policies
-    }
+    configs: dict[str, PolicyConfig] = {kind: replace(policy_config, kind=kind) for kind in policies}
+    return compare_configs(configs, latency, arrivals, **kwargs)
+
+
+def compare_configs(
+    configs: Mapping[str, PolicyConfig], latency: LatencyModel, arrivals: Sequence[Arrival], **kwargs: Any
+) -> dict[str, SimResult]:
+    """``simulate`` once per named configuration on the same arrivals."""
+    return {name: simulate(config, latency, arrivals, **kwargs) for name, config in configs.items()}

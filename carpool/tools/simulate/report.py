@@ -23,6 +23,7 @@ class Sweep:
     latency: tuple[float, float]
     workers: int
     description: str
+    sorted_pass_s: float = 0.0  # model seconds of length-sorted batches of the same requests (0: unknown)
 
 
 def results_table(sweep: Sweep) -> Table:
@@ -31,7 +32,8 @@ def results_table(sweep: Sweep) -> Table:
 
     table = Table(
         title=f"carpool simulate: {sweep.description}\n"
-        f"capacity bound {sweep.bound:.1f} req/s (full batches, no padding)"
+        f"capacity bound {sweep.bound:.1f} req/s (full batches, no padding); "
+        "device/sorted: model time of the batches / of length-sorted batches of the same requests"
     )
     for name, justify in (
         ("offered/s", "right"),
@@ -40,6 +42,7 @@ def results_table(sweep: Sweep) -> Table:
         ("p50 ms", "right"),
         ("p99 ms", "right"),
         ("padding", "right"),
+        ("device/sorted", "right"),
         ("mean batch", "right"),
         ("batches", "right"),
         ("misses", "right"),
@@ -57,6 +60,7 @@ def results_table(sweep: Sweep) -> Table:
                 _ms(r.p50_s),
                 _ms(r.p99_s),
                 f"{r.padding_ratio:.2f}",
+                f"{r.device_s / sweep.sorted_pass_s:.3f}" if sweep.sorted_pass_s > 0 else "-",
                 f"{r.mean_batch_size:.1f}",
                 str(len(r.batches)),
                 str(r.missed),
@@ -81,11 +85,13 @@ def plot(sweep: Sweep, out: Path) -> None:
     # A burst offers an infinite rate, which no axis holds: put such runs one step past the others.
     finite = [r for r in sweep.rates if math.isfinite(r)]
     past = max(finite, default=1.0) * 1.15
-    xs = [r if math.isfinite(r) else past for r in sweep.rates]
+    # Lines join the runs left to right, whatever order the rates were given in.
+    order = sorted(range(len(sweep.rates)), key=lambda i: sweep.rates[i])
+    xs = [sweep.rates[i] if math.isfinite(sweep.rates[i]) else past for i in order]
     fig, (ax_lat, ax_thr, ax_pad) = plt.subplots(1, 3, figsize=(15, 4.6))
-    colors = {"fifo": "tab:red", "shortest": "tab:orange", "binned": "tab:blue"}
+    colors = {"fifo": "tab:red", "shortest": "tab:orange", "binned": "tab:blue", "binned-arrival": "tab:cyan"}
     for kind in kinds:
-        rs = [by[kind] for by in sweep.results]
+        rs = [sweep.results[i][kind] for i in order]
         c = colors.get(kind)
         ax_lat.plot(xs, [r.p50_s * 1000 for r in rs], "o-", color=c, label=f"{kind} p50")
         ax_lat.plot(xs, [r.p99_s * 1000 for r in rs], "s--", color=c, label=f"{kind} p99")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from carpool.tools.arrivals import poisson_times
+from carpool.tools.workload import LengthMix
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +81,17 @@ def uniform_lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
     return [rng.randint(low, high) for _ in range(n)]
 
 
-def workload_lengths(n: int, seed: int = 0, model: str = "minilm") -> list[int]:
-    """Token lengths of ``carpool.tools.workload.mixed_texts(n, seed)`` under ``model``'s own tokenizer.
+def workload_lengths(n: int, seed: int = 0, model: str = "minilm", mix: LengthMix | None = None) -> list[int]:
+    """Token lengths of ``carpool.tools.workload.mixed_texts(n, seed, mix)`` under ``model``'s own
+    tokenizer (``mix`` None: the default ``LENGTH_MIX``).
 
     The coordinator bins by exactly these lengths (encode truncates to the model's window), so the
     simulated padding is the padding the real coordinator would produce for the same texts.
     """
     from carpool.models import get_model
-    from carpool.tools.workload import mixed_texts
+    from carpool.tools.workload import LENGTH_MIX, mixed_texts
 
-    return [len(ids) for ids in get_model(model).encode(mixed_texts(n, seed))]
+    return [len(ids) for ids in get_model(model).encode(mixed_texts(n, seed, mix or LENGTH_MIX))]
 
 
 _TRACE_FIELDS = ("arrival_s", "length", "priority", "deadline_s")

@@ -1,0 +1,240 @@
+"""The requests of one (model, bin), in the order the policy serves them, and how a batch is cut.
+
+Three orders, one per policy behaviour:
+
+- ``arrival``: highest priority first, then first come first served (``fifo``, and ``binned`` with
+  ``tight_backlog`` off);
+- ``length``: highest priority first, then shortest first (``shortest``);
+- ``tight``: as ``arrival`` while the whole queue fits in one batch; once it holds more, a batch is
+  its oldest request (or the members about to miss their deadline) plus the requests nearest to it
+  in padded width, so a deep backlog comes out nearly as tight as a length-sorted pass while the
+  oldest request still leaves with every batch (no request waits behind an endless stream of others).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Literal
+
+from carpool.batching.bins import padded_length
+from carpool.batching.types import Request
+
+if TYPE_CHECKING:
+    from carpool.batching.policy import PolicyConfig
+
+QueueOrder = Literal["arrival", "length", "tight"]
+
+# A lane: the requests of one (priority, padded width), in arrival order.
+_Lane = deque[Request]
+
+
+class BinQueue:
+    """Requests of one (model, bin) and the next batch to cut from them.
+
+    Removal is lazy: a request leaves ``live`` at once and its stale entries elsewhere are skipped
+    later, so cutting a batch costs O(batch log n), not O(n).
+    """
+
+    def __init__(self, order: QueueOrder, pad_multiple: int) -> None:
+        self.order = order
+        self._tight = order == "tight"
+        self.pad_multiple = pad_multiple
+        self.live: dict[str, Request] = {}  # in arrival order: dicts keep insertion order
+        # served order: (-priority, length, arrival, seq)
+        self._by_length: list[tuple[int, int, float, int, Request]] = []
+        self._fifo: dict[int, deque[Request]] = {}  # priority -> arrival order
+        self._lanes: dict[int, dict[int, _Lane]] = {}  # priority -> padded width -> arrival order
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._arrivals: deque[Request] = deque()
+        self._seq = itertools.count()
+        # The head batch as select() last chose it, valid until the membership changes (add, remove,
+        # expiry): a saturated coordinator polls once per freed slot and must not re-select each time.
+        self._head: tuple[list[Request], bool] | None = None
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def add(self, req: Request) -> None:
+        seq = next(self._seq)
+        self.live[req.id] = req
+        self._head = None
+        if self._tight:
+            lanes = self._lanes.get(req.priority)
+            if lanes is None:
+                lanes = self._lanes[req.priority] = {}
+            width = -(-req.length // self.pad_multiple) * self.pad_multiple  # padded_length, inlined
+            lane = lanes.get(width)
+            if lane is None:
+                lane = lanes[width] = deque()
+            lane.append(req)
+        elif self.order == "length":
+            heapq.heappush(self._by_length, (-req.priority, req.length, req.arrival_s, seq, req))
+        else:
+            self._fifo.setdefault(req.priority, deque()).append(req)
+        heapq.heappush(self._deadlines, (req.deadline_s, seq, req))
+        self._arrivals.append(req)
+
+    def _alive(self, req: Request) -> bool:
+        return self.live.get(req.id) is req
+
+    def oldest_arrival(self) -> float:
+        while self._arrivals and not self._alive(self._arrivals[0]):
+            self._arrivals.popleft()
+        return self._arrivals[0].arrival_s
+
+    def earliest_deadline(self) -> float:
+        while not self._alive(self._deadlines[0][2]):
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0]
+
+    def pop_expired(self, now_s: float) -> list[Request]:
+        out = []
+        while self.live and self.earliest_deadline() <= now_s:
+            req = heapq.heappop(self._deadlines)[2]
+            del self.live[req.id]
+            out.append(req)
+        if out:
+            self._head = None
+        return out
+
+    def urgent(self, until_s: float) -> Iterator[Request]:
+        """Live requests whose deadline is at or before ``until_s``, earliest first."""
+        for deadline, _, req in sorted(self._deadlines):
+            if deadline > until_s:
+                return
+            if self._alive(req):
+                yield req
+
+    def head(self, cfg: PolicyConfig) -> tuple[list[Request], bool]:
+        """``select(cfg)``, remembered until the queue's membership changes."""
+        if self._head is None:
+            self._head = self.select(cfg)
+        return self._head
+
+    def select(self, cfg: PolicyConfig, first: Iterable[Request] = ()) -> tuple[list[Request], bool]:
+        """The next batch (not removed), ``first`` in it before anything else, and whether a limit
+        cut it short of the queue."""
+        batch = _Batch(cfg)
+        if self.order == "tight":
+            return self._select_tight(batch, first)
+        for req in itertools.chain(first, self._served(cfg.max_batch)):
+            if not batch.add(req):
+                return batch.members, True
+        return batch.members, len(batch.members) >= cfg.max_batch
+
+    def _served(self, limit: int) -> Iterator[Request]:
+        """Live requests in service order, at most ``limit``, without removing them."""
+        if self.order == "length":
+            # Pop stale heads so the smallest live entries can be read without a full sort.
+            while self._by_length and not self._alive(self._by_length[0][4]):
+                heapq.heappop(self._by_length)
+            entries = heapq.nsmallest(limit + 8, self._by_length)
+            yield from itertools.islice((e[4] for e in entries if self._alive(e[4])), limit)
+            return
+        count = 0
+        for prio in sorted(self._fifo, reverse=True):
+            q = self._fifo[prio]
+            while q and not self._alive(q[0]):
+                q.popleft()
+            for req in q:
+                if count >= limit:
+                    return
+                if self._alive(req):
+                    count += 1
+                    yield req
+
+    def _select_tight(self, batch: _Batch, first: Iterable[Request]) -> tuple[list[Request], bool]:
+        cfg = batch.cfg
+        for req in first:
+            if not batch.add(req):
+                return batch.members, True
+        if len(self.live) <= cfg.max_batch:
+            # Everything may fit: then it is one batch whatever the order, served as ``arrival`` does.
+            rest = sorted(self.live.values(), key=lambda r: -r.priority)
+            if all(batch.add(req) for req in rest):
+                return batch.members, len(batch.members) >= cfg.max_batch
+            batch = _Batch(cfg)
+            for req in first:
+                batch.add(req)
+        if not batch.members:
+            batch.add(self._oldest())
+        # Then the nearest widths: those no wider than the batch already is cost no extra padding
+        # for anyone (the widest of them first, as it wastes least), wider ones raise everyone's.
+        for prio in sorted(self._lanes, reverse=True):
+            lanes = self._clean_lanes(prio)
+            widths = sorted(lanes)
+            cut = bisect_right(widths, batch.width)
+            for width in itertools.chain(reversed(widths[:cut]), widths[cut:]):
+                for req in lanes[width]:
+                    if self._alive(req) and not batch.add(req):
+                        return batch.members, True
+        return batch.members, len(batch.members) < len(self.live)
+
+    def _clean_lanes(self, prio: int) -> dict[int, _Lane]:
+        """The lanes of ``prio`` with stale heads dropped and empty lanes removed."""
+        lanes = self._lanes[prio]
+        for width in list(lanes):
+            lane = lanes[width]
+            while lane and not self._alive(lane[0]):
+                lane.popleft()
+            if not lane:
+                del lanes[width]
+        return lanes
+
+    def _oldest(self) -> Request:
+        """The request that arrived first among the highest priority present (ties: any of them)."""
+        for prio in sorted(self._lanes, reverse=True):
+            lanes = self._clean_lanes(prio)
+            if lanes:
+                return min((lane[0] for lane in lanes.values()), key=lambda req: req.arrival_s)
+            del self._lanes[prio]
+        raise LookupError("the queue is empty")
+
+    def remove(self, reqs: Iterable[Request]) -> None:
+        self._head = None
+        for req in reqs:
+            del self.live[req.id]
+
+    def drain(self) -> list[Request]:
+        out = list(self.live.values())
+        self._head = None
+        self.live.clear()
+        self._by_length.clear()
+        self._fifo.clear()
+        self._lanes.clear()
+        self._deadlines.clear()
+        self._arrivals.clear()
+        return out
+
+
+class _Batch:
+    """A batch being filled under ``max_batch`` and ``max_tokens`` (count x padded longest)."""
+
+    __slots__ = ("cfg", "members", "seen", "width")
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self.members: list[Request] = []
+        self.seen: set[str] = set()
+        self.width = 0  # padded length of the longest member
+
+    def add(self, req: Request) -> bool:
+        """Add ``req`` unless already in; False (and nothing added) when a limit cuts the batch here.
+
+        A lone request over ``max_tokens`` still fills a batch of one: it can run nowhere else.
+        """
+        if req.id in self.seen:
+            return True
+        if len(self.members) >= self.cfg.max_batch:
+            return False
+        width = max(self.width, padded_length(req.length, self.cfg.pad_multiple))
+        if self.members and (len(self.members) + 1) * width > self.cfg.max_tokens:
+            return False
+        self.members.append(req)
+        self.seen.add(req.id)
+        self.width = width
+        return True
