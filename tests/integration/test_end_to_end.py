@@ -14,7 +14,7 @@ import pytest
 
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, as_bytes, server_of, start_stack
+from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack
 
 if TYPE_CHECKING:
     import redis
@@ -54,7 +54,7 @@ def assert_same_vectors(got: list[list[float]], want: list[list[float]]) -> None
     (the math library's kernels depend on more than the inputs), so equal within 1e-4."""
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
-        assert g == pytest.approx(w, abs=1e-4)
+        assert g == pytest.approx(w, abs=VECTOR_ATOL)
 
 
 @pytest.mark.slow
@@ -76,7 +76,7 @@ def test_minilm_results_equal_sentence_transformers(
     want = reference_encoder.encode(texts, batch_size=1)
     assert got.shape == (len(texts), 384)
     diff = np.abs(got - want).max(axis=1)
-    assert diff.max() < 1e-4, f"max abs difference per text: {diff}"
+    assert diff.max() < VECTOR_ATOL, f"max abs difference per text: {diff}"
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 

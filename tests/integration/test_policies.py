@@ -6,16 +6,10 @@ import numpy as np
 import pytest
 
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, start_stack
+from tests.integration.conftest import VECTOR_ATOL, Processes, start_stack
+from tests.integration.test_reliability import expected
 
 pytestmark = pytest.mark.integration
-
-
-def expected(texts: list[str]) -> list[list[float]]:
-    from carpool.gpu_worker.runner import loaded_model, run_padded
-
-    model = loaded_model("toy")
-    return [run_padded(model, [i], [len(i)])[0] for i in model.encode(texts)]
 
 
 @pytest.mark.parametrize(
@@ -36,7 +30,7 @@ def test_policy_returns_correct_results(processes: Processes, env: dict[str, str
     results = [infer.delay(t, model="toy") for t in texts]
     got = [r.get(timeout=60) for r in results]
     for g, w in zip(got, expected(texts), strict=True):
-        assert np.allclose(g, w, atol=1e-5)
+        assert np.allclose(g, w, atol=VECTOR_ATOL)
 
 
 def test_higher_priority_runs_first(processes: Processes) -> None:

@@ -21,7 +21,7 @@ from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, ModelEr
 from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, as_bytes, server_of, start_stack
+from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack
 from tests.integration.models import EXPLODING, SLOW
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -55,7 +55,7 @@ def check_all_correct(results: Sequence[Any], texts: Sequence[str], timeout: flo
     got = [r.get(timeout=timeout) for r in results]
     want = expected(texts)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert np.allclose(g, w, atol=1e-5), f"request {i} has a wrong result"
+        assert np.allclose(g, w, atol=VECTOR_ATOL), f"request {i} has a wrong result"
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:
@@ -167,7 +167,7 @@ def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any)
             recovery_timeout_s=float(RECOVERY),
         )
         want = expected(texts)
-        assert all(np.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
+        assert all(np.allclose(g, w, atol=VECTOR_ATOL) for g, w in zip(got, want, strict=True))
         for name, proc in own.procs.items():
             assert proc.poll() is None, f"{name} died with Redis:\n{own.log(name)}"
     finally:
@@ -330,7 +330,7 @@ def test_a_model_error_fails_only_the_culprits(processes: Processes) -> None:
             with pytest.raises(ModelError, match="cannot digest the word 'boom'"):
                 r.get(timeout=30)
         else:
-            assert np.allclose(r.get(timeout=30), want[i], atol=1e-5)
+            assert np.allclose(r.get(timeout=30), want[i], atol=VECTOR_ATOL)
 
 
 def test_overload_is_rejected_fast_with_queue_full(processes: Processes) -> None:

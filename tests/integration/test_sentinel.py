@@ -30,6 +30,7 @@ from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import SentinelGroup
 from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
+from tests.integration.conftest import VECTOR_ATOL
 from tests.integration.models import SLOW
 from tests.integration.test_reliability import expected, record, wait_for
 
@@ -163,7 +164,7 @@ def _right_results(app: Any, stored: dict[str, bytes], texts: dict[str, str]) ->
     right = 0
     for task_id, w in zip(ids, want, strict=True):
         meta = app.backend.decode_result(stored[task_id])
-        right += meta["status"] == "SUCCESS" and bool(np.allclose(meta["result"], w, atol=1e-4))
+        right += meta["status"] == "SUCCESS" and bool(np.allclose(meta["result"], w, atol=VECTOR_ATOL))
     return right
 
 
