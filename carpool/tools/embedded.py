@@ -46,10 +46,16 @@ class EmbeddedRedis:
     """``with EmbeddedRedis() as r: r.url(0)``; stops the server and removes its files on exit."""
 
     def __init__(
-        self, port: int | None = None, appendonly: bool = False, directory: str | None = None
+        self,
+        port: int | None = None,
+        appendonly: bool = False,
+        directory: str | None = None,
+        *,
+        appendfsync: str | None = None,
     ) -> None:
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.appendfsync = appendfsync  # always / everysec / no; None keeps Redis's default
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="carpool-redis-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -77,6 +83,8 @@ class EmbeddedRedis:
             "--loglevel",
             "warning",
         ]
+        if self.appendfsync is not None:
+            args += ["--appendfsync", self.appendfsync]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout_s
@@ -105,6 +113,14 @@ class EmbeddedRedis:
                 self.process.wait()
         if self.process and self.process.stderr:
             self.process.stderr.close()
+
+    def restart(self, down_s: float = 0.0, kill: bool = True) -> EmbeddedRedis:
+        """Stop the server (``kill``: SIGKILL, a crash), wait ``down_s``, start it on the same port and
+        directory: what its append-only file kept comes back."""
+        self.stop(kill=kill)
+        self.process = None
+        time.sleep(down_s)
+        return self.start()
 
     def cleanup(self) -> None:
         self.stop()
