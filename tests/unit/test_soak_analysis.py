@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -70,7 +71,7 @@ def test_the_fault_plan_is_seeded_spaced_and_takes_every_kind_in_turn() -> None:
     plan = fault_plan(config)
     assert plan == fault_plan(config)
     assert plan[0][0] == 60 and plan[-1][0] <= 540
-    gaps = [b[0] - a[0] for a, b in zip(plan, plan[1:], strict=False)]
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(plan)]
     assert all(10 <= g <= 60 for g in gaps)
     for first in range(0, len(plan) - 2, 3):
         assert {kind for _, kind in plan[first : first + 3]} == set(FAULT_KINDS)
