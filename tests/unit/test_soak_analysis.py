@@ -91,3 +91,12 @@ def test_config_is_checked_and_capacity_follows_the_pace() -> None:
         SoakConfig(tail_s=10, p99_recovery_s=30)
     with pytest.raises(ValueError, match="kinds"):
         SoakConfig(kinds=("disk",))
+
+
+def test_the_window_holding_the_next_fault_is_that_fault_s() -> None:
+    wins = [window(0, 100), window(5, 100), window(10, 5000), window(15, 100)]
+    first, second = analysis.recoveries(
+        [{"at_s": 1.0}, {"at_s": 12.0}], wins, 5.0, bound_ms=200, within_s=20, end_s=20
+    )
+    assert first["verdict"] == "recovered" and first["recovery_s"] == 0.0
+    assert second["verdict"] == "recovered" and second["recovery_s"] == 3.0

@@ -4,9 +4,10 @@
   time the producer read the answer), and the p50/p99 latency of the successes answered in it.
 - Recovery: a window is healthy when its p99 is within ``p99_factor`` of the calm lead-in's p99
   and it answered at least half of what was offered in it. A fault has recovered once every
-  window from then until the next fault (or the end of the load) is healthy; its recovery time is
-  from the fault to the end of the last unhealthy window. A fault followed by another before it
-  recovered and sooner than ``p99_recovery_s`` is *overlapped*: judged with the one that follows.
+  window from then until the one holding the next fault (or the end of the load) is healthy; its
+  recovery time is from the fault to the end of the last unhealthy window. A fault followed by
+  another before it recovered and sooner than ``p99_recovery_s`` is *overlapped*: judged with the
+  one that follows.
 - Memory: a series is flat when, after its warm-up, the median of its last third is at most
   ``ratio`` above the median of its first third, or at most ``slack`` above it (small processes
   move by a few MiB for reasons that are no leak); too few samples is *not judged*.
@@ -82,7 +83,9 @@ def recoveries(
     for k, fault in enumerate(faults):
         at = fault["at_s"]
         until = faults[k + 1]["at_s"] if k + 1 < len(faults) else end_s
-        span = [w for w in wins if w["t_s"] + window_s > at and w["t_s"] < until]
+        # Windows that end after this fault and no later than the next: one holding the next
+        # fault belongs to that one.
+        span = [w for w in wins if at < w["t_s"] + window_s <= until + 1e-9]
         bad = [w for w in span if not healthy(w, bound_ms)]
         last_bad_end = max((w["t_s"] + window_s for w in bad), default=at)
         settled = any(w["t_s"] >= last_bad_end for w in span)

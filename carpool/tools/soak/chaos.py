@@ -75,6 +75,7 @@ class Stack:
         self.keys = Keys("carpool.requests")
         self.coordinators = [f"coordinator{i}" for i in range(config.coordinators)]
         self.workers = [f"worker{i}" for i in range(config.workers)]
+        self.kills: dict[str, int] = {}
 
     def env(self) -> dict[str, str]:
         c = self.config
@@ -106,7 +107,7 @@ class Stack:
         return redis.Redis(port=self.server.port, db=db, socket_timeout=5, socket_connect_timeout=1)
 
     def inject(self, kind: str, at_s: float) -> dict[str, Any]:
-        """Kill one ``kind`` (a random one of its processes) and start it again ``down_s`` later."""
+        """Kill one ``kind`` (one of its processes, in turn) and start it again ``down_s`` later."""
         in_flight = self._in_flight()
         with self.lock:
             t0 = time.monotonic()
@@ -114,7 +115,7 @@ class Stack:
                 target = "redis-server"
                 self.server.restart(self.config.down_s, kill=True)
             else:
-                target = self.rng.choice(self.coordinators if kind == "coordinator" else self.workers)
+                target = self._least_killed(self.coordinators if kind == "coordinator" else self.workers)
                 self.harness.crash_restart(target, self.config.down_s)
             back_s = time.monotonic() - t0
         return {
@@ -124,6 +125,13 @@ class Stack:
             "back_after_s": round(back_s, 3),
             "in_flight_at_fault": in_flight,
         }
+
+    def _least_killed(self, names: list[str]) -> str:
+        """A random one of the processes killed least so far, so each of the two gets its share."""
+        fewest = min(self.kills.get(n, 0) for n in names)
+        target = self.rng.choice([n for n in names if self.kills.get(n, 0) == fewest])
+        self.kills[target] = fewest + 1
+        return target
 
     def _in_flight(self) -> int | None:
         client = self.client()

@@ -16,8 +16,8 @@ class SoakConfig:
     ``lead_in_s`` (its first ``warmup_s`` ignored) and ``tail_s``, faults in between.
 
     Faults come every ``interval_s`` (uniform in the range), each kind in turn in a shuffled order
-    (every kind once per round), a random one of the two coordinators or workers; the killed process
-    (or redis-server) is started again ``down_s`` later.
+    (every kind once per round), the two coordinators or workers in turn (which first: random); the
+    killed process (or redis-server) is started again ``down_s`` later.
     """
 
     duration_s: float = 600.0
