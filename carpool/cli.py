@@ -94,12 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="only produce: send to the deployment at CARPOOL_BROKER_URL instead of starting one",
     )
     p.set_defaults(func=cmd_demo)
-    from carpool.tools import acl, bench, simulate, status
+    from carpool.tools import acl, bench, simulate, soak, status
 
     status.add_parser(sub)
     simulate.add_parser(sub)
     bench.add_parser(sub)
     acl.add_parser(sub)
+    soak.add_parser(sub)
     return parser
 
 

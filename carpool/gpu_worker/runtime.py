@@ -40,7 +40,7 @@ from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.runner import pick_device, run_call_isolating
 from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import client_for
-from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.keys import REJECTED_WRITES, Keys
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import TaskSpec, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, Links, RequestSlot, batch_report, read_batch
@@ -242,6 +242,8 @@ class WorkerRuntime:
             # Redis may be restarting: the results are computed, so keep trying to hand them over
             # for a while before giving the batch up to recovery.
             stored = _retrying(lambda: self._finish(writes, ack_ids, report, batch["coordinator"], events))
+            if len(stored) < len(writes):
+                self._count_rejected(batch_id, writes, stored)
             if linked:
                 self._apply_links(batch["task"], entries, stored, linked)
 
@@ -251,6 +253,22 @@ class WorkerRuntime:
             # The device can start the next batch while this one's results are stored.
             self._finisher.submit(hand_over, ack_ids)
         return report
+
+    def _count_rejected(self, batch_id: str, writes: list[tuple[str, str, Any]], stored: list[int]) -> None:
+        """Count, in the stats hash, the results write-once refused: a second run of a request that
+        was answered meanwhile. Only observability: the first answer stands either way."""
+        kept = set(stored)
+        refused = [w[0] for i, w in enumerate(writes, 1) if i not in kept]
+        log.warning(
+            "batch %s: %d result(s) not stored, answered already by an earlier run (first answer kept): %s",
+            batch_id,
+            len(refused),
+            ", ".join(refused[:5]),
+        )
+        try:
+            self.client.hincrby(self.store.keys.stats, REJECTED_WRITES, len(refused))
+        except redis.RedisError as exc:
+            log.warning("could not count rejected writes: %s", exc)
 
     @staticmethod
     def _chain_failures(

@@ -17,6 +17,11 @@ PRIORITY_STEPS = (0, 3, 6, 9)
 PRIORITY_SEP = "\x06\x16"
 
 
+# Stats field: results a worker computed that write-once refused, because the request already had an
+# answer (it ran twice: at-least-once execution after a recovery); the first answer stays.
+REJECTED_WRITES = "rejected_writes"
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     request_queue: str
@@ -90,7 +95,8 @@ class Keys:
 
     @property
     def stats(self) -> str:
-        """HASH of counters every coordinator adds to, read by `carpool status` and the demo."""
+        """HASH of counters every coordinator adds to, read by `carpool status` and the demo; workers
+        add one, ``REJECTED_WRITES``."""
         return f"{self._base}:stats"
 
     @property

@@ -54,10 +54,13 @@ class EmbeddedRedis:
         appendonly: bool = False,
         directory: str | None = None,
         replica_of: int | None = None,
+        *,
+        appendfsync: str | None = None,
     ) -> None:
         self.port = port or free_port()
         self.appendonly = appendonly
         self.replica_of = replica_of  # the port of a master on this host to replicate
+        self.appendfsync = appendfsync  # always / everysec / no; None keeps Redis's default
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="carpool-redis-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -87,6 +90,8 @@ class EmbeddedRedis:
         ]
         if self.replica_of is not None:
             args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
+        if self.appendfsync is not None:
+            args += ["--appendfsync", self.appendfsync]
         self.process = _launch(args, self.port, timeout_s)
         return self
 
@@ -103,6 +108,14 @@ class EmbeddedRedis:
                 self.process.wait()
         if self.process and self.process.stderr:
             self.process.stderr.close()
+
+    def restart(self, down_s: float = 0.0, kill: bool = True) -> EmbeddedRedis:
+        """Stop the server (``kill``: SIGKILL, a crash), wait ``down_s``, start it on the same port and
+        directory: what its append-only file kept comes back."""
+        self.stop(kill=kill)
+        self.process = None
+        time.sleep(down_s)
+        return self.start()
 
     def cleanup(self) -> None:
         self.stop()

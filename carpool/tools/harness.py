@@ -172,6 +172,14 @@ class Harness:
         self.stop(name)
         return self.spawn(name, list(spec.module_argv), **{**spec.env_overrides, **env})
 
+    def crash_restart(self, name: str, down_s: float = 0.0) -> subprocess.Popen[bytes]:
+        """``SIGKILL`` to ``name`` (a crash), ``down_s`` later start it again with the same program
+        and environment, as a supervisor would."""
+        spec = self._specs[name]
+        self.kill(name)
+        time.sleep(down_s)
+        return self.spawn(name, list(spec.module_argv), **spec.env_overrides)
+
     def check_alive(self) -> None:
         """Raise :class:`ProcessExited`, with the end of its log, if any running child has exited."""
         for name, proc in self.procs.items():

@@ -13,11 +13,14 @@ from celery.worker import state
 from carpool.celery_edge import links
 from carpool.codec import loads
 from carpool.errors import DeadlineExceeded
+from carpool.redis_edge.keys import Keys
 from carpool.wire import Links, RequestSlot, batch_message
 
 
 class FakeStore:
     """Claims everything; a finish stores the results at ``stored`` (1-based), all when None."""
+
+    keys = Keys("carpool.requests")
 
     def __init__(self) -> None:
         self.stored: list[int] | None = None
@@ -123,3 +126,26 @@ def test_a_failure_goes_on_to_its_chain_in_the_same_finish_then_to_its_error_cal
     assert metas["next"]["result"] == metas["late"]["result"]
     [(kind, request_id, exc)] = applied
     assert (kind, request_id) == ("failure", "late") and isinstance(exc, DeadlineExceeded)
+
+
+class CountingClient:
+    """Records the HINCRBYs the worker sends outside its finish script."""
+
+    def __init__(self) -> None:
+        self.counted: dict[str, int] = {}
+
+    def hincrby(self, key: str, field: str, amount: int) -> int:
+        self.counted[f"{key} {field}"] = self.counted.get(f"{key} {field}", 0) + amount
+        return self.counted[f"{key} {field}"]
+
+
+def test_results_write_once_refused_are_counted_in_the_stats_hash(runtime: Any) -> None:
+    from carpool.redis_edge.keys import REJECTED_WRITES
+
+    client = CountingClient()
+    runtime.client = client
+    runtime.run(batch(slot("a"), slot("b"), slot("c")))
+    assert client.counted == {}, "nothing refused, nothing counted (and no extra round trip)"
+    runtime.store.stored = [2]  # "a" and "c" were answered meanwhile by another run
+    runtime.run(batch(slot("a"), slot("b"), slot("c")))
+    assert client.counted == {f"{runtime.store.keys.stats} {REJECTED_WRITES}": 2}
