@@ -14,6 +14,7 @@ from celery import Celery
 from carpool.celery_edge import compat
 from carpool.config import Settings, load_settings
 from carpool.names import INFER_TASK, RUN_BATCH_TASK
+from carpool.redis_edge.socket_options import celery_options
 
 if TYPE_CHECKING:
     import redis
@@ -84,7 +85,9 @@ def create_app(settings: Settings | None = None) -> Celery:
     app = CarpoolCelery(
         "carpool", broker=settings.broker_url, backend=settings.result_backend, include=["carpool.tasks"]
     )
+    sockets = celery_options(settings)  # timeouts, keepalive, health checks: a dead peer is noticed
     app.conf.update(
+        sockets,
         task_serializer="json",
         result_serializer="json",
         event_serializer="json",
@@ -107,7 +110,7 @@ def create_app(settings: Settings | None = None) -> Celery:
         # ...and so kombu's ack emulation (each fetched message copied into an "unacked" hash, then
         # removed on ack: two more round trips per batch) protects nothing carpool needs; a batch
         # message lost with a killed worker is recovered through the leases of its requests.
-        broker_transport_options={"ack_emulation": False},
+        broker_transport_options={**sockets["broker_transport_options"], "ack_emulation": False},
         broker_connection_retry_on_startup=True,
         task_send_sent_event=True,
         worker_send_task_events=True,

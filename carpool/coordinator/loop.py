@@ -46,6 +46,7 @@ from carpool.errors import ConfigError, DeadlineExceeded, WireError
 from carpool.models import get_model
 from carpool.names import INFER_TASK
 from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import import_task_modules, registered
 from carpool.wire import Links, RequestSlot, read_report
@@ -75,7 +76,7 @@ class Coordinator:
         self.settings = settings
         self.app = app
         self.backend = app.backend
-        self.client = client or redis.Redis.from_url(settings.broker_url)
+        self.client = client or redis.Redis.from_url(settings.broker_url, **client_options(settings))
         self.keys = Keys(settings.request_queue)
         self.store = RequestStore(self.client, self.keys, settings.recovery_timeout_s)
         self.clock = clock

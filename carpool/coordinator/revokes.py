@@ -27,6 +27,7 @@ from celery.worker import state as worker_state
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import state_of
 from carpool.codec import loads
+from carpool.redis_edge.socket_options import client_options, drop, silent
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ class RevokeListener:
                 pubsub.subscribe(self._topic)
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=RECONNECT_S)
+                    if silent(pubsub):  # the connection died without closing: a new one, resubscribed
+                        log.info("revoke listener's connection stopped answering; reconnecting")
+                        drop(pubsub)
+                        continue
                     if message is not None and message.get("type") == "message":
                         ids = revoked_task_ids(message["data"])
                         if ids:
@@ -135,6 +140,7 @@ def listen(app: Celery, broker_url: str) -> RevokeListener | None:
     except Exception as exc:
         log.warning("cannot hear revokes (%s); only workers will check them", exc)
         return None
-    listener = RevokeListener(redis.Redis.from_url(broker_url), topic)
+    client = redis.Redis.from_url(broker_url, **client_options(state_of(app).settings))
+    listener = RevokeListener(client, topic)
     listener.start()
     return listener

@@ -40,6 +40,7 @@ from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating, run_items_isolating
 from carpool.names import INFER_TASK, RUN_BATCH_TASK
 from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import BatchedSpec, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, Links, RequestSlot, batch_report, read_batch
@@ -59,7 +60,7 @@ class WorkerRuntime:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self.settings = settings_of(app)
-        self.client = redis.Redis.from_url(self.settings.broker_url)
+        self.client = redis.Redis.from_url(self.settings.broker_url, **client_options(self.settings))
         self.store = RequestStore(
             self.client, Keys(self.settings.request_queue), self.settings.recovery_timeout_s
         )

@@ -50,8 +50,9 @@ def coordinator_stats(settings: Settings) -> dict[str, float]:
     import redis
 
     from carpool.redis_edge.keys import Keys
+    from carpool.redis_edge.socket_options import client_options
 
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis.Redis.from_url(settings.broker_url, **client_options(settings))
     try:
         raw = client.hgetall(Keys(settings.request_queue).stats)
     finally:

@@ -10,6 +10,7 @@ from typing import Any
 import redis
 
 from carpool.redis_edge.keys import PRIORITY_SEP, Keys
+from carpool.redis_edge.socket_options import client_options
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def snapshot_dict(settings: Any = None) -> dict[str, Any]:
     from carpool.config import load_settings
 
     settings = settings or load_settings()
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis.Redis.from_url(settings.broker_url, **client_options(settings))
     try:
         return as_dict(collect(client, Keys(settings.request_queue)), None, settings.request_queue)
     finally:
