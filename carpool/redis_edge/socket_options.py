@@ -55,14 +55,19 @@ def celery_options(settings: Settings) -> dict[str, Any]:
 
     kombu also uses ``health_check_interval`` for its own checks of a worker's BRPOP and pub/sub
     connections: one whose reply is overdue by that long is dropped and reconnected.
+
+    Neither retries a command inside redis-py. kombu and Celery reconnect by themselves, and a
+    retry inside kombu's blocking pub/sub read would reconnect and then wait, with no timeout, on
+    the fresh connection for a message that may never come: the worker stopped consuming. A
+    producer's ``.get()`` goes on waiting and reads again by itself; a retry would only double how
+    far it can overrun its timeout while Redis does not answer.
     """
     common = _common(settings)
     return {
-        "broker_transport_options": {**common, "retry_on_timeout": True},
+        "broker_transport_options": common,
         "redis_socket_timeout": common["socket_timeout"],
         "redis_socket_connect_timeout": common["socket_connect_timeout"],
         "redis_socket_keepalive": True,
-        "redis_retry_on_timeout": True,
         "redis_backend_health_check_interval": common["health_check_interval"],
     }
 
