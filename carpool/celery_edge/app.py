@@ -14,7 +14,7 @@ from celery import Celery
 from carpool.celery_edge import compat
 from carpool.config import Settings, load_settings
 from carpool.names import INFER_TASK, RUN_BATCH_TASK
-from carpool.redis_edge.socket_options import celery_options
+from carpool.redis_edge.socket_options import celery_options, client_options
 
 if TYPE_CHECKING:
     import redis
@@ -41,7 +41,11 @@ class AppState:
         """A ``redis.Redis`` on that channel's connection pool, kept because kombu builds a new client
         for every publish; the pool (kombu's, with the broker URL's settings) reconnects by itself."""
         if self._publisher is None:
-            self._publisher = compat.new_client(self.message_channel())
+            client = compat.new_client(self.message_channel())
+            # One retry on a fresh connection, as carpool's own clients make: a request published
+            # twice is answered once (results are write-once); this channel serves nothing else.
+            client.set_retry(client_options(self.settings)["retry"])
+            self._publisher = client
         return self._publisher
 
     def event_dispatcher(self) -> Any:

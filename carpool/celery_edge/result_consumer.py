@@ -85,7 +85,11 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             pubsub.check_health()
         if not self._stale:
             return False
-        conn.connect()  # when dropped: connects, and redis-py resubscribes every channel
+        conn.connect()  # when dropped: connects, and redis-py resubscribes the channels it knows
+        # ...which lack those whose SUBSCRIBE failed: Celery's own set is the one to trust.
+        missing = [key for key in self.subscribed_to if key not in pubsub.channels]
+        for start in range(0, len(missing), _SUBSCRIBE_CHUNK):
+            pubsub.subscribe(*missing[start : start + _SUBSCRIBE_CHUNK])
         self._stale = False
         return True
 

@@ -81,9 +81,7 @@ def stack(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory)
     try:
         for role in ("coordinator", "worker"):
             via = proxies[role]
-            harness.start(
-                role, role, CARPOOL_BROKER_URL=via.url(0), CARPOOL_RESULT_BACKEND=via.url(1), **ENV
-            )
+            harness.start(role, role, CARPOOL_BROKER_URL=via.url(0), CARPOOL_RESULT_BACKEND=via.url(1), **ENV)
         harness.wait_workers(1)
         via = proxies["producer"]
         producer = create_app(
