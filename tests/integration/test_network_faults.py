@@ -175,7 +175,7 @@ def test_a_network_fault_loses_nothing_and_restarts_nothing(stack: Stack, role: 
         f"network {fault}: {role}",
         requests=len(results),
         lost=0,
-        all_done_after_fault_s=round(answered_s, 2),
+        all_done_after_lifted_s=round(answered_s, 2),
         fault_lasted_s=round(t_lifted - t_fault, 2),
         get_timeout_raised_after_s=None if get_raised_s is None else round(get_raised_s, 2),
     )
