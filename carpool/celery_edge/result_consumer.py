@@ -55,7 +55,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         """On a connection error (Celery's ``reconnect_on_error``): drop the connection; the next read
         reconnects, resubscribes and re-reads the stored results. One try per read, not Celery's
         retry loop, so that ``.get(timeout=...)`` keeps its timeout while Redis is unreachable."""
-        drop(self._pubsub)
+        drop(result_pubsub(self))
         self._stale = True
 
     def _connected(self, connection: Any) -> None:
@@ -70,7 +70,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         it was dropped (``ping``: send a health-check PING if one is due, for readers that only wait
         on the socket). True once after a (re)connection: the caller then reads the stored results of
         what it waits for, since messages published meanwhile are lost. Raises connection errors."""
-        pubsub = self._pubsub
+        pubsub = result_pubsub(self)
         if pubsub is None or pubsub.connection is None:
             return False
         conn = pubsub.connection
@@ -87,18 +87,18 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             return False
         conn.connect()  # when dropped: connects, and redis-py resubscribes the channels it knows
         # ...which lack those whose SUBSCRIBE failed: Celery's own set is the one to trust.
-        missing = [key for key in self.subscribed_to if key not in pubsub.channels]
+        missing = [key for key in subscribed_keys(self) if key not in pubsub.channels]
         for start in range(0, len(missing), _SUBSCRIBE_CHUNK):
             pubsub.subscribe(*missing[start : start + _SUBSCRIBE_CHUNK])
         self._stale = False
         return True
 
-    def on_wait_for_pending(self, result: Any, timeout: float | None = None, **kwargs: Any) -> None:
+    def on_wait_for_pending(self, result: Any, **kwargs: Any) -> None:
         """Celery reads the stored result first; when that fails the wait goes on over pub/sub, and the
         stored result is read again once the connection is back."""
         try:
-            super().on_wait_for_pending(result, timeout=timeout, **kwargs)
-        except self._connection_errors:
+            super().on_wait_for_pending(result, **kwargs)
+        except self.backend.connection_errors:
             self._stale = True
 
     def drain_events(self, timeout: float | None = None) -> None:
@@ -106,7 +106,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         try:
             if self.check_connection():
                 self._reread_subscribed()
-        except self._connection_errors:
+        except self.backend.connection_errors:
             self._reconnect()
             if timeout:  # as long as the read would have waited, not a busy loop
                 time.sleep(max(0.0, timeout - (time.monotonic() - t0)))
@@ -116,7 +116,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     def _reread_subscribed(self) -> None:
         """Settle, from their stored results, the subscribed tasks that finished (as Celery does after
         reconnecting)."""
-        keys = list(self.subscribed_to)
+        keys = list(subscribed_keys(self))
         for start in range(0, len(keys), _MGET_CHUNK):
             for meta in self.backend.client.mget(keys[start : start + _MGET_CHUNK]):
                 if meta:
