@@ -81,7 +81,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         if silent(pubsub):
             log.warning("the result pub/sub connection stopped answering; reconnecting")
             self._reconnect()
-        if ping:
+        if ping and pubsub.subscribed:  # unsubscribed, redis-py would not read the answer
             pubsub.check_health()
         if not self._stale:
             return False
@@ -249,6 +249,8 @@ def read_result_messages(
             wait = 0.0
             message = pubsub.get_message(timeout=_MESSAGE_READ_S)
             if message is None:  # a (un)subscribe confirmation: look for more
+                if not pubsub.subscribed:  # then redis-py reads nothing: what is there stays
+                    break
                 continue
             count += 1
             if message.get("type") == "message":
