@@ -57,6 +57,24 @@ class Settings(BaseSettings):
         le=60,
         description="Longest a WAIT for CARPOOL_WAIT_REPLICAS waits; fewer acks by then raise NotReplicated.",
     )
+    redis_socket_timeout_s: float = Field(
+        10.0,
+        ge=2,
+        le=300,
+        description=(
+            "Longest any Redis client (carpool's, Celery's, kombu's) waits for a reply or a connection "
+            "before dropping it as dead (a stalled or half-open connection); above every blocking wait."
+        ),
+    )
+    redis_health_check_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description=(
+            "Redis connections idle this long are PINGed before use; a pub/sub or waiting connection "
+            "whose PINGs or replies stay unanswered that long is reconnected."
+        ),
+    )
 
     # --- queues ------------------------------------------------------------------------------
     request_queue: str = Field("carpool.requests", min_length=1, description="List `.delay()` writes to.")

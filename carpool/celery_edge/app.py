@@ -14,6 +14,7 @@ from celery import Celery
 from carpool.celery_edge import compat
 from carpool.config import Settings, load_settings
 from carpool.names import INFER_TASK, RUN_BATCH_TASK
+from carpool.redis_edge.socket_options import celery_options, client_options
 
 if TYPE_CHECKING:
     import redis
@@ -40,7 +41,11 @@ class AppState:
         """A ``redis.Redis`` on that channel's connection pool, kept because kombu builds a new client
         for every publish; the pool (kombu's, with the broker URL's settings) reconnects by itself."""
         if self._publisher is None:
-            self._publisher = compat.new_client(self.message_channel())
+            client = compat.new_client(self.message_channel())
+            # One retry on a fresh connection, as carpool's own clients make: a request published
+            # twice is answered once (results are write-once); this channel serves nothing else.
+            client.set_retry(client_options(self.settings)["retry"])
+            self._publisher = client
         return self._publisher
 
     def event_dispatcher(self) -> Any:
@@ -85,7 +90,9 @@ def create_app(settings: Settings | None = None) -> Celery:
     app = CarpoolCelery(
         "carpool", broker=settings.broker_url, backend=settings.result_backend, include=["carpool.tasks"]
     )
+    sockets = celery_options(settings)  # timeouts, keepalive, health checks: a dead peer is noticed
     app.conf.update(
+        sockets,
         task_serializer="json",
         result_serializer="json",
         event_serializer="json",
@@ -108,7 +115,11 @@ def create_app(settings: Settings | None = None) -> Celery:
         # ...and so kombu's ack emulation (each fetched message copied into an "unacked" hash, then
         # removed on ack: two more round trips per batch) protects nothing carpool needs; a batch
         # message lost with a killed worker is recovered through the leases of its requests.
-        broker_transport_options={"ack_emulation": False, **_sentinel_options(settings.broker_url, settings)},
+        broker_transport_options={
+            **sockets["broker_transport_options"],
+            "ack_emulation": False,
+            **_sentinel_options(settings.broker_url, settings),
+        },
         result_backend_transport_options=_sentinel_options(settings.result_backend, settings),
         broker_connection_retry_on_startup=True,
         task_send_sent_event=True,

@@ -4,11 +4,17 @@ and reading the result messages delivered to its connection.
 Celery's consumer handles one task per SUBSCRIBE, UNSUBSCRIBE and message; producers that submit and
 gather thousands at once (:mod:`carpool.producer`) do each of those in bulk on the same connection,
 so ``.get()`` on any single result keeps working as usual.
+
+A pub/sub connection that broke, or went silent (:mod:`carpool.redis_edge.socket_options`), is
+reconnected and resubscribed on its next read; what was published meanwhile is read from the stored
+results after that, so no result is missed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,9 +27,13 @@ from carpool.celery_edge.compat import (
     result_pubsub,
     subscribed_keys,
 )
+from carpool.redis_edge.socket_options import drop, silent
+
+log = logging.getLogger(__name__)
 
 _SUBSCRIBE_CHUNK = 5000  # channels per (UN)SUBSCRIBE command
 _MESSAGE_READ_S = 1.0  # time allowed for the rest of a result message that has started to arrive
+_MGET_CHUNK = 5000  # keys per MGET when re-reading stored results
 
 
 class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is untyped
@@ -37,7 +47,82 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     """
 
     _deferred: list[str] | None = None  # task ids whose unsubscription waits for deferring_cancels
+    _watched: Any = None  # the pub/sub connection whose (re)connections set _stale
+    _stale = False  # the connection was, or is to be, replaced: stored results must be re-read
 
+    # --- a connection that broke or went silent ----------------------------------------------
+    def _reconnect(self) -> None:
+        """On a connection error (Celery's ``reconnect_on_error``): drop the connection; the next read
+        reconnects, resubscribes and re-reads the stored results. One try per read, not Celery's
+        retry loop, so that ``.get(timeout=...)`` keeps its timeout while Redis is unreachable."""
+        drop(result_pubsub(self))
+        self._stale = True
+
+    def _connected(self, connection: Any) -> None:
+        self._stale = True
+
+    def mark_stale(self) -> None:
+        """Results may have been missed: re-read the stored ones after the next (re)connection."""
+        self._stale = True
+
+    def check_connection(self, ping: bool = False) -> bool:
+        """Before a read: drop the connection if its health-check PINGs went unanswered, reconnect it if
+        it was dropped (``ping``: send a health-check PING if one is due, for readers that only wait
+        on the socket). True once after a (re)connection: the caller then reads the stored results of
+        what it waits for, since messages published meanwhile are lost. Raises connection errors."""
+        pubsub = result_pubsub(self)
+        if pubsub is None or pubsub.connection is None:
+            return False
+        conn = pubsub.connection
+        if conn is not self._watched:
+            # Told of every reconnection, redis-py's own retries included.
+            conn.register_connect_callback(self._connected)
+            self._watched = conn
+        if silent(pubsub):
+            log.warning("the result pub/sub connection stopped answering; reconnecting")
+            self._reconnect()
+        if ping and pubsub.subscribed:  # unsubscribed, redis-py would not read the answer
+            pubsub.check_health()
+        if not self._stale:
+            return False
+        conn.connect()  # when dropped: connects, and redis-py resubscribes the channels it knows
+        # ...which lack those whose SUBSCRIBE failed: Celery's own set is the one to trust.
+        missing = [key for key in subscribed_keys(self) if key not in pubsub.channels]
+        for start in range(0, len(missing), _SUBSCRIBE_CHUNK):
+            pubsub.subscribe(*missing[start : start + _SUBSCRIBE_CHUNK])
+        self._stale = False
+        return True
+
+    def on_wait_for_pending(self, result: Any, **kwargs: Any) -> None:
+        """Celery reads the stored result first; when that fails the wait goes on over pub/sub, and the
+        stored result is read again once the connection is back."""
+        try:
+            super().on_wait_for_pending(result, **kwargs)
+        except self.backend.connection_errors:
+            self._stale = True
+
+    def drain_events(self, timeout: float | None = None) -> None:
+        t0 = time.monotonic()
+        try:
+            if self.check_connection():
+                self._reread_subscribed()
+        except self.backend.connection_errors:
+            self._reconnect()
+            if timeout:  # as long as the read would have waited, not a busy loop
+                time.sleep(max(0.0, timeout - (time.monotonic() - t0)))
+            return
+        super().drain_events(timeout)
+
+    def _reread_subscribed(self) -> None:
+        """Settle, from their stored results, the subscribed tasks that finished (as Celery does after
+        reconnecting)."""
+        keys = list(subscribed_keys(self))
+        for start in range(0, len(keys), _MGET_CHUNK):
+            for meta in self.backend.client.mget(keys[start : start + _MGET_CHUNK]):
+                if meta:
+                    self.on_state_change(self.backend.decode_result(meta), None)
+
+    # --- prompt .get() and bulk subscriptions --------------------------------------------------
     def drain_events_until(
         self, p: Any, timeout: float | None = None, on_interval: Any = None
     ) -> Iterator[None]:
@@ -75,6 +160,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             self.stop()
         forget_result_pubsub(self)
         subscribed_keys(self).clear()
+        self._watched, self._stale = None, False
 
 
 def deferring_cancels(consumer: Any) -> contextlib.AbstractContextManager[None]:
@@ -151,7 +237,11 @@ def read_result_messages(
     out: list[tuple[str, Any]] = []
     count = 0
     wait = timeout_s
-    with reconnecting(consumer):  # on a connection error: a new connection, resubscribed
+    prompt = isinstance(consumer, PromptResultConsumer)
+    replaced = failed = False
+    with reconnecting(consumer):  # on a connection error: dropped, reconnected on the next read
+        failed = True
+        replaced = prompt and consumer.check_connection(ping=True)
         while count < limit:
             conn = pubsub.connection
             if conn is None or not conn.can_read(timeout=wait):
@@ -159,6 +249,8 @@ def read_result_messages(
             wait = 0.0
             message = pubsub.get_message(timeout=_MESSAGE_READ_S)
             if message is None:  # a (un)subscribe confirmation: look for more
+                if not pubsub.subscribed:  # then redis-py reads nothing: what is there stays
+                    break
                 continue
             count += 1
             if message.get("type") == "message":
@@ -166,4 +258,7 @@ def read_result_messages(
                 channel = channel.encode() if isinstance(channel, str) else channel
                 task_id = channel[len(prefix) :].decode() if channel.startswith(prefix) else ""
                 out.append((task_id, message))
-    return out, result_pubsub(consumer) is pubsub
+        failed = False
+    if failed and prompt and not out:
+        time.sleep(wait)  # Redis unreachable: wait as long as the read would have, not a busy loop
+    return out, not replaced and result_pubsub(consumer) is pubsub

@@ -45,6 +45,7 @@ from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, DeadlineExceeded, WireError
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import import_task_modules, registered, routing_keys
 from carpool.wire import Links, RequestSlot, read_report
@@ -74,7 +75,7 @@ class Coordinator:
         self.settings = settings
         self.app = app
         self.backend = app.backend
-        self.client = client or client_for(settings.broker_url, settings)
+        self.client = client or client_for(settings.broker_url, settings, **client_options(settings))
         self.keys = Keys(settings.request_queue)
         self.store = RequestStore(
             self.client,

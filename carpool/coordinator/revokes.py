@@ -29,6 +29,7 @@ from carpool.celery_edge.app import state_of
 from carpool.codec import loads
 from carpool.config import Settings
 from carpool.redis_edge.connect import client_for
+from carpool.redis_edge.socket_options import client_options, drop, silent
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class RevokeListener:
                 pubsub.subscribe(self._topic)
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=RECONNECT_S)
+                    if silent(pubsub):  # the connection died without closing: a new one, resubscribed
+                        log.info("revoke listener's connection stopped answering; reconnecting")
+                        drop(pubsub)
+                        continue
                     if message is not None and message.get("type") == "message":
                         ids = revoked_task_ids(message["data"])
                         if ids:
@@ -137,6 +142,6 @@ def listen(app: Celery, settings: Settings) -> RevokeListener | None:
     except Exception as exc:
         log.warning("cannot hear revokes (%s); only workers will check them", exc)
         return None
-    listener = RevokeListener(client_for(settings.broker_url, settings), topic)
+    listener = RevokeListener(client_for(settings.broker_url, settings, **client_options(settings)), topic)
     listener.start()
     return listener

@@ -41,6 +41,7 @@ from carpool.gpu_worker.runner import pick_device, run_call_isolating
 from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import REJECTED_WRITES, Keys
+from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore
 from carpool.registry import TaskSpec, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, Links, RequestSlot, batch_report, read_batch
@@ -60,7 +61,7 @@ class WorkerRuntime:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self.settings = settings_of(app)
-        self.client = client_for(self.settings.broker_url, self.settings)
+        self.client = client_for(self.settings.broker_url, self.settings, **client_options(self.settings))
         self.store = RequestStore(
             self.client,
             Keys(self.settings.request_queue),

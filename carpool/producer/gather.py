@@ -13,6 +13,8 @@ second instead.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,11 +24,13 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from carpool.celery_edge.compat import cached_meta, set_cached_meta
 from carpool.celery_edge.result_consumer import (
+    PromptResultConsumer,
     deferring_cancels,
     read_result_messages,
     subscribe_results,
     unsubscribe_results,
 )
+from carpool.redis_edge.socket_options import async_client_options
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult
@@ -35,6 +39,7 @@ _MGET_CHUNK = 5000  # keys per MGET
 _SUBSCRIBE_CHUNK = 5000  # channels per SUBSCRIBE
 _READ_LIMIT = 10_000  # messages settled between two checks of the deadline
 _LONGEST_WAIT_S = 1.0  # a wait for messages without a deadline still returns this often
+_LONGEST_RECHECK_S = 10.0  # gather_async re-reads stored results after this long without a message
 _READY = states.READY_STATES
 _FAILED = states.PROPAGATE_STATES
 
@@ -167,7 +172,7 @@ def gather(
     state = Gathering(results, timeout, return_exceptions)
     consumer = getattr(backend, "result_consumer", None)
     with deferring_cancels(consumer):
-        state.settle(_stored(backend, state.pending()))
+        _settle_stored(backend, consumer, state, state.pending())
         if consumer is None:  # not a pub/sub backend: Celery's own wait, per result
             for rs in list(state.waiting.values()):
                 for r in rs:
@@ -176,7 +181,7 @@ def gather(
         if not state.done:
             fresh = subscribe_results(backend, state.pending())
             if fresh:  # subscribed only now: what was stored in between is read, not missed
-                state.settle(_stored(backend, fresh))
+                _settle_stored(backend, consumer, state, fresh)
             _wait_on_celery(backend, consumer, state)
         _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
     return state.values()
@@ -193,10 +198,23 @@ def _wait_on_celery(backend: Any, consumer: Any, state: Gathering) -> None:
     ours = {r.id for r in state.results}  # a message for one no longer waited for: a duplicate
     while not state.done:
         messages, intact = read_result_messages(backend, consumer, state.wait_s(), _READ_LIMIT)
-        metas = _route(backend, consumer, messages, want=state.waiting, ignore=ours)
-        if not intact:  # Celery replaced the connection: what was published meanwhile is stored
-            metas.extend(_stored(backend, state.pending()))
-        state.settle(metas)
+        state.settle(_route(backend, consumer, messages, want=state.waiting, ignore=ours))
+        if not intact:  # the connection was replaced: what was published meanwhile is stored
+            _settle_stored(backend, consumer, state, state.pending())
+
+
+def _settle_stored(backend: Any, consumer: Any, state: Gathering, task_ids: Sequence[str]) -> None:
+    """Settle ``state`` with the stored results of ``task_ids``. When Redis cannot be reached, carpool's
+    consumer is told to have them read again once its connection is back, and the wait goes on
+    (so that only the deadline ends it, as for ``.get()``)."""
+    try:
+        metas = list(_stored(backend, task_ids))
+    except backend.connection_errors:
+        if not isinstance(consumer, PromptResultConsumer):
+            raise
+        consumer.mark_stale()
+        return
+    state.settle(metas)
 
 
 def _route(
@@ -239,7 +257,9 @@ async def gather_async(
     cancelling the awaiting task closes its connection. Results subscribed on Celery's consumer
     (``submit_many`` with ``subscribe=True``) are unsubscribed there first, so that connection does
     not back up with messages nobody reads; pass ``subscribe=False`` to ``submit_many`` to skip that
-    step. Costs one connection per call, closed on return.
+    step. Costs one connection per call, closed on return. While no message comes for a health-check
+    interval (``CARPOOL_REDIS_HEALTH_CHECK_S``) the stored results are read again, so a pub/sub
+    connection that died without closing costs latency, not results.
     """
     results = list(results)
     if not results:
@@ -249,35 +269,61 @@ async def gather_async(
     if state.done:
         return state.values()
     unsubscribe_results(backend, state.pending())
-    client = _async_client(backend)
+    client, recheck_s = _async_client(backend)
     try:
         async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
             keys = [backend.get_key_for_task(t) for t in state.pending()]
             for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
                 await pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
             with deferring_cancels(getattr(backend, "result_consumer", None)):
-                for start in range(0, len(keys), _MGET_CHUNK):
-                    values = await client.mget(keys[start : start + _MGET_CHUNK])
-                    state.settle(backend.decode_result(v) for v in values if v is not None)
+                await _settle_stored_async(backend, client, state)
+                heard_s = time.monotonic()
                 while not state.done:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=state.wait_s())
+                    try:
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=min(state.wait_s(), recheck_s)
+                        )
+                    except backend.connection_errors:  # redis-py reconnects on the next read
+                        message = None
+                        await asyncio.sleep(min(state.wait_s(), _LONGEST_WAIT_S))
                     if message and message.get("type") == "message":
                         state.settle([backend.decode_result(message["data"])])
+                        heard_s = time.monotonic()
+                    elif time.monotonic() - heard_s >= recheck_s:
+                        heard_s = time.monotonic()
+                        with contextlib.suppress(*backend.connection_errors):
+                            await _settle_stored_async(backend, client, state)
     finally:
         await client.aclose()
     return state.values()
 
 
-def _async_client(backend: Any) -> Any:
-    """A ``redis.asyncio`` client on the result backend's server, with the backend's settings."""
+async def _settle_stored_async(backend: Any, client: Any, state: Gathering) -> None:
+    keys = [backend.get_key_for_task(t) for t in state.pending()]
+    for start in range(0, len(keys), _MGET_CHUNK):
+        values = await client.mget(keys[start : start + _MGET_CHUNK])
+        state.settle(backend.decode_result(v) for v in values if v is not None)
+
+
+def _async_client(backend: Any) -> tuple[Any, float]:
+    """A ``redis.asyncio`` client on the result backend's server, with the backend's settings and
+    carpool's socket options; and how long a quiet wait lasts before the stored results are re-read."""
     import redis.asyncio as aioredis
 
+    from carpool.celery_edge.app import settings_of
+    from carpool.config import Settings
     from carpool.redis_edge.connect import async_client_for
 
+    settings: Settings | None
+    try:
+        settings = settings_of(backend.app)
+    except TypeError:  # not a carpool app: redis-py's own defaults
+        settings, options, recheck_s = None, {}, _LONGEST_RECHECK_S
+    else:
+        options, recheck_s = async_client_options(settings), settings.redis_health_check_s
     protocol = backend.connparams.get("protocol", 2)  # RESP2: see CarpoolRedisBackend.__init__
     if getattr(backend, "url", None):
-        settings = getattr(getattr(backend.app, "carpool", None), "settings", None)  # a carpool app's
-        return async_client_for(backend.url, settings, protocol=protocol)
+        return async_client_for(backend.url, settings, protocol=protocol, **options), recheck_s
     params = {
         k: v
         for k, v in backend.connparams.items()
@@ -285,7 +331,7 @@ def _async_client(backend: Any) -> Any:
     }
     if "path" in params:
         params["unix_socket_path"] = params.pop("path")
-    return aioredis.Redis(**params, protocol=protocol)
+    return aioredis.Redis(**params, protocol=protocol, **options), recheck_s
 
 
 __all__ = ["Gathering", "gather", "gather_async"]

@@ -53,8 +53,9 @@ def coordinator_stats(settings: Settings) -> dict[str, float] | None:
 
     from carpool.redis_edge.connect import client_for
     from carpool.redis_edge.keys import Keys
+    from carpool.redis_edge.socket_options import client_options
 
-    client = client_for(settings.broker_url, settings)
+    client = client_for(settings.broker_url, settings, **client_options(settings))
     try:
         raw = client.hgetall(Keys(settings.request_queue).stats)
     except NoPermissionError:

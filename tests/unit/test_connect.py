@@ -127,7 +127,9 @@ def test_the_celery_app_gets_the_master_name_for_broker_and_backend() -> None:
 
     settings = load_settings(broker_url=THREE.replace("/1", "/0"), result_backend=THREE, sentinel_master="m")
     app = create_app(settings)
-    assert app.conf.broker_transport_options == {"ack_emulation": False, "master_name": "m"}
+    broker_options = app.conf.broker_transport_options
+    assert broker_options["master_name"] == "m" and broker_options["ack_emulation"] is False
+    assert broker_options["socket_timeout"] == settings.redis_socket_timeout_s  # a dead peer is noticed
     assert app.conf.result_backend_transport_options == {"master_name": "m"}
     backend = app.backend
     assert isinstance(backend, CarpoolSentinelBackend)

@@ -11,6 +11,7 @@ import redis
 
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import PRIORITY_SEP, Keys
+from carpool.redis_edge.socket_options import client_options
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def snapshot_dict(settings: Any = None) -> dict[str, Any]:
     from carpool.config import load_settings
 
     settings = settings or load_settings()
-    client = client_for(settings.broker_url, settings)
+    client = client_for(settings.broker_url, settings, **client_options(settings))
     try:
         return as_dict(collect(client, Keys(settings.request_queue)), None, settings.request_queue)
     finally:
