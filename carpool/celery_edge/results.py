@@ -52,7 +52,8 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             self.content_type == "application/json"
             and type(payload) is bytes
             and payload
-            and b'"__type__"' not in payload
+            # A tag is an object inside the meta: with no second "{" (a vector's meta) there is none.
+            and (payload.find(b"{", 1) == -1 or b'"__type__"' not in payload)
         ):
             try:
                 return json_loads(payload)
