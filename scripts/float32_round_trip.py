@@ -6,7 +6,7 @@ orjson writes each value in its shortest float32 form (what :func:`carpool.codec
 with a float32 array); the text is parsed into float64s (orjson, as carpool's producer does) and cast
 to float32. Prints every value that comes back as another float32, and how many there were: the
 values :func:`carpool.codec.float32_rows` exists to catch (docs/PERFORMANCE.md, "Compact results").
-Takes about 15 minutes of one core and ~0.5 GB of memory at the default chunk size.
+Takes about 20 minutes of one core and ~0.5 GB of memory at the default chunk size.
 """
 
 from __future__ import annotations
