@@ -16,12 +16,19 @@ kept out:
   (:func:`flat_plain`); an ``Enum`` member becomes its value. A non-finite float, which the
   standard library writes as the non-JSON ``NaN``, becomes ``null`` (as in JavaScript's
   ``JSON.stringify``).
+
+A model's outputs may be a numpy array (one row per request): :func:`dumps_result` writes a row
+straight from it, with no Python floats in between. A float32 value is written in the shortest form
+that reads back as the same float32 (about half the characters of the float64 it would become as a
+Python float): the float a reader parses from it equals the model's value once cast to float32,
+exactly. float64 values are written as Python writes them, so they read back unchanged.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import orjson
@@ -43,6 +50,63 @@ def dumps_plain(value: Any) -> bytes | None:
         return orjson.dumps(value, option=_PLAIN)
     except TypeError:  # orjson.JSONEncodeError: a type kombu's encoder would tag, or a non-str key
         return None
+
+
+def dumps_result(value: Any) -> bytes | None:
+    """Compact UTF-8 JSON of a task's result: a numpy array of numbers written by orjson from the array
+    itself (float32 in its shortest float32 form), anything else as :func:`dumps_plain` writes it."""
+    numpy = sys.modules.get("numpy")  # a result can only be an array once numpy is imported
+    if numpy is not None and type(value) is numpy.ndarray:
+        kind, size = value.dtype.kind, value.dtype.itemsize
+        if not (kind in "iub" or (kind == "f" and size in (4, 8))):  # orjson writes these natively
+            return dumps_plain(value.tolist())  # float16 and the like: as the Python values they hold
+        if not value.flags.c_contiguous:
+            value = numpy.ascontiguousarray(value)
+        encoded: bytes = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+        return encoded
+    return dumps_plain(value)
+
+
+def float32_rows(array: Any) -> list[Any]:
+    """The rows of a float32 numpy ``array`` (one per request), to store as :func:`dumps_result` writes
+    them; except that a row holding a value whose shortest float32 form would not read back as that
+    float32 becomes its list of Python floats, which are written exactly.
+
+    A reader parses a JSON number into a float64 and casts it to float32: two roundings, which give
+    the other float32 when the decimal lies within a float64 rounding error of the midpoint between
+    two float32s. A value from 1e-3 to 1e10 in magnitude never does (a decimal of at most 9
+    significant digits there is provably farther from every midpoint: docs/PERFORMANCE.md, "Compact
+    results"); the few values outside that range are checked, for the whole batch at once.
+    """
+    import numpy
+
+    flat = array.reshape(-1)
+    magnitude = numpy.abs(flat)
+    outside = (magnitude < _F32_EXACT_FROM) | (magnitude >= _F32_EXACT_BELOW)
+    outside &= numpy.isfinite(flat) & (flat != 0)  # JSON has no inf or nan; zero reads back as zero
+    rows: list[Any] = list(array)
+    where = numpy.flatnonzero(outside)
+    if where.size:
+        values = flat[where]
+        read = numpy.array(orjson.loads(orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)))
+        wrong = where[read.astype(numpy.float32) != values]
+        for i in set((wrong // max(1, flat.size // max(1, len(rows)))).tolist()):
+            rows[i] = array[i].tolist()
+    return rows
+
+
+_F32_EXACT_FROM = 1e-3  # magnitudes from here ...
+_F32_EXACT_BELOW = 1e10  # ... to here read back exactly in their shortest float32 form
+
+
+def stored_form(value: Any) -> Any:
+    """``value`` as a reader of its stored result gets it back: a numpy array becomes the lists of
+    Python numbers that :func:`dumps_result` writes; anything else is returned as it is."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(value) is numpy.ndarray:
+        encoded = dumps_result(value)
+        return value.tolist() if encoded is None else orjson.loads(encoded)
+    return value
 
 
 def flat_plain(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> bool:

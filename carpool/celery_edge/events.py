@@ -42,9 +42,13 @@ def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
     An embedding is a list of hundreds of floats: a ``repr`` of all of it, to show 200 characters,
     would be the largest per-request cost of a worker on a fast model.
     """
-    if isinstance(value, list | tuple) and len(value) > 16:
+    size = len(value) if isinstance(value, list | tuple) else 0
+    ndim = getattr(value, "ndim", None)
+    if size == 0 and ndim and hasattr(value, "tolist"):  # a model's numpy row: shown as the list stored
+        size, value = len(value), value[:17].tolist()
+    if size > 16:
         head = ", ".join(repr(v) for v in value[:16])
-        text = f"[{head}, ... ({len(value)} items)]"
+        text = f"[{head}, ... ({size} items)]"
     else:
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

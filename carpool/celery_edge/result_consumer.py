@@ -247,7 +247,7 @@ def read_result_messages(
             if conn is None or not conn.can_read(timeout=wait):
                 break
             wait = 0.0
-            message = pubsub.get_message(timeout=_MESSAGE_READ_S)
+            message = _next_message(pubsub, conn)
             if message is None:  # a (un)subscribe confirmation: look for more
                 if not pubsub.subscribed:  # then redis-py reads nothing: what is there stays
                     break
@@ -262,3 +262,25 @@ def read_result_messages(
     if failed and prompt and not out:
         time.sleep(wait)  # Redis unreachable: wait as long as the read would have, not a busy loop
     return out, not replaced and result_pubsub(consumer) is pubsub
+
+
+def _next_message(pubsub: Any, conn: Any) -> dict[str, Any] | None:
+    """The next reply on ``pubsub``'s connection ``conn``, as ``pubsub.get_message`` gives it (None
+    for a subscription confirmation or a health-check reply), read in fewer steps.
+
+    ``get_message`` costs several times the decoding of a result per message (retry wrappers and
+    telemetry around each read); a published message or a SUBSCRIBE confirmation is taken here as
+    it is, and any other reply goes through redis-py's own handling, which keeps its state.
+    """
+    response = conn.read_response(disconnect_on_error=False, push_request=True, timeout=_MESSAGE_READ_S)
+    if type(response) is list and len(response) == 3:
+        kind = response[0]
+        if kind == b"message":
+            return {"type": "message", "pattern": None, "channel": response[1], "data": response[2]}
+        if kind == b"subscribe":
+            return None
+    if pubsub.is_health_check_response(response):  # as redis-py's parse_response: counted, dropped
+        pubsub.health_check_response_counter -= 1
+        return None
+    message: dict[str, Any] | None = pubsub.handle_message(response, ignore_subscribe_messages=True)
+    return message

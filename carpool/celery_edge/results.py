@@ -18,7 +18,7 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 
 from carpool.celery_edge.compat import result_meta
 from carpool.celery_edge.result_consumer import PromptResultConsumer
-from carpool.codec import dumps_plain
+from carpool.codec import dumps_plain, dumps_result
 from carpool.codec import loads as json_loads
 from carpool.redis_edge import lua
 from carpool.redis_edge.store import ResultWrites, finish_call
@@ -52,7 +52,8 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             self.content_type == "application/json"
             and type(payload) is bytes
             and payload
-            and b'"__type__"' not in payload
+            # A tag is an object inside the meta: with no second "{" (a vector's meta) there is none.
+            and (payload.find(b"{", 1) == -1 or b'"__type__"' not in payload)
         ):
             try:
                 return json_loads(payload)
@@ -64,24 +65,15 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         """Encoded result meta, as Celery's own ``store_result`` would write it.
 
         A success is encoded directly (the five fields of Celery's result meta plus the task id, with
-        ``date_done`` computed once per batch by :meth:`store_args`, by orjson when the result is
-        plain JSON: :func:`carpool.codec.dumps_plain`), because Celery's general path costs several
-        times the encoding itself. Failures (rare) take Celery's path, which knows how to serialise
-        exceptions.
+        ``date_done`` computed once per batch by :meth:`store_args`; the result by
+        :func:`carpool.codec.dumps_result` when it is plain JSON or a model's numpy row), because
+        Celery's general path costs several times the encoding itself. Failures (rare) take Celery's
+        path, which knows how to serialise exceptions.
         """
         if state == SUCCESS and date_done is not None and self.serializer == "json":
-            encoded = dumps_plain(
-                {
-                    "status": state,
-                    "result": result,
-                    "traceback": None,
-                    "children": None,
-                    "date_done": date_done,
-                    "task_id": task_id,
-                }
-            )
+            encoded = dumps_result(result)
             if encoded is not None:  # else not plain JSON: Celery's encoder decides
-                return encoded
+                return success_meta(encoded, dumps_plain(date_done) or b"null", task_id)
         meta = result_meta(self, self.encode_result(result, state), state)
         meta["task_id"] = task_id
         encoded = self.encode(meta)
@@ -119,6 +111,21 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             return set()
         found = self.client.mget([self.get_key_for_task(t) for t in task_ids])
         return {t for t, v in zip(task_ids, found, strict=True) if v is not None}
+
+
+def success_meta(result_json: bytes, date_done_json: bytes, task_id: str) -> bytes:
+    """Celery's result meta of a success, encoded: the bytes ``orjson.dumps`` gives for the dict
+    ``{"status": "SUCCESS", "result": ..., "traceback": None, "children": None, "date_done": ...,
+    "task_id": ...}``, joined around the encoded result instead of encoding a dict holding it."""
+    task_id_json = dumps_plain(task_id) or b"null"
+    return b"".join(
+        (_SUCCESS_HEAD, result_json, _SUCCESS_MIDDLE, date_done_json, _SUCCESS_TAIL, task_id_json, b"}")
+    )
+
+
+_SUCCESS_HEAD = b'{"status":"SUCCESS","result":'
+_SUCCESS_MIDDLE = b',"traceback":null,"children":null,"date_done":'
+_SUCCESS_TAIL = b',"task_id":'
 
 
 class CarpoolSentinelBackend(CarpoolRedisBackend, SentinelBackend):  # type: ignore[misc]

@@ -14,11 +14,12 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from carpool.batching.bins import padded_length
+from carpool.codec import float32_rows
 from carpool.models import BatchModel, get_model
 
 log = logging.getLogger(__name__)
@@ -74,19 +75,40 @@ def forward_padded(
 ) -> Sequence[Any]:
     """``model.forward`` of the rows padded: ``carpool.infer``'s batch function on a worker."""
     ids, mask = pad(rows, lengths, model.pad_id)
-    return model.forward(ids, mask)
+    return output_rows(model.forward(ids, mask))
+
+
+def output_rows(outputs: Any) -> Sequence[Any]:
+    """A model's outputs, one per row: a numpy array's rows stay arrays (written straight from them;
+    float32 ones as :func:`carpool.codec.float32_rows` gives them), a 1-D array's values become
+    Python numbers; any other outputs are returned as they are."""
+    if type(outputs) is not np.ndarray:
+        return cast(Sequence[Any], outputs)
+    if outputs.ndim < 2:
+        return cast(list[Any], outputs.tolist())
+    if outputs.dtype == np.float32:
+        return float32_rows(outputs)
+    return list(outputs)
 
 
 def run_padded(model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]) -> list[Any]:
-    """One forward of the padded rows under ``inference_mode``, one output per row."""
-    return run_call(partial(forward_padded, model), rows, lengths)
+    """One forward of the padded rows under ``inference_mode``, one output per row (as lists, where
+    the model gave numpy rows)."""
+    return [_plain(out) for out in run_call(partial(forward_padded, model), rows, lengths)]
 
 
 def run_isolating(
     model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]
 ) -> list[tuple[bool, Any]]:
-    """Per row (ok, output-or-exception) of ``model``; see :func:`run_call_isolating`."""
-    return run_call_isolating(partial(forward_padded, model), rows, lengths)
+    """Per row (ok, output-or-exception) of ``model``, outputs as lists where the model gave numpy
+    rows (what plain Celery stores); see :func:`run_call_isolating`."""
+    outcomes = run_call_isolating(partial(forward_padded, model), rows, lengths)
+    return [(ok, _plain(out) if ok else out) for ok, out in outcomes]
+
+
+def _plain(output: Any) -> Any:
+    """A numpy row as the list of Python numbers it holds; any other output as it is."""
+    return output.tolist() if type(output) is np.ndarray else output
 
 
 class OutputCountMismatch(Exception):

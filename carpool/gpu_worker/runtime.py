@@ -34,7 +34,7 @@ from carpool.celery_edge import compat, links
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
-from carpool.codec import dumps_exact
+from carpool.codec import dumps_exact, stored_form
 from carpool.config import Settings
 from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.runner import pick_device, run_call_isolating
@@ -299,8 +299,8 @@ class WorkerRuntime:
             request_links = linked.get(task_id)
             if request_links is None:
                 continue
-            if state == SUCCESS:
-                unsent += links.on_success(self.app, task_id, request_links, value)
+            if state == SUCCESS:  # the next steps get the result as .get() returns it
+                unsent += links.on_success(self.app, task_id, request_links, stored_form(value))
             elif state == FAILURE:
                 links.on_failure(self.app, task_id, task, request_links, value)
         if unsent:

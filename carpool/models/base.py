@@ -4,7 +4,9 @@ A model has two halves that run in different processes:
 - ``encode`` runs on the coordinator: text -> token ids (truncated to the model's window), so the
   coordinator knows each request's true length and the worker never tokenizes again;
 - ``load`` and ``forward`` run on a worker, after any fork: ``forward`` gets one padded batch and
-  returns one JSON-serialisable output per row.
+  returns one output per row: JSON-serialisable values, or a numpy array with one row per input
+  (written straight from the array; float32 rows in their shortest float32 form, which reads back as
+  the same float32 values: see :mod:`carpool.codec`).
 
 Optionally, ``count_tokens(texts) -> list[int]`` gives untruncated lengths; with it carpool can
 reject over-long texts (``CARPOOL_TRUNCATE=false``) instead of truncating them.
@@ -46,6 +48,6 @@ class BatchModel(Protocol):
 
     def forward(
         self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
-    ) -> Sequence[Any]:
+    ) -> Sequence[Any] | npt.NDArray[Any]:
         """Outputs for a padded batch (rows x padded length); one output per row, same order."""
         ...

@@ -97,7 +97,7 @@ class MiniLM:
 
     def forward(
         self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
-    ) -> Sequence[Any]:
+    ) -> npt.NDArray[np.float32]:
         torch = self._torch
         ids = torch.from_numpy(input_ids).to(self._device)
         mask = torch.from_numpy(attention_mask).to(self._device)
@@ -107,4 +107,5 @@ class MiniLM:
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         normed = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return normed.cpu().tolist()  # type: ignore[no-any-return]
+        # The array itself: results are written from it, with no Python float per value in between.
+        return normed.cpu().numpy()  # type: ignore[no-any-return]

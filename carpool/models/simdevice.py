@@ -110,7 +110,7 @@ class SimulatedDevice:
         self.profile = profile_from(self.profile_name or os.environ.get("CARPOOL_SIM_DEVICE", "v100"))
         self._tokenizer_model = MiniLM()
         self.max_length: int = self._tokenizer_model.max_length
-        self._row: list[float] = []
+        self._row: Any = None  # numpy, imported on load
         self._log: DeviceLog | None = None
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
@@ -120,24 +120,26 @@ class SimulatedDevice:
         return self._tokenizer_model.count_tokens(texts)
 
     def load(self, device: str) -> None:
-        # One unit vector, float32-exact like the real model's output, shared by every row.
+        # One float32 unit vector, copied into every row: the real model's output type and size.
         import numpy as np
 
-        value = float(np.float32(1.0 / OUTPUT_DIM**0.5))
-        self._row = [value] * OUTPUT_DIM
+        self._row = np.full(OUTPUT_DIM, 1.0 / OUTPUT_DIM**0.5, dtype=np.float32)
         path = os.environ.get(DEVICE_LOG_ENV)
         if path and self._log is None:
             self._log = DeviceLog(path)
 
     def forward(
         self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
-    ) -> Sequence[Any]:
+    ) -> npt.NDArray[np.float32]:
+        import numpy as np
+
         rows, width = attention_mask.shape
         start = time.time()
         time.sleep(self.profile.batch_s(rows * width))
         if self._log is not None:
             self._log.record(start, time.time(), rows, width)
-        return [list(self._row) for _ in range(rows)]
+        out: npt.NDArray[np.float32] = np.tile(self._row, (rows, 1))
+        return out
 
 
 class V100(SimulatedDevice):

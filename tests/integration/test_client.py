@@ -578,3 +578,35 @@ def test_gather_async(processes: Processes) -> None:
     a, b, mixed = asyncio.run(main())
     assert a + b == gather(submit_many(texts, model="toy"), timeout=60)
     assert isinstance(mixed[3], DeadlineExceeded) and mixed[:3] == a[:3]
+
+
+def test_a_plain_celery_client_reads_the_results_gather_returns(processes: Processes) -> None:
+    """Results written from a model's float32 rows are standard Celery result metas: a Celery app that
+    knows nothing of carpool (only the URLs, JSON) reads each one equal to what gather returns, and
+    equal to the model's float32 row once cast to float32."""
+    import numpy as np
+    from celery import Celery
+
+    from carpool.celery_edge.app import create_app
+    from carpool.models.simdevice import OUTPUT_DIM
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
+    from carpool.tools.harness import release_result_consumer
+
+    sim = {"CARPOOL_MODEL": "sim-h100", "CARPOOL_MODELS": "sim-h100"}
+    start_stack(processes, **sim)
+    app = create_app(processes.settings().model_copy(update={"model": "sim-h100", "models": ("sim-h100",)}))
+    plain = Celery("plain", broker=processes.broker_url, backend=processes.result_backend)
+    plain.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"])
+    try:
+        results = submit_many(mixed_texts(40, seed=5), app=app)
+        got = gather(results, timeout=60)
+        read = [plain.AsyncResult(r.id).get(timeout=10) for r in results]
+    finally:
+        release_result_consumer(app)
+        plain.backend.result_consumer.stop()  # every result was got: nothing is subscribed
+        plain.close()
+    assert read == got
+    row = np.full(OUTPUT_DIM, 1.0 / OUTPUT_DIM**0.5, dtype=np.float32)  # what the model returns per row
+    assert all(isinstance(v, float) for v in got[0])
+    assert (np.array(got, dtype=np.float64).astype(np.float32) == row).all()

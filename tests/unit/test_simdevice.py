@@ -34,8 +34,8 @@ def test_forward_sleeps_for_the_device_time_and_returns_minilm_sized_rows(
     started = time.perf_counter()
     rows = model.forward(mask, mask)
     assert time.perf_counter() - started >= 0.02
-    assert len(rows) == 2 and all(len(r) == 384 and isinstance(r[0], float) for r in rows)
-    assert sum(v * v for v in rows[0]) == pytest.approx(1.0, rel=1e-5)
+    assert isinstance(rows, np.ndarray) and rows.shape == (2, 384) and rows.dtype == np.float32  # MiniLM's
+    assert float((rows[0].astype(np.float64) ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_named_profiles_are_builtin_models() -> None:

@@ -1,0 +1,116 @@
+"""CPU per result of carpool's result path alone: the worker storing, Redis, the producer gathering.
+
+    python scripts/result_path.py [--requests 6000] [--dim 384] [--rows numpy|list] [--rounds 3]
+
+Each round: N task ids, subscribed as ``submit_many`` subscribes them; a child process (the worker's
+part) turns (N/32) model outputs of ``--dim`` float32 values per row into stored results, 32 at a
+time, through the result backend's write-once store (the finish script, results only); meanwhile
+this process ``gather``s them. ``--rows numpy`` hands the store the float32 rows as a model returns
+them (``MiniLM.forward``); ``list`` converts each batch with ``tolist()`` first, as models did before
+they returned arrays (that conversion is counted as the worker's). Reported per result: the worker's
+CPU (its process), Redis's (``INFO cpu``), the producer's ``gather`` (this process), and the bytes
+stored. Least and median of the rounds; the machine is shared, read CPU, not wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import time
+import uuid
+from typing import Any
+
+BATCH = 32
+
+
+def _redis_cpu_s(client: Any) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _worker(url: str, ids: list[str], dim: int, rows: str, out: Any) -> None:
+    """Store a result for every id, a batch at a time; put this process's CPU seconds on ``out``."""
+    import numpy as np
+
+    from carpool.celery_edge.app import create_app
+    from carpool.celery_edge.results import SUCCESS
+    from carpool.config import load_settings
+
+    app = create_app(load_settings(broker_url=url, result_backend=url))
+    rng = np.random.default_rng(0)
+    batch = rng.standard_normal((BATCH, dim)).astype(np.float32)
+    batch /= np.linalg.norm(batch, axis=1, keepdims=True)
+    app.backend.store_many([(str(uuid.uuid4()), SUCCESS, batch[0].tolist())])  # warm: script loaded
+    started = time.process_time()
+    for first in range(0, len(ids), BATCH):
+        chunk = ids[first : first + BATCH]
+        outputs: Any = batch if rows == "numpy" else batch.tolist()
+        app.backend.store_many([(t, SUCCESS, outputs[i]) for i, t in enumerate(chunk)])
+    out.put(time.process_time() - started)
+
+
+def one_round(url: str, n: int, dim: int, rows: str) -> dict[str, float]:
+    import redis
+    from celery.result import AsyncResult
+
+    from carpool.celery_edge.app import create_app
+    from carpool.celery_edge.result_consumer import subscribe_results
+    from carpool.config import load_settings
+    from carpool.producer.gather import gather
+
+    app = create_app(load_settings(broker_url=url, result_backend=url))
+    client = redis.Redis.from_url(url)
+    ids = [str(uuid.uuid4()) for _ in range(n)]
+    results = [AsyncResult(t, app=app) for t in ids]
+    subscribe_results(app.backend, ids)
+    queue: Any = multiprocessing.get_context("fork").Queue()
+    redis_before = _redis_cpu_s(client)
+    worker = multiprocessing.get_context("fork").Process(target=_worker, args=(url, ids, dim, rows, queue))
+    worker.start()
+    started = time.process_time()
+    values = gather(results, timeout=120)
+    gather_s = time.process_time() - started
+    worker_s = queue.get(timeout=120)
+    worker.join()
+    redis_s = _redis_cpu_s(client) - redis_before
+    stored = client.strlen(app.backend.get_key_for_task(ids[0]))
+    assert len(values) == n and len(values[0]) == dim
+    client.flushdb()
+    app.backend.result_consumer.stop()
+    return {
+        "worker_us": worker_s / n * 1e6,
+        "redis_us": redis_s / n * 1e6,
+        "gather_us": gather_s / n * 1e6,
+        "bytes_per_result": float(stored),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=6000)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--rows", choices=("numpy", "list"), default="numpy")
+    parser.add_argument("--rounds", type=int, default=3)
+    opts = parser.parse_args()
+
+    from carpool.tools.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        rounds = [one_round(server.url(1), opts.requests, opts.dim, opts.rows) for _ in range(opts.rounds)]
+    finally:
+        server.stop()
+    for r in rounds:
+        print("round:", {k: round(v, 1) for k, v in r.items()}, flush=True)
+    print(f"{'per result':20s} {'min':>8s} {'median':>8s}")
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        print(f"{key:20s} {min(values):8.1f} {statistics.median(values):8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""How a result is written: a model's numpy rows straight from the array (float32 in its shortest
+float32 form, reading back as the same float32 through any float64 JSON reader), everything else
+exactly as before, inside the same Celery result meta."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from carpool.celery_edge.app import app
+from carpool.celery_edge.events import short_repr
+from carpool.celery_edge.results import SUCCESS, success_meta
+from carpool.codec import dumps_result, float32_rows, stored_form
+from carpool.gpu_worker.runner import output_rows
+from tests.unit.test_codec import plain
+
+# A float32 whose shortest form, 7.038531e-26, reads back (float64, then float32) as its neighbour:
+# the double rounding float32_rows guards against.
+DOUBLE_ROUNDED = np.array([363742205], dtype=np.uint32).view(np.float32)[0]
+
+finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+f32_batches = hnp.arrays(
+    np.float32,
+    st.tuples(st.integers(1, 6), st.integers(1, 40)),
+    elements=finite_f32 | st.sampled_from([float(DOUBLE_ROUNDED), 1e-3, 1e10, 0.0, -0.0]),
+)
+
+
+def _encoded(value: Any) -> bytes:
+    encoded = dumps_result(value)
+    assert encoded is not None
+    return encoded
+
+
+def _read_back(row: Any, reader: Any) -> np.ndarray:
+    return np.array(reader(_encoded(row)), dtype=np.float64).astype(np.float32)
+
+
+@given(f32_batches)
+def test_float32_rows_read_back_as_the_same_float32_values(batch: np.ndarray) -> None:
+    rows = float32_rows(batch)
+    assert len(rows) == len(batch)
+    for row, original in zip(rows, batch, strict=True):
+        for reader in (orjson.loads, json.loads):  # carpool's producer, a plain Celery client
+            assert (_read_back(row, reader).view(np.uint32) == original.view(np.uint32)).all()
+
+
+def test_the_double_rounding_case_is_caught_and_written_exactly() -> None:
+    batch = np.full((3, 4), 0.25, dtype=np.float32)
+    batch[1, 2] = DOUBLE_ROUNDED
+    assert _read_back(batch[1], orjson.loads)[2] != DOUBLE_ROUNDED  # its shortest form alone is off
+    rows = float32_rows(batch)
+    assert isinstance(rows[0], np.ndarray) and isinstance(rows[2], np.ndarray)
+    assert rows[1] == batch[1].tolist()  # that row, and only it, as exact Python floats
+    assert _read_back(rows[1], orjson.loads)[2] == DOUBLE_ROUNDED
+
+
+def test_float32_rows_are_about_half_the_bytes_of_their_python_floats() -> None:
+    row = np.random.default_rng(0).standard_normal(384).astype(np.float32)
+    row /= np.linalg.norm(row)
+    compact, as_floats = _encoded(row), _encoded(row.tolist())
+    assert len(compact) < 0.65 * len(as_floats)
+
+
+@given(hnp.arrays(np.float64, st.integers(1, 40), elements=st.floats(allow_nan=False, allow_infinity=False)))
+def test_float64_rows_read_back_exactly(row: np.ndarray) -> None:
+    assert orjson.loads(_encoded(row)) == row.tolist()
+    assert json.loads(_encoded(row)) == row.tolist()
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(6, dtype=np.int64).reshape(2, 3),
+        np.array([[True, False]]),
+        np.array([[1.5, 2.25]], dtype=np.float16),
+        np.arange(12, dtype=np.float32).reshape(3, 4).T,  # not C-contiguous
+    ],
+)
+def test_other_arrays_are_written_as_the_values_they_hold(array: np.ndarray) -> None:
+    assert orjson.loads(_encoded(array)) == array.tolist()
+    assert stored_form(array) == array.tolist()
+
+
+@given(plain)
+def test_a_success_meta_is_the_dict_celery_would_encode(value: Any) -> None:
+    """Byte for byte what encoding the meta dict gives, so @batched outputs read back exactly."""
+    date_done = "2026-11-30T00:00:00.000000+00:00"
+    for task_id in ("6f1c1e0e-0000-4000-8000-000000000000", 'odd "id" \\ é'):
+        meta = {
+            "status": SUCCESS,
+            "result": value,
+            "traceback": None,
+            "children": None,
+            "date_done": date_done,
+            "task_id": task_id,
+        }
+        encoded = app.backend.meta_for(task_id, SUCCESS, value, date_done)
+        assert encoded == orjson.dumps(meta)
+        assert encoded == success_meta(orjson.dumps(value), orjson.dumps(date_done), task_id)
+        assert app.backend.decode_result(encoded)["result"] == value
+
+
+def test_a_float_result_stays_the_same_float() -> None:
+    values = [0.1, 1 / 3, 5e-324, 1.7976931348623157e308, float(np.float32(0.1))]
+    meta = app.backend.decode_result(app.backend.meta_for("t", SUCCESS, values, "2026-11-30T00:00:00"))
+    assert meta["result"] == values
+    assert [v.hex() for v in meta["result"]] == [v.hex() for v in values]
+
+
+def test_model_outputs_become_rows() -> None:
+    batch = np.ones((2, 3), dtype=np.float32)
+    rows = output_rows(batch)
+    assert len(rows) == 2 and all(isinstance(r, np.ndarray) and r.shape == (3,) for r in rows)
+    assert output_rows(np.array([0.5, 2.0], dtype=np.float32)) == [0.5, 2.0]  # one number per row
+    assert output_rows([[1, 2], [3]]) == [[1, 2], [3]]  # lists as they are
+    assert all(isinstance(r, np.ndarray) for r in output_rows(np.zeros((2, 2, 2))))
+
+
+def test_a_numpy_row_shows_in_flower_as_its_list_does() -> None:
+    row = np.arange(384, dtype=np.float32) / 384
+    assert short_repr(row) == short_repr(row.tolist())
+    assert len(short_repr(row)) <= 200
+    small = np.array([0.5, 1.0], dtype=np.float32)
+    assert short_repr(small) == short_repr([0.5, 1.0])
+
+
+def test_stored_form_is_what_a_reader_gets() -> None:
+    row = np.array([0.1, DOUBLE_ROUNDED], dtype=np.float32)
+    assert stored_form(row) == orjson.loads(_encoded(row))
+    assert stored_form([0.1, "x"]) == [0.1, "x"]
