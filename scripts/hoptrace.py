@@ -25,7 +25,9 @@ def record(hop: str) -> None:
         os.write(_fd, f"{hop} {time.perf_counter_ns()}\n".encode())
 
 
-def _wrap(owner: Any, name: str, before: str | None, after: str | None, when: Callable[[Any], bool] | None = None) -> None:
+def _wrap(
+    owner: Any, name: str, before: str | None, after: str | None, when: Callable[[Any], bool] | None = None
+) -> None:
     original = getattr(owner, name)
 
     @functools.wraps(original)

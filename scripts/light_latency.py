@@ -29,6 +29,7 @@ the same probe. ``--rounds`` repeats the whole run (a fresh stack each time) and
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -67,6 +68,7 @@ def one_round(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, 
 
     from carpool.celery_edge.app import create_app
     from carpool.config import load_settings
+    from carpool.tools.bench.procstat import process_cpu_s
     from carpool.tools.harness import Harness, release_result_consumer
 
     trace_dir = tempfile.mkdtemp(prefix="hoptrace-")
@@ -84,7 +86,10 @@ def one_round(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, 
         harness.start_stack(1, **env)
         app = create_app(
             load_settings(
-                broker_url=harness.broker_url, result_backend=harness.result_backend, model="null", models=["null"]
+                broker_url=harness.broker_url,
+                result_backend=harness.result_backend,
+                model="null",
+                models=["null"],
             )
         )
         import carpool.tasks  # noqa: F401  (registers carpool.infer on every app)
@@ -97,6 +102,8 @@ def one_round(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, 
                 hoptrace.open_trace(trace_dir)
                 hoptrace.install_producer()
             pause_s = args.pause_ms / 1000
+            pids = {**harness.pids(), "producer": os.getpid()}
+            cpu_before = {name: process_cpu_s(pid) for name, pid in pids.items()}
             for _ in range(args.requests):
                 time.sleep(pause_s)
                 t0 = time.perf_counter_ns()
@@ -105,11 +112,17 @@ def one_round(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, 
                 result.get(timeout=30)
                 t2 = time.perf_counter_ns()
                 marks += [("send", t0), ("sent", t1), ("got", t2)]
+            cpu_us = {
+                name: 1e6 * (process_cpu_s(pid) - cpu_before[name]) / args.requests
+                for name, pid in pids.items()
+            }
         finally:
             release_result_consumer(app)
         load = os.getloadavg()
     traced = [] if args.no_trace else read_traces(Path(trace_dir))
-    return analyse(marks, traced, load)
+    report = analyse(marks, traced, load)
+    report["cpu_us_per_request"] = cpu_us
+    return report
 
 
 def read_traces(directory: Path) -> list[tuple[str, int]]:
@@ -121,7 +134,9 @@ def read_traces(directory: Path) -> list[tuple[str, int]]:
     return out
 
 
-def analyse(marks: list[tuple[str, int]], traced: list[tuple[str, int]], load: tuple[float, ...]) -> dict[str, Any]:
+def analyse(
+    marks: list[tuple[str, int]], traced: list[tuple[str, int]], load: tuple[float, ...]
+) -> dict[str, Any]:
     """Per request (between its send and its got): each hop's first time after the previous hop."""
     events = sorted(marks + traced, key=lambda e: e[1])
     sends = [t for hop, t in marks if hop == "send"]
@@ -147,7 +162,7 @@ def analyse(marks: list[tuple[str, int]], traced: list[tuple[str, int]], load: t
                     break
                 at[hop] = previous = t
             if len(at) == len(CHAIN):
-                for a, b in zip(CHAIN, CHAIN[1:], strict=False):
+                for a, b in itertools.pairwise(CHAIN):
                     hops.setdefault(f"{a} -> {b}", []).append((at[b] - at[a]) / 1e6)
         for a, b in SIDE:
             ta = next((t for h, t in window if h == a), None)
@@ -176,13 +191,17 @@ def summary(values: list[float]) -> dict[str, float]:
 def show(report: dict[str, Any]) -> None:
     rt = report["round_trip_ms"]
     load = ", ".join(f"{x:.2f}" for x in report["load_average"])
-    print(f"round trip, {report['requests']} requests: p50 {rt['p50']:.2f} ms, p99 {rt['p99']:.2f} ms (load {load})")
+    n = report["requests"]
+    print(f"round trip, {n} requests: p50 {rt['p50']:.2f} ms, p99 {rt['p99']:.2f} ms (load {load})")
+    cpu = ", ".join(f"{name} {us:.0f}" for name, us in report["cpu_us_per_request"].items())
+    print(f"  CPU per request (us, the producer's pause included): {cpu}")
     for title, table in (("hop", report["hops_ms"]), ("side", report["side_ms"])):
         if not table:
             continue
         print(f"  {title:<24} {'n':>4} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
         for name, s in table.items():
-            print(f"  {name:<24} {s['n']:>4} {s['p50']:>8.3f} {s['p90']:>8.3f} {s['p99']:>8.3f} {s['mean']:>8.3f}")
+            figures = " ".join(f"{s[k]:>8.3f}" for k in ("p50", "p90", "p99", "mean"))
+            print(f"  {name:<24} {s['n']:>4} {figures}")
     if report["hops_ms"]:
         p50_sum = sum(s["p50"] for s in report["hops_ms"].values())
         print(f"  sum of hop medians {p50_sum:.2f} ms")

@@ -12,7 +12,9 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from celery.backends.asynchronous import Drainer
 from celery.backends.redis import ResultConsumer
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from carpool.celery_edge.compat import (
     forget_result_pubsub,
@@ -37,6 +39,32 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     """
 
     _deferred: list[str] | None = None  # task ids whose unsubscription waits for deferring_cancels
+    on_message: Any  # Celery's: the callback of the .get() in progress, if it passed one
+
+    def _wait_for_pending(
+        self,
+        result: Any,
+        timeout: float | None = None,
+        on_interval: Any = None,
+        on_message: Any = None,
+        **kwargs: Any,
+    ) -> Iterator[None]:
+        """Celery's wait for one result, without the ``sleep(0)`` after each drained message when the
+        process runs threads: it yields to other greenlets, and with threads it is a nap of the
+        kernel's timer slack on the way from the result message to ``.get()``'s return."""
+        if type(self.drainer) is not Drainer:  # eventlet or gevent: their drainers need the yield
+            yield from super()._wait_for_pending(
+                result, timeout=timeout, on_interval=on_interval, on_message=on_message, **kwargs
+            )
+            return
+        self.on_wait_for_pending(result, timeout=timeout, **kwargs)
+        previous, self.on_message = self.on_message, on_message
+        try:
+            yield from self.drain_events_until(result.on_ready, timeout=timeout, on_interval=on_interval)
+        except TimeoutError:  # socket.timeout, as Celery's drainer raises it
+            raise CeleryTimeoutError("The operation timed out.") from None
+        finally:
+            self.on_message = previous
 
     def drain_events_until(
         self, p: Any, timeout: float | None = None, on_interval: Any = None
