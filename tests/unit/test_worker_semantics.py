@@ -147,7 +147,8 @@ def test_results_go_to_the_finisher_thread_only_when_another_batch_is_queued(run
     runtime.run(batch(slot("alone")))
     assert finisher.handed == [], "nothing to overlap with: stored inline"
     assert [task_id for task_id, _ in runtime.store.writes] == ["alone"]
-    assert runtime.store.counted == [[runtime.settings.batch_queue]]
+    [counted] = runtime.store.counted
+    assert runtime.settings.batch_queue in counted, "the claim counts what waits on the worker's queues"
     runtime.store.queued = 1
     runtime.run(batch(slot("busy")))
     assert finisher.handed == [["busy"]]
