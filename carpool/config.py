@@ -99,7 +99,11 @@ class Settings(BaseSettings):
     torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default.")
     autocast_bf16: bool = Field(False, description="Run CUDA batches under bf16 autocast.")
     overlap_finish: bool = Field(
-        True, description="Store a batch's results while the next batch runs (false: one after the other)."
+        True,
+        description=(
+            "Store a batch's results while the next batch runs, when one is queued (false: one after the "
+            "other)."
+        ),
     )
 
     # --- batching policy ---------------------------------------------------------------------

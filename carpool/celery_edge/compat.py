@@ -35,6 +35,14 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("celery.backends.redis:ResultConsumer", "on_state_change", ("meta", "message")),
     ("celery.backends.redis:ResultConsumer", "cancel_for", ("task_id",)),
     ("celery.backends.redis:ResultConsumer", "drain_events_until", ("p", "timeout", "on_interval")),
+    (
+        "celery.backends.redis:ResultConsumer",
+        "_wait_for_pending",
+        ("result", "timeout", "on_interval", "on_message", "kwargs"),
+    ),
+    ("celery.backends.redis:ResultConsumer", "on_wait_for_pending", ("result", "kwargs")),
+    ("celery.backends.redis:ResultConsumer", "on_message", None),
+    ("celery.backends.redis:ResultConsumer", "drainer", None),
     ("celery.backends.redis:RedisBackend", "add_pending_result", ("result", "weak", "start_drainer")),
     (
         "celery.backends.redis:RedisBackend",

@@ -18,7 +18,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from celery.backends.asynchronous import Drainer
 from celery.backends.redis import ResultConsumer
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from carpool.celery_edge.compat import (
     forget_result_pubsub,
@@ -49,6 +51,33 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     _deferred: list[str] | None = None  # task ids whose unsubscription waits for deferring_cancels
     _watched: Any = None  # the pub/sub connection whose (re)connections set _stale
     _stale = False  # the connection was, or is to be, replaced: stored results must be re-read
+
+    on_message: Any  # Celery's: the callback of the .get() in progress, if it passed one
+
+    def _wait_for_pending(
+        self,
+        result: Any,
+        timeout: float | None = None,
+        on_interval: Any = None,
+        on_message: Any = None,
+        **kwargs: Any,
+    ) -> Iterator[None]:
+        """Celery's wait for one result, without the ``sleep(0)`` after each drained message when the
+        process runs threads: it yields to other greenlets, and with threads it is a nap of the
+        kernel's timer slack on the way from the result message to ``.get()``'s return."""
+        if type(self.drainer) is not Drainer:  # eventlet or gevent: their drainers need the yield
+            yield from super()._wait_for_pending(
+                result, timeout=timeout, on_interval=on_interval, on_message=on_message, **kwargs
+            )
+            return
+        self.on_wait_for_pending(result, timeout=timeout, **kwargs)
+        previous, self.on_message = self.on_message, on_message
+        try:
+            yield from self.drain_events_until(result.on_ready, timeout=timeout, on_interval=on_interval)
+        except TimeoutError:  # socket.timeout, as Celery's drainer raises it
+            raise CeleryTimeoutError("The operation timed out.") from None
+        finally:
+            self.on_message = previous
 
     # --- a connection that broke or went silent ----------------------------------------------
     def _reconnect(self) -> None:

@@ -194,13 +194,8 @@ class Coordinator:
     # --- one step ------------------------------------------------------------------------
     def step(self) -> Wait:
         """One iteration; returns how to wait before the next."""
-        now = self.clock()
-        if now >= self._next_housekeeping:
-            self.housekeeping(now)
-            self._next_housekeeping = now + min(1.0, self.settings.recovery_timeout_s / 4)
-        if now >= self._next_stats:
-            self._write_stats()
-            self._next_stats = now + STATS_INTERVAL_S
+        if self.workers == 0:
+            self._bookkeeping(self.clock())  # nothing could leave before the worker count is known
         if self.revokes is not None:
             heard = self.revokes.take()
             if heard:
@@ -223,10 +218,25 @@ class Coordinator:
         if self.pacer.poll_due(now):
             self.pacer.polled(now, self._dispatch(now))
         self.events.flush()
+        # After the dispatch: a request that woke this step does not wait behind the bookkeeping.
+        self._bookkeeping(now)
         busy = self.workers > 0 and free_workers(self.workers, len(self.outstanding)) == 0
         return self.pacer.next_wait(
-            now, took=bool(taken), held=len(self.policy), all_workers_busy=busy, next_eta_s=next_eta_s
+            now,
+            full_take=len(taken) >= self.settings.take_max,
+            held=len(self.policy),
+            all_workers_busy=busy,
+            next_eta_s=next_eta_s,
         )
+
+    def _bookkeeping(self, now: float) -> None:
+        """Housekeeping and the stats, when due."""
+        if now >= self._next_housekeeping:
+            self.housekeeping(now)
+            self._next_housekeeping = now + min(1.0, self.settings.recovery_timeout_s / 4)
+        if now >= self._next_stats:
+            self._write_stats()
+            self._next_stats = now + STATS_INTERVAL_S
 
     def _wait(self, wait: Wait) -> None:
         """Sleep ``wait.seconds``, or less if its list gets an element first: BLMOVE from the list to

@@ -75,21 +75,30 @@ class Pacer:
         self.can_block = False
 
     def next_wait(
-        self, now: float, *, took: bool, held: int, all_workers_busy: bool, next_eta_s: float | None = None
+        self,
+        now: float,
+        *,
+        full_take: bool,
+        held: int,
+        all_workers_busy: bool,
+        next_eta_s: float | None = None,
     ) -> Wait:
-        """How to wait after a step that ``took`` requests or not, with ``held`` requests in the policy
-        and, at ``next_eta_s``, the soonest request held for its eta coming due.
+        """How to wait after a step whose take came back ``full_take`` (as many requests as it may
+        take at once) or not, with ``held`` requests in the policy and, at ``next_eta_s``, the soonest
+        request held for its eta coming due.
 
-        - Something was taken: more may be queued, so go again at once.
+        - A full take: more may be queued, so go again at once (a shorter one emptied the lists).
         - A deadline, a partial batch's wait or an eta is due within Redis's timeout grain: sleep
           locally.
-        - Every worker busy: wait for the next batch report. Arrivals are looked at when the wait
-          times out: with no worker free they change at most which batch waits in a prefetch slot.
         - Nothing held: wait for the next request at the default priority (other priorities and
           reports are looked at when the wait times out), or for the next eta, whichever comes first.
+          Also with every worker busy: a report frees a slot, but with nothing held no batch could
+          take it, and the take that a request wakes reads the reports too.
+        - Every worker busy: wait for the next batch report. Arrivals are looked at when the wait
+          times out: with no worker free they change at most which batch waits in a prefetch slot.
         - Otherwise a worker is idle and requests wait for a partial batch to fill: poll briefly.
         """
-        if took:
+        if full_take:
             return GO_ON
         wake_at_s = self._wake_at_s
         if next_eta_s is not None and (wake_at_s is None or next_eta_s < wake_at_s):
@@ -98,10 +107,10 @@ class Pacer:
         block_on: WaitFor | None = None
         if until_wake is not None and until_wake < REDIS_TIMEOUT_GRAIN_S:
             pass
-        elif all_workers_busy:
-            block_on = WaitFor.REPORTS
         elif not held:
             block_on = WaitFor.REQUESTS
+        elif all_workers_busy:
+            block_on = WaitFor.REPORTS
         seconds = self.idle_poll_s if block_on is not None else min(self.idle_poll_s, BUSY_POLL_S)
         if until_wake is not None:
             seconds = min(seconds, until_wake)

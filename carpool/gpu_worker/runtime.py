@@ -83,6 +83,8 @@ class WorkerRuntime:
         import_task_modules(self.settings.imports)
         self.served = served_tasks(self.settings.serve_tasks, registered())
         self.specs = {name: spec for name, spec in registered().items() if name in self.served}
+        # Batches carry no priority, so each batch queue is one list under its own name.
+        self.batch_lists = batch_queues(self.settings)
         self._running: list[str] = []
         self._finisher: Finisher | None = None  # set by start(): results stored beside the next batch
         self._last_run_s: dict[str, float] = {}
@@ -180,7 +182,7 @@ class WorkerRuntime:
         batch_id = batch["id"]
         requests = batch["requests"]
         ids = [r["id"] for r in requests]
-        flags = self._claim(batch_id, ids)
+        flags, batches_queued = self._claim(batch_id, ids)
         mine = [r for r, f in zip(requests, flags, strict=True) if f]
         if len(mine) < len(requests):
             log.info(
@@ -248,7 +250,9 @@ class WorkerRuntime:
             if linked:
                 self._apply_links(batch["task"], entries, stored, linked)
 
-        if self._finisher is None:
+        if self._finisher is None or batches_queued == 0:
+            # Nothing queued behind this batch to overlap with: a hand-off to the finisher thread
+            # would only add its wake-up to every request's latency.
             hand_over()
         else:
             # The device can start the next batch while this one's results are stored.
@@ -306,15 +310,18 @@ class WorkerRuntime:
         if unsent:
             _retrying(lambda: self.backend.store_many(unsent))
 
-    def _claim(self, batch_id: str, ids: list[str]) -> list[int]:
-        """Per id: 0 (no longer this batch's), 1 (claimed, to run) or 2 (claimed, answered already)."""
+    def _claim(self, batch_id: str, ids: list[str]) -> tuple[list[int], int | None]:
+        """Per id: 0 (no longer this batch's), 1 (claimed, to run) or 2 (claimed, answered already);
+        and the batch messages queued for this worker's queues (None: not counted)."""
         if self.dbs is not None:
             result_keys = [self.backend.get_key_for_task(i) for i in ids]
-            return self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1])
+            claimed = self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1], self.batch_lists)
+            return claimed.flags, claimed.batches_queued
         # Results on another server: claim, then look for stored results there.
         owned = self.store.claim(batch_id, ids)
         answered = self.backend.existing([i for i, ok in zip(ids, owned, strict=True) if ok])
-        return [(2 if i in answered else 1) if ok else 0 for i, ok in zip(ids, owned, strict=True)]
+        flags = [(2 if i in answered else 1) if ok else 0 for i, ok in zip(ids, owned, strict=True)]
+        return flags, None
 
     def _forward(
         self, batch: BatchMessage, live: list[RequestSlot], entries: list[tuple[str, str, Any]]

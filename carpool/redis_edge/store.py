@@ -62,6 +62,15 @@ def finish_call(
     return keys, args
 
 
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What a claim found: per request 0 (not this batch's), 1 (claimed, to run) or 2 (claimed,
+    answered already), and how many batch messages wait on the batch queues named."""
+
+    flags: list[int]
+    batches_queued: int
+
+
 class RequestStore:
     """The Redis edge for in-flight requests. One per process; thread-safe as redis-py is."""
 
@@ -168,21 +177,28 @@ class RequestStore:
         """Which of ``ids`` this batch still owns; marks them claimed so only the worker renews them."""
         if not ids:
             return []
-        flags = self._claim(keys=self._claim_keys(), args=[batch_id, self.lease_ms, "", *ids])
+        *flags, _ = self._claim(keys=self._claim_keys(), args=[batch_id, self.lease_ms, "", *ids])
         return [bool(int(f)) for f in flags]
 
     def claim_fresh(
-        self, batch_id: str, ids: Sequence[str], result_keys: Sequence[str], results_db: int
-    ) -> list[int]:
+        self,
+        batch_id: str,
+        ids: Sequence[str],
+        result_keys: Sequence[str],
+        results_db: int,
+        batch_lists: Sequence[str] = (),
+    ) -> Claimed:
         """:meth:`claim` and a check for stored results in one round trip: per id 0 (not this
         batch's), 1 (claimed, to run) or 2 (claimed, already answered). ``result_keys[i]`` is the
-        result key of ``ids[i]`` in database ``results_db`` of this same Redis server."""
+        result key of ``ids[i]`` in database ``results_db`` of this same Redis server. Also counts the
+        messages waiting on ``batch_lists`` (the batch queues' lists)."""
         if not ids:
-            return []
-        flags = self._claim(
-            keys=[*self._claim_keys(), *result_keys], args=[batch_id, self.lease_ms, results_db, *ids]
+            return Claimed([], 0)
+        *flags, queued = self._claim(
+            keys=[*self._claim_keys(), *result_keys, *batch_lists],
+            args=[batch_id, self.lease_ms, results_db, *ids],
         )
-        return [int(f) for f in flags]
+        return Claimed([int(f) for f in flags], int(queued))
 
     def _claim_keys(self) -> list[str]:
         return [self.keys.inflight_lease, self.keys.inflight_owner, self.keys.inflight_claimed]

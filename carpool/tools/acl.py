@@ -230,9 +230,10 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 (*_exact([*inflight, keys.workers]), f"~{reports}"),
             ),
             Grant(
-                "the in-flight scripts (claim, finish, renew, heartbeat) and the write-once result store",
+                "the in-flight scripts (claim, finish, renew, heartbeat) and the write-once result store; "
+                "claim counts the batches queued",
                 _SCRIPTS,
-                (*_exact([*inflight, keys.workers]), f"~{reports}", f"~{results}"),
+                (*_exact([*inflight, keys.workers, *batches]), f"~{reports}", f"~{results}"),
             ),
             Grant(
                 "store results write-once and wake their producers; see which are stored",

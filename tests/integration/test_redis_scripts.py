@@ -17,7 +17,14 @@ import redis
 
 from carpool.redis_edge import lua
 from carpool.redis_edge.keys import PRIORITY_SEP, Keys
-from carpool.redis_edge.store import REPORTS_KEPT, REPORTS_TTL_S, RequestStore, ResultWrites, finish_call
+from carpool.redis_edge.store import (
+    REPORTS_KEPT,
+    REPORTS_TTL_S,
+    Claimed,
+    RequestStore,
+    ResultWrites,
+    finish_call,
+)
 from carpool.tools.embedded import EmbeddedRedis
 from tests.integration.conftest import as_bytes
 
@@ -308,11 +315,22 @@ def test_claim_fresh_also_says_which_are_answered(
     results.set("result:answered", b"done")
     results.set("result:elsewhere", b"done")
     ids = ["fresh", "answered", "elsewhere"]
-    flags = store.claim_fresh("b1", ids, [f"result:{i}" for i in ids], RESULTS_DB)
-    assert flags == [1, 2, 0]
+    claimed = store.claim_fresh("b1", ids, [f"result:{i}" for i in ids], RESULTS_DB)
+    assert claimed == Claimed([1, 2, 0], 0)
     assert client.hgetall(KEYS.inflight_claimed) == {b"fresh": b"b1", b"answered": b"b1"}
     assert client.get("result:answered") is None  # the caller's database is still the broker's
-    assert store.claim_fresh("b1", [], [], RESULTS_DB) == []
+    assert store.claim_fresh("b1", [], [], RESULTS_DB) == Claimed([], 0)
+
+
+def test_claim_fresh_counts_the_batches_queued_on_the_lists_named(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    in_flight(store, "a", "b", "c")
+    store.dispatch("q", [("b1", ["a"], b"m1"), ("b2", ["b"], b"m2")])
+    store.dispatch("other", [("b3", ["c"], b"m3")])
+    client.rpop("q")  # the worker's BRPOP took b1's message
+    assert store.claim_fresh("b1", ["a"], ["result:a"], RESULTS_DB, ["q"]).batches_queued == 1
+    assert store.claim_fresh("b2", ["b"], ["result:b"], RESULTS_DB, ["q", "other"]) == Claimed([1], 2)
 
 
 # --- finish ----------------------------------------------------------------------------------

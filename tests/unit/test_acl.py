@@ -106,7 +106,7 @@ def test_every_script_finds_all_its_keys_in_one_grant(roles: dict[acl.Role, Role
     requeue = (*keys.inflight, *keys.request_lists)
     for script_keys in (take, dispatch, requeue, (keys.workers,), (RESULT, RESULT)):
         assert allowed(roles["coordinator"], "evalsha", script_keys), script_keys
-    claim_fresh = (keys.inflight_lease, keys.inflight_owner, RESULT)
+    claim_fresh = (keys.inflight_lease, keys.inflight_owner, RESULT, "carpool.batches")
     finish = (*keys.inflight, reports, RESULT)
     kombu = ("_kombu.binding.celery.pidbox", "_kombu.binding_deadlines")
     for script_keys in (claim_fresh, finish, (keys.workers,), kombu):
@@ -131,6 +131,7 @@ def test_commands_inside_the_scripts_are_allowed_key_by_key(roles: dict[acl.Role
     assert allowed(worker, "select")
     assert allowed(worker, "hdel", (keys.inflight_raw,))
     assert allowed(worker, "lpush", (keys.reports_for("c"),))
+    assert allowed(worker, "llen", ("carpool.batches",))
     assert not allowed(worker, "rpop", ("carpool.requests",))  # workers never take requests
     assert not allowed(worker, "hset", (keys.stats,))
 

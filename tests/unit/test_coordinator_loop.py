@@ -190,7 +190,11 @@ def test_the_batch_message_is_what_the_worker_reads_and_its_report_frees_the_wor
     assert got["version"] == WIRE_VERSION and got["coordinator"] == c.hostname
     assert [r["id"] for r in got["requests"]] == ["a", "b"]
     assert c.store.dispatched == [(got["id"], ["a", "b"])] and list(c.outstanding) == [got["id"]]
-    # Every worker is busy now: the loop waits for a report, not for requests.
+    # Every worker is busy, and nothing is held that a freed slot could take: the loop waits for
+    # requests (the take one wakes reads the reports too)...
+    assert c.step().block_on is WaitFor.REQUESTS
+    # ...and for a report once a request waits for a worker.
+    c.store.queue.append(("c", message("c", "one two three")))
     assert c.step().block_on is WaitFor.REPORTS
 
     fields: dict[str, Any] = {
@@ -216,8 +220,10 @@ def test_the_batch_message_is_what_the_worker_reads_and_its_report_frees_the_wor
 
     c.store.reports.append(dict(batch_report(**fields)))
     wait = c.step()
-    assert c.outstanding == {}
+    assert got["id"] not in c.outstanding
     assert c.latency.predict("toy", 16) == pytest.approx(0.01), "the latency model learnt the run time"
+    # The freed worker takes the request that waited; then nothing is held.
+    assert [o.ids for o in c.outstanding.values()] == [["c"]]
     assert wait.block_on is WaitFor.REQUESTS
 
 

@@ -49,30 +49,41 @@ def test_a_change_makes_a_poll_due_until_the_next_poll() -> None:
 
 
 # --- how the loop waits --------------------------------------------------------------------------
-def test_after_taking_requests_the_loop_goes_on_at_once() -> None:
-    wait = polled_at(100.0).next_wait(100.0, took=True, held=0, all_workers_busy=True)
+def test_after_a_full_take_the_loop_goes_on_at_once() -> None:
+    wait = polled_at(100.0).next_wait(100.0, full_take=True, held=0, all_workers_busy=True)
     assert wait == Wait(0.0)
 
 
-def test_with_nothing_held_it_blocks_on_the_request_list() -> None:
-    wait = polled_at(100.0).next_wait(100.0, took=False, held=0, all_workers_busy=False)
+def test_a_take_short_of_the_limit_emptied_the_lists_so_the_loop_waits() -> None:
+    # A lone request leaves in the step that took it; a second take would only find nothing.
+    wait = polled_at(100.0).next_wait(100.0, full_take=False, held=0, all_workers_busy=True)
     assert wait == Wait(IDLE_POLL_S, WaitFor.REQUESTS)
 
 
-def test_with_every_worker_busy_it_blocks_on_the_report_list() -> None:
-    for held in (0, 5):
-        wait = polled_at(100.0).next_wait(100.0, took=False, held=held, all_workers_busy=True)
-        assert wait == Wait(IDLE_POLL_S, WaitFor.REPORTS)
+def test_with_nothing_held_it_blocks_on_the_request_list() -> None:
+    wait = polled_at(100.0).next_wait(100.0, full_take=False, held=0, all_workers_busy=False)
+    assert wait == Wait(IDLE_POLL_S, WaitFor.REQUESTS)
+
+
+def test_with_every_worker_busy_and_requests_held_it_blocks_on_the_report_list() -> None:
+    wait = polled_at(100.0).next_wait(100.0, full_take=False, held=5, all_workers_busy=True)
+    assert wait == Wait(IDLE_POLL_S, WaitFor.REPORTS)
+
+
+def test_with_every_worker_busy_and_nothing_held_it_blocks_on_the_request_list() -> None:
+    # A report would free a slot that nothing held could take; the next request's take reads it.
+    wait = polled_at(100.0).next_wait(100.0, full_take=False, held=0, all_workers_busy=True)
+    assert wait == Wait(IDLE_POLL_S, WaitFor.REQUESTS)
 
 
 def test_a_partial_batch_with_a_free_worker_polls_briefly() -> None:
-    wait = polled_at(100.0).next_wait(100.0, took=False, held=3, all_workers_busy=False)
+    wait = polled_at(100.0).next_wait(100.0, full_take=False, held=3, all_workers_busy=False)
     assert wait == Wait(BUSY_POLL_S)
 
 
 def test_a_wake_time_later_than_the_grain_shortens_a_blocking_wait() -> None:
     pacer = polled_at(100.0, wake_at_s=100.0 + 2 * REDIS_TIMEOUT_GRAIN_S, idle_poll_s=1.0)
-    wait = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False)
+    wait = pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=False)
     assert wait.block_on is WaitFor.REQUESTS
     assert wait.seconds == pytest.approx(2 * REDIS_TIMEOUT_GRAIN_S)
 
@@ -80,27 +91,27 @@ def test_a_wake_time_later_than_the_grain_shortens_a_blocking_wait() -> None:
 def test_a_wake_time_within_the_grain_is_slept_locally() -> None:
     # Redis could end a blocking wait up to a grain late; a deadline must not be.
     pacer = polled_at(100.0, wake_at_s=100.05, idle_poll_s=1.0)
-    wait = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=True)
+    wait = pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=True)
     assert wait == Wait(BUSY_POLL_S)
-    wait = pacer.next_wait(100.049, took=False, held=0, all_workers_busy=True)
+    wait = pacer.next_wait(100.049, full_take=False, held=0, all_workers_busy=True)
     assert wait.block_on is None and wait.seconds == pytest.approx(0.001)
 
 
 def test_a_wake_time_already_past_means_no_wait() -> None:
     pacer = polled_at(100.0, wake_at_s=99.0)
-    assert pacer.next_wait(100.0, took=False, held=2, all_workers_busy=False) == Wait(0.0)
+    assert pacer.next_wait(100.0, full_take=False, held=2, all_workers_busy=False) == Wait(0.0)
 
 
 def test_without_blmove_it_polls_instead_of_blocking() -> None:
     pacer = polled_at(100.0, idle_poll_s=1.0)
     pacer.cannot_block()
-    assert pacer.next_wait(100.0, took=False, held=0, all_workers_busy=True) == Wait(BUSY_POLL_S)
+    assert pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=True) == Wait(BUSY_POLL_S)
 
 
 def test_a_wait_below_redis_timeout_resolution_is_not_a_blocking_one() -> None:
     # A blocking command with a 0 timeout would wait forever.
     pacer = polled_at(100.0, idle_poll_s=0.0004)
-    assert pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False) == Wait(0.0004)
+    assert pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=False) == Wait(0.0004)
 
 
 def test_a_blocking_wait_that_fails_falls_back_to_a_short_sleep() -> None:
@@ -111,20 +122,22 @@ def test_a_blocking_wait_that_fails_falls_back_to_a_short_sleep() -> None:
 # --- requests held for their eta ----------------------------------------------------------------
 def test_the_next_eta_ends_a_blocking_wait_for_requests() -> None:
     pacer = polled_at(100.0, idle_poll_s=1.0)
-    wait = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False, next_eta_s=100.5)
+    wait = pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=False, next_eta_s=100.5)
     assert wait.block_on is WaitFor.REQUESTS and wait.seconds == pytest.approx(0.5)
 
 
 def test_an_eta_within_the_grain_is_slept_locally_and_a_past_one_means_no_wait() -> None:
     pacer = polled_at(100.0, idle_poll_s=1.0)
-    wait = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=True, next_eta_s=100.05)
+    wait = pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=True, next_eta_s=100.05)
     assert wait.block_on is None and wait.seconds <= 0.05
-    assert pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False, next_eta_s=99.0) == Wait(0.0)
+    assert pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=False, next_eta_s=99.0) == Wait(
+        0.0
+    )
 
 
 def test_the_sooner_of_the_plans_wake_time_and_the_next_eta_counts() -> None:
     pacer = polled_at(100.0, wake_at_s=100.3, idle_poll_s=1.0)
-    late_eta = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False, next_eta_s=100.8)
+    late_eta = pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=False, next_eta_s=100.8)
     assert late_eta.seconds == pytest.approx(0.3)
-    early_eta = pacer.next_wait(100.0, took=False, held=0, all_workers_busy=False, next_eta_s=100.2)
+    early_eta = pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=False, next_eta_s=100.2)
     assert early_eta.seconds == pytest.approx(0.2)

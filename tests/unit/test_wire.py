@@ -10,6 +10,7 @@ import pytest
 
 from carpool.codec import loads
 from carpool.errors import CarpoolError, WireError, WireVersionMismatch
+from carpool.redis_edge.store import Claimed
 from carpool.wire import (
     WIRE_VERSION,
     BatchMessage,
@@ -141,10 +142,10 @@ class FakeStore:
         self.finished: list[dict[str, Any]] = []
 
     def claim_fresh(
-        self, batch_id: str, ids: Sequence[str], result_keys: Sequence[str], db: int
-    ) -> list[int]:
+        self, batch_id: str, ids: Sequence[str], result_keys: Sequence[str], db: int, lists: Sequence[str]
+    ) -> Claimed:
         self.claimed.append((batch_id, list(ids)))
-        return [1] * len(ids)
+        return Claimed([1] * len(ids), 0)
 
     def claim(self, batch_id: str, ids: Sequence[str]) -> list[bool]:
         self.claimed.append((batch_id, list(ids)))

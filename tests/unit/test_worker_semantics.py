@@ -14,6 +14,7 @@ from carpool.celery_edge import links
 from carpool.codec import loads
 from carpool.errors import DeadlineExceeded
 from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.store import Claimed
 from carpool.wire import Links, RequestSlot, batch_message
 
 
@@ -25,9 +26,14 @@ class FakeStore:
     def __init__(self) -> None:
         self.stored: list[int] | None = None
         self.writes: list[tuple[str, dict[str, Any]]] = []
+        self.queued = 0  # batch messages the claim finds queued behind the batch
+        self.counted: list[list[str]] = []  # the lists each claim counted
 
-    def claim_fresh(self, batch_id: str, ids: Sequence[str], keys: Sequence[str], db: int) -> list[int]:
-        return [1] * len(ids)
+    def claim_fresh(
+        self, batch_id: str, ids: Sequence[str], keys: Sequence[str], db: int, lists: Sequence[str]
+    ) -> Claimed:
+        self.counted.append(list(lists))
+        return Claimed([1] * len(ids), self.queued)
 
     def finish(self, **kwargs: Any) -> list[int]:
         writes = kwargs["writes"]
@@ -149,3 +155,27 @@ def test_results_write_once_refused_are_counted_in_the_stats_hash(runtime: Any) 
     runtime.store.stored = [2]  # "a" and "c" were answered meanwhile by another run
     runtime.run(batch(slot("a"), slot("b"), slot("c")))
     assert client.counted == {f"{runtime.store.keys.stats} {REJECTED_WRITES}": 2}
+
+
+class RecordingFinisher:
+    """Runs each job at once, noting the ids of each batch handed to it."""
+
+    def __init__(self) -> None:
+        self.handed: list[list[str]] = []
+
+    def submit(self, job: Any, ids: list[str]) -> None:
+        self.handed.append(ids)
+        job()
+
+
+def test_results_go_to_the_finisher_thread_only_when_another_batch_is_queued(runtime: Any) -> None:
+    finisher = runtime._finisher = RecordingFinisher()
+    runtime.run(batch(slot("alone")))
+    assert finisher.handed == [], "nothing to overlap with: stored inline"
+    assert [task_id for task_id, _ in runtime.store.writes] == ["alone"]
+    [counted] = runtime.store.counted
+    assert runtime.settings.batch_queue in counted, "the claim counts what waits on the worker's queues"
+    runtime.store.queued = 1
+    runtime.run(batch(slot("busy")))
+    assert finisher.handed == [["busy"]]
+    assert [task_id for task_id, _ in runtime.store.writes] == ["busy"]
