@@ -30,7 +30,7 @@ from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
 from tests.integration.models import SLOW
 from tests.integration.tcpproxy import TcpProxy
-from tests.integration.test_reliability import expected, record
+from tests.integration.test_reliability import expected, record, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -114,14 +114,6 @@ def collect(stack: Stack, results: Sequence[Any], timeout_s: float = 60) -> list
     except Exception as exc:
         logs = "\n".join(f"--- {name}:\n{stack.harness.log(name)}" for name in ("coordinator", "worker"))
         raise AssertionError(f"{exc!r}\n{logs}") from exc
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
 
 
 def start_fault(proxy: TcpProxy, fault: str) -> None:

@@ -4,7 +4,6 @@ prepared and run by the same code as a ``@batched`` task, on the coordinator and
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ from carpool.registry import BatchedSpec, import_task_modules, registered, routi
 from carpool.tasks import batched, infer
 from tests.unit.messages import message
 from tests.unit.test_coordinator_loop import Clocks, coordinator
+from tests.unit.test_intake import Words
 from tests.unit.test_worker_semantics import FakeStore
 
 SETTINGS = Settings(model="toy", models=("toy", "null"))
@@ -26,29 +26,6 @@ SETTINGS = Settings(model="toy", models=("toy", "null"))
 @batched(length=len, name="unit.infer_peer")
 def reverse(texts: list[str]) -> list[str]:
     return [t[::-1] for t in texts]
-
-
-class Words:
-    """A stand-in model: a token per word (its length), a window of 4; records its encode calls."""
-
-    max_length = 4
-    pad_id = 0
-    needs_token_ids = True
-
-    def __init__(self) -> None:
-        self.encoded: list[list[str]] = []
-
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        self.encoded.append(list(texts))
-        return [[len(w) for w in t.split()][: self.max_length] for t in texts]
-
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        return [len(t.split()) for t in texts]
-
-    def load(self, device: str, *, autocast_bf16: bool = False) -> None: ...
-
-    def forward(self, input_ids: Any, attention_mask: Any) -> Sequence[Any]:
-        return [int(n) for n in attention_mask.sum(axis=1)]
 
 
 def test_infer_is_registered_as_the_tasks_of_carpool_imports_are() -> None:

@@ -37,7 +37,7 @@ class Words:
     def load(self, device: str, *, autocast_bf16: bool = False) -> None: ...
 
     def forward(self, input_ids: Any, attention_mask: Any) -> Sequence[Any]:
-        return []
+        return [int(n) for n in attention_mask.sum(axis=1)]  # each row's real length
 
 
 def settings(**overrides: Any) -> Settings:
