@@ -108,4 +108,4 @@ class MiniLM:
         pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         normed = torch.nn.functional.normalize(pooled, p=2, dim=1)
         # The array itself: results are written from it, with no Python float per value in between.
-        return normed.cpu().numpy()  # type: ignore[no-any-return]
+        return normed.detach().cpu().numpy()  # type: ignore[no-any-return]

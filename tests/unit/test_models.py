@@ -35,6 +35,17 @@ def test_minilm_truncates_to_its_window_like_sentence_transformers() -> None:
     assert ids[1][0] == 101 and ids[1][-1] == 102  # [CLS] ... [SEP]
 
 
+def test_minilm_forward_works_outside_inference_mode_and_returns_unit_float32_rows() -> None:
+    """The model protocol is callable directly (scripts, notebooks): no autograd state may leak out."""
+    model = get_model("minilm")
+    model.load("cpu")
+    texts = ["a short text", "a longer text about batching requests of different lengths"]
+    ids, mask = pad(model.encode(texts), [len(i) for i in model.encode(texts)], pad_id=model.pad_id)
+    rows = model.forward(ids, mask)
+    assert isinstance(rows, np.ndarray) and rows.dtype == np.float32 and rows.shape == (2, 384)
+    assert np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-5)
+
+
 class Exploding:
     """A user model that fails on any text containing 'boom'."""
 
