@@ -88,18 +88,9 @@ class CeleryBatchesSystem(CelerySystem):
         return BATCHED_QUEUE
 
     def send(self, texts: Sequence[str], sent_at: float) -> list[AsyncResult]:
-        from carpool.names import SENT_AT_HEADER
-        from carpool.producer.submit import publish_tasks
-        from carpool.tools.bench.baselines import BATCHED_QUEUE, BATCHED_TASK
+        from carpool.tools.bench.baselines import BATCHED_TASK
 
-        return publish_tasks(
-            BATCHED_TASK,
-            [((t,), {}) for t in texts],
-            app=self.env.app,
-            queue=BATCHED_QUEUE,
-            headers={SENT_AT_HEADER: sent_at},
-            chunk_size=SEND_CHUNK,
-        )
+        return send_to_batches(self.env, BATCHED_TASK, texts, sent_at)
 
     def snapshot(self) -> dict[str, float]:
         from carpool.tools.bench.baselines import STATS_KEY
@@ -112,3 +103,19 @@ class CeleryBatchesSystem(CelerySystem):
         self, before: dict[str, float], lengths: Sequence[int]
     ) -> tuple[Counter[int], int | None, int | None]:
         return counters_since(before, self.snapshot())
+
+
+def send_to_batches(env: BenchEnv, task: str, items: Sequence[object], sent_at: float) -> list[AsyncResult]:
+    """One request of ``task`` per item, with one positional argument each, onto celery-batches' queue."""
+    from carpool.names import SENT_AT_HEADER
+    from carpool.producer.submit import publish_tasks
+    from carpool.tools.bench.baselines import BATCHED_QUEUE
+
+    return publish_tasks(
+        task,
+        [((item,), {}) for item in items],
+        app=env.app,
+        queue=BATCHED_QUEUE,
+        headers={SENT_AT_HEADER: sent_at},
+        chunk_size=SEND_CHUNK,
+    )

@@ -20,6 +20,7 @@ from carpool.tools.bench.systems.base import SEND_CHUNK
 from carpool.tools.bench.systems.baseline_workers import (
     CeleryBatchesSystem,
     PlainCelerySystem,
+    send_to_batches,
     spawn_celery_worker,
 )
 from carpool.tools.bench.systems.carpool import CarpoolSystem
@@ -130,18 +131,9 @@ class TaskCeleryBatchesSystem(CeleryBatchesSystem):
         self.warm_up(self.warm_items)
 
     def send(self, texts: Sequence[Any], sent_at: float) -> list[AsyncResult]:
-        from carpool.names import SENT_AT_HEADER
-        from carpool.producer.submit import publish_tasks
-        from carpool.tools.bench.baselines import BATCHED_QUEUE, BATCHED_TASK_ITEMS
+        from carpool.tools.bench.baselines import BATCHED_TASK_ITEMS
 
-        return publish_tasks(
-            BATCHED_TASK_ITEMS,
-            [((item,), {}) for item in texts],
-            app=self.env.app,
-            queue=BATCHED_QUEUE,
-            headers={SENT_AT_HEADER: sent_at},
-            chunk_size=SEND_CHUNK,
-        )
+        return send_to_batches(self.env, BATCHED_TASK_ITEMS, texts, sent_at)
 
     def snapshot(self) -> dict[str, float]:
         from carpool.tools.bench.baselines import BATCH_IDS_KEY
