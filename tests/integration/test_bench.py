@@ -170,6 +170,8 @@ def test_accelerator_mode_reports_ratios_cpu_and_the_device_busy_fraction(tmp_pa
             "60",
             "--light",
             "3",
+            "--coordinators",
+            "2",
             "--out",
             str(out),
         ],
@@ -182,6 +184,9 @@ def test_accelerator_mode_reports_ratios_cpu_and_the_device_busy_fraction(tmp_pa
     report = json.loads((out / "report.json").read_text())
     assert validate_report(report) == [] and report["errors"] == []
     assert report["schema"] == SCHEMA and report["model"] == "sim-h100"
+    # Two coordinators shared the request queue; each request was answered once, through one of them.
+    assert report["config"]["coordinators"] == 2
+    assert len(list((out / "logs").glob("carpool-coordinator*.log"))) == 2
     assert report["capacity"]["texts_per_s"] > 0
     carpool = report["carpool"]
     assert carpool["requests"] == 96 and carpool["throughput_rps"] > 0 and carpool["ratio_to_capacity"] > 0

@@ -6,7 +6,8 @@ One invocation, in order:
 1. the workload (``ACCELERATOR_MIX``) tokenized in this process, single-threaded: the tokenizer's
    CPU per text, and the token lengths;
 2. the device's capacity on it (:func:`~carpool.tools.bench.device.device_capacity`);
-3. carpool serving ``sim-<profile>`` (one coordinator, ``--workers`` workers, default settings):
+3. carpool serving ``sim-<profile>`` (``--coordinators`` coordinators, one by default, and
+   ``--workers`` workers, default settings):
    every text through ``submit_many(texts)`` then ``gather(results)``, timed from the submit call to
    gather's return; CPU per request of each process tree; the device's busy intervals;
 4. the ``null`` model the same way (``--pipeline`` requests), then ``--light`` lone short requests;
@@ -245,6 +246,7 @@ def run_accelerator(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "max_batch": max_batch,
             "max_wait_s": max_wait_s,
             "workers": args.workers,
+            "coordinators": args.coordinators,
             "light": light,
             "pipeline": pipeline_n,
             "noop_tasks": min(NOOP_TASKS, pipeline_n),
@@ -270,7 +272,18 @@ def run_accelerator(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         "plots": [],
         "errors": [],
     }
-    env_ = BenchEnv(out, model_name, max_batch, max_wait_s, args.workers, ("null",), profile=args.profile)
+    if args.coordinators < 1:
+        raise ValueError("--coordinators must be at least 1")
+    env_ = BenchEnv(
+        out,
+        model_name,
+        max_batch,
+        max_wait_s,
+        args.workers,
+        ("null",),
+        profile=args.profile,
+        coordinators=args.coordinators,
+    )
     with env_ as env:
         _simulated_device(env, args, texts, tokenizer_us, capacity, device_log, sim_env, report)
         _null_pipeline(env, args, pipeline_n, light, report)

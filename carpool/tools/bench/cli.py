@@ -76,6 +76,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=1, help="carpool GPU-worker processes")
     parser.add_argument(
+        "--coordinators",
+        type=int,
+        default=1,
+        help="carpool coordinator processes sharing the request queue (--accelerator mode)",
+    )
+    parser.add_argument(
         "--light",
         type=int,
         default=None,

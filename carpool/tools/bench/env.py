@@ -38,12 +38,14 @@ class BenchEnv:
         extra_models: Sequence[str] = (),
         profile: bool = False,
         torch_threads: int = 0,
+        coordinators: int = 1,
     ) -> None:
         self.out_dir = out_dir
         self.model = model
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         self.workers = workers
+        self.coordinators = coordinators
         self.models = tuple(dict.fromkeys((model, *extra_models)))
         self.torch_threads = torch_threads
         self.harness = Harness(

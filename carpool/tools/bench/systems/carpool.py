@@ -1,4 +1,4 @@
-"""carpool itself under the bench: a coordinator and ``workers`` GPU-worker processes."""
+"""carpool itself under the bench: its coordinators and ``workers`` GPU-worker processes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ COORDINATOR = "carpool-coordinator"
 
 
 class CarpoolSystem(CelerySystem):
-    """carpool itself: a coordinator and ``workers`` GPU-worker processes."""
+    """carpool itself: ``coordinators`` coordinators (one unless the bench asks for more) and
+    ``workers`` GPU-worker processes on one request queue."""
 
     name = "carpool"
 
@@ -26,7 +27,9 @@ class CarpoolSystem(CelerySystem):
         from carpool.tools.workload import mixed_texts
 
         overrides = self.env.child_env(**self.extra_env)
-        self.env.harness.start_stack(self.env.workers, prefix="carpool-", wait=False, **overrides)
+        self.env.harness.start_stack(
+            self.env.workers, prefix="carpool-", wait=False, coordinators=self.env.coordinators, **overrides
+        )
         self.wait_workers()
         self.warm_up(mixed_texts(4 * self.env.max_batch, seed=999))
 
