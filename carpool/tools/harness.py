@@ -157,14 +157,9 @@ class Harness:
         self._specs[name] = _Spec(tuple(module_argv), dict(env))
         return proc
 
-    def start_stack(
-        self, workers: int = 1, prefix: str = "", wait: bool = True, coordinators: int = 1, **env: str
-    ) -> Harness:
-        """``<prefix>coordinator`` (then ``<prefix>coordinator1``... when ``coordinators`` > 1) and
-        ``workers`` workers ``<prefix>worker0``... sharing ``env``."""
+    def start_stack(self, workers: int = 1, prefix: str = "", wait: bool = True, **env: str) -> Harness:
+        """``<prefix>coordinator`` and ``workers`` workers ``<prefix>worker0``... sharing ``env``."""
         self.start(f"{prefix}coordinator", "coordinator", **env)
-        for i in range(1, coordinators):
-            self.start(f"{prefix}coordinator{i}", "coordinator", **env)
         for i in range(workers):
             self.start(f"{prefix}worker{i}", "worker", **env)
         if wait:

@@ -27,9 +27,9 @@ class CarpoolSystem(CelerySystem):
         from carpool.tools.workload import mixed_texts
 
         overrides = self.env.child_env(**self.extra_env)
-        self.env.harness.start_stack(
-            self.env.workers, prefix="carpool-", wait=False, coordinators=self.env.coordinators, **overrides
-        )
+        self.env.harness.start_stack(self.env.workers, prefix="carpool-", wait=False, **overrides)
+        for i in range(1, self.env.coordinators):
+            self.env.harness.start(f"{COORDINATOR}{i}", "coordinator", **overrides)
         self.wait_workers()
         self.warm_up(mixed_texts(4 * self.env.max_batch, seed=999))
 
