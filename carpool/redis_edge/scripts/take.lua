@@ -13,6 +13,9 @@ local expiry = now + tonumber(ARGV[2])
 local want = tonumber(ARGV[1])
 local ID_KEYS = {'"id": "', '"id":"'}
 local out = {}
+-- Writes are gathered and sent as one variadic command per key (a chunk at a time, within Lua's
+-- stack limit for unpack): one command per request costs Redis far more than one more member.
+local raw_pairs, lease_pairs, origin_pairs = {}, {}, {}
 local reports = {}
 if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or {} end
 local base = KEYS[#KEYS]
@@ -52,12 +55,25 @@ for i = 5, #KEYS do
         id = string.match(raw, '[{,] ?"id": ?"([^"]+)"')
       end
       if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
-      redis.call('HSET', KEYS[2], id, raw)
-      redis.call('ZADD', KEYS[1], expiry, id)
-      if KEYS[i] ~= base then redis.call('HSET', KEYS[4], id, KEYS[i]) end
+      raw_pairs[#raw_pairs + 1] = id
+      raw_pairs[#raw_pairs + 1] = raw
+      lease_pairs[#lease_pairs + 1] = expiry
+      lease_pairs[#lease_pairs + 1] = id
+      if KEYS[i] ~= base then
+        origin_pairs[#origin_pairs + 1] = id
+        origin_pairs[#origin_pairs + 1] = KEYS[i]
+      end
       out[#out + 1] = id
       out[#out + 1] = raw
     end
   end
 end
+local function each_chunk(command, key, args)
+  for first = 1, #args, 2000 do
+    redis.call(command, key, unpack(args, first, math.min(first + 1999, #args)))
+  end
+end
+each_chunk('HSET', KEYS[2], raw_pairs)
+each_chunk('ZADD', KEYS[1], lease_pairs)
+each_chunk('HSET', KEYS[4], origin_pairs)
 return {out, reports}
