@@ -25,6 +25,9 @@ def main() -> int:
     )
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--json", help="write the table here")
+    parser.add_argument(
+        "--no-monitor", action="store_true", help="skip MONITOR (it costs Redis more than the burst)"
+    )
     opts = parser.parse_args()
     n = opts.requests
 
@@ -52,6 +55,8 @@ def main() -> int:
 
         client = harness.redis_client(0)
         before = _calls(client)
+        usec_before = _usec(client)
+        cpu_before = _server_cpu(client)
         lines: list[tuple[str, str]] = []
         ready = threading.Event()
         stop = threading.Event()
@@ -65,13 +70,17 @@ def main() -> int:
                         return
 
         thread = threading.Thread(target=record, daemon=True)
-        thread.start()
-        ready.wait(10)
+        if not opts.no_monitor:
+            thread.start()
+            ready.wait(10)
         gather(submit_many(texts, app=app), timeout=120)
-        stop.set()
-        client.ping()  # one more command so the recorder sees stop
-        thread.join(10)
+        if not opts.no_monitor:
+            stop.set()
+            client.ping()  # one more command so the recorder sees stop
+            thread.join(10)
         after = _calls(client)
+        usec = {k: v - usec_before.get(k, 0) for k, v in _usec(client).items()}
+        cpu_s = _server_cpu(client) - cpu_before
         release_result_consumer(app)
 
     per_script: dict[str, Counter[str]] = defaultdict(Counter)
@@ -97,6 +106,10 @@ def main() -> int:
     print(f"commandstats: {sum(total.values()) / n:.3f} per request")
     for cmd, v in sorted(total.items(), key=lambda kv: -kv[1]):
         print(f"  {cmd:20s} {v / n:7.3f}")
+    print(f"redis-server CPU (INFO cpu, MONITOR's own cost included): {cpu_s / n * 1e6:.1f} us per request")
+    print("commandstats usec per request (a script's includes its inner commands'):")
+    for cmd, v in sorted(usec.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {cmd:20s} {v / n:7.2f}")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"requests": n, "monitor": table, "commandstats": total}, f, indent=1)
@@ -112,6 +125,16 @@ def _sha1(text: str) -> str:
 def _calls(client: Any) -> dict[str, int]:
     stats = client.info("commandstats")
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+
+def _server_cpu(client: Any) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def _usec(client: Any) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in stats.items()}
 
 
 if __name__ == "__main__":
