@@ -11,7 +11,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- Reads and writes go as one variadic command per key, a chunk at a time (Lua's stack limit for
--- unpack): one command per request costs Redis far more than one more member.
+-- unpack): a command per request costs Redis more than a member more in one command.
 local CHUNK = 1000
 local function each_chunk(command, key, option, args, step)
   for first = 1, #args, step do
