@@ -209,12 +209,14 @@ def subscribe_results(backend: Any, task_ids: Sequence[str]) -> list[str]:
     if consumer is None or join_will_block() or not task_ids:
         return []
     subscribed = subscribed_keys(consumer)
-    fresh = [t for t in dict.fromkeys(task_ids) if backend.get_key_for_task(t) not in subscribed]
+    key_of = backend.get_key_for_task
+    wanted = {t: key_of(t) for t in task_ids}
+    fresh = [t for t, k in wanted.items() if k not in subscribed]
     if not fresh:
         return []
     if result_pubsub(consumer) is None:
         consumer.start(fresh[0])  # creates the pub/sub connection, subscribed to the first
-    keys = [k for k in (backend.get_key_for_task(t) for t in fresh) if k not in subscribed]
+    keys = [k for k in (wanted[t] for t in fresh) if k not in subscribed]
     subscribed.update(keys)
     with reconnecting(consumer):
         pubsub = result_pubsub(consumer)

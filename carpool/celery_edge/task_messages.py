@@ -25,6 +25,7 @@ import base64
 import copy
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,6 @@ from celery.utils.time import utcoffset
 from kombu.entity import maybe_delivery_mode
 from kombu.serialization import dumps as serialize
 from kombu.utils.json import dumps as envelope_dumps
-from kombu.utils.uuid import uuid
 
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import state_of
@@ -194,8 +194,10 @@ class TaskMessageBuilder:
             compat.augment_message(channel, message, "", qname)
             return message, body, task_headers, sent_event
 
+        # Two random ids per message (its task id and delivery tag), drawn in one read.
+        fresh = iter(uuid4_strings(len(calls) * (1 if task_ids is not None else 2)))
         for index, (call_args, call_kwargs) in enumerate(calls):
-            task_id = task_ids[index] if task_ids is not None else uuid()
+            task_id = task_ids[index] if task_ids is not None else next(fresh)
             args = tuple(call_args)  # as Task.delay passes them (argsrepr shows a tuple)
             kwargs = dict(call_kwargs)
             argsrepr = argsreprs[index] if argsreprs is not None else _fast_repr(args, argsrepr_max)
@@ -204,7 +206,7 @@ class TaskMessageBuilder:
                 if argsrepr is None:
                     argsrepr = saferepr(args, argsrepr_max)
                 kwargsrepr = "{}" if not kwargs else saferepr(kwargs, argsrepr_max)
-                raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, uuid())
+                raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, next(fresh))
                 sent_event = template.sent_event(task_id, argsrepr, kwargsrepr) if evd is not None else None
                 key = template.key
             else:
@@ -312,8 +314,14 @@ class _MessageTemplate:
         headers["kwargsrepr"] = slot("kwargsrepr")
         props["delivery_tag"] = slot("tag")
         parts = self._SLOT.split(envelope_dumps(msg))  # type: ignore[no-untyped-call]
-        self._literals = parts[0::2]
-        self._slots = parts[1::2]
+        # One str.format call renders a message: literals with their braces doubled, each slot a
+        # numbered field ({0} id, {1} body, {2} argsrepr, {3} kwargsrepr, {4} delivery tag).
+        fields = {"id": 0, "body": 1, "argsrepr": 2, "kwargsrepr": 3, "tag": 4}
+        pieces = [
+            f"{{{fields[part]}}}" if i % 2 else part.replace("{", "{{").replace("}", "}}")
+            for i, part in enumerate(parts)
+        ]
+        self._format = "".join(pieces).format
         self._embed = body[2]
         self._sent = dict(sent_event) if sent_event is not None else None
         self._root_is_id = sent_event is not None and sent_event.get("root_id") == task_id
@@ -341,18 +349,14 @@ class _MessageTemplate:
         data = dumps_plain((args, kwargs, self._embed)) if flat_plain(args, kwargs) else None
         if data is None:
             data = envelope_dumps((args, kwargs, self._embed)).encode("utf-8")  # type: ignore[no-untyped-call]
-        values = {
-            "id": task_id,
-            "body": base64.b64encode(data).decode("ascii"),
-            "argsrepr": argsrepr,
-            "kwargsrepr": kwargsrepr,
-            "tag": tag,
-        }
-        out = [self._literals[0]]
-        for slot, literal in zip(self._slots, self._literals[1:], strict=True):
-            out.append(_json_str(values[slot]))
-            out.append(literal)
-        return "".join(out)
+        # base64 needs no JSON escaping; the others are encoded once each, however often they appear.
+        return self._format(
+            _json_str(task_id),
+            '"' + base64.b64encode(data).decode("ascii") + '"',
+            _json_str(argsrepr),
+            '"{}"' if kwargsrepr == "{}" else _json_str(kwargsrepr),
+            _json_str(tag),
+        )
 
     def sent_event(self, task_id: str, argsrepr: str, kwargsrepr: str) -> dict[str, Any] | None:
         if self._sent is None:
@@ -361,6 +365,19 @@ class _MessageTemplate:
         if self._root_is_id:
             event["root_id"] = task_id
         return event
+
+
+def uuid4_strings(count: int) -> list[str]:
+    """``count`` random (version 4) UUIDs as ``str(uuid.uuid4())`` gives them, from one read of the
+    OS's randomness instead of one read and one UUID object each."""
+    digits = os.urandom(16 * count).hex()
+    out = []
+    for start in range(0, 32 * count, 32):
+        h = digits[start : start + 32]
+        # The version nibble is 4; the variant's two high bits are 10 (RFC 4122).
+        variant = "89ab"[int(h[16], 16) & 3]
+        out.append(f"{h[0:8]}-{h[8:12]}-4{h[13:16]}-{variant}{h[17:20]}-{h[20:32]}")
+    return out
 
 
 def _fast_repr(args: tuple[Any, ...], limit: int) -> str | None:

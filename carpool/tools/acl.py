@@ -179,8 +179,8 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             Grant(
                 "take requests into flight, requeue, dead-letter, read reports, write stats",
                 _CONNECTION
-                + _commands("time rpop rpush lpush ltrim blmove hset hget hdel hincrby")
-                + _commands("zadd zrem zscore zcard zrangebyscore zremrangebyscore"),
+                + _commands("time rpop rpush lpush ltrim blmove hset hget hmget hdel hincrby")
+                + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
                 (
                     *_exact(requests),
                     *_exact([*inflight, keys.dead_letter, keys.workers, keys.stats]),
@@ -225,8 +225,8 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             Grant(
                 "claim, renew and acknowledge requests, report to coordinators, heartbeat",
                 _CONNECTION
-                + _commands("time hset hget hdel lpush ltrim expire")
-                + _commands("zadd zrem zscore zcard zrangebyscore zremrangebyscore"),
+                + _commands("time hset hget hmget hdel lpush ltrim expire")
+                + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
                 (*_exact([*inflight, keys.workers]), f"~{reports}"),
             ),
             Grant(

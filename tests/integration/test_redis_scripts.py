@@ -402,6 +402,32 @@ def test_finish_acks_more_ids_than_one_unpack_holds(client: redis.Redis, store: 
         assert client.exists(key) == 0, key
 
 
+def test_every_in_flight_script_handles_more_ids_than_one_unpack_holds(
+    client: redis.Redis, results: redis.Redis, store: RequestStore
+) -> None:
+    # Each script reads and writes in variadic chunks: several chunks must act like one.
+    ids = [f"r{i}" for i in range(2_500)]
+    with client.pipeline(transaction=False) as pipe:
+        for i in ids:
+            pipe.lpush(request_list(9), message(i))
+        pipe.execute()
+    assert [i for i, _ in store.take(len(ids))[0]] == ids
+    assert client.hlen(KEYS.inflight_origin) == len(ids)
+    assert store.dispatch("q", [("b1", ids[:1_700], b"m1"), ("b2", [*ids[1_700:], "gone"], b"m2")]) == 2_500
+    assert client.hget(KEYS.inflight_owner, ids[1_699]) == b"b1"
+    assert client.hget(KEYS.inflight_owner, ids[1_700]) == b"b2"
+    results.set(f"result:{ids[1_500]}", b"done")
+    claimed = store.claim_fresh("b1", ids, [f"result:{i}" for i in ids], RESULTS_DB)
+    assert claimed.flags == [1] * 1_500 + [2] + [1] * 199 + [0] * 800
+    assert client.hlen(KEYS.inflight_claimed) == 1_700
+    assert store.renew_held(ids) == 800
+    store.renew_running(ids[:1_700])
+    assert_lease_about(client, ids[0], LEASE_S)
+    assert store.requeue([*ids, ids[0]]) == 2_500
+    assert all(client.exists(key) == 0 for key in KEYS.inflight)
+    assert client.llen(request_list(9)) == 2_500
+
+
 def test_finish_pushes_the_report_and_trims_the_list(client: redis.Redis, store: RequestStore) -> None:
     reports = KEYS.reports_for("coord")
     with client.pipeline(transaction=False) as pipe:

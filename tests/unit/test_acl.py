@@ -22,7 +22,20 @@ ENV = {
 }
 RESULT = "celery-task-meta-5f0c3b36-0c4e-4a47-9b1e-2e8f6d1c9a10"
 # How a command touches its keys, as far as these tests need it (Redis's key specs).
-READS = {"get", "mget", "llen", "smembers", "exists", "hgetall", "hget", "zscore", "zcard", "zrangebyscore"}
+READS = {
+    "get",
+    "mget",
+    "llen",
+    "smembers",
+    "exists",
+    "hgetall",
+    "hget",
+    "hmget",
+    "zscore",
+    "zmscore",
+    "zcard",
+    "zrangebyscore",
+}
 
 
 def settings(**overrides: object) -> Settings:

@@ -10,22 +10,52 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+-- Reads and writes go as one variadic command per key, a chunk at a time (Lua's stack limit for
+-- unpack): a command per request costs Redis more than a member more in one command.
+local CHUNK = 1000
+local function each_chunk(command, key, option, args, step)
+  for first = 1, #args, step do
+    local last = math.min(first + step - 1, #args)
+    if option then
+      redis.call(command, key, option, unpack(args, first, last))
+    else
+      redis.call(command, key, unpack(args, first, last))
+    end
+  end
+end
+
 local expiry = now + tonumber(ARGV[1])
 if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
-local n = 0
+local ids, owners, messages = {}, {}, {}
 local i = 4
 while i <= #ARGV do
   local batch = ARGV[i]
   local count = tonumber(ARGV[i + 1])
   for j = i + 2, i + 1 + count do
-    local id = ARGV[j]
-    if redis.call('ZSCORE', KEYS[1], id) then
-      redis.call('HSET', KEYS[2], id, batch)
-      redis.call('ZADD', KEYS[1], 'XX', expiry, id)
-      n = n + 1
-    end
+    ids[#ids + 1] = ARGV[j]
+    owners[#owners + 1] = batch
   end
-  redis.call('LPUSH', KEYS[3], ARGV[i + 2 + count])
+  messages[#messages + 1] = ARGV[i + 2 + count]
   i = i + 3 + count
 end
+local scores = {}
+for first = 1, #ids, CHUNK do
+  local got = redis.call('ZMSCORE', KEYS[1], unpack(ids, first, math.min(first + CHUNK - 1, #ids)))
+  for _, score in ipairs(got) do scores[#scores + 1] = score end
+end
+local owner_pairs, lease_pairs = {}, {}
+local n = 0
+for k = 1, #ids do
+  -- ZMSCORE answers false for a member not in the set: that request is no longer in flight.
+  if scores[k] then
+    owner_pairs[#owner_pairs + 1] = ids[k]
+    owner_pairs[#owner_pairs + 1] = owners[k]
+    lease_pairs[#lease_pairs + 1] = expiry
+    lease_pairs[#lease_pairs + 1] = ids[k]
+    n = n + 1
+  end
+end
+each_chunk('HSET', KEYS[2], nil, owner_pairs, 2 * CHUNK)
+each_chunk('ZADD', KEYS[1], 'XX', lease_pairs, 2 * CHUNK)
+each_chunk('LPUSH', KEYS[3], nil, messages, CHUNK)
 return n

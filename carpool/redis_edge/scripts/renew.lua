@@ -5,5 +5,13 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local expiry = now + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i]) end
+-- One variadic ZADD per chunk (Lua's stack limit for unpack), not one command per request.
+local pairs_ = {}
+for i = 2, #ARGV do
+  pairs_[#pairs_ + 1] = expiry
+  pairs_[#pairs_ + 1] = ARGV[i]
+end
+for first = 1, #pairs_, 2000 do
+  redis.call('ZADD', KEYS[1], 'XX', unpack(pairs_, first, math.min(first + 1999, #pairs_)))
+end
 return #ARGV - 1

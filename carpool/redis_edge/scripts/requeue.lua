@@ -10,6 +10,20 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+-- Reads and writes go as one variadic command per key, a chunk at a time (Lua's stack limit for
+-- unpack): a command per request costs Redis more than a member more in one command.
+local CHUNK = 1000
+local function each_chunk(command, key, args)
+  local all = {}
+  for first = 1, #args, CHUNK do
+    local got = redis.call(command, key, unpack(args, first, math.min(first + CHUNK - 1, #args)))
+    if type(got) == 'table' then
+      for _, v in ipairs(got) do all[#all + 1] = v end
+    end
+  end
+  return all
+end
+
 local lists = {}
 for i = 7, #KEYS do lists[KEYS[i]] = true end
 local ids
@@ -19,18 +33,32 @@ if #ARGV > 1 then
 else
   ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 end
+-- A missing field or member reads as false.
+local raws = each_chunk('HMGET', KEYS[2], ids)
+local scores = each_chunk('ZMSCORE', KEYS[1], ids)
+local origins = each_chunk('HMGET', KEYS[5], ids)
+-- A request goes back once, and only while it has both its raw message and its lease; one with a raw
+-- message but no lease is only forgotten.
+local seen, forget, order, pushes = {}, {}, {}, {}
 local n = 0
-for _, id in ipairs(ids) do
-  local raw = redis.call('HGET', KEYS[2], id)
-  if raw and redis.call('ZREM', KEYS[1], id) == 1 then
-    local origin = redis.call('HGET', KEYS[5], id)
-    if not (origin and lists[origin]) then origin = KEYS[6] end
-    redis.call('RPUSH', origin, raw)
-    n = n + 1
+for k, id in ipairs(ids) do
+  if raws[k] and not seen[id] then
+    seen[id] = true
+    forget[#forget + 1] = id
+    if scores[k] then
+      local origin = origins[k]
+      if not (origin and lists[origin]) then origin = KEYS[6] end
+      if not pushes[origin] then
+        pushes[origin] = {}
+        order[#order + 1] = origin
+      end
+      local list = pushes[origin]
+      list[#list + 1] = raws[k]
+      n = n + 1
+    end
   end
-  redis.call('HDEL', KEYS[2], id)
-  redis.call('HDEL', KEYS[3], id)
-  redis.call('HDEL', KEYS[4], id)
-  redis.call('HDEL', KEYS[5], id)
 end
+each_chunk('ZREM', KEYS[1], forget)
+for _, origin in ipairs(order) do each_chunk('RPUSH', origin, pushes[origin]) end
+for key = 2, 5 do each_chunk('HDEL', KEYS[key], ids) end
 return n

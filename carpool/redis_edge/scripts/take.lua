@@ -11,8 +11,11 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local expiry = now + tonumber(ARGV[2])
 local want = tonumber(ARGV[1])
-local ID_KEYS = {'"id": "', '"id":"'}
+local SPACE, QUOTE = string.byte(' '), string.byte('"')
 local out = {}
+-- Writes are gathered and sent as one variadic command per key (a chunk at a time, within Lua's
+-- stack limit for unpack): a command per request costs Redis more than a member more in one command.
+local raw_pairs, lease_pairs, origin_pairs = {}, {}, {}
 local reports = {}
 if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or {} end
 local base = KEYS[#KEYS]
@@ -25,16 +28,19 @@ for i = 5, #KEYS do
       -- The task id is the one '"id": "..."' key of a Celery message (the body is base64, and a quote
       -- inside any JSON string is escaped): a plain find costs far less than a cjson decode of the
       -- whole message or a pattern scan. Anything unusual (no such key, or more than one) is decoded.
+      -- One pass finds both spellings ('"id": "' and '"id":"'), stopping at a second match.
       local id, found = nil, 0
-      for _, needle in ipairs(ID_KEYS) do
-        local init = 1
-        while found < 2 do
-          local s, e = string.find(raw, needle, init, true)
-          if not s then break end
+      local init = 1
+      while found < 2 do
+        local s, e = string.find(raw, '"id":', init, true)
+        if not s then break end
+        local value = e + 1
+        if string.byte(raw, value) == SPACE then value = value + 1 end
+        if string.byte(raw, value) == QUOTE then
           found = found + 1
-          id = string.match(raw, '^[^"]+', e + 1)
-          init = e + 1
+          id = string.match(raw, '^[^"]+', value + 1)
         end
+        init = e + 1
       end
       local ok, msg = true, nil
       if found ~= 1 then
@@ -52,12 +58,25 @@ for i = 5, #KEYS do
         id = string.match(raw, '[{,] ?"id": ?"([^"]+)"')
       end
       if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
-      redis.call('HSET', KEYS[2], id, raw)
-      redis.call('ZADD', KEYS[1], expiry, id)
-      if KEYS[i] ~= base then redis.call('HSET', KEYS[4], id, KEYS[i]) end
+      raw_pairs[#raw_pairs + 1] = id
+      raw_pairs[#raw_pairs + 1] = raw
+      lease_pairs[#lease_pairs + 1] = expiry
+      lease_pairs[#lease_pairs + 1] = id
+      if KEYS[i] ~= base then
+        origin_pairs[#origin_pairs + 1] = id
+        origin_pairs[#origin_pairs + 1] = KEYS[i]
+      end
       out[#out + 1] = id
       out[#out + 1] = raw
     end
   end
 end
+local function each_chunk(command, key, args)
+  for first = 1, #args, 2000 do
+    redis.call(command, key, unpack(args, first, math.min(first + 1999, #args)))
+  end
+end
+each_chunk('HSET', KEYS[2], raw_pairs)
+each_chunk('ZADD', KEYS[1], lease_pairs)
+each_chunk('HSET', KEYS[4], origin_pairs)
 return {out, reports}
