@@ -101,7 +101,8 @@ class Pacer:
         - Otherwise a worker is idle and requests wait for a partial batch to fill: poll briefly.
 
         While the intake stage prepares chunks (``intake_busy``), a wait that is not for a report
-        ends when a chunk finishes instead: its requests may fill a batch or a free worker.
+        ends when a chunk finishes instead (its requests may fill a batch or a free worker), or at
+        the plan's wake time.
         """
         if full_take:
             return GO_ON
@@ -116,11 +117,13 @@ class Pacer:
             block_on = WaitFor.REQUESTS
         elif all_workers_busy:
             block_on = WaitFor.REPORTS
+        if intake_busy and block_on is not WaitFor.REPORTS:
+            # Arrivals are taken when the stage runs low, so only a chunk or the plan's time matters.
+            seconds = self.idle_poll_s if until_wake is None else min(self.idle_poll_s, until_wake)
+            return Wait(seconds, WaitFor.INTAKE)
         seconds = self.idle_poll_s if block_on is not None else min(self.idle_poll_s, BUSY_POLL_S)
         if until_wake is not None:
             seconds = min(seconds, until_wake)
-        if intake_busy and block_on is not WaitFor.REPORTS:
-            return Wait(seconds, WaitFor.INTAKE)
         if block_on is not None and (not self.can_block or seconds < MIN_BLOCK_S):
             return Wait(min(seconds, BUSY_POLL_S))
         return Wait(seconds, block_on)
