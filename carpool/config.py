@@ -151,6 +151,16 @@ class Settings(BaseSettings):
     take_max: int = Field(
         1000, ge=1, le=100_000, description="Most requests taken from Redis per round trip."
     )
+    tokenizer_threads: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description=(
+            "Threads that tokenize a large take on the coordinator, one chunk of 64 requests each, while "
+            "its loop goes on dispatching; 0 = half the cores it may run on, at least 1, at most 4. A "
+            "model's encode must be thread-safe with more than 1 (HF tokenizers are)."
+        ),
+    )
     idle_poll_s: float = Field(
         0.02,
         gt=0,

@@ -1,7 +1,8 @@
 """The coordinator: drains Celery request messages from Redis into length-binned micro-batches.
 
 ``loop`` runs the process (Redis and Celery I/O, orchestration), ``intake`` turns taken messages
-into the policy's requests, ``deferred`` holds requests until their eta, ``revokes`` hears Celery's
+into the policy's requests, ``stage`` does so for a large take on threads while the loop goes on,
+``deferred`` holds requests until their eta, ``revokes`` hears Celery's
 revoke broadcasts, ``waiting`` decides how the loop waits between steps, ``publish`` hands batches to
 workers, ``metrics`` serves Prometheus metrics and ``stats`` writes the gauges and counters
 ``carpool status`` reads. The batching decisions themselves live in the pure ``carpool.batching``.

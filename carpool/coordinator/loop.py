@@ -1,8 +1,10 @@
 """The coordinator process: Redis request list -> policy -> Celery batch tasks on the batch queue.
 
 One ``step``: take requests atomically into flight together with the reports of batches still out
-(one round trip), turn them into the policy's requests (``intake``), ask the policy what leaves now
-when something changed (``waiting``), publish those batches in one script call, fail what expired.
+(one round trip), turn them into the policy's requests (``intake``: a small take at once, a large one
+chunk by chunk on the intake stage's threads, ``stage``, admitting the chunks finished by each step),
+ask the policy what leaves now when something changed (``waiting``), publish those batches in one
+script call, fail what expired.
 Housekeeping (lease renewal, recovery of requests whose holder died, worker count) runs every
 quarter lease.
 
@@ -19,7 +21,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -37,9 +39,10 @@ from carpool.celery_edge.results import FAILURE, REVOKED
 from carpool.config import Settings
 from carpool.coordinator import policy_config, revokes, task_policy_config
 from carpool.coordinator.deferred import Deferred
-from carpool.coordinator.intake import Malformed, Refused, take_in
+from carpool.coordinator.intake import Intake, Malformed, Refused, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
 from carpool.coordinator.publish import BatchPublisher
+from carpool.coordinator.stage import IntakeStage, auto_threads
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, DeadlineExceeded, WireError
@@ -100,6 +103,7 @@ class Coordinator:
         self.stats = CoordinatorStats()
         self.pacer = Pacer(settings.idle_poll_s)
         self.deferred = Deferred()  # requests waiting for their eta, leased like those in the policy
+        self.stage = IntakeStage(self._take_chunk, auto_threads(settings.tokenizer_threads))
         self.revokes: revokes.RevokeListener | None = None  # started by run()
         self._revoked = revokes.Revoked()  # a request revoked before it is taken is never batched
         self.stopping = threading.Event()
@@ -168,6 +172,9 @@ class Coordinator:
 
     def warm_up(self) -> None:
         """Build what each task measures requests with (infer: the tokenizers) before taking any."""
+        # The intake stage's threads are the tokenizers' parallelism: a pool inside each call would
+        # only compete with them (and with the loop) for the same cores.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         for spec in self.specs.values():
             spec.warm_up(self.settings)
 
@@ -181,9 +188,10 @@ class Coordinator:
 
     def shutdown(self) -> None:
         """Hand every request not yet dispatched back to the front of the request queue."""
-        held = self.policy.drain() + self.deferred.drain()
+        held = [r.id for r in self.policy.drain() + self.deferred.drain()] + self.stage.drain()
+        self.stage.close()
         try:
-            returned = self.store.requeue([r.id for r in held])
+            returned = self.store.requeue(held)
         except redis.ConnectionError:
             log.warning("redis unavailable at shutdown; %d held requests return after their lease", len(held))
             return
@@ -201,16 +209,20 @@ class Coordinator:
             if heard:
                 self._revoke(heard)
         # One round trip: new requests, and the reports of batches still out (none asked when none are).
-        taken, reports = self.store.take(
-            self.settings.take_max, reports_of=self.hostname if self.outstanding else None
-        )
+        take_n = self._take_count()
+        taken: list[tuple[str, bytes]] = []
+        reports: list[dict[str, Any]] = []
+        if take_n or self.outstanding:
+            taken, reports = self.store.take(take_n, reports_of=self.hostname if self.outstanding else None)
         if reports:
             self._apply_reports(reports)
         if taken:
             # In flight on the replicas too before any of it is batched.
             if self.settings.wait_replicas:
                 self.store.replicated("requests taken into flight")
-            self._admit(taken, self.clock())
+            self._take_in(taken, self.clock())
+        if self.stage.busy:
+            self._admit_finished()
         now = self.clock()
         next_eta_s = None
         if len(self.deferred):
@@ -223,11 +235,20 @@ class Coordinator:
         busy = self.workers > 0 and free_workers(self.workers, len(self.outstanding)) == 0
         return self.pacer.next_wait(
             now,
-            full_take=len(taken) >= self.settings.take_max,
+            full_take=take_n > 0 and len(taken) >= take_n,
             held=len(self.policy),
             all_workers_busy=busy,
             next_eta_s=next_eta_s,
+            intake_busy=self.stage.busy,
         )
+
+    def _take_count(self) -> int:
+        """How many requests to take now: none while the intake stage has more than half a take to
+        prepare, else enough to bring it to a full take (which keeps its threads busy between takes)."""
+        backlog = len(self.stage)
+        if backlog > self.settings.take_max // 2:
+            return 0
+        return self.settings.take_max - backlog
 
     def _bookkeeping(self, now: float) -> None:
         """Housekeeping and the stats, when due."""
@@ -243,6 +264,9 @@ class Coordinator:
         its own tail is an atomic no-op rotation, so waiting takes nothing out of Redis."""
         if wait.block_on is None:
             self.stopping.wait(wait.seconds)
+            return
+        if wait.block_on is WaitFor.INTAKE:
+            self.stage.ready.wait(wait.seconds)
             return
         key = self._wait_lists[wait.block_on]
         try:
@@ -270,21 +294,46 @@ class Coordinator:
         )
 
     # --- intake --------------------------------------------------------------------------
-    def _admit(self, taken: list[tuple[str, bytes]], now: float) -> None:
+    def _take_in(self, taken: list[tuple[str, bytes]], now: float) -> None:
+        """Admit ``taken`` at once when it is small and the stage idle (a lone request gets no extra
+        hop), else hand it to the intake stage."""
         self.stats.taken += len(taken)
         self.metrics.requests.inc(len(taken))
         if len(self._revoked):
             taken, revoked = self._revoked.split(taken)
             if revoked:
                 self._answer_revoked(revoked)
-        intake = take_in(
-            taken,
-            settings=self.settings,
-            specs=self.specs,
-            room=self.settings.max_pending - len(self.policy) - len(self.deferred),
-            now=now,
-            wall_now=self.wall(),
+        room = self.settings.max_pending - len(self.policy) - len(self.deferred) - self.stage.reserved
+        if self.stage.busy or len(taken) > self.settings.max_batch:
+            self.stage.submit(taken, room)
+        else:
+            self._admit(self._take_chunk(taken, room), now)
+
+    def _take_chunk(self, taken: Sequence[tuple[str, bytes]], room: int) -> Intake:
+        """``taken`` as requests for the policy and refusals, at most ``room`` admitted (any thread)."""
+        return take_in(
+            taken, settings=self.settings, specs=self.specs, room=room, now=self.clock(), wall_now=self.wall()
         )
+
+    def _admit_finished(self) -> None:
+        """Admit the chunks the intake stage finished; a request revoked meanwhile is answered so."""
+        intakes, errors = self.stage.finished()
+        for error in errors:
+            log.error(
+                "preparing taken requests failed; they return to the queue when their lease runs out",
+                exc_info=error,
+            )
+        now = self.clock()
+        for intake in intakes:
+            if len(self._revoked):
+                revoked = [msg.id for msg, _ in intake.admitted if msg.id in self._revoked]
+                if revoked:
+                    self._answer_revoked(revoked)
+                    gone = set(revoked)
+                    intake.admitted = [(m, r) for m, r in intake.admitted if m.id not in gone]
+            self._admit(intake, now)
+
+    def _admit(self, intake: Intake, now: float) -> None:
         for bad in intake.malformed:
             self._dead_letter(bad)
         refused = intake.refused
@@ -472,7 +521,7 @@ class Coordinator:
                     "batch %s (%d requests) never reported; leaving it to recovery", batch_id, len(out.ids)
                 )
                 del self.outstanding[batch_id]
-        renew = list(self._held)
+        renew = list(self._held) + self.stage.held_ids()
         for out in self.outstanding.values():
             renew.extend(out.ids)
         self.store.renew_held(renew)

@@ -123,6 +123,9 @@ class Revoked:
     def __len__(self) -> int:
         return len(self._ids)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
     def remember(self, ids: list[str]) -> None:
         self._ids.update(ids)
 

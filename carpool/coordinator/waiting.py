@@ -24,6 +24,7 @@ class WaitFor(Enum):
 
     REPORTS = "reports"  # this coordinator's batch reports: a worker freed up
     REQUESTS = "requests"  # the default-priority request list: work arrived
+    INTAKE = "intake"  # not a list: the intake stage finished a chunk (a local wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ class Pacer:
         held: int,
         all_workers_busy: bool,
         next_eta_s: float | None = None,
+        intake_busy: bool = False,
     ) -> Wait:
         """How to wait after a step whose take came back ``full_take`` (as many requests as it may
         take at once) or not, with ``held`` requests in the policy and, at ``next_eta_s``, the soonest
@@ -97,6 +99,10 @@ class Pacer:
         - Every worker busy: wait for the next batch report. Arrivals are looked at when the wait
           times out: with no worker free they change at most which batch waits in a prefetch slot.
         - Otherwise a worker is idle and requests wait for a partial batch to fill: poll briefly.
+
+        While the intake stage prepares chunks (``intake_busy``), a wait that is not for a report
+        ends when a chunk finishes instead (its requests may fill a batch or a free worker), or at
+        the plan's wake time.
         """
         if full_take:
             return GO_ON
@@ -111,6 +117,10 @@ class Pacer:
             block_on = WaitFor.REQUESTS
         elif all_workers_busy:
             block_on = WaitFor.REPORTS
+        if intake_busy and block_on is not WaitFor.REPORTS:
+            # Arrivals are taken when the stage runs low, so only a chunk or the plan's time matters.
+            seconds = self.idle_poll_s if until_wake is None else min(self.idle_poll_s, until_wake)
+            return Wait(seconds, WaitFor.INTAKE)
         seconds = self.idle_poll_s if block_on is not None else min(self.idle_poll_s, BUSY_POLL_S)
         if until_wake is not None:
             seconds = min(seconds, until_wake)

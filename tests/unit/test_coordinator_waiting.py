@@ -141,3 +141,16 @@ def test_the_sooner_of_the_plans_wake_time_and_the_next_eta_counts() -> None:
     assert late_eta.seconds == pytest.approx(0.3)
     early_eta = pacer.next_wait(100.0, full_take=False, held=0, all_workers_busy=False, next_eta_s=100.2)
     assert early_eta.seconds == pytest.approx(0.2)
+
+
+def test_while_the_intake_stage_works_a_wait_ends_with_its_next_chunk_or_the_plans_wake_time() -> None:
+    pacer = polled_at(0.0, wake_at_s=0.005)
+    wait = pacer.next_wait(0.0, full_take=False, held=3, all_workers_busy=False, intake_busy=True)
+    assert wait == Wait(0.005, WaitFor.INTAKE)
+    idle = polled_at(0.0).next_wait(0.0, full_take=False, held=0, all_workers_busy=False, intake_busy=True)
+    assert idle == Wait(IDLE_POLL_S, WaitFor.INTAKE)
+
+
+def test_while_the_intake_stage_works_a_full_pool_still_waits_for_a_report() -> None:
+    wait = polled_at(0.0).next_wait(0.0, full_take=False, held=3, all_workers_busy=True, intake_busy=True)
+    assert wait.block_on is WaitFor.REPORTS
