@@ -562,5 +562,6 @@ class Coordinator:
     def _write_stats(self) -> None:
         depths = self.policy.depth_by_bin()
         self.metrics.set_depths(depths)
-        gauges = {"pending": len(self.policy), "outstanding": len(self.outstanding)}
+        # Requests still in the intake stage wait too: taken, not yet in a bin.
+        gauges = {"pending": len(self.policy) + len(self.stage), "outstanding": len(self.outstanding)}
         self._stats_writer.write(self.stats, depths, gauges, self._task_name)
