@@ -105,6 +105,13 @@ class Settings(BaseSettings):
             "other)."
         ),
     )
+    overlap_device: bool = Field(
+        True,
+        description=(
+            "Run batches on a device thread while the Celery thread claims the next, when one is queued "
+            "(false: claim, run and store one batch at a time on the Celery thread)."
+        ),
+    )
 
     # --- batching policy ---------------------------------------------------------------------
     policy: PolicyName = Field("binned", description="Queueing strategy of the coordinator.")

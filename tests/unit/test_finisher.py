@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from carpool.gpu_worker.runtime import Finisher
+from carpool.gpu_worker.stage import Finisher
 
 
 def test_jobs_run_in_order_and_a_new_one_waits_for_the_previous() -> None:

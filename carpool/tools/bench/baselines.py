@@ -136,7 +136,7 @@ def run_task_batch(requests: list[Any]) -> None:
     from carpool.celery_edge.results import FAILURE, SUCCESS
     from carpool.errors import ConfigError, ModelError
     from carpool.gpu_worker.runner import run_items_isolating
-    from carpool.gpu_worker.runtime import storable
+    from carpool.codec import storable
 
     if not requests:
         return
