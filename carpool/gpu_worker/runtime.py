@@ -36,7 +36,7 @@ from carpool.celery_edge import compat, links
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
-from carpool.codec import stored_form, storable
+from carpool.codec import storable, stored_form
 from carpool.config import Settings
 from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.runner import pick_device, run_call_isolating
@@ -249,10 +249,10 @@ class WorkerRuntime:
                 _send_failure(claimed.events, claimed.task_id, exc, claimed.t0)
             raise
 
-    def _complete(self, claimed: Claimed) -> BatchReport:
-        """Run a claimed batch's requests still within their deadline, then store every outcome."""
-        batch, entries, events = claimed.batch, claimed.entries, claimed.events
-        batch_id = batch["id"]
+    def _complete(self, claimed: Claimed) -> BatchReport | None:
+        """Run a claimed batch's requests still within their deadline, then store every outcome:
+        here, or on the finisher's thread while the device runs the next batch (then None)."""
+        batch, entries = claimed.batch, claimed.entries
         now = time.time()
         live: list[RequestSlot] = []
         for r in claimed.to_run:
@@ -264,7 +264,21 @@ class WorkerRuntime:
         run_s = None
         padded_len = 0
         if live:
-            run_s, padded_len = self._forward(batch, live, entries, events)
+            run_s, padded_len = self._forward(batch, live, entries, claimed.events)
+        finisher, stage = self._finisher, self._stage
+        # Another batch queued, or waiting in the device stage beside this one: the device can
+        # start it while this one's results are stored.
+        if finisher is not None and (claimed.batches_queued != 0 or (stage is not None and stage.held() > 1)):
+            finisher.submit(partial(self._store, claimed, live, run_s, padded_len), claimed.ack_ids)
+            return None
+        return self._store(claimed, live, run_s, padded_len)
+
+    def _store(
+        self, claimed: Claimed, live: list[RequestSlot], run_s: float | None, padded_len: int
+    ) -> BatchReport:
+        """Send a batch's events, store its outcomes and acknowledge it, with its report."""
+        batch, entries, events = claimed.batch, claimed.entries, claimed.events
+        batch_id = batch["id"]
         per_request_s = run_s or 0.0
         for task_id, state, value in entries:
             if state == SUCCESS:
@@ -295,23 +309,13 @@ class WorkerRuntime:
         writes = entries + self._chain_failures(entries, linked) if linked else entries
         ack_ids = claimed.ack_ids
         published = events.take()
-
-        def hand_over() -> None:
-            # Redis may be restarting: the results are computed, so keep trying to hand them over
-            # for a while before giving the batch up to recovery.
-            stored = _retrying(lambda: self._finish(writes, ack_ids, report, batch["coordinator"], published))
-            if len(stored) < len(writes):
-                self._count_rejected(batch_id, writes, stored)
-            if linked:
-                self._apply_links(batch["task"], entries, stored, linked)
-
-        finisher, stage = self._finisher, self._stage
-        # Another batch queued, or waiting in the device stage beside this one: the device can
-        # start it while this one's results are stored.
-        if finisher is not None and (claimed.batches_queued != 0 or (stage is not None and stage.held() > 1)):
-            finisher.submit(hand_over, ack_ids)
-        else:
-            hand_over()
+        # Redis may be restarting: the results are computed, so keep trying to hand them over
+        # for a while before giving the batch up to recovery.
+        stored = _retrying(lambda: self._finish(writes, ack_ids, report, batch["coordinator"], published))
+        if len(stored) < len(writes):
+            self._count_rejected(batch_id, writes, stored)
+        if linked:
+            self._apply_links(batch["task"], entries, stored, linked)
         return report
 
     def _count_rejected(self, batch_id: str, writes: list[tuple[str, str, Any]], stored: list[int]) -> None:

@@ -30,11 +30,11 @@ class Stage:
         self.depth = depth
         self._failure = failure
         self._changed = threading.Condition()
-        self._held: deque[tuple[Callable[[], None], list[str]]] = deque()  # running first
+        self._held: deque[tuple[Callable[[], object], list[str]]] = deque()  # running first
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None], ids: list[str]) -> None:
+    def submit(self, job: Callable[[], object], ids: list[str]) -> None:
         """Queue ``job``, whose requests are ``ids``, after waiting for room."""
         with self._changed:
             while len(self._held) >= self.depth:
