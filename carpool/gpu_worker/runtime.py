@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 BATCH_REPR_LIMIT = 1024  # characters of a batch report in its task-succeeded event (Celery's default)
 HEARTBEAT_S = 1.0
 LIVE_STARTED_S = 0.5  # batches longer than this publish their STARTED events before running
+DEVICE_SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a worker with a device stage
 
 T = TypeVar("T")
 
@@ -125,6 +127,8 @@ class WorkerRuntime:
             self._finisher = Finisher()
         if self.settings.overlap_device:
             self._stage = DeviceStage()
+            # A device thread waking from its batch waits for the GIL at most this long, not 5 ms.
+            sys.setswitchinterval(DEVICE_SWITCH_INTERVAL_S)
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()
