@@ -10,6 +10,11 @@ round trips per batch when the result backend is a database of the broker's serv
 a few more otherwise. Last, the callbacks, chains' next steps and error callbacks of the requests
 whose results this run stored are applied (:mod:`carpool.celery_edge.links`): after the finish
 script, so a worker that dies between the two loses them.
+
+Under load the work overlaps the device (:mod:`carpool.gpu_worker.stage`): the Celery thread claims
+and sorts a batch and hands it to the device thread, which checks deadlines and runs it, and hands
+the rest to the finisher thread; a lone batch (none queued behind it, the device thread idle) runs
+start to end on the Celery thread, with no hand-off.
 """
 
 from __future__ import annotations
