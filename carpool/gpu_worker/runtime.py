@@ -66,7 +66,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class Claimed:
+class ClaimedBatch:
     """A batch claimed on the Celery thread, to be run and stored on whichever thread completes it."""
 
     batch: BatchMessage
@@ -220,12 +220,14 @@ class WorkerRuntime:
             # requests must come back through recovery instead of being held forever.
             self._inline_ids = []
 
-    def _claimed(self, batch: BatchMessage, events: TaskEvents, task_id: str | None, t0: float) -> Claimed:
+    def _claimed(
+        self, batch: BatchMessage, events: TaskEvents, task_id: str | None, t0: float
+    ) -> ClaimedBatch:
         """Claim the batch's requests and sort them: not this batch's, answered already, revoked, to run."""
         requests = batch["requests"]
         ids = [r["id"] for r in requests]
         flags, batches_queued = self._claim(batch["id"], ids)
-        claimed = Claimed(batch, task_id, t0, events, batches_queued)
+        claimed = ClaimedBatch(batch, task_id, t0, events, batches_queued)
         revoked = compat.revoked_ids()
         revoked_ids = revoked if len(revoked) else None  # Celery's remote control fills it
         for r, flag in zip(requests, flags, strict=True):
@@ -249,7 +251,7 @@ class WorkerRuntime:
             )
         return claimed
 
-    def _complete_or_report(self, claimed: Claimed) -> None:
+    def _complete_or_report(self, claimed: ClaimedBatch) -> None:
         """:meth:`_complete` on the device stage's thread, sending the batch task's failure if it fails."""
         try:
             self._complete(claimed)
@@ -258,7 +260,7 @@ class WorkerRuntime:
                 _send_failure(claimed.events, claimed.task_id, exc, claimed.t0)
             raise
 
-    def _complete(self, claimed: Claimed) -> BatchReport | None:
+    def _complete(self, claimed: ClaimedBatch) -> BatchReport | None:
         """Run a claimed batch's requests still within their deadline, then store every outcome:
         here, or on the finisher's thread while the device runs the next batch (then None)."""
         batch, entries = claimed.batch, claimed.entries
@@ -283,7 +285,7 @@ class WorkerRuntime:
         return self._store(claimed, live, run_s, padded_len)
 
     def _store(
-        self, claimed: Claimed, live: list[RequestSlot], run_s: float | None, padded_len: int
+        self, claimed: ClaimedBatch, live: list[RequestSlot], run_s: float | None, padded_len: int
     ) -> BatchReport:
         """Send a batch's events, store its outcomes and acknowledge it, with its report."""
         batch, entries, events = claimed.batch, claimed.entries, claimed.events
