@@ -144,3 +144,38 @@ def finite(value: Any) -> bool:
     if isinstance(value, dict):
         return all(map(finite, value.values()))
     return True
+
+
+def storable(task: str, outcomes: list[tuple[bool, Any]]) -> list[tuple[bool, Any]]:
+    """Each successful output that JSON cannot carry to ``.get()`` unchanged becomes that request's
+    failure (Celery's own tagged types, such as datetimes, are carried as Celery carries them)."""
+    out: list[tuple[bool, Any]] = []
+    for ok, value in outcomes:
+        if ok:
+            try:
+                dumps_exact(value)
+            except ValueError as exc:
+                ok, value = False, ValueError(f"{task} returned {value!r:.80}: {exc}; return finite numbers")
+            except TypeError as exc:
+                if "64-bit" in str(exc) or not _kombu_json(value):
+                    ok, value = (
+                        False,
+                        TypeError(
+                            f"{task} returned {type(value).__name__} {value!r:.80}, which cannot be "
+                            f"stored as JSON unchanged ({exc}); return lists, dicts with string keys, "
+                            "strings, finite numbers and integers within 64 bits (e.g. array.tolist())"
+                        ),
+                    )
+        out.append((ok, value))
+    return out
+
+
+def _kombu_json(value: Any) -> bool:
+    """Whether Celery's own JSON encoder (which tags datetimes, UUIDs, decimals...) takes ``value``."""
+    from kombu.utils.json import dumps
+
+    try:
+        dumps(value)  # type: ignore[no-untyped-call]  # kombu is untyped
+    except (TypeError, ValueError):
+        return False
+    return True

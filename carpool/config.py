@@ -105,6 +105,13 @@ class Settings(BaseSettings):
             "other)."
         ),
     )
+    overlap_device: bool = Field(
+        True,
+        description=(
+            "Run batches on a device thread while the Celery thread claims the next, when one is queued "
+            "(false: claim, run and store one batch at a time on the Celery thread)."
+        ),
+    )
 
     # --- batching policy ---------------------------------------------------------------------
     policy: PolicyName = Field("binned", description="Queueing strategy of the coordinator.")
@@ -132,7 +139,13 @@ class Settings(BaseSettings):
     )
     default_deadline_s: float = Field(60.0, gt=0, description="Deadline of a request without `expires`.")
     prefetch_batches: int = Field(
-        1, ge=0, le=64, description="Batches queued per worker beyond the one it runs, to hide hand-off."
+        2,
+        ge=0,
+        le=64,
+        description=(
+            "Batches queued per worker beyond the one it runs, to hide hand-off (2 keeps a worker's device "
+            "stage fed: one batch waits beside the one running while the previous one's results are stored)."
+        ),
     )
 
     # --- reliability -------------------------------------------------------------------------

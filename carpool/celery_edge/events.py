@@ -55,7 +55,11 @@ def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
 
 
 class TaskEvents:
-    """Buffers one process's per-request task events; :meth:`take` or :meth:`flush` sends them."""
+    """Buffers one process's per-request task events; :meth:`take` or :meth:`flush` sends them.
+
+    One buffer belongs to one thread at a time: a worker whose batches finish on other threads
+    gives each batch a :meth:`fork` of its own, so no batch takes another's events.
+    """
 
     def __init__(self, app: Celery, hostname: str, enabled: bool = True, client: Any = None) -> None:
         self.enabled = enabled
@@ -67,6 +71,14 @@ class TaskEvents:
         self._buffer: list[dict[str, Any]] = []
         self._utcoffset = 0
         self._utcoffset_at = -_UTCOFFSET_REFRESH_S
+        self._root = self  # holds the encoder that forks share
+
+    def fork(self) -> TaskEvents:
+        """A TaskEvents with an empty buffer of its own, sharing this one's hostname, encoder and client."""
+        child = object.__new__(TaskEvents)
+        child.__dict__.update(self.__dict__)
+        child._buffer = []
+        return child
 
     def _event(self, type_: str, fields: dict[str, Any]) -> None:
         if not self.enabled:
@@ -75,8 +87,9 @@ class TaskEvents:
         if now - self._utcoffset_at > _UTCOFFSET_REFRESH_S:
             from celery.utils.time import utcoffset
 
-            self._utcoffset = utcoffset()
-            self._utcoffset_at = now
+            root = self._root  # so that later forks start from the fresh offset
+            root._utcoffset = self._utcoffset = utcoffset()
+            root._utcoffset_at = self._utcoffset_at = now
         fields["type"] = type_
         fields["hostname"] = self.hostname
         fields["utcoffset"] = self._utcoffset
@@ -147,11 +160,12 @@ class TaskEvents:
             return None
         events, self._buffer = self._buffer, []
         try:
-            if self._encoder is None:
+            encoder = self._root._encoder
+            if encoder is None:
                 from carpool.celery_edge.fanout import event_encoder
 
-                self._encoder = event_encoder(self._app, "task.multi", self.hostname)
-            return self._encoder.topic, self._encoder.encode(events)
+                encoder = self._root._encoder = event_encoder(self._app, "task.multi", self.hostname)
+            return encoder.topic, encoder.encode(events)
         except Exception as exc:
             log.warning("could not encode %d task events (Flower will miss them): %s", len(events), exc)
             return None

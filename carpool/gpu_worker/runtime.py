@@ -10,6 +10,11 @@ round trips per batch when the result backend is a database of the broker's serv
 a few more otherwise. Last, the callbacks, chains' next steps and error callbacks of the requests
 whose results this run stored are applied (:mod:`carpool.celery_edge.links`): after the finish
 script, so a worker that dies between the two loses them.
+
+Under load the work overlaps the device (:mod:`carpool.gpu_worker.stage`): the Celery thread claims
+and sorts a batch and hands it to the device thread, which checks deadlines and runs it, and hands
+the rest to the finisher thread; a lone batch (none queued behind it, the device thread idle) runs
+start to end on the Celery thread, with no hand-off.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import redis
@@ -34,10 +42,11 @@ from carpool.celery_edge import compat, links
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
-from carpool.codec import dumps_exact, stored_form
+from carpool.codec import storable, stored_form
 from carpool.config import Settings
 from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.runner import pick_device, run_call_isolating
+from carpool.gpu_worker.stage import DeviceStage, Finisher
 from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import REJECTED_WRITES, Keys
@@ -51,8 +60,24 @@ log = logging.getLogger(__name__)
 BATCH_REPR_LIMIT = 1024  # characters of a batch report in its task-succeeded event (Celery's default)
 HEARTBEAT_S = 1.0
 LIVE_STARTED_S = 0.5  # batches longer than this publish their STARTED events before running
+DEVICE_SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a worker with a device stage
 
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ClaimedBatch:
+    """A batch claimed on the Celery thread, to be run and stored on whichever thread completes it."""
+
+    batch: BatchMessage
+    task_id: str | None  # of its carpool.run_batch task
+    t0: float  # perf_counter when that task started
+    events: TaskEvents  # this batch's own buffer
+    batches_queued: int | None  # batch messages queued behind it when claimed (None: not counted)
+    ack_ids: list[str] = field(default_factory=list)  # every request claimed: acknowledged at the end
+    to_run: list[RequestSlot] = field(default_factory=list)  # run if within their deadline
+    entries: list[tuple[str, str, Any]] = field(default_factory=list)  # outcomes: (id, state, value)
+    linked: dict[str, Links] = field(default_factory=dict)  # callbacks, chains, error callbacks
 
 
 class WorkerRuntime:
@@ -85,7 +110,8 @@ class WorkerRuntime:
         self.specs = {name: spec for name, spec in registered().items() if name in self.served}
         # Batches carry no priority, so each batch queue is one list under its own name.
         self.batch_lists = batch_queues(self.settings)
-        self._running: list[str] = []
+        self._inline_ids: list[str] = []  # the batch running on the Celery thread, if any
+        self._stage: DeviceStage | None = None  # set by start(): batches run beside the next claim
         self._finisher: Finisher | None = None  # set by start(): results stored beside the next batch
         self._last_run_s: dict[str, float] = {}
         self._stop = threading.Event()
@@ -104,11 +130,18 @@ class WorkerRuntime:
             log.info("task %s ready on %s in %.1fs", name, self.device, time.perf_counter() - t0)
         if self.settings.overlap_finish:
             self._finisher = Finisher()
+        if self.settings.overlap_device:
+            self._stage = DeviceStage()
+            # A device thread waking from its batch waits for the GIL at most this long, not 5 ms.
+            sys.setswitchinterval(DEVICE_SWITCH_INTERVAL_S)
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Let the batches claimed run and their results be stored, then leave."""
+        if self._stage is not None and not self._stage.drain():
+            log.warning("batches still running at shutdown return through lease recovery")
         if self._finisher is not None:
             self._finisher.drain()
         self._stop.set()
@@ -117,10 +150,14 @@ class WorkerRuntime:
 
     def _beat(self) -> None:
         self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S)
-        # Keep the running batch's leases alive: a batch longer than the lease is not a dead worker;
-        # so are those of a batch whose results are being stored.
-        finishing = self._finisher.pending_ids() if self._finisher is not None else []
-        self.store.renew_running([*self._running, *finishing])
+        # Keep the leases of every batch claimed and not yet stored alive (waiting for the device,
+        # running, or having its results stored): a batch longer than the lease is not a dead worker.
+        held = list(self._inline_ids)
+        if self._stage is not None:
+            held += self._stage.pending_ids()
+        if self._finisher is not None:
+            held += self._finisher.pending_ids()
+        self.store.renew_running(held)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -130,9 +167,10 @@ class WorkerRuntime:
                 log.warning("heartbeat failed: %s", exc)
 
     # --- one batch -----------------------------------------------------------------------
-    def run(self, batch: object, request: Any = None) -> BatchReport:
-        """Run one batch message. ``request``: the Celery task request of ``carpool.run_batch`` (the
-        runtime sends that task's events itself); None when called directly.
+    def run(self, batch: object, request: Any = None) -> BatchReport | None:
+        """Run one batch message; its report, or None when it was handed to the device stage to run
+        while Celery delivers the next. ``request``: the Celery task request of ``carpool.run_batch``
+        (the runtime sends that task's events itself); None when called directly.
 
         A message this release cannot read (another wire version, or malformed) is refused with a
         :class:`~carpool.errors.WireError` before anything is claimed: its requests stay owned by
@@ -141,8 +179,9 @@ class WorkerRuntime:
         """
         t0 = time.perf_counter()
         task_id = getattr(request, "id", None)
+        events = self.events.fork()  # the batch may finish on another thread, with its own events
         if task_id:
-            self.events.received(
+            events.received(
                 task_id,
                 str(getattr(request, "argsrepr", None) or ""),
                 str(getattr(request, "kwargsrepr", None) or "{}"),
@@ -151,12 +190,7 @@ class WorkerRuntime:
                 parent_id=getattr(request, "parent_id", None),
                 retries=int(getattr(request, "retries", 0) or 0),
             )
-            self.events.started([task_id])
-
-        def done(report: BatchReport) -> None:
-            if task_id:  # the batch's own task-succeeded rides with its requests' events
-                self.events.succeeded(task_id, report, time.perf_counter() - t0, limit=BATCH_REPR_LIMIT)
-
+            events.started([task_id])
         try:
             try:
                 message = read_batch(batch)
@@ -167,60 +201,103 @@ class WorkerRuntime:
                     exc,
                 )
                 raise
-            return self._run(message, done)
+            stage = self._stage
+            if stage is not None:  # claim only what the device can take soon: the leases stay short
+                stage.wait_for_room()
+            claimed = self._claimed(message, events, task_id, t0)
+            if stage is None or (claimed.batches_queued == 0 and stage.idle()):
+                # Nothing to overlap with: a hand-off would only add a thread wake-up to its latency.
+                self._inline_ids = claimed.ack_ids
+                return self._complete(claimed)
+            stage.submit(partial(self._complete_or_report, claimed), claimed.ack_ids)
+            return None
         except BaseException as exc:
             if task_id and not isinstance(exc, KeyboardInterrupt | SystemExit):
-                self.events.failed(task_id, exc, time.perf_counter() - t0, traceback.format_exc())
-                self.events.flush()
+                _send_failure(events, task_id, exc, t0)
             raise
         finally:
             # Whatever happened, stop renewing this batch's leases: if it did not finish, its
             # requests must come back through recovery instead of being held forever.
-            self._running = []
+            self._inline_ids = []
 
-    def _run(self, batch: BatchMessage, done: Callable[[BatchReport], None]) -> BatchReport:
-        batch_id = batch["id"]
+    def _claimed(
+        self, batch: BatchMessage, events: TaskEvents, task_id: str | None, t0: float
+    ) -> ClaimedBatch:
+        """Claim the batch's requests and sort them: not this batch's, answered already, revoked, to run."""
         requests = batch["requests"]
         ids = [r["id"] for r in requests]
-        flags, batches_queued = self._claim(batch_id, ids)
-        mine = [r for r, f in zip(requests, flags, strict=True) if f]
-        if len(mine) < len(requests):
-            log.info(
-                "batch %s: %d of %d requests now belong elsewhere; skipped",
-                batch_id,
-                len(requests) - len(mine),
-                len(requests),
-            )
-        now = time.time()
-        entries: list[tuple[str, str, Any]] = []
-        live: list[RequestSlot] = []
+        flags, batches_queued = self._claim(batch["id"], ids)
+        claimed = ClaimedBatch(batch, task_id, t0, events, batches_queued)
         revoked = compat.revoked_ids()
         revoked_ids = revoked if len(revoked) else None  # Celery's remote control fills it
-        linked: dict[str, Links] = {}  # callbacks, chains, error callbacks: what few requests carry
         for r, flag in zip(requests, flags, strict=True):
-            if flag != 1:  # another batch's now, or answered already (a rerun after recovery)
+            if flag == 0:  # another batch's now
+                continue
+            claimed.ack_ids.append(r["id"])
+            if flag != 1:  # answered already (a rerun after recovery)
                 continue
             if "links" in r:
-                linked[r["id"]] = r["links"]
+                claimed.linked[r["id"]] = r["links"]
             if revoked_ids is not None and r["id"] in revoked_ids:
-                entries.append((r["id"], REVOKED, TaskRevokedError("revoked")))
-            elif not may_start(r["deadline"], now):
+                claimed.entries.append((r["id"], REVOKED, TaskRevokedError("revoked")))
+            else:
+                claimed.to_run.append(r)
+        if len(claimed.ack_ids) < len(requests):
+            log.info(
+                "batch %s: %d of %d requests now belong elsewhere; skipped",
+                batch["id"],
+                len(requests) - len(claimed.ack_ids),
+                len(requests),
+            )
+        return claimed
+
+    def _complete_or_report(self, claimed: ClaimedBatch) -> None:
+        """:meth:`_complete` on the device stage's thread, sending the batch task's failure if it fails."""
+        try:
+            self._complete(claimed)
+        except Exception as exc:
+            if claimed.task_id:
+                _send_failure(claimed.events, claimed.task_id, exc, claimed.t0)
+            raise
+
+    def _complete(self, claimed: ClaimedBatch) -> BatchReport | None:
+        """Run a claimed batch's requests still within their deadline, then store every outcome:
+        here, or on the finisher's thread while the device runs the next batch (then None)."""
+        batch, entries = claimed.batch, claimed.entries
+        now = time.time()
+        live: list[RequestSlot] = []
+        for r in claimed.to_run:
+            if may_start(r["deadline"], now):
+                live.append(r)
+            else:
                 late = DeadlineExceeded.waited(now - r["deadline"], "when its batch started")
                 entries.append((r["id"], FAILURE, late))
-            else:
-                live.append(r)
         run_s = None
         padded_len = 0
         if live:
-            run_s, padded_len = self._forward(batch, live, entries)
+            run_s, padded_len = self._forward(batch, live, entries, claimed.events)
+        finisher, stage = self._finisher, self._stage
+        # Another batch queued, or waiting in the device stage beside this one: the device can
+        # start it while this one's results are stored.
+        if finisher is not None and (claimed.batches_queued != 0 or (stage is not None and stage.held() > 1)):
+            finisher.submit(partial(self._store, claimed, live, run_s, padded_len), claimed.ack_ids)
+            return None
+        return self._store(claimed, live, run_s, padded_len)
+
+    def _store(
+        self, claimed: ClaimedBatch, live: list[RequestSlot], run_s: float | None, padded_len: int
+    ) -> BatchReport:
+        """Send a batch's events, store its outcomes and acknowledge it, with its report."""
+        batch, entries, events = claimed.batch, claimed.entries, claimed.events
+        batch_id = batch["id"]
         per_request_s = run_s or 0.0
         for task_id, state, value in entries:
             if state == SUCCESS:
-                self.events.succeeded(task_id, value, per_request_s)
+                events.succeeded(task_id, value, per_request_s)
             elif state == FAILURE:
-                self.events.failed(task_id, value, per_request_s)
+                events.failed(task_id, value, per_request_s)
             else:
-                self.events.revoked(task_id)
+                events.revoked(task_id)
         report = batch_report(
             batch_id=batch_id,
             model=batch["model"],
@@ -236,27 +313,20 @@ class WorkerRuntime:
             failed_deadline=sum(1 for e in entries if isinstance(e[2], DeadlineExceeded)),
             done_at=time.time(),
         )
-        done(report)
+        if claimed.task_id:  # the batch's own task-succeeded rides with its requests' events
+            elapsed = time.perf_counter() - claimed.t0
+            events.succeeded(claimed.task_id, report, elapsed, limit=BATCH_REPR_LIMIT)
+        linked = claimed.linked
         writes = entries + self._chain_failures(entries, linked) if linked else entries
-        ack_ids = [r["id"] for r in mine]
-        events = self.events.take()
-
-        def hand_over() -> None:
-            # Redis may be restarting: the results are computed, so keep trying to hand them over
-            # for a while before giving the batch up to recovery.
-            stored = _retrying(lambda: self._finish(writes, ack_ids, report, batch["coordinator"], events))
-            if len(stored) < len(writes):
-                self._count_rejected(batch_id, writes, stored)
-            if linked:
-                self._apply_links(batch["task"], entries, stored, linked)
-
-        if self._finisher is None or batches_queued == 0:
-            # Nothing queued behind this batch to overlap with: a hand-off to the finisher thread
-            # would only add its wake-up to every request's latency.
-            hand_over()
-        else:
-            # The device can start the next batch while this one's results are stored.
-            self._finisher.submit(hand_over, ack_ids)
+        ack_ids = claimed.ack_ids
+        published = events.take()
+        # Redis may be restarting: the results are computed, so keep trying to hand them over
+        # for a while before giving the batch up to recovery.
+        stored = _retrying(lambda: self._finish(writes, ack_ids, report, batch["coordinator"], published))
+        if len(stored) < len(writes):
+            self._count_rejected(batch_id, writes, stored)
+        if linked:
+            self._apply_links(batch["task"], entries, stored, linked)
         return report
 
     def _count_rejected(self, batch_id: str, writes: list[tuple[str, str, Any]], stored: list[int]) -> None:
@@ -324,16 +394,19 @@ class WorkerRuntime:
         return flags, None
 
     def _forward(
-        self, batch: BatchMessage, live: list[RequestSlot], entries: list[tuple[str, str, Any]]
+        self,
+        batch: BatchMessage,
+        live: list[RequestSlot],
+        entries: list[tuple[str, str, Any]],
+        events: TaskEvents,
     ) -> tuple[float | None, int]:
         """Run ``live`` on the model, appending each request's outcome to ``entries``; returns
         (model time, or None when a failure split the batch; padded length)."""
-        self._running = [r["id"] for r in live]
         # Published before running only when someone could watch the batch as STARTED; otherwise
         # they leave with the results, in the batch's one publish.
-        self.events.started(self._running)
+        events.started([r["id"] for r in live])
         if self._last_run_s.get(batch["model"], 0.0) > LIVE_STARTED_S:
-            self.events.flush()
+            events.flush()
         run_s = None
         padded_len = 0
         try:
@@ -402,6 +475,12 @@ class WorkerRuntime:
         return [i for i, entry in enumerate(entries, 1) if entry[0] in stored_ids]
 
 
+def _send_failure(events: TaskEvents, task_id: str, exc: BaseException, t0: float) -> None:
+    """Publish the batch task's task-failed event now (nothing else will carry it)."""
+    events.failed(task_id, exc, time.perf_counter() - t0, traceback.format_exc())
+    events.flush()
+
+
 def _retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0.1) -> T:
     """``call()``, retried while Redis is unreachable; pauses double from 0.1 s to 5 s, about 11 s in all."""
     pause = first_pause_s
@@ -431,41 +510,6 @@ def served_tasks(serve: tuple[str, ...], specs: dict[str, TaskSpec]) -> frozense
     return frozenset(serve)
 
 
-def storable(task: str, outcomes: list[tuple[bool, Any]]) -> list[tuple[bool, Any]]:
-    """Each successful output that JSON cannot carry to ``.get()`` unchanged becomes that request's
-    failure (Celery's own tagged types, such as datetimes, are carried as Celery carries them)."""
-    out: list[tuple[bool, Any]] = []
-    for ok, value in outcomes:
-        if ok:
-            try:
-                dumps_exact(value)
-            except ValueError as exc:
-                ok, value = False, ValueError(f"{task} returned {value!r:.80}: {exc}; return finite numbers")
-            except TypeError as exc:
-                if "64-bit" in str(exc) or not _kombu_json(value):
-                    ok, value = (
-                        False,
-                        TypeError(
-                            f"{task} returned {type(value).__name__} {value!r:.80}, which cannot be "
-                            f"stored as JSON unchanged ({exc}); return lists, dicts with string keys, "
-                            "strings, finite numbers and integers within 64 bits (e.g. array.tolist())"
-                        ),
-                    )
-        out.append((ok, value))
-    return out
-
-
-def _kombu_json(value: Any) -> bool:
-    """Whether Celery's own JSON encoder (which tags datetimes, UUIDs, decimals...) takes ``value``."""
-    from kombu.utils.json import dumps
-
-    try:
-        dumps(value)  # type: ignore[no-untyped-call]  # kombu is untyped
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def batch_queues(settings: Settings) -> list[str]:
     """The batch queues a worker with ``settings`` consumes: those of the tasks it serves."""
     import_task_modules(settings.imports)
@@ -476,54 +520,3 @@ def batch_queues(settings: Settings) -> list[str]:
         if queue not in queues:
             queues.append(queue)
     return queues
-
-
-class Finisher:
-    """One background thread that stores a batch's results while the worker runs the next batch.
-
-    At most one batch waits here: handing over the next one first waits for the previous to be
-    stored, so results never pile up in memory and a worker is never more than one batch ahead.
-    A batch whose hand-over fails for good is left to lease recovery, as a worker that died would.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._ids: list[str] = []
-        self._job: Callable[[], None] | None = None
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="carpool-finisher", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None], ids: list[str]) -> None:
-        self._idle.wait()
-        with self._lock:
-            self._idle.clear()
-            self._job, self._ids = job, ids
-        self._wake.set()
-
-    def pending_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._ids)
-
-    def drain(self, timeout_s: float = 30.0) -> bool:
-        """Wait for the batch being stored, if any; False if it did not finish in time."""
-        return self._idle.wait(timeout_s)
-
-    def _loop(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            with self._lock:
-                job = self._job
-            if job is None:
-                continue
-            try:
-                job()
-            except Exception:
-                log.exception("storing a batch's results failed; its requests return through lease recovery")
-            finally:
-                with self._lock:
-                    self._job, self._ids = None, []
-                self._idle.set()

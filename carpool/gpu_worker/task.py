@@ -30,7 +30,9 @@ def run_batch(self: Any, batch: Any) -> str:
     # Celery's own events for this task are off because its dispatcher publishes each one on its own;
     # the runtime sends the same ones inside the single publish that carries its requests' events.
     # The report goes back as text: Celery's saferepr of a returned dict, for its log line, is slow.
-    return repr(runtime().run(batch, self.request))
+    # A batch handed to the device stage has no report yet: its task-succeeded event carries it later.
+    report = runtime().run(batch, self.request)
+    return "handed to the device stage" if report is None else repr(report)
 
 
 @signals.worker_ready.connect  # type: ignore[untyped-decorator]

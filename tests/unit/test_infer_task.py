@@ -93,6 +93,7 @@ def test_infer_and_a_batched_task_go_through_one_coordinator_and_one_worker_path
         for slot in message_["requests"]:  # the coordinator's wall clock was a made-up one
             slot["deadline"] = 2e9
         report = worker.run(message_)
+        assert report is not None, "no device stage started: run inline"
         assert report["size"] == len(message_["requests"]) and report["failed_model"] == 0
         results.update({task_id: meta["result"] for task_id, meta in store.writes})
     assert results["b"] == "cba"

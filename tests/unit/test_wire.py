@@ -175,7 +175,7 @@ def test_the_worker_refuses_a_batch_of_another_version_before_claiming_anything(
         runtime.run(other)
     # Nothing claimed or acknowledged: the requests stay leased and return through lease recovery.
     assert runtime.store.claimed == [] and runtime.store.finished == []
-    assert runtime._running == []
+    assert runtime._inline_ids == []
 
 
 def test_the_workers_report_is_what_the_coordinator_reads(runtime: Any) -> None:

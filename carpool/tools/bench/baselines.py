@@ -134,9 +134,9 @@ def run_fifo_batch(requests: list[Any]) -> None:
 def run_task_batch(requests: list[Any]) -> None:
     """Run buffered requests of the benchmarked task as one batch of its function; store each output."""
     from carpool.celery_edge.results import FAILURE, SUCCESS
+    from carpool.codec import storable
     from carpool.errors import ConfigError, ModelError
     from carpool.gpu_worker.runner import run_items_isolating
-    from carpool.gpu_worker.runtime import storable
 
     if not requests:
         return

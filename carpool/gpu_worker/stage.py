@@ -1,0 +1,97 @@
+"""A worker's background stages: jobs in order on one thread each, never more than a few held.
+
+The Celery thread claims a batch and hands it to the :class:`DeviceStage`, whose thread runs it on
+the device and hands its results to the :class:`Finisher`, whose thread stores them: while the
+device runs batch k, the Celery thread prepares batch k+1 and the finisher stores batch k-1. Each
+job carries the ids of the requests it holds, which the heartbeat keeps leased until the job is
+done; a job that fails is logged and its requests are left to lease recovery, as a dead worker's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class Stage:
+    """One daemon thread running submitted jobs in order; at most ``depth`` held (running + waiting).
+
+    :meth:`submit` blocks while ``depth`` jobs are held, so the submitter never runs more than that
+    far ahead and nothing piles up in memory.
+    """
+
+    def __init__(self, name: str, depth: int, failure: str) -> None:
+        if depth < 1:
+            raise ValueError("depth must be an integer >= 1")
+        self.depth = depth
+        self._failure = failure
+        self._changed = threading.Condition()
+        self._held: deque[tuple[Callable[[], object], list[str]]] = deque()  # running first
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], object], ids: list[str]) -> None:
+        """Queue ``job``, whose requests are ``ids``, after waiting for room."""
+        with self._changed:
+            while len(self._held) >= self.depth:
+                self._changed.wait()
+            self._held.append((job, ids))
+            self._changed.notify_all()
+
+    def wait_for_room(self, timeout_s: float | None = None) -> bool:
+        """Wait until a :meth:`submit` would not block; False if that took longer than ``timeout_s``."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._held) < self.depth, timeout_s)
+
+    def idle(self) -> bool:
+        """Whether nothing is running or waiting."""
+        return not self._held
+
+    def held(self) -> int:
+        """How many jobs are running or waiting."""
+        return len(self._held)
+
+    def pending_ids(self) -> list[str]:
+        """The ids of every job held, running or waiting: the heartbeat renews their leases."""
+        with self._changed:
+            return [i for _, ids in self._held for i in ids]
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait for every job held to finish; False if they did not in time."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._held, timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            with self._changed:
+                while not self._held:
+                    self._changed.wait()
+                job = self._held[0][0]
+            try:
+                job()
+            except Exception:
+                log.exception("%s failed; its requests return through lease recovery", self._failure)
+            finally:
+                with self._changed:
+                    self._held.popleft()
+                    self._changed.notify_all()
+
+
+class Finisher(Stage):
+    """Stores a batch's results while the device runs the next batch: at most one batch held, so
+    handing over the next waits for the previous to be stored."""
+
+    def __init__(self) -> None:
+        super().__init__("carpool-finisher", depth=1, failure="storing a batch's results")
+
+
+class DeviceStage(Stage):
+    """Runs batches on the device while the Celery thread claims the next: one running and at most
+    one waiting beside it, so the worker never claims far ahead of its device."""
+
+    def __init__(self) -> None:
+        super().__init__("carpool-device", depth=2, failure="running a batch")

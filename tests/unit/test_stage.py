@@ -1,0 +1,209 @@
+"""The worker's stages: the device stage runs batches beside the next claim and the finisher stores
+results beside the next batch, each in order, never more than its depth ahead, holding the leases of
+what it holds; a failure leaves the requests to lease recovery."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from carpool.errors import DeadlineExceeded
+from carpool.gpu_worker.stage import DeviceStage, Finisher, Stage
+from tests.unit.test_worker_semantics import FakeStore, batch, slot
+
+HANG_S = 5.0  # a bound on waits that only a hang exceeds
+
+
+def until(condition: Callable[[], bool]) -> None:
+    """Wait for ``condition`` (another thread's progress), failing only on a hang."""
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        assert time.monotonic() < deadline, "hung"
+        time.sleep(0.005)
+
+
+def test_jobs_run_in_order_and_a_new_one_waits_for_the_previous() -> None:
+    finisher = Finisher()
+    release = threading.Event()
+    done: list[str] = []
+
+    def first() -> None:
+        release.wait(5)
+        done.append("first")
+
+    finisher.submit(first, ["a", "b"])
+    assert finisher.pending_ids() == ["a", "b"]  # still held: the heartbeat keeps renewing them
+    second_submitted = threading.Event()
+
+    def submit_second() -> None:
+        finisher.submit(lambda: done.append("second"), ["c"])
+        second_submitted.set()
+
+    threading.Thread(target=submit_second).start()
+    assert not second_submitted.wait(0.2)  # blocked: one batch at most waits to be stored
+    release.set()
+    assert second_submitted.wait(5)
+    assert finisher.drain(5)
+    assert done == ["first", "second"] and finisher.pending_ids() == []
+
+
+def test_a_failing_job_is_logged_and_the_finisher_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    finisher = Finisher()
+
+    def broken() -> None:
+        raise ConnectionError("redis went away for good")
+
+    finisher.submit(broken, ["x"])
+    assert finisher.drain(5)
+    assert "lease recovery" in caplog.text and finisher.pending_ids() == []
+    ran = threading.Event()
+    finisher.submit(ran.set, ["y"])
+    assert ran.wait(5)
+
+
+def test_drain_reports_a_job_that_outlasts_it() -> None:
+    finisher = Finisher()
+    finisher.submit(lambda: time.sleep(0.5), ["slow"])
+    assert finisher.drain(0.05) is False
+    assert finisher.drain(5) is True
+
+
+def test_the_device_stage_holds_one_batch_running_and_one_waiting_in_order() -> None:
+    stage = DeviceStage()
+    release = threading.Event()
+    ran: list[str] = []
+
+    def first() -> None:
+        release.wait(HANG_S)
+        ran.append("k")
+
+    stage.submit(first, ["a"])
+    stage.submit(lambda: ran.append("k+1"), ["b", "c"])
+    assert stage.held() == 2 and not stage.idle()
+    assert stage.pending_ids() == ["a", "b", "c"], "running and waiting batches stay leased"
+    assert stage.wait_for_room(0.05) is False, "full: the Celery thread waits before claiming more"
+    release.set()
+    assert stage.wait_for_room(HANG_S)
+    assert stage.drain(HANG_S) and stage.idle() and stage.pending_ids() == []
+    assert ran == ["k", "k+1"]
+
+
+def test_a_failing_batch_leaves_the_device_thread_running(caplog: pytest.LogCaptureFixture) -> None:
+    stage = DeviceStage()
+
+    def broken() -> None:
+        raise RuntimeError("device lost")
+
+    stage.submit(broken, ["x"])
+    done = threading.Event()
+    stage.submit(done.set, ["y"])
+    assert done.wait(HANG_S) and stage.drain(HANG_S)
+    assert "running a batch failed" in caplog.text and "lease recovery" in caplog.text
+
+
+def test_a_stage_needs_room_for_one_job() -> None:
+    with pytest.raises(ValueError, match="depth must be an integer >= 1"):
+        Stage("nothing", 0, "nothing")
+
+
+class LeaseStore(FakeStore):
+    """:class:`FakeStore` whose finish waits for ``gate``, recording the leases the heartbeat renews."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.renewed: list[str] = []
+        self.order: list[str] = []
+
+    def heartbeat(self, hostname: str, ttl_s: float) -> None:
+        pass
+
+    def leave(self, hostname: str) -> None:
+        pass
+
+    def renew_running(self, ids: list[str]) -> None:
+        self.renewed = list(ids)
+
+    def finish(self, **kwargs: Any) -> list[int]:
+        assert self.gate.wait(HANG_S)
+        stored = super().finish(**kwargs)
+        self.order += [task_id for task_id, _ in self.writes]
+        return stored
+
+
+@pytest.fixture
+def staged() -> Any:
+    from carpool.celery_edge.app import app
+    from carpool.gpu_worker.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(app)
+    rt.device, rt.dbs, rt.events.enabled = "cpu", (0, 1), False
+    rt.store = LeaseStore()  # type: ignore[assignment]
+    rt._stage, rt._finisher = DeviceStage(), Finisher()
+    return rt
+
+
+def test_batches_run_beside_the_next_claim_and_every_claimed_request_stays_leased(staged: Any) -> None:
+    store = staged.store
+    store.queued = 1  # a batch queued behind each: hand over to the device thread
+    assert staged.run(batch(slot("a"), slot("b"))) is None, "handed to the device stage"
+    assert staged.run(batch(slot("c"))) is None
+    # "a" and "b" wait in the finisher (their store is held up), "c" on the device thread behind them.
+    until(lambda: staged._finisher.held() == 1 and staged._stage.held() == 1)
+    staged._beat()
+    assert sorted(store.renewed) == ["a", "b", "c"]
+    store.gate.set()
+    staged.stop()
+    assert store.order == ["a", "b", "c"], "stored in the order claimed"
+    staged._beat()
+    assert store.renewed == [], "nothing held once stored"
+
+
+def test_a_lone_batch_runs_inline_on_the_celery_thread(staged: Any) -> None:
+    staged.store.gate.set()
+    report = staged.run(batch(slot("alone")))  # nothing queued behind it, device thread idle
+    assert report is not None and report["size"] == 1
+    assert staged.store.order == ["alone"] and staged._stage.idle()
+
+
+def test_deadlines_are_checked_when_the_batch_starts_on_the_device(staged: Any) -> None:
+    store = staged.store
+    store.gate.set()
+    store.queued = 1
+    busy = threading.Event()
+    staged._stage.submit(lambda: busy.wait(HANG_S), [])  # the device is running another batch
+    assert staged.run(batch(slot("late", deadline=time.time() + 0.05), slot("ok"))) is None
+    time.sleep(0.1)  # its deadline passes while it waits for the device
+    busy.set()
+    assert staged._stage.drain(HANG_S) and staged._finisher.drain(HANG_S)
+    metas = dict(store.writes)
+    assert metas["ok"]["status"] == "SUCCESS" and metas["late"]["status"] == "FAILURE"
+    assert metas["late"]["result"]["exc_type"] == DeadlineExceeded.__name__
+
+
+class ListEncoder:
+    """Stands in for the kombu envelope: a message is the list of its events' types and ids."""
+
+    topic = "events"
+
+    def encode(self, events: list[dict[str, Any]]) -> bytes:
+        return repr([(e["type"], e.get("uuid")) for e in events]).encode()
+
+
+def test_each_batch_takes_only_its_own_events_and_forks_share_the_encoder() -> None:
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.events import TaskEvents
+
+    events = TaskEvents(app, "worker@host")
+    events._encoder = ListEncoder()
+    running, claimed = events.fork(), events.fork()
+    running.started(["a"])
+    claimed.received("batch-2", "()")
+    running.succeeded("a", [0.5], 0.01)
+    assert running.take() == ("events", b"[('task-started', 'a'), ('task-succeeded', 'a')]")
+    assert claimed.take() == ("events", b"[('task-received', 'batch-2')]")
+    assert events.take() is None and running.take() is None
