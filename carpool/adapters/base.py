@@ -114,7 +114,9 @@ class Adapter(ABC):
         if self.length_by == "chars":
             return [min(window, _estimate(text, pair)) for text, pair in inputs]
         counter = self._token_counter()
-        encodings = counter.encode_batch([text if pair is None else (text, pair) for text, pair in inputs])
+        # The fast form (tokenizers 0.20+) skips character offsets, which a count never needs.
+        encode_batch = getattr(counter, "encode_batch_fast", counter.encode_batch)
+        encodings = encode_batch([text if pair is None else (text, pair) for text, pair in inputs])
         return [min(window, len(e.ids)) for e in encodings]
 
     def _token_counter(self) -> Any:

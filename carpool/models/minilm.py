@@ -48,6 +48,7 @@ class MiniLM:
         st_config = json.loads((self.path / "sentence_bert_config.json").read_text())
         self.max_length: int = int(st_config["max_seq_length"])
         self._tokenizer: Any = None
+        self._encode_batch: Any = None
         self._model: Any = None
         self._device = "cpu"
         self._autocast = False
@@ -61,17 +62,20 @@ class MiniLM:
             # pads per batch and truncates at max_seq_length, so undo both.
             tok.no_padding()
             tok.enable_truncation(max_length=self.max_length)
+            # The fast form (tokenizers 0.20+) skips character offsets, which ids never need.
+            self._encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
             self._tokenizer = tok
         return self._tokenizer
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        tokenizer = self._get_tokenizer()
+        self._get_tokenizer()
+        encode_batch = self._encode_batch
         heads = [_head(t, self.max_length * HEAD_CHARS_PER_TOKEN) for t in texts]
-        out = [e.ids for e in tokenizer.encode_batch(heads, add_special_tokens=True)]
+        out = [e.ids for e in encode_batch(heads, add_special_tokens=True)]
         # A head that did not fill the window (a text of very long words) says nothing about the rest.
         short = [i for i, ids in enumerate(out) if heads[i] is not texts[i] and len(ids) < self.max_length]
         if short:
-            full = tokenizer.encode_batch([texts[i] for i in short], add_special_tokens=True)
+            full = encode_batch([texts[i] for i in short], add_special_tokens=True)
             for i, e in zip(short, full, strict=True):
                 out[i] = e.ids
         return out

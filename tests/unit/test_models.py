@@ -35,6 +35,20 @@ def test_minilm_truncates_to_its_window_like_sentence_transformers() -> None:
     assert ids[1][0] == 101 and ids[1][-1] == 102  # [CLS] ... [SEP]
 
 
+def test_minilm_encode_gives_the_tokenizers_plain_ids_on_the_accelerator_mix() -> None:
+    """``encode`` cuts long texts and uses the offsets-free batch call: the ids must be exactly what a
+    plain ``encode_batch`` of each whole text gives under the same truncation."""
+    from carpool.models.minilm import MiniLM
+    from carpool.tools.workload import ACCELERATOR_MIX, mixed_texts
+
+    model = MiniLM()
+    texts = [*mixed_texts(300, 7, ACCELERATOR_MIX), "é" * 3000, "naïve café " * 200, ""]
+    ids = model.encode(texts)
+    plain = [e.ids for e in model._get_tokenizer().encode_batch(texts, add_special_tokens=True)]
+    assert ids == plain
+    assert any(len(row) == model.max_length for row in ids)  # the mix reaches the window
+
+
 def test_minilm_forward_works_outside_inference_mode_and_returns_unit_float32_rows() -> None:
     """The model protocol is callable directly (scripts, notebooks): no autograd state may leak out."""
     model = get_model("minilm")
