@@ -29,6 +29,8 @@ class AppState:
         self._channel: Any = None
         self._publisher: redis.Redis | None = None
         self._dispatcher: Any = None
+        #: message builders kept between publishes (see carpool.producer.submit), per thread and options
+        self.builders: dict[tuple[Any, ...], Any] = {}
 
     def message_channel(self) -> Any:
         """A kombu Redis channel of the broker, used only to build messages (no I/O), kept because

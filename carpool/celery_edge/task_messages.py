@@ -103,6 +103,7 @@ class TaskMessageBuilder:
         headers: Mapping[str, Any] | None = None,
         sent_events: bool | None = None,
         ignore_result: bool = False,
+        per_build_headers: Sequence[str] = (),
     ) -> None:
         conf = app.conf
         route = app.amqp.router.route({"queue": queue} if queue else {}, name, (), {})
@@ -130,6 +131,9 @@ class TaskMessageBuilder:
             expires = app.now() + timedelta(seconds=expires)
         self.expires = expires
         self.extra_headers = dict(headers or {})
+        # Headers whose values each build call gives (``build(header_values=...)``): slots in the
+        # template, so one builder serves calls that differ only there (``.delay()``'s sent-at time).
+        self.per_build_headers = tuple(per_build_headers)
         self.ignore_result = ignore_result
         self.reply_to = app.thread_oid
         self._template: _MessageTemplate | None = None
@@ -142,8 +146,20 @@ class TaskMessageBuilder:
         *,
         task_ids: Sequence[str] | None = None,
         argsreprs: Sequence[str] | None = None,
+        header_values: Mapping[str, Any] | None = None,
     ) -> TaskMessages:
         app, name, qname = self.app, self.name, self.qname
+        extra_headers = self.extra_headers
+        per_build: tuple[Any, ...] = ()
+        if self.per_build_headers:
+            given = dict(header_values or {})
+            unknown = set(given) - set(self.per_build_headers)
+            if unknown or len(given) != len(self.per_build_headers):
+                raise ValueError(f"give exactly the headers {self.per_build_headers}, not {sorted(given)}")
+            extra_headers = {**extra_headers, **given}
+            per_build = tuple(given[h] for h in self.per_build_headers)
+        elif header_values:
+            raise ValueError("this builder takes no per-build headers")
         expires = self.expires
         evd = self._state.event_dispatcher() if self.sent_events else None
         before = signals.before_task_publish.receivers
@@ -170,7 +186,7 @@ class TaskMessageBuilder:
                 kwargsrepr="{}" if not kwargs else None,
                 ignore_result=self.ignore_result,
             )
-            task_headers.update(self.extra_headers)
+            task_headers.update(extra_headers)
             if before:
                 signals.before_task_publish.send(
                     sender=name,
@@ -206,7 +222,7 @@ class TaskMessageBuilder:
                 if argsrepr is None:
                     argsrepr = saferepr(args, argsrepr_max)
                 kwargsrepr = "{}" if not kwargs else saferepr(kwargs, argsrepr_max)
-                raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, next(fresh))
+                raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, next(fresh), per_build)
                 sent_event = template.sent_event(task_id, argsrepr, kwargsrepr) if evd is not None else None
                 key = template.key
             else:
@@ -248,7 +264,7 @@ class TaskMessageBuilder:
         """Make a template from Celery's first message; trust it once it renders Celery's second."""
         template = self._template
         if template is None:
-            self._template = _MessageTemplate.maybe(message, body, sent_event, key)
+            self._template = _MessageTemplate.maybe(message, body, sent_event, key, self.per_build_headers)
             if self._template is None:
                 self._untrusted = True
             return
@@ -260,6 +276,7 @@ class TaskMessageBuilder:
             headers["argsrepr"],
             headers["kwargsrepr"],
             message["properties"]["delivery_tag"],
+            tuple(headers[h] for h in self.per_build_headers),
         )
         if (
             key != template.key
@@ -296,7 +313,12 @@ class _MessageTemplate:
     _SLOT = re.compile(r'"@@carpool-slot:(\w+)@@"')
 
     def __init__(
-        self, message: dict[str, Any], body: Any, sent_event: dict[str, Any] | None, key: str
+        self,
+        message: dict[str, Any],
+        body: Any,
+        sent_event: dict[str, Any] | None,
+        key: str,
+        per_build_headers: Sequence[str] = (),
     ) -> None:
         self.key = key  # the Redis list the messages go to (one per priority step)
 
@@ -313,10 +335,14 @@ class _MessageTemplate:
         headers["argsrepr"] = slot("argsrepr")
         headers["kwargsrepr"] = slot("kwargsrepr")
         props["delivery_tag"] = slot("tag")
+        fields = {"id": 0, "body": 1, "argsrepr": 2, "kwargsrepr": 3, "tag": 4}
+        for i, header in enumerate(per_build_headers):
+            headers[header] = slot(f"h{i}")
+            fields[f"h{i}"] = 5 + i
         parts = self._SLOT.split(envelope_dumps(msg))  # type: ignore[no-untyped-call]
         # One str.format call renders a message: literals with their braces doubled, each slot a
-        # numbered field ({0} id, {1} body, {2} argsrepr, {3} kwargsrepr, {4} delivery tag).
-        fields = {"id": 0, "body": 1, "argsrepr": 2, "kwargsrepr": 3, "tag": 4}
+        # numbered field ({0} id, {1} body, {2} argsrepr, {3} kwargsrepr, {4} delivery tag, then the
+        # per-build headers).
         pieces = [
             f"{{{fields[part]}}}" if i % 2 else part.replace("{", "{{").replace("}", "}}")
             for i, part in enumerate(parts)
@@ -327,13 +353,20 @@ class _MessageTemplate:
         self._root_is_id = sent_event is not None and sent_event.get("root_id") == task_id
 
     @classmethod
-    def maybe(cls, message: dict[str, Any], body: Any, sent_event: Any, key: str) -> _MessageTemplate | None:
+    def maybe(
+        cls,
+        message: dict[str, Any],
+        body: Any,
+        sent_event: Any,
+        key: str,
+        per_build_headers: Sequence[str] = (),
+    ) -> _MessageTemplate | None:
         props = message.get("properties", {})
         if props.get("body_encoding") != "base64" or message.get("content-type") != "application/json":
             return None
         if not (isinstance(body, tuple | list) and len(body) == 3):
             return None
-        return cls(message, body, sent_event, key)
+        return cls(message, body, sent_event, key, per_build_headers)
 
     def render(
         self,
@@ -343,6 +376,7 @@ class _MessageTemplate:
         argsrepr: str,
         kwargsrepr: str,
         tag: str,
+        per_build: tuple[Any, ...] = (),
     ) -> str:
         # Plain arguments (texts, a model name) are encoded by orjson: the same JSON values as
         # kombu's encoder, which is kept for anything it would tag (datetime, UUID, ...).
@@ -356,6 +390,7 @@ class _MessageTemplate:
             _json_str(argsrepr),
             '"{}"' if kwargsrepr == "{}" else _json_str(kwargsrepr),
             _json_str(tag),
+            *(envelope_dumps(value) for value in per_build),  # type: ignore[no-untyped-call]
         )
 
     def sent_event(self, task_id: str, argsrepr: str, kwargsrepr: str) -> dict[str, Any] | None:

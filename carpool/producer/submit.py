@@ -173,15 +173,7 @@ def publish_tasks(
         return []
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of messages, not {chunk_size!r}")
-    builder = TaskMessageBuilder(  # expires in seconds: one instant for every chunk
-        name,
-        app=app,
-        queue=queue,
-        priority=priority,
-        expires=expires,
-        headers=headers,
-        sent_events=sent_events,
-    )
+    builder, header_values = _builder(app, name, queue, priority, expires, headers, sent_events)
     publisher = state_of(app).publisher()
     settings = settings_of(app)
     replicas, wait_s = settings.wait_replicas, settings.wait_timeout_s
@@ -191,7 +183,7 @@ def publish_tasks(
     make_result = app.AsyncResult  # a property: looked up once
     for start in range(0, len(calls), step):
         with _collector_paused():
-            built = builder.build(calls[start : start + step])
+            built = builder.build(calls[start : start + step], header_values=header_values)
         if subscribe:
             subscribe_results(backend, built.ids)
         acked = replicas
@@ -217,6 +209,56 @@ def publish_tasks(
             error.results = results  # sent: they will run unless the master fails first
             raise error
     return results
+
+
+MAX_KEPT_BUILDERS = 256  # (thread, task, options) combinations; past this the kept ones start over
+
+
+def _builder(
+    app: Celery,
+    name: str,
+    queue: str | None,
+    priority: int | None,
+    expires: Any,
+    headers: Mapping[str, Any] | None,
+    sent_events: bool | None,
+) -> tuple[TaskMessageBuilder, dict[str, Any] | None]:
+    """A message builder for these options, and the header values its build calls give.
+
+    A builder learns its message template from Celery's first two builds; kept between calls, a
+    ``.delay()`` after the first two renders its message from the template instead of having Celery
+    build it. Kept only when the options are all it bakes in: no ``expires`` (an instant fixed when
+    the builder is made) and no headers but the sent-at time, which each build gives. Per thread
+    (its Celery ``thread_oid``), because a message carries its thread's ``reply_to``.
+    """
+    if expires is not None or (headers and set(headers) != {SENT_AT_HEADER}):
+        fresh = TaskMessageBuilder(  # expires in seconds: one instant for every chunk
+            name,
+            app=app,
+            queue=queue,
+            priority=priority,
+            expires=expires,
+            headers=headers,
+            sent_events=sent_events,
+        )
+        return fresh, None
+    per_build = (SENT_AT_HEADER,) if headers else ()
+    kept = state_of(app).builders
+    key = (app.thread_oid, name, queue, priority, sent_events, per_build)
+    builder = kept.get(key)
+    if builder is None:
+        if len(kept) >= MAX_KEPT_BUILDERS:
+            kept.clear()
+        builder = TaskMessageBuilder(
+            name,
+            app=app,
+            queue=queue,
+            priority=priority,
+            sent_events=sent_events,
+            per_build_headers=per_build,
+        )
+        kept[key] = builder
+    return builder, dict(headers) if headers else None
 
 
 @contextlib.contextmanager

@@ -236,6 +236,50 @@ def test_a_kept_builder_renders_every_message_of_later_builds(
         assert set(a) == set(b) and a["headers.id"] == task_id and a["headers.ignore_result"] is True
 
 
+def test_delay_keeps_its_builder_and_renders_later_messages_with_their_own_sent_at(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``.delay()`` keeps one builder per thread and options: Celery builds its first two messages
+    only, and every later one, rendered from the template with its own sent-at header, equals what
+    Celery builds for the same call."""
+    import redis
+
+    from carpool.celery_edge.app import app, state_of
+    from carpool.tasks import infer
+
+    state_of(app).builders.clear()
+    celery_builds: list[object] = []
+    real = app.amqp.create_task_message
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        celery_builds.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app.amqp, "create_task_message", counting)
+    texts = ["one", "two words", 'a "quoted" text', "Ünïcödé 東京", "five"]
+    results = [infer.delay(t, "toy") for t in texts]
+    assert celery_builds == [r.id for r in results[:2]], "Celery builds the first two messages only"
+    monkeypatch.setattr(app.amqp, "create_task_message", real)
+    client = redis.Redis(port=clean_redis.port)
+    sent = [json.loads(as_bytes(client.rpop("carpool.requests"))) for _ in texts]  # LPUSHed: oldest first
+    stamps = [m["headers"]["carpool_sent_at"] for m in sent]
+    assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps), "each message has its own time"
+    for text, result, message in zip(texts, results, sent, strict=True):
+        assert message["headers"]["id"] == result.id
+        celery = _build(
+            "carpool.infer",
+            [((text, "toy"), {})],
+            task_ids=[result.id],
+            app=app,
+            queue="carpool.requests",
+            headers={"carpool_sent_at": message["headers"]["carpool_sent_at"]},
+        )
+        (raw,) = next(iter(celery.pushes.values()))
+        a, b = _flat(_with_body(json.dumps(message))), _flat(_with_body(raw))
+        assert {k for k in a if a[k] != b.get(k)} <= {"properties.delivery_tag"}, text
+        assert set(a) == set(b)
+
+
 def _event_list(raw: str) -> list[dict[str, Any]]:
     envelope = json.loads(raw)
     events: list[dict[str, Any]] = json.loads(base64.b64decode(envelope["body"]))
