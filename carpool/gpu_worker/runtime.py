@@ -132,7 +132,8 @@ class WorkerRuntime:
             self._finisher = Finisher()
         if self.settings.overlap_device:
             self._stage = DeviceStage()
-            # A device thread waking from its batch waits for the GIL at most this long, not 5 ms.
+            # A device thread waking from its batch waits for the GIL at most this long (Python's
+            # default interval is longer than a fast device's batch).
             sys.setswitchinterval(DEVICE_SWITCH_INTERVAL_S)
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)

@@ -49,6 +49,19 @@ def _build(name: str, calls: Any, task_ids: Any = None, argsreprs: Any = None, *
     return TaskMessageBuilder(name, **options).build(calls, task_ids=task_ids, argsreprs=argsreprs)
 
 
+def _count_celery_builds(app: Any, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The task ids Celery's own ``create_task_message`` builds from now on, in order."""
+    built: list[object] = []
+    real = app.amqp.create_task_message
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app.amqp, "create_task_message", counting)
+    return built
+
+
 def _commandstats(client: Any) -> dict[str, int]:
     return {k: int(v["calls"]) for k, v in client.info("commandstats").items()}
 
@@ -203,14 +216,8 @@ def test_a_kept_builder_renders_every_message_of_later_builds(
     from carpool.celery_edge import task_messages as bulk
     from carpool.celery_edge.app import app
 
-    celery_builds: list[object] = []
     real = app.amqp.create_task_message
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        celery_builds.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(app.amqp, "create_task_message", counting)
+    celery_builds = _count_celery_builds(app, monkeypatch)
     options = {"app": app, "queue": "carpool.batches", "sent_events": False, "ignore_result": True}
     builder = bulk.TaskMessageBuilder("carpool.run_batch", **options)
     batches: list[tuple[list[dict[str, Any]], dict[str, Any]]] = [
@@ -248,14 +255,8 @@ def test_delay_keeps_its_builder_and_renders_later_messages_with_their_own_sent_
     from carpool.tasks import infer
 
     state_of(app).builders.clear()
-    celery_builds: list[object] = []
     real = app.amqp.create_task_message
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        celery_builds.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(app.amqp, "create_task_message", counting)
+    celery_builds = _count_celery_builds(app, monkeypatch)
     texts = ["one", "two words", 'a "quoted" text', "Ünïcödé 東京", "five"]
     results = [infer.delay(t, "toy") for t in texts]
     assert celery_builds == [r.id for r in results[:2]], "Celery builds the first two messages only"
