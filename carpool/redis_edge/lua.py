@@ -20,5 +20,12 @@ def register(client: redis.Redis, name: str) -> Script:
 
 @cache
 def source(name: str) -> str:
-    """The text of ``scripts/<name>.lua``."""
+    """The text of ``scripts/<name>.lua``, after the helpers every script may use (``_chunked.lua``)."""
+    return _read(PRELUDE) + _read(name)
+
+
+PRELUDE = "_chunked"
+
+
+def _read(name: str) -> str:
     return (files("carpool.redis_edge") / "scripts" / f"{name}.lua").read_text(encoding="utf-8")

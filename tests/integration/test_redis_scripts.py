@@ -135,9 +135,11 @@ def published(pubsub: Any, wait_s: float = 0.3) -> list[tuple[bytes, bytes]]:
 def test_every_script_loads_into_redis(client: redis.Redis) -> None:
     from importlib.resources import files
 
-    names = sorted(
+    shipped = sorted(
         p.name[:-4] for p in (files("carpool.redis_edge") / "scripts").iterdir() if p.name.endswith(".lua")
     )
+    assert lua.PRELUDE in shipped  # the helpers every script is loaded after
+    names = [n for n in shipped if n != lua.PRELUDE]
     assert names == [
         "claim",
         "dispatch",

@@ -11,33 +11,11 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
--- Reads and writes go as one variadic command per key, a chunk at a time (Lua's stack limit for
--- unpack): a command per request costs Redis more than a member more in one command.
-local CHUNK = 1000
-local function each_chunk(command, key, option, args, step)
-  for first = 1, #args, step do
-    local last = math.min(first + step - 1, #args)
-    if option then
-      redis.call(command, key, option, unpack(args, first, last))
-    else
-      redis.call(command, key, unpack(args, first, last))
-    end
-  end
-end
-local function read_chunks(command, key, first_arg)
-  local all = {}
-  for first = first_arg, #ARGV, CHUNK do
-    local got = redis.call(command, key, unpack(ARGV, first, math.min(first + CHUNK - 1, #ARGV)))
-    for _, v in ipairs(got) do all[#all + 1] = v end
-  end
-  return all
-end
-
 local batch = ARGV[1]
 local expiry = now + tonumber(ARGV[2])
 -- A missing field or member reads as false.
-local owners = read_chunks('HMGET', KEYS[2], 4)
-local scores = read_chunks('ZMSCORE', KEYS[1], 4)
+local owners = chunked('HMGET', KEYS[2], ARGV, 4)
+local scores = chunked('ZMSCORE', KEYS[1], ARGV, 4)
 local out = {}
 local claimed_pairs, lease_pairs = {}, {}
 for i = 4, #ARGV do
@@ -52,8 +30,8 @@ for i = 4, #ARGV do
     out[k] = 0
   end
 end
-each_chunk('HSET', KEYS[3], nil, claimed_pairs, 2 * CHUNK)
-each_chunk('ZADD', KEYS[1], 'XX', lease_pairs, 2 * CHUNK)
+chunked('HSET', KEYS[3], claimed_pairs, 1, 2 * CHUNK)
+chunked('ZADD', KEYS[1], lease_pairs, 1, 2 * CHUNK, 'XX')
 local ids = #ARGV - 3
 local first_list = 4
 if ARGV[3] ~= '' then first_list = 4 + ids end

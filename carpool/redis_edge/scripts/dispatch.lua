@@ -10,20 +10,6 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
--- Reads and writes go as one variadic command per key, a chunk at a time (Lua's stack limit for
--- unpack): a command per request costs Redis more than a member more in one command.
-local CHUNK = 1000
-local function each_chunk(command, key, option, args, step)
-  for first = 1, #args, step do
-    local last = math.min(first + step - 1, #args)
-    if option then
-      redis.call(command, key, option, unpack(args, first, last))
-    else
-      redis.call(command, key, unpack(args, first, last))
-    end
-  end
-end
-
 local expiry = now + tonumber(ARGV[1])
 if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
 local ids, owners, messages = {}, {}, {}
@@ -38,11 +24,7 @@ while i <= #ARGV do
   messages[#messages + 1] = ARGV[i + 2 + count]
   i = i + 3 + count
 end
-local scores = {}
-for first = 1, #ids, CHUNK do
-  local got = redis.call('ZMSCORE', KEYS[1], unpack(ids, first, math.min(first + CHUNK - 1, #ids)))
-  for _, score in ipairs(got) do scores[#scores + 1] = score end
-end
+local scores = chunked('ZMSCORE', KEYS[1], ids)
 local owner_pairs, lease_pairs = {}, {}
 local n = 0
 for k = 1, #ids do
@@ -55,7 +37,7 @@ for k = 1, #ids do
     n = n + 1
   end
 end
-each_chunk('HSET', KEYS[2], nil, owner_pairs, 2 * CHUNK)
-each_chunk('ZADD', KEYS[1], 'XX', lease_pairs, 2 * CHUNK)
-each_chunk('LPUSH', KEYS[3], nil, messages, CHUNK)
+chunked('HSET', KEYS[2], owner_pairs, 1, 2 * CHUNK)
+chunked('ZADD', KEYS[1], lease_pairs, 1, 2 * CHUNK, 'XX')
+chunked('LPUSH', KEYS[3], messages)
 return n

@@ -10,19 +10,6 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
--- Reads and writes go as one variadic command per key, a chunk at a time (Lua's stack limit for
--- unpack): a command per request costs Redis more than a member more in one command.
-local CHUNK = 1000
-local function each_chunk(command, key, args)
-  local all = {}
-  for first = 1, #args, CHUNK do
-    local got = redis.call(command, key, unpack(args, first, math.min(first + CHUNK - 1, #args)))
-    if type(got) == 'table' then
-      for _, v in ipairs(got) do all[#all + 1] = v end
-    end
-  end
-  return all
-end
 
 local lists = {}
 for i = 7, #KEYS do lists[KEYS[i]] = true end
@@ -34,9 +21,9 @@ else
   ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 end
 -- A missing field or member reads as false.
-local raws = each_chunk('HMGET', KEYS[2], ids)
-local scores = each_chunk('ZMSCORE', KEYS[1], ids)
-local origins = each_chunk('HMGET', KEYS[5], ids)
+local raws = chunked('HMGET', KEYS[2], ids)
+local scores = chunked('ZMSCORE', KEYS[1], ids)
+local origins = chunked('HMGET', KEYS[5], ids)
 -- A request goes back once, and only while it has both its raw message and its lease; one with a raw
 -- message but no lease is only forgotten.
 local seen, forget, order, pushes = {}, {}, {}, {}
@@ -58,7 +45,7 @@ for k, id in ipairs(ids) do
     end
   end
 end
-each_chunk('ZREM', KEYS[1], forget)
-for _, origin in ipairs(order) do each_chunk('RPUSH', origin, pushes[origin]) end
-for key = 2, 5 do each_chunk('HDEL', KEYS[key], ids) end
+chunked('ZREM', KEYS[1], forget)
+for _, origin in ipairs(order) do chunked('RPUSH', origin, pushes[origin]) end
+for key = 2, 5 do chunked('HDEL', KEYS[key], ids) end
 return n

@@ -71,12 +71,7 @@ for i = 5, #KEYS do
     end
   end
 end
-local function each_chunk(command, key, args)
-  for first = 1, #args, 2000 do
-    redis.call(command, key, unpack(args, first, math.min(first + 1999, #args)))
-  end
-end
-each_chunk('HSET', KEYS[2], raw_pairs)
-each_chunk('ZADD', KEYS[1], lease_pairs)
-each_chunk('HSET', KEYS[4], origin_pairs)
+chunked('HSET', KEYS[2], raw_pairs, 1, 2 * CHUNK)
+chunked('ZADD', KEYS[1], lease_pairs, 1, 2 * CHUNK)
+chunked('HSET', KEYS[4], origin_pairs, 1, 2 * CHUNK)
 return {out, reports}
