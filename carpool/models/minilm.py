@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from carpool.models.bert_ascii import AsciiPath, ascii_path, encode_ids
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -49,6 +51,7 @@ class MiniLM:
         self.max_length: int = int(st_config["max_seq_length"])
         self._tokenizer: Any = None
         self._encode_batch: Any = None
+        self._ascii: AsciiPath | None = None
         self._model: Any = None
         self._device = "cpu"
         self._autocast = False
@@ -64,20 +67,21 @@ class MiniLM:
             tok.enable_truncation(max_length=self.max_length)
             # The fast form (tokenizers 0.20+) skips character offsets, which ids never need.
             self._encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+            self._ascii = ascii_path(tok)
             self._tokenizer = tok
         return self._tokenizer
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         self._get_tokenizer()
-        encode_batch = self._encode_batch
+        encode_batch, fast = self._encode_batch, self._ascii
         heads = [_head(t, self.max_length * HEAD_CHARS_PER_TOKEN) for t in texts]
-        out = [e.ids for e in encode_batch(heads, add_special_tokens=True)]
+        out = encode_ids(heads, encode_batch, fast)
         # A head that did not fill the window (a text of very long words) says nothing about the rest.
         short = [i for i, ids in enumerate(out) if heads[i] is not texts[i] and len(ids) < self.max_length]
         if short:
-            full = encode_batch([texts[i] for i in short], add_special_tokens=True)
-            for i, e in zip(short, full, strict=True):
-                out[i] = e.ids
+            full = encode_ids([texts[i] for i in short], encode_batch, fast)
+            for i, ids in zip(short, full, strict=True):
+                out[i] = ids
         return out
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
