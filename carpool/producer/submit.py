@@ -11,9 +11,10 @@ producer's rate is capped and a burst trickles into the coordinator instead of a
 ``submit_many`` builds the very same Celery messages
 (:mod:`carpool.celery_edge.task_messages`) and publishes them all at once.
 
-Every LPUSH and PUBLISH of one call goes in ONE ``MULTI``/``EXEC`` pipeline: one round trip, and the
-coordinator sees all of the messages or none of them. Every request is validated before anything is
-sent, so a bad payload raises :class:`~carpool.errors.InvalidInput` in the caller and publishes
+The LPUSHes and PUBLISHes of each chunk of messages (500 by default, or the whole call with
+``chunk_size=None``) go in ONE ``MULTI``/``EXEC`` pipeline: one round trip, and the coordinator sees
+all of a chunk's messages or none of them. Every request is validated before anything is sent, so a
+bad payload raises :class:`~carpool.errors.InvalidInput` in the caller and publishes
 nothing. Two things ``.delay()`` does are skipped on purpose: kombu's queue declaration (a SADD of the
 binding set, needed only by consumers, which declare their queues themselves) and the publish retry
 policy (a failed pipeline raises; with MULTI/EXEC nothing of it was applied, unless the connection
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from carpool.registry import TaskSpec
 
 SUPPORTED_OPTIONS = frozenset({"priority", "expires", "headers", "queue"})
+#: submit_many's default ``chunk_size``: a larger call streams, so serving starts while it builds.
+STREAM_CHUNK = 500
 _LPUSH_CHUNK = 10_000  # values per LPUSH command
 
 
@@ -62,7 +65,7 @@ def submit_many(
     task: Any = None,
     app: Celery | None = None,
     subscribe: bool = True,
-    chunk_size: int | None = None,
+    chunk_size: int | None = STREAM_CHUNK,
     **options: Any,
 ) -> list[AsyncResult]:
     """Send one ``carpool.infer`` request per payload in one Redis round trip; one AsyncResult each.
@@ -82,12 +85,13 @@ def submit_many(
     Raises :class:`~carpool.errors.InvalidInput` (naming the payload's index) before anything is sent
     if any payload is not a valid request.
 
-    All or nothing by default: every message goes out in one MULTI/EXEC, so the coordinator sees none
-    of them until the last is built. ``chunk_size=N`` streams instead: each N messages are published
-    (one MULTI/EXEC each) as soon as they are built, so the coordinator and workers start on the first
-    while the rest are built. Every payload is still validated before anything is sent, but if Redis
-    fails part-way, :class:`~carpool.errors.SubmitInterrupted` carries the AsyncResults of the
-    requests already sent (they will run) and the rest were not sent.
+    Streamed in chunks of ``chunk_size`` messages (default :data:`STREAM_CHUNK`): each chunk is
+    published (one MULTI/EXEC) as soon as it is built, so the coordinator and workers start on the
+    first while the rest are built; a call of at most one chunk is all or nothing. Every payload is
+    validated before anything is sent, but if Redis fails part-way,
+    :class:`~carpool.errors.SubmitInterrupted` carries the AsyncResults of the requests already sent
+    (they will run) and the rest were not sent. ``chunk_size=None`` sends every message in one
+    MULTI/EXEC: the coordinator sees none of them until the last is built, and a failure sends none.
     """
     unknown = set(options) - SUPPORTED_OPTIONS
     if unknown:

@@ -363,12 +363,12 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis: EmbeddedRed
 
 
 def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis: EmbeddedRedis) -> None:
-    """chunk_size=N: one MULTI/EXEC per N messages, in order; the messages equal unchunked ones and
-    the builder's template carries over (Celery builds only the first two of the whole call)."""
+    """By default one MULTI/EXEC per STREAM_CHUNK messages, in order, with the builder's template
+    carried over (Celery builds only the first two of the whole call); chunk_size=None: one for all."""
     import redis
 
     from carpool.celery_edge.app import app
-    from carpool.producer.submit import submit_many
+    from carpool.producer.submit import STREAM_CHUNK, submit_many
 
     client = redis.Redis(port=clean_redis.port)
     submit_many(["warm up"], model="toy")
@@ -385,16 +385,23 @@ def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis: Embedde
     before = _commandstats(client)
     try:
         with _count_sends(db=0) as broker_sends:
-            results = submit_many(texts, model="toy", chunk_size=500, expires=60)
+            results = submit_many(texts, model="toy", expires=60)
     finally:
         del app.amqp.create_task_message
     delta = {k: v - before.get(k, 0) for k, v in _commandstats(client).items()}
-    assert len(broker_sends) == 3 and delta.get("cmdstat_exec") == 3, "1050 in chunks of 500: three"
+    chunks = -(-len(texts) // STREAM_CHUNK)
+    assert chunks > 1 and len(broker_sends) == chunks and delta.get("cmdstat_exec") == chunks
     assert len(built_by_celery) == 2, "the template outlives a chunk"
     raws = client.lrange("carpool.requests", 0, -1)
     messages = [json.loads(r) for r in reversed(raws)]
     assert [m["headers"]["id"] for m in messages] == [r.id for r in results]
     assert len({m["headers"]["expires"] for m in messages}) == 1, "one expiry instant for every chunk"
+    before = _commandstats(client)
+    with _count_sends(db=0) as broker_sends:
+        whole = submit_many(texts, model="toy", chunk_size=None)
+    delta = {k: v - before.get(k, 0) for k, v in _commandstats(client).items()}
+    assert len(broker_sends) == 1 and delta.get("cmdstat_exec") == 1, "chunk_size=None: all at once"
+    assert client.llen("carpool.requests") == len(results) + len(whole)
     with pytest.raises(ValueError, match="chunk_size"):
         submit_many(["a"], model="toy", chunk_size=0)
 
