@@ -78,24 +78,32 @@ def _measure(threads: int, n: int, chunk: int, seed: int) -> list[dict[str, Any]
     timed("callers", callers)
 
     if threads == 1:  # how much of one caller's time is outside the GIL (inside encode_batch)
-        tokenizer = model._get_tokenizer()
+        model._get_tokenizer()
         inner = 0.0
-        batch = tokenizer.encode_batch
 
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            nonlocal inner
-            t0 = time.perf_counter()
-            try:
-                return batch(*args, **kwargs)
-            finally:
-                inner += time.perf_counter() - t0
+        def counting(batch: Any) -> Any:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                nonlocal inner
+                t0 = time.perf_counter()
+                try:
+                    return batch(*args, **kwargs)
+                finally:
+                    inner += time.perf_counter() - t0
 
-        model._tokenizer = type("Counting", (), {"encode_batch": staticmethod(counting)})()
+            return timed
+
+        full, fast = model._encode_batch, model._ascii
+        fast_batch = None if fast is None else fast.encode_batch
+        model._encode_batch = counting(full)
+        if fast is not None:  # the ASCII path's bare tokenizer (carpool.models.bert_ascii)
+            fast.encode_batch = counting(fast_batch)
         t0 = time.perf_counter()
         for c in chunks:
             model.encode(c)
         total = time.perf_counter() - t0
-        model._tokenizer = tokenizer
+        model._encode_batch = full
+        if fast is not None:
+            fast.encode_batch = fast_batch
         rows.append({"mode": "gil_free", "threads": 1, "share_in_encode_batch": round(inner / total, 3)})
     return rows
 
