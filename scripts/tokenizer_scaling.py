@@ -93,10 +93,10 @@ def _measure(threads: int, n: int, chunk: int, seed: int) -> list[dict[str, Any]
             return timed
 
         full, fast = model._encode_batch, model._ascii
-        fast_batch = None if fast is None else fast.encode_batch
-        model._encode_batch = counting(full)
         if fast is not None:  # the ASCII path's bare tokenizer (carpool.models.bert_ascii)
+            fast_batch = fast.encode_batch
             fast.encode_batch = counting(fast_batch)
+        model._encode_batch = counting(full)
         t0 = time.perf_counter()
         for c in chunks:
             model.encode(c)
