@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from carpool.errors import ConfigError, InvalidInput
+from carpool.models.bert_ascii import AsciiPath, ascii_path, encode_ids
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Adapter(ABC):
         self.length_by: LengthBy = length_by
         self._max_length = max_length
         self._counter: Any = None
+        self._counter_ascii: AsciiPath | None = None
         self._model: Any = None
         self._load_lock = threading.Lock()
         #: the device the model was loaded onto; None until ``load``
@@ -116,6 +118,9 @@ class Adapter(ABC):
         counter = self._token_counter()
         # The fast form (tokenizers 0.20+) skips character offsets, which a count never needs.
         encode_batch = getattr(counter, "encode_batch_fast", counter.encode_batch)
+        if self._counter_ascii is not None and all(pair is None for _, pair in inputs):
+            ids = encode_ids([text for text, _ in inputs], encode_batch, self._counter_ascii)
+            return [min(window, len(i)) for i in ids]
         encodings = encode_batch([text if pair is None else (text, pair) for text, pair in inputs])
         return [min(window, len(e.ids)) for e in encodings]
 
@@ -130,6 +135,7 @@ class Adapter(ABC):
             # Some tokenizer.json files pin padding or truncation; a length must be the bare count.
             counter.no_padding()
             counter.no_truncation()
+            self._counter_ascii = ascii_path(counter)  # an uncased BERT tokenizer's cheaper path
             self._counter = counter
         return self._counter
 
