@@ -80,9 +80,9 @@ def _install_worker() -> None:
 
 def install_producer() -> None:
     """Mark when this process's result consumer has a result message decoded in hand."""
-    from celery.backends.redis import ResultConsumer
+    from carpool.celery_edge.result_consumer import PromptResultConsumer
 
-    _wrap(ResultConsumer, "on_state_change", "p_result", None)
+    _wrap(PromptResultConsumer, "on_state_change", "p_result", None)
 
 
 def open_trace(directory: str) -> None:
