@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 _SUBSCRIBE_CHUNK = 5000  # channels per (UN)SUBSCRIBE command
 _MESSAGE_READ_S = 1.0  # time allowed for the rest of a result message that has started to arrive
 _MGET_CHUNK = 5000  # keys per MGET when re-reading stored results
-_SETTLED_KEPT = 1000  # settled results' channels left subscribed at most, awaiting one UNSUBSCRIBE
+_SETTLED_KEPT = 256  # settled results' channels left subscribed at most, awaiting one UNSUBSCRIBE
 
 
 class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is untyped
@@ -51,7 +51,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     """
 
     _deferred: list[str] | None = None  # task ids whose unsubscription waits for deferring_cancels
-    _settled: list[Any] | None = None  # keys of results settled since the last wait: unsubscribed at the next
+    _settled: list[Any] | None = None  # keys of settled results still subscribed on the wire
     _watched: Any = None  # the pub/sub connection whose (re)connections set _stale
     _stale = False  # the connection was, or is to be, replaced: stored results must be re-read
 
@@ -73,7 +73,6 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
                 result, timeout=timeout, on_interval=on_interval, on_message=on_message, **kwargs
             )
             return
-        self._unsubscribe_settled()
         self.on_wait_for_pending(result, timeout=timeout, **kwargs)
         previous, self.on_message = self.on_message, on_message
         try:
@@ -191,10 +190,11 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         """Unsubscribe from ``task_id``'s result, if subscribed (Celery sends UNSUBSCRIBE regardless,
         and calls this for every AsyncResult that settles or goes away).
 
-        The UNSUBSCRIBE itself goes out with the next wait for a result (or with the next settled
-        one's, past :data:`_SETTLED_KEPT`), not here: sent here, it stood between a result's message
-        and ``.get()``'s return. Its channel is out of Celery's set at once, so a reconnection does
-        not subscribe it again, and a result is published once, so nothing more arrives on it."""
+        With Celery's plain drainer the UNSUBSCRIBE itself waits until :data:`_SETTLED_KEPT`
+        settled results' channels have gathered, and goes out for all of them in one command: sent
+        one by one, it stood between each result's message and ``.get()``'s return, and woke Redis
+        once more per request. The channel leaves Celery's set at once, so a reconnection does not
+        subscribe it again, and a result is published once, so nothing more arrives on it."""
         if self._deferred is not None:
             self._deferred.append(task_id)
             return
