@@ -295,6 +295,7 @@ def test_get_sends_no_unsubscribe_of_its_own_and_settled_channels_leave_in_bulk(
     from carpool.celery_edge.result_consumer import _SETTLED_KEPT
     from carpool.celery_edge.results import SUCCESS
     from carpool.tasks import infer
+    from carpool.tools.harness import release_result_consumer
 
     to_store: queue.Queue[tuple[str, int] | None] = queue.Queue()
 
@@ -303,6 +304,7 @@ def test_get_sends_no_unsubscribe_of_its_own_and_settled_channels_leave_in_bulk(
             time.sleep(0.001)
             app.backend.store_many([(item[0], SUCCESS, item[1])])
 
+    release_result_consumer(app)  # no channels left over from earlier tests
     storer = threading.Thread(target=store)
     storer.start()
     client = redis.Redis(port=clean_redis.port)
