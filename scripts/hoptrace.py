@@ -49,6 +49,18 @@ def _install_coordinator() -> None:
 
     _wrap(Coordinator, "_wait", None, "c_wake")
     _wrap(RequestStore, "take", None, "c_taken", lambda out: bool(out[0]))
+    if hasattr(RequestStore, "wait_then_take"):  # the take runs in Redis behind the wait
+        original = RequestStore.wait_then_take
+
+        @functools.wraps(original)
+        def waited(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if out[1] is not None and out[1][0]:
+                record("c_wake")
+                record("c_taken")
+            return out
+
+        RequestStore.wait_then_take = waited  # type: ignore[method-assign]
     _wrap(BatchPolicy, "poll", None, "c_planned", lambda plan: bool(plan.batches))
     _wrap(RequestStore, "dispatch", "c_dispatch", "c_dispatched")
 
@@ -68,9 +80,9 @@ def _install_worker() -> None:
 
 def install_producer() -> None:
     """Mark when this process's result consumer has a result message decoded in hand."""
-    from celery.backends.redis import ResultConsumer
+    from carpool.celery_edge.result_consumer import PromptResultConsumer
 
-    _wrap(ResultConsumer, "on_state_change", "p_result", None)
+    _wrap(PromptResultConsumer, "on_state_change", "p_result", None)
 
 
 def open_trace(directory: str) -> None:

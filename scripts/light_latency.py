@@ -10,7 +10,10 @@ the worker import ``scripts/hoptrace.py``, which timestamps each hop on one cloc
 gives each hop's median and p99 over the requests:
 
     send -> c_wake       .delay()'s LPUSH reaches Redis, whose reply to the coordinator's BLMOVE wakes it
-    c_wake -> c_taken    the take script (requests into flight)
+                         (the last wake before the take: a wait that Redis, idle, let overrun is timed
+                         out by the request's first command and takes nothing)
+    c_wake -> c_taken    the take script (requests into flight); run in Redis behind the wait, it is
+                         done when the coordinator wakes (both marks at once)
     c_taken -> c_planned decoding, intake and the policy's decision
     c_planned -> w_wake  the dispatch script (batch message LPUSH), then the worker's BRPOP reply wakes it
     w_wake -> w_task     Celery's consumer: message, strategy, request, the solo pool calls the task
@@ -162,6 +165,9 @@ def analyse(
                     break
                 at[hop] = previous = t
             if len(at) == len(CHAIN):
+                # The wake that took the request: an earlier one (a wait Redis timed out when the
+                # request's first command woke it) took nothing.
+                at["c_wake"] = max(t for h, t in window if h == "c_wake" and t <= at["c_taken"])
                 for a, b in itertools.pairwise(CHAIN):
                     hops.setdefault(f"{a} -> {b}", []).append((at[b] - at[a]) / 1e6)
         for a, b in SIDE:

@@ -42,6 +42,10 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ),
     ("celery.backends.redis:ResultConsumer", "on_wait_for_pending", ("result", "kwargs")),
     ("celery.backends.redis:ResultConsumer", "on_message", None),
+    ("celery.backends.redis:ResultConsumer", "_get_pending_result", ("task_id",)),
+    ("celery.backends.redis:ResultConsumer", "_pending_messages", None),
+    ("celery.backends.redis:ResultConsumer", "buckets", None),
+    ("celery.backends.redis:ResultConsumer", "_maybe_cancel_ready_task", ("meta",)),
     ("celery.backends.redis:ResultConsumer", "drainer", None),
     ("celery.backends.redis:RedisBackend", "add_pending_result", ("result", "weak", "start_drainer")),
     (

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from celery import states
 from celery.backends.asynchronous import Drainer
 from celery.backends.redis import ResultConsumer
 from celery.exceptions import TimeoutError as CeleryTimeoutError
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 _SUBSCRIBE_CHUNK = 5000  # channels per (UN)SUBSCRIBE command
 _MESSAGE_READ_S = 1.0  # time allowed for the rest of a result message that has started to arrive
 _MGET_CHUNK = 5000  # keys per MGET when re-reading stored results
+_SETTLED_KEPT = 256  # settled results' channels left subscribed at most, awaiting one UNSUBSCRIBE
 
 
 class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is untyped
@@ -49,6 +51,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     """
 
     _deferred: list[str] | None = None  # task ids whose unsubscription waits for deferring_cancels
+    _settled: list[Any] | None = None  # keys of settled results still subscribed on the wire
     _watched: Any = None  # the pub/sub connection whose (re)connections set _stale
     _stale = False  # the connection was, or is to be, replaced: stored results must be re-read
 
@@ -78,6 +81,29 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             raise CeleryTimeoutError("The operation timed out.") from None
         finally:
             self.on_message = previous
+
+    def on_state_change(self, meta: Any, message: Any) -> None:
+        """Celery's (``BaseResultConsumer``'s, then the Redis consumer's unsubscription of a settled
+        result), without its closing ``sleep(0)`` when the process runs threads (see
+        :meth:`_wait_for_pending`)."""
+        if type(self.drainer) is not Drainer:
+            super().on_state_change(meta, message)
+            return
+        if self.on_message:
+            self.on_message(meta)
+        if meta["status"] not in states.READY_STATES:
+            return
+        task_id = meta["task_id"]
+        try:
+            result = self._get_pending_result(task_id)
+        except KeyError:  # the result got here before its AsyncResult was waited on: kept for it
+            self._pending_messages.put(task_id, meta)
+        else:
+            result._maybe_set_cache(meta)
+            bucket = self.buckets.pop(result, None)
+            if bucket is not None:
+                bucket.append(result)
+        self.cancel_for(task_id)
 
     # --- a connection that broke or went silent ----------------------------------------------
     def _reconnect(self) -> None:
@@ -162,11 +188,41 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
 
     def cancel_for(self, task_id: str) -> None:
         """Unsubscribe from ``task_id``'s result, if subscribed (Celery sends UNSUBSCRIBE regardless,
-        and calls this for every AsyncResult that settles or goes away)."""
+        and calls this for every AsyncResult that settles or goes away).
+
+        With Celery's plain drainer the UNSUBSCRIBE itself waits until :data:`_SETTLED_KEPT`
+        settled results' channels have gathered, and goes out for all of them in one command: sent
+        one by one, it stood between each result's message and ``.get()``'s return, and woke Redis
+        once more per request. The channel leaves Celery's set at once, so a reconnection does not
+        subscribe it again, and a result is published once, so nothing more arrives on it."""
         if self._deferred is not None:
             self._deferred.append(task_id)
-        elif self.backend.get_key_for_task(task_id) in subscribed_keys(self):
+            return
+        key = self.backend.get_key_for_task(task_id)
+        subscribed = subscribed_keys(self)
+        if key not in subscribed:
+            return
+        if type(self.drainer) is not Drainer:  # eventlet or gevent: no wait of ours sends it later
             super().cancel_for(task_id)
+            return
+        subscribed.discard(key)
+        if self._settled is None:
+            self._settled = []
+        self._settled.append(key)
+        if len(self._settled) >= _SETTLED_KEPT:
+            self._unsubscribe_settled()
+
+    def _unsubscribe_settled(self) -> None:
+        """Send the UNSUBSCRIBE that :meth:`cancel_for` left for later, in one command; a key
+        subscribed again since (the same task waited on anew) stays."""
+        settled, self._settled = self._settled, None
+        if not settled or result_pubsub(self) is None:
+            return
+        subscribed = subscribed_keys(self)
+        keys = [k for k in settled if k not in subscribed]
+        if keys:
+            with reconnecting(self):
+                result_pubsub(self).unsubscribe(*keys)
 
     @contextlib.contextmanager
     def deferring_cancels(self) -> Iterator[None]:
@@ -187,6 +243,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         AsyncResults collected later do not retry unsubscribing against a server that is gone)."""
         with contextlib.suppress(Exception):  # the connection may be broken: it is let go anyway
             self.stop()
+        self._settled = None
         forget_result_pubsub(self)
         subscribed_keys(self).clear()
         self._watched, self._stale = None, False

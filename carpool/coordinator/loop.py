@@ -49,13 +49,17 @@ from carpool.errors import ConfigError, DeadlineExceeded, WireError
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
-from carpool.redis_edge.store import RequestStore
+from carpool.redis_edge.store import RequestStore, Taken
 from carpool.registry import import_task_modules, registered, routing_keys
 from carpool.wire import Links, RequestSlot, read_report
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
+
+
+# A take made ahead of the step that uses it: how many requests it asked for, and what it got.
+_Take = tuple[int, Taken]
 
 
 @dataclass(slots=True)
@@ -150,9 +154,11 @@ class Coordinator:
 
     def _loop(self) -> None:
         backoff = 0.1
+        taken: _Take | None = None  # what the last wait took on its way out
         while not self.stopping.is_set():
             try:
-                wait = self.step()
+                ahead, taken = taken, None
+                wait = self.step(ahead)
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Redis restarts: keep what we hold in memory; leases we miss are recovered by reap.
@@ -168,7 +174,7 @@ class Coordinator:
                 backoff = min(5.0, backoff * 2)
                 continue
             if wait.seconds > 0:
-                self._wait(wait)
+                taken = self._wait(wait)
 
     def warm_up(self) -> None:
         """Build what each task measures requests with (infer: the tokenizers) before taking any."""
@@ -200,8 +206,9 @@ class Coordinator:
         log.info("handed back %d requests", returned)
 
     # --- one step ------------------------------------------------------------------------
-    def step(self) -> Wait:
-        """One iteration; returns how to wait before the next."""
+    def step(self, ahead: _Take | None = None) -> Wait:
+        """One iteration; returns how to wait before the next. ``ahead``: the take the wait before it
+        made on its way out, used instead of taking again."""
         if self.workers == 0:
             self._bookkeeping(self.clock())  # nothing could leave before the worker count is known
         if self.revokes is not None:
@@ -209,11 +216,14 @@ class Coordinator:
             if heard:
                 self._revoke(heard)
         # One round trip: new requests, and the reports of batches still out (none asked when none are).
-        take_n = self._take_count()
         taken: list[tuple[str, bytes]] = []
         reports: list[dict[str, Any]] = []
-        if take_n or self.outstanding:
-            taken, reports = self.store.take(take_n, reports_of=self.hostname if self.outstanding else None)
+        if ahead is not None:
+            take_n, (taken, reports) = ahead
+        else:
+            take_n = self._take_count()
+            if take_n or self.outstanding:
+                taken, reports = self.store.take(take_n, reports_of=self._reports_of())
         if reports:
             self._apply_reports(reports)
         if taken:
@@ -242,6 +252,10 @@ class Coordinator:
             intake_busy=self.stage.busy,
         )
 
+    def _reports_of(self) -> str | None:
+        """Whose batch reports a take pops: this coordinator's while it has batches out, else none."""
+        return self.hostname if self.outstanding else None
+
     def _take_count(self) -> int:
         """How many requests to take now: none while the intake stage has more than half a take to
         prepare, else enough to bring it to a full take (which keeps its threads busy between takes)."""
@@ -259,34 +273,41 @@ class Coordinator:
             self._write_stats()
             self._next_stats = now + STATS_INTERVAL_S
 
-    def _wait(self, wait: Wait) -> None:
-        """Sleep ``wait.seconds``, or less if its list gets an element first: BLMOVE from the list to
-        its own tail is an atomic no-op rotation, so waiting takes nothing out of Redis."""
+    def _wait(self, wait: Wait) -> _Take | None:
+        """Sleep ``wait.seconds``, or less if its list gets an element first, in Redis
+        (:meth:`RequestStore.wait_then_take`: waiting takes nothing out of Redis, and the next step's
+        take runs in Redis the moment the wait ends). Returns that take, for the next step."""
         if wait.block_on is None:
             self.stopping.wait(wait.seconds)
-            return
+            return None
         if wait.block_on is WaitFor.INTAKE:
             self.stage.ready.wait(wait.seconds)
-            return
+            return None
         key = self._wait_lists[wait.block_on]
+        take_n = self._take_count()
         try:
-            # Redis >= 6 takes a fractional timeout; redis-py's stub says int.
-            self.client.blmove(key, key, round(wait.seconds, 3), "RIGHT", "RIGHT")  # type: ignore[arg-type]
-            return
-        except redis.exceptions.NoPermissionError as exc:
+            error, taken = self.store.wait_then_take(key, wait.seconds, take_n, self._reports_of())
+        except (redis.ConnectionError, redis.TimeoutError):
+            # The next step meets the same error and backs off; a take that ran unanswered holds
+            # its requests under a lease that runs out.
+            self.stopping.wait(wait.fallback_s)
+            return None
+        ahead = None if taken is None else (take_n, taken)
+        if isinstance(error, redis.exceptions.NoPermissionError):
             # An ACL user without BLMOVE is a deployment error, not an old Redis: polling instead
-            # would hide it behind a busy loop.
+            # would hide it behind a busy loop. What the take moved into flight goes back first.
+            if ahead is not None:
+                self.store.requeue([request_id for request_id, _ in ahead[1][0]])
             username = self.client.connection_pool.connection_kwargs.get("username") or "default"
             raise ConfigError(
-                f"the coordinator's Redis user {username!r} may not BLMOVE {key!r} ({exc}); grant it "
+                f"the coordinator's Redis user {username!r} may not BLMOVE {key!r} ({error}); grant it "
                 "+blmove on its request and report lists, as `carpool acl --role coordinator` does"
-            ) from exc
-        except redis.ResponseError:  # Redis < 6.2: no BLMOVE
+            ) from error
+        if error is not None:  # Redis < 6.2: no BLMOVE
             log.info("this Redis has no BLMOVE (6.2+); polling instead")
             self.pacer.cannot_block()
-        except (redis.ConnectionError, redis.TimeoutError):
-            pass  # the next step meets the same error and backs off; nothing was taken here
-        self.stopping.wait(wait.fallback_s)
+            self.stopping.wait(wait.fallback_s)
+        return ahead
 
     def _capacity(self) -> Capacity:
         return pool_capacity(

@@ -33,6 +33,10 @@ REPORTS_TTL_S = 3600  # a dead coordinator's report list expires after this many
 REPORTS_KEPT = 10_000  # newest reports kept per coordinator
 
 
+# What a take moved into flight, as (request id, raw message), and the batch reports it popped.
+Taken = tuple[list[tuple[str, bytes]], list[dict[str, Any]]]
+
+
 @dataclass(frozen=True, slots=True)
 class ResultWrites:
     """Encoded results to store write-once: ``payloads[i]`` under ``keys[i]``, each for ``expiry_s``."""
@@ -95,11 +99,41 @@ class RequestStore:
         self._heartbeat = lua.register(client, "heartbeat")
 
     # --- coordinator ---------------------------------------------------------------------
-    def take(
-        self, count: int, reports_of: str | None = None, max_reports: int = 1000
-    ) -> tuple[list[tuple[str, bytes]], list[dict[str, Any]]]:
+    def take(self, count: int, reports_of: str | None = None, max_reports: int = 1000) -> Taken:
         """Atomically move up to ``count`` requests (highest priority list first) into flight, and pop
         the batch reports waiting for coordinator ``reports_of`` (none if None): one round trip."""
+        keys, args = self._take_call(count, reports_of, max_reports)
+        return _taken(self._take(keys=keys, args=args))
+
+    def wait_then_take(
+        self,
+        wait_list: str,
+        timeout_s: float,
+        count: int,
+        reports_of: str | None = None,
+        max_reports: int = 1000,
+    ) -> tuple[redis.ResponseError | None, Taken | None]:
+        """Wait up to ``timeout_s`` for ``wait_list`` to hold an element, then :meth:`take`, sent as
+        one pipeline: Redis runs a blocked client's next command the moment its wait ends, so the
+        take needs no round trip back to this process.
+
+        The wait is ``BLMOVE wait_list wait_list RIGHT RIGHT``, an atomic rotation onto the list's own
+        tail: it takes nothing out of Redis. Returns the wait's error (None once it was served or
+        timed out) and the take's reply, or None when the take failed here (its script not loaded
+        yet, say): the caller then calls :meth:`take`, which loads it or raises the error.
+        Connection errors raise.
+        """
+        keys, args = self._take_call(count, reports_of, max_reports)
+        with self.client.pipeline(transaction=False) as pipe:
+            # Redis >= 6 takes a fractional timeout; redis-py's stub says int.
+            pipe.blmove(wait_list, wait_list, round(timeout_s, 3), "RIGHT", "RIGHT")  # type: ignore[arg-type]
+            # EVALSHA itself: a pipeline running a Script first asks SCRIPT EXISTS, one more trip.
+            pipe.evalsha(self._take.sha, len(keys), *keys, *args)
+            waited, took = pipe.execute(raise_on_error=False)
+        error = waited if isinstance(waited, redis.ResponseError) else None
+        return error, None if isinstance(took, Exception) else _taken(took)
+
+    def _take_call(self, count: int, reports_of: str | None, max_reports: int) -> tuple[list[str], list[int]]:
         keys = [
             self.keys.inflight_lease,
             self.keys.inflight_raw,
@@ -107,11 +141,7 @@ class RequestStore:
             self.keys.inflight_origin,
             *self.keys.request_lists,
         ]
-        flat, raw_reports = self._take(
-            keys=keys, args=[count, self.lease_ms, max_reports if reports_of is not None else 0]
-        )
-        taken = [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
-        return taken, [json.loads(r) for r in raw_reports]
+        return keys, [count, self.lease_ms, max_reports if reports_of is not None else 0]
 
     def dispatch(
         self,
@@ -307,6 +337,12 @@ class RequestStore:
 
     def in_flight(self) -> int:
         return int(self.client.zcard(self.keys.inflight_lease))
+
+
+def _taken(reply: Any) -> Taken:
+    flat, raw_reports = reply
+    taken = [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+    return taken, [json.loads(r) for r in raw_reports]
 
 
 def _text(value: bytes | str) -> str:

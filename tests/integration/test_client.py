@@ -281,6 +281,52 @@ def test_delay_keeps_its_builder_and_renders_later_messages_with_their_own_sent_
         assert set(a) == set(b)
 
 
+def test_get_sends_no_unsubscribe_of_its_own_and_settled_channels_leave_in_bulk(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    """``.get()`` returns on its result's message without an UNSUBSCRIBE per result: a settled
+    result's channel leaves Celery's set at once, and Redis with the others in one UNSUBSCRIBE."""
+    import queue
+    import threading
+
+    import redis
+
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.result_consumer import _SETTLED_KEPT
+    from carpool.celery_edge.results import SUCCESS
+    from carpool.tasks import infer
+    from carpool.tools.harness import release_result_consumer
+
+    to_store: queue.Queue[tuple[str, int] | None] = queue.Queue()
+
+    def store() -> None:  # another thread: the results arrive as pub/sub messages during .get()
+        while (item := to_store.get()) is not None:
+            time.sleep(0.001)
+            app.backend.store_many([(item[0], SUCCESS, item[1])])
+
+    release_result_consumer(app)  # no channels left over from earlier tests
+    storer = threading.Thread(target=store)
+    storer.start()
+    client = redis.Redis(port=clean_redis.port)
+    consumer = app.backend.result_consumer
+    before = _commandstats(client)
+    keys = []
+    try:
+        for i in range(_SETTLED_KEPT + 5):
+            result = infer.delay(f"text {i}", "toy")
+            to_store.put((result.id, i))
+            assert result.get(timeout=10) == i
+            keys.append(as_bytes(app.backend.get_key_for_task(result.id)))
+    finally:
+        to_store.put(None)
+        storer.join()
+    assert not set(keys) & consumer.subscribed_to
+    unsubscribes = _commandstats(client).get("cmdstat_unsubscribe", 0) - before.get("cmdstat_unsubscribe", 0)
+    assert unsubscribes == 1, "one UNSUBSCRIBE for every settled channel gathered"
+    still = {as_bytes(c) for c in client.pubsub_channels("celery-task-meta-*")}
+    assert still & set(keys) == set(keys[_SETTLED_KEPT:]), "the rest wait for the next one"
+
+
 def _event_list(raw: str) -> list[dict[str, Any]]:
     envelope = json.loads(raw)
     events: list[dict[str, Any]] = json.loads(base64.b64decode(envelope["body"]))

@@ -8,6 +8,7 @@ expiry is tested with a tiny lease and a short sleep.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -231,6 +232,33 @@ def test_take_pops_this_coordinators_reports_only_when_asked(
     _, reports = store.take(10, reports_of="coord-a")
     assert [r["batch_id"] for r in reports] == ["b2"]
     assert client.llen(mine) == 0 and client.llen(KEYS.reports_for("coord-b")) == 1
+
+
+def test_wait_then_take_takes_the_moment_the_wait_ends(client: redis.Redis, store: RequestStore) -> None:
+    """The take runs behind the wait in one pipeline: at once when a request is there, after a push
+    ends the wait, and also after a wait that timed out (other lists are looked at then)."""
+    client.script_flush()  # as after a restart: the take is left to the caller, who loads it
+    assert store.wait_then_take(KEYS.request_queue, 0.01, 10) == (None, None)
+    store.take(0)  # loads it
+    enqueue(client, "r1")
+    error, taken = store.wait_then_take(KEYS.request_queue, 5.0, 10)
+    assert error is None and taken == ([("r1", message("r1"))], [])
+    assert_lease_about(client, "r1", LEASE_S)
+
+    pusher = redis.Redis(port=client.connection_pool.connection_kwargs["port"])
+    timer = threading.Timer(0.2, enqueue, (pusher, "r2"))
+    timer.start()
+    t0 = time.monotonic()
+    error, taken = store.wait_then_take(KEYS.request_queue, 5.0, 10)
+    timer.join()
+    pusher.close()
+    assert error is None and [i for i, _ in (taken or ([], []))[0]] == ["r2"]
+    assert time.monotonic() - t0 < 4.0, "the push ended the wait"
+
+    enqueue(client, "nine", step=9)  # not the list waited on: taken when the wait times out
+    error, taken = store.wait_then_take(KEYS.request_queue, 0.05, 10)
+    assert error is None and [i for i, _ in (taken or ([], []))[0]] == ["nine"]
+    assert store.queued() == 0 and store.in_flight() == 3
 
 
 # --- dispatch --------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_carpool_subclasses_override_what_they_mean_to() -> None:
 
     assert isinstance(app.backend, CarpoolRedisBackend)
     assert isinstance(app.backend.result_consumer, PromptResultConsumer)
-    for name in ("drain_events_until", "cancel_for", "_wait_for_pending"):
+    for name in ("drain_events_until", "cancel_for", "_wait_for_pending", "on_state_change"):
         assert name in PromptResultConsumer.__dict__
 
 

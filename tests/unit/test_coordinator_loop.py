@@ -51,6 +51,7 @@ class FakeStore:
         self.reports: list[dict[str, Any]] = []
         self.acked: list[str] = []
         self.dispatched: list[tuple[str, list[str]]] = []
+        self.wait_error: Exception | None = None  # what a wait in Redis answers
 
     def take(
         self, count: int, reports_of: str | None = None
@@ -58,6 +59,12 @@ class FakeStore:
         taken, self.queue = self.queue[:count], self.queue[count:]
         reports, self.reports = (self.reports, []) if reports_of is not None else ([], self.reports)
         return taken, reports
+
+    def wait_then_take(
+        self, wait_list: str, timeout_s: float, count: int, reports_of: str | None = None
+    ) -> tuple[Exception | None, Any]:
+        self.waited_on = wait_list
+        return self.wait_error, self.take(count, reports_of)
 
     def pop_reports(self, coordinator: str) -> list[dict[str, Any]]:
         reports, self.reports = self.reports, []
@@ -434,29 +441,37 @@ def test_a_revoke_broadcast_names_its_task_ids() -> None:
     assert revoked_task_ids(b"garbage") == []
 
 
-class RefusedBlmove(FakeClient):
-    """A Redis that answers BLMOVE with ``error``."""
+def test_the_take_behind_a_wait_in_redis_is_the_next_steps_take(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=1)
+    assert c.step().block_on is WaitFor.REQUESTS
+    c.store.queue.append(("a", message("a", "one two three")))
+    ahead = c._wait(Wait(0.01, WaitFor.REQUESTS))
+    assert c.store.waited_on == c.keys.request_queue and c.store.queue == []
+    c.store.queue.append(("b", message("b", "one two three")))  # came after that take
+    c.step(ahead)
+    assert c._held == {"a"} and [i for i, _ in c.store.queue] == ["b"], "the step took nothing more"
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-        self.connection_pool = SimpleNamespace(connection_kwargs={"username": "carpool-coordinator"})
 
-    def blmove(self, *args: Any) -> None:
-        raise self.error
+class NamedUser(FakeClient):
+    connection_pool = SimpleNamespace(connection_kwargs={"username": "carpool-coordinator"})
 
 
 def test_a_redis_user_without_blmove_is_a_config_error_not_an_old_redis(clocks: Clocks) -> None:
     c = coordinator(clocks, workers=1)
-    denied = NoPermissionError("User carpool-coordinator has no permissions to run the 'blmove' command")
-    c.client = RefusedBlmove(denied)
+    c.client = NamedUser()
+    c.store.wait_error = NoPermissionError(
+        "User carpool-coordinator has no permissions to run the 'blmove' command"
+    )
+    c.store.queue.append(("a", message("a", "taken behind the refused wait")))
     with pytest.raises(
         ConfigError,
         match=r"'carpool-coordinator' may not BLMOVE 'carpool\.requests'.*carpool acl --role coordinator",
     ):
         c._wait(Wait(0.01, WaitFor.REQUESTS))
     assert c.pacer.can_block, "a denied BLMOVE is not taken for a Redis without it"
+    assert c.store.requeued == ["a"], "what the take behind the refused wait got goes back at once"
 
     # A Redis before 6.2 does not know the command: the coordinator polls instead.
-    c.client = RefusedBlmove(ResponseError("unknown command 'blmove'"))
+    c.store.wait_error = ResponseError("unknown command 'blmove'")
     c._wait(Wait(0.01, WaitFor.REQUESTS))
     assert not c.pacer.can_block
