@@ -1,15 +1,15 @@
-"""A producer process's result inbox: one pub/sub channel where each batch publishes, as one message,
-the results it stored for that process.
+"""A producer process's result inbox: one pub/sub channel where every result stored for that process
+is published, besides its own channel.
 
     submit_many --INBOX_HEADER in each request's message--> coordinator --the request's slot-->
-    worker's finish script: SET each result, PUBLISH it on its own channel, and PUBLISH once per
-    inbox the JSON array ``[meta, meta, ...]`` of the results it stored for that inbox
+    worker's finish script: SET each result, PUBLISH it on its own channel and on its inbox
 
-``gather`` then subscribes to one channel for as long as it waits and reads one message per batch,
-instead of one SUBSCRIBE, message and UNSUBSCRIBE per request. Each result's own channel still gets
-its message, so plain Celery clients and ``.get()`` work as ever. The channel is
-``<result key prefix>carpool.inbox.<random id>``, one per app and process (a forked child draws its
-own), under the result channels every role's ACL already grants.
+``gather`` then subscribes to one channel for as long as it waits, instead of SUBSCRIBing and
+UNSUBSCRIBing every result's channel. Each result's own channel still gets its message, so plain
+Celery clients and ``.get()`` work as ever. An inbox message is an ordinary result meta (its
+``task_id`` says whose), so any reader of Celery's result pub/sub connection handles it. The
+channel is ``<result key prefix>carpool.inbox.<random id>``, one per app and process (a forked
+child draws its own), under the result channels every role's ACL already grants.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from carpool.celery_edge.compat import join_will_block
 
@@ -31,8 +31,8 @@ _MARK = "carpool_inbox"
 
 def inbox_channel(app: Celery) -> str | None:
     """This process's result inbox channel for ``app``; None where results come back per request:
-    ``CARPOOL_RESULT_INBOX`` off, not carpool's result backend, results not JSON (the inbox message
-    joins JSON metas), or inside a worker's task (where Celery refuses to wait for results)."""
+    ``CARPOOL_RESULT_INBOX`` off, not carpool's result backend, or inside a worker's task (where
+    Celery refuses to wait for results)."""
     from carpool.celery_edge.app import state_of
     from carpool.celery_edge.result_consumer import PromptResultConsumer
 
@@ -40,9 +40,7 @@ def inbox_channel(app: Celery) -> str | None:
     if not state.settings.result_inbox or join_will_block():
         return None
     backend = app.backend
-    if backend.serializer != "json" or not isinstance(
-        getattr(backend, "result_consumer", None), PromptResultConsumer
-    ):
+    if not isinstance(getattr(backend, "result_consumer", None), PromptResultConsumer):
         return None
     pid = os.getpid()
     kept = state.inbox
@@ -61,16 +59,3 @@ def inbox_of(result: AsyncResult) -> str | None:
     """The inbox channel ``result`` comes back through, or None (it has a subscription of its own)."""
     channel: str | None = getattr(result, _MARK, None)
     return channel
-
-
-def is_inbox_payload(data: bytes | str) -> bool:
-    """Whether a result message is an inbox's (a JSON array) rather than one result meta (an object)."""
-    return data[:1] in (b"[", "[")
-
-
-def inbox_metas(backend: Any, data: bytes | str) -> list[dict[str, Any]]:
-    """The result metas of an inbox message, decoded as ``backend.decode_result`` decodes one."""
-    decoded = backend.decode(data)
-    if type(decoded) is not list:
-        return []
-    return [backend.meta_from_decoded(meta) for meta in decoded if type(meta) is dict]

@@ -3,9 +3,8 @@ and reading the result messages delivered to its connection.
 
 Celery's consumer handles one task per SUBSCRIBE, UNSUBSCRIBE and message; producers that submit and
 gather thousands at once (:mod:`carpool.producer`) do each of those in bulk on the same connection,
-or subscribe to their process's result inbox (:mod:`carpool.celery_edge.inbox`), where one message
-carries a batch's results; ``.get()`` on any single result keeps working as usual, and settles every
-result of an inbox message that reaches it.
+or subscribe to their process's result inbox (:mod:`carpool.celery_edge.inbox`), one channel for
+all their results; ``.get()`` on any single result keeps working as usual.
 
 A pub/sub connection that broke, or went silent (:mod:`carpool.redis_edge.socket_options`), is
 reconnected and resubscribed on its next read; what was published meanwhile is read from the stored
@@ -32,7 +31,6 @@ from carpool.celery_edge.compat import (
     result_pubsub,
     subscribed_keys,
 )
-from carpool.celery_edge.inbox import inbox_metas, is_inbox_payload
 from carpool.redis_edge.socket_options import drop, silent
 
 log = logging.getLogger(__name__)
@@ -144,20 +142,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             if timeout:  # as long as the read would have waited, not a busy loop
                 time.sleep(max(0.0, timeout - (time.monotonic() - t0)))
             return
-        pubsub = result_pubsub(self)
-        if pubsub is None:
-            super().drain_events(timeout)  # Celery's: waits as long as the read would have
-            return
-        # Celery's drain_events, which would take an inbox message for one malformed result meta.
-        with reconnecting(self):
-            message = pubsub.get_message(timeout=timeout)
-            if message and message["type"] == "message":
-                data = message["data"]
-                if is_inbox_payload(data):
-                    for meta in inbox_metas(self.backend, data):
-                        self.on_state_change(meta, message)
-                else:
-                    self.on_state_change(self.backend.decode_result(data), message)
+        super().drain_events(timeout)
 
     def _reread_subscribed(self) -> None:
         """Settle, from their stored results, the subscribed tasks that finished (as Celery does after

@@ -24,7 +24,7 @@ from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from carpool.celery_edge.compat import cached_meta, set_cached_meta
-from carpool.celery_edge.inbox import inbox_metas, inbox_of
+from carpool.celery_edge.inbox import inbox_of
 from carpool.celery_edge.result_consumer import (
     PromptResultConsumer,
     deferring_cancels,
@@ -168,9 +168,9 @@ def gather(
     ``return_exceptions=True`` a failed request's exception instance takes its place in the list.
     ``timeout`` bounds the whole call and raises ``celery.exceptions.TimeoutError`` as ``.get()``
     does. Results arriving while gather waits are each delivered once: those of ``submit_many``
-    through this process's result inbox, subscribed while gather waits (a batch's results in one
-    message), the others on their own result channels, subscribed by ``submit_many`` or here; the
-    unsubscriptions go out as one command at the end. A result stored without an inbox message (a
+    through this process's result inbox, subscribed while gather waits, the others on their own
+    result channels, subscribed by ``submit_many`` or here; the unsubscriptions go out as one
+    command at the end. A result stored without an inbox message (a
     coordinator of an older release, a plain Celery worker answering) is read from the store after
     a second without one of ours. Not thread-safe, like Celery's result consumer it uses.
     """
@@ -199,7 +199,7 @@ def gather(
                 _wait_on_celery(backend, consumer, state, plain, bool(inboxes))
             _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
     finally:
-        if fresh_inboxes:  # nobody reads it once gather returns: it is not to fill the socket meanwhile
+        if fresh_inboxes:  # with nobody reading it, its messages would pile up in the socket
             unsubscribe_channels(consumer, fresh_inboxes)
     return state.values()
 
@@ -225,7 +225,7 @@ def _wait_on_celery(
     waited-for tasks with a subscription of their own, not an inbox."""
     if plain:
         for task_id in plain:
-            for r in state.waiting[task_id]:
+            for r in state.waiting.get(task_id, ()):
                 # Registers r with Celery's consumer; a result that arrived earlier for nobody
                 # waiting sits in Celery's buffer and settles r right here.
                 backend.add_pending_result(r, start_drainer=False)
@@ -264,18 +264,17 @@ def _route(
 ) -> list[Any]:
     """The decoded metas of the messages for tasks in ``want``; messages for tasks in ``ignore`` are
     dropped undecoded, and any other goes to Celery's consumer as it would have, so that other
-    waiters in this process lose nothing. An inbox message's metas are sorted likewise."""
+    waiters in this process lose nothing. An inbox message is sorted by its meta's task id."""
     metas = []
     for task_id, message in messages:
         if task_id in want:
             metas.append(backend.decode_result(message["data"]))
         elif task_id.startswith(INBOX_CHANNEL):
-            for meta in inbox_metas(backend, message["data"]):
-                one = meta.get("task_id")
-                if one in want:
-                    metas.append(meta)
-                elif one not in ignore:
-                    consumer.on_state_change(meta, message)
+            meta = backend.decode_result(message["data"])
+            if meta.get("task_id") in want:
+                metas.append(meta)
+            elif meta.get("task_id") not in ignore:
+                consumer.on_state_change(meta, message)
         elif task_id not in ignore:
             consumer.on_state_change(backend.decode_result(message["data"]), message)
     return metas
@@ -307,9 +306,9 @@ async def gather_async(
     not to the process's result inbox: every gather listening there would decode every batch of the
     process's results, so many gathers awaiting at once would each decode them all. Results
     subscribed on Celery's consumer (``submit_many`` with ``CARPOOL_RESULT_INBOX=false``) are
-    unsubscribed there first, so that connection does not back up with messages nobody reads;
-    ``submit_many(..., subscribe=False)`` skips both. Costs one connection per call, closed on
-    return. While no message comes for a health-check interval (``CARPOOL_REDIS_HEALTH_CHECK_S``)
+    unsubscribed there first, so that connection does not back up with messages nobody reads
+    (``submit_many(..., subscribe=False)`` leaves nothing to undo). Costs one connection per call,
+    closed on return. While no message comes for a health-check interval (``CARPOOL_REDIS_HEALTH_CHECK_S``)
     the stored results are read again, so a pub/sub connection that died without closing costs
     latency, not results.
     """

@@ -657,7 +657,7 @@ def test_gather_async(processes: Processes) -> None:
 
     async def main() -> tuple[list[Any], list[Any], list[Any]]:
         first = submit_many(texts[:100], model="toy", subscribe=False)
-        second = submit_many(texts[100:], model="toy")  # subscribed on Celery's consumer: moved over
+        second = submit_many(texts[100:], model="toy")  # marked for the inbox: subscribed one by one
         a, b = await asyncio.gather(gather_async(first, timeout=60), gather_async(second, timeout=60))
         doomed = submit_many(["expires"], model="toy", expires=0.0005, subscribe=False)
         with pytest.raises(DeadlineExceeded):

@@ -1,5 +1,5 @@
 """The result inbox (carpool.celery_edge.inbox): submit_many's results come back to the producer
-process on one channel, one message per batch, while every result keeps its own channel."""
+process on one channel, while every result keeps its own channel."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def admin(clean_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
     client.close()
 
 
-def test_get_settles_every_result_of_an_inbox_message_it_reads(clean_redis: EmbeddedRedis) -> None:
-    """``.get()`` reads whatever its pub/sub connection delivers: an inbox message there (gather
-    subscribes it while waiting) settles each of its results instead of failing to decode."""
+def test_get_settles_the_results_of_inbox_messages_it_reads(clean_redis: EmbeddedRedis) -> None:
+    """``.get()`` reads whatever its pub/sub connection delivers: inbox messages there (gather
+    subscribes the inbox while waiting) settle their results, as messages on their own channels do."""
     from carpool.celery_edge.app import app
     from carpool.celery_edge.inbox import inbox_of
     from carpool.celery_edge.result_consumer import subscribe_channels, unsubscribe_channels

@@ -367,7 +367,7 @@ def test_finish_stores_write_once_and_publishes_once(
     channels.close()
 
 
-def test_finish_publishes_once_per_inbox_the_results_it_stored_there(
+def test_finish_publishes_the_results_it_stores_to_their_inboxes_too(
     client: redis.Redis, results: redis.Redis, store: RequestStore
 ) -> None:
     channels = subscribed(client, "box:1", "box:2", "elsewhere", "res:4")
@@ -381,11 +381,12 @@ def test_finish_publishes_once_per_inbox_the_results_it_stored_there(
     )
     in_flight(store, "a")
     assert finish(store, writes=writes, ack_ids=["a"], events=("events", b"ev")) == [1, 3, 4, 5, 6]
-    # Each result's own channel as ever; one array per inbox, in order; none outside the prefix.
+    # Each result's own channel as ever, and its inbox; none outside the prefix.
     assert published(channels) == [
+        (b"box:1", b'{"n":1}'),
+        (b"box:2", b'{"n":3}'),
         (b"res:4", b'{"n":4}'),
-        (b"box:1", b'[{"n":1},{"n":5}]'),
-        (b"box:2", b'[{"n":3}]'),
+        (b"box:1", b'{"n":5}'),
     ]
     assert json.loads(results.get("res:5") or b"") == {"n": 5} and forgotten(client, "a")
     channels.close()

@@ -1,7 +1,8 @@
 -- finish: the one place results are stored. Each result is SET only if none is stored yet
--- (write-once: a rerun never overwrites the first answer) and PUBLISHed to wake waiting producers.
--- The results stored for a producer that named a result inbox are also published there, all of a
--- call's in one message per inbox: a JSON array of those result metas.
+-- (write-once: a rerun never overwrites the first answer) and PUBLISHed to wake waiting producers,
+-- on its own channel and, when its producer named one, on that producer's result inbox too.
+-- (One message per inbox joining its results would cost Redis more: building a long Lua string
+-- costs more than publishing its pieces.)
 -- Then, for a worker's batch, the acknowledged ids leave every in-flight key, the batch report goes to
 -- its coordinator and the task events are published: a batch finished in one round trip, across the
 -- result and broker databases of one server. With only results given it stores them and nothing more.
@@ -9,7 +10,7 @@
 -- KEYS[n+2] raw HASH, KEYS[n+3] owner HASH, KEYS[n+4] claimed HASH, KEYS[n+5] origin HASH,
 -- KEYS[n+6] report list.
 -- ARGV[1] n, ARGV[2] results db ('' = the caller's), ARGV[3] broker db ('' = the caller's),
--- ARGV[4] result expiry s, ARGV[5..4+n] encoded results (JSON objects), then ARGV[5+n] report json
+-- ARGV[4] result expiry s, ARGV[5..4+n] encoded results, then ARGV[5+n] report json
 -- ('' = none), ARGV[6+n] reports kept, ARGV[7+n] reports ttl s, ARGV[8+n] events topic ('' = none),
 -- ARGV[9+n] events message, ARGV[10+n] m: inboxes given (0, or n: one per result), ARGV[11+n] the
 -- prefix every inbox channel starts with (others are not published to), ARGV[12+n..11+n+m] each
@@ -20,7 +21,8 @@ local m = tonumber(ARGV[10 + n])
 -- SELECT in a script switches only the script's database, never the caller's (Redis >= 2.8.12).
 if ARGV[2] ~= '' then redis.call('SELECT', ARGV[2]) end
 local stored = {}
-local inboxes, order = {}, {}
+local prefix = ARGV[11 + n]
+local allowed = {}  -- inbox channel -> whether it starts with the prefix
 for i = 1, n do
   local key = KEYS[i]
   local meta = ARGV[4 + i]
@@ -30,21 +32,14 @@ for i = 1, n do
     if m > 0 then
       local inbox = ARGV[11 + n + i]
       if inbox ~= '' then
-        local metas = inboxes[inbox]
-        if metas == nil then
-          metas = {}
-          inboxes[inbox] = metas
-          order[#order + 1] = inbox
+        local ok = allowed[inbox]
+        if ok == nil then
+          ok = string.sub(inbox, 1, #prefix) == prefix
+          allowed[inbox] = ok
         end
-        metas[#metas + 1] = meta
+        if ok then redis.call('PUBLISH', inbox, meta) end
       end
     end
-  end
-end
-local prefix = ARGV[11 + n]
-for _, inbox in ipairs(order) do
-  if string.sub(inbox, 1, #prefix) == prefix then
-    redis.call('PUBLISH', inbox, '[' .. table.concat(inboxes[inbox], ',') .. ']')
   end
 end
 if ARGV[3] ~= '' then redis.call('SELECT', ARGV[3]) end
