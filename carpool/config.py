@@ -82,8 +82,8 @@ class Settings(BaseSettings):
     result_inbox: bool = Field(
         True,
         description=(
-            "submit_many's results come back to each producer process on one pub/sub channel, one "
-            "message per batch (false: one subscription and one message per request, as `.delay()`)."
+            "submit_many's results come back to each producer process on one pub/sub channel, which "
+            "gather subscribes while it waits (false: one subscription per request, as `.delay()`)."
         ),
     )
 

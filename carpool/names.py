@@ -14,8 +14,8 @@ RUN_BATCH_TASK: Final = "carpool.run_batch"
 
 # Message header a producer stamps (wall clock, s) so waiting is measured from the real arrival.
 SENT_AT_HEADER: Final = "carpool_sent_at"
-# Message header naming the producer process's result inbox: the pub/sub channel where each batch
-# publishes that process's results once more, all in one message (a JSON array of result metas).
+# Message header naming the producer process's result inbox: the pub/sub channel where each of that
+# process's results is published as well as on its own channel.
 INBOX_HEADER: Final = "carpool_inbox"
 # An inbox channel's name: the result key prefix, this, then a random id per producer process.
 INBOX_CHANNEL: Final = "carpool.inbox."

@@ -20,9 +20,9 @@ policy (a failed pipeline raises; with MULTI/EXEC nothing of it was applied, unl
 broke after EXEC was sent, when delivery is uncertain, as with any publish).
 
 Nothing is subscribed per request (``backend.on_task_call`` sends a SUBSCRIBE per request): each
-message names this process's result inbox (:mod:`carpool.celery_edge.inbox`), where each batch
-publishes this process's results as one message that ``gather`` reads; ``.get()`` on a result
-subscribes to its own channel, as for any AsyncResult. With ``CARPOOL_RESULT_INBOX=false`` the result
+message names this process's result inbox (:mod:`carpool.celery_edge.inbox`), one channel where
+every result of this process is published too, which ``gather`` subscribes while it waits;
+``.get()`` on a result subscribes to its own channel, as for any AsyncResult. With ``CARPOOL_RESULT_INBOX=false`` the result
 keys are subscribed instead, on Celery's result consumer in one SUBSCRIBE.
 """
 
@@ -77,7 +77,7 @@ def submit_many(
     ``infer.delay(text, model)`` would. ``options``: ``priority``, ``expires`` (seconds, datetime or ISO
     string), ``headers``, ``queue`` -- the same meaning as in ``infer.apply_async``; anything else raises
     TypeError rather than being silently dropped. The results come back through this process's
-    result inbox (one message per batch, read by :func:`~carpool.producer.gather.gather`), or with
+    result inbox (one channel for them all, read by :func:`~carpool.producer.gather.gather`), or with
     ``CARPOOL_RESULT_INBOX=false`` through a subscription per result made here. ``subscribe=False``
     does neither (use it with :func:`~carpool.producer.gather.gather_async`, which subscribes on its
     own connection; ``gather`` and ``.get()`` still work, subscribing per result when called).
