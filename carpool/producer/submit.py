@@ -22,8 +22,9 @@ broke after EXEC was sent, when delivery is uncertain, as with any publish).
 Nothing is subscribed per request (``backend.on_task_call`` sends a SUBSCRIBE per request): each
 message names this process's result inbox (:mod:`carpool.celery_edge.inbox`), one channel where
 every result of this process is published too, which ``gather`` subscribes while it waits;
-``.get()`` on a result subscribes to its own channel, as for any AsyncResult. With ``CARPOOL_RESULT_INBOX=false`` the result
-keys are subscribed instead, on Celery's result consumer in one SUBSCRIBE.
+``.get()`` on a result subscribes to its own channel, as for any AsyncResult. With
+``CARPOOL_RESULT_INBOX=false`` the result keys are subscribed instead, on Celery's result consumer
+in one SUBSCRIBE.
 """
 
 from __future__ import annotations
