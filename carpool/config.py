@@ -79,6 +79,13 @@ class Settings(BaseSettings):
     # --- queues ------------------------------------------------------------------------------
     request_queue: str = Field("carpool.requests", min_length=1, description="List `.delay()` writes to.")
     batch_queue: str = Field("carpool.batches", min_length=1, description="Queue of micro-batch tasks.")
+    result_inbox: bool = Field(
+        True,
+        description=(
+            "submit_many's results come back to each producer process on one pub/sub channel, which "
+            "gather subscribes while it waits (false: one subscription per request, as `.delay()`)."
+        ),
+    )
 
     # --- model -------------------------------------------------------------------------------
     model: str = Field("minilm", min_length=1, description="minilm, toy, null or package.module:Class.")

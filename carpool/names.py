@@ -14,6 +14,11 @@ RUN_BATCH_TASK: Final = "carpool.run_batch"
 
 # Message header a producer stamps (wall clock, s) so waiting is measured from the real arrival.
 SENT_AT_HEADER: Final = "carpool_sent_at"
+# Message header naming the producer process's result inbox: the pub/sub channel where each of that
+# process's results is published as well as on its own channel.
+INBOX_HEADER: Final = "carpool_inbox"
+# An inbox channel's name: the result key prefix, this, then a random id per producer process.
+INBOX_CHANNEL: Final = "carpool.inbox."
 
 # Default queue names (settings may override them).
 DEFAULT_REQUEST_QUEUE: Final = "carpool.requests"

@@ -16,7 +16,7 @@ from typing import Any, Final, NotRequired, TypedDict
 from carpool.errors import WireError, WireVersionMismatch
 
 #: Bump whenever a field below appears, goes or changes meaning.
-WIRE_VERSION: Final = 4
+WIRE_VERSION: Final = 5
 
 
 class Links(TypedDict, total=False):
@@ -43,6 +43,8 @@ class RequestSlot(TypedDict):
     sent_at: float  # producer's wall clock
     deadline: float  # wall clock; the worker fails the request if its batch starts later
     links: NotRequired[Links]  # callbacks, error callbacks, chain: only when the request has any
+    # The producer process's result inbox channel (its INBOX_HEADER): only when it named one.
+    inbox: NotRequired[str]
 
 
 class BatchMessage(TypedDict):

@@ -1,15 +1,19 @@
 """CPU per result of carpool's result path alone: the worker storing, Redis, the producer gathering.
 
     python scripts/result_path.py [--requests 6000] [--dim 384] [--rows numpy|list] [--rounds 3]
+                                  [--inbox on|off|both]
 
-Each round: N task ids, subscribed as ``submit_many`` subscribes them; a child process (the worker's
-part) turns (N/32) model outputs of ``--dim`` float32 values per row into stored results, 32 at a
-time, through the result backend's write-once store (the finish script, results only); meanwhile
-this process ``gather``s them. ``--rows numpy`` hands the store the float32 rows as a model returns
-them (``MiniLM.forward``); ``list`` converts each batch with ``tolist()`` first, as models did before
-they returned arrays (that conversion is counted as the worker's). Reported per result: the worker's
-CPU (its process), Redis's (``INFO cpu``), the producer's ``gather`` (this process), and the bytes
-stored. Least and median of the rounds; the machine is shared, read CPU, not wall time.
+Each round: N task ids, marked for this process's result inbox as ``submit_many`` marks them
+(``--inbox off``: each subscribed on its own, as with ``CARPOOL_RESULT_INBOX=false``; ``both``:
+rounds alternate, each side reported apart); a child process (the worker's part) turns (N/32) model
+outputs of ``--dim`` float32 values per row into stored results, 32 at a time, through the result
+backend's write-once store (the finish script, results only, each batch also published to the inbox
+when there is one); meanwhile this process ``gather``s them. ``--rows numpy`` hands the store the
+float32 rows as a model returns them (``MiniLM.forward``); ``list`` converts each batch with
+``tolist()`` first, as models did before they returned arrays (that conversion is counted as the
+worker's). Reported per result: the worker's CPU (its process), Redis's (``INFO cpu``), the
+producer's ``gather`` (this process), and the bytes stored. Least and median of the rounds; the
+machine is shared, read CPU, not wall time.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def _redis_cpu_s(client: Any) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def _worker(url: str, ids: list[str], dim: int, rows: str, out: Any) -> None:
+def _worker(url: str, ids: list[str], dim: int, rows: str, out: Any, inbox: str | None) -> None:
     """Store a result for every id, a batch at a time; put this process's CPU seconds on ``out``."""
     import numpy as np
 
@@ -46,15 +50,17 @@ def _worker(url: str, ids: list[str], dim: int, rows: str, out: Any) -> None:
     for first in range(0, len(ids), BATCH):
         chunk = ids[first : first + BATCH]
         outputs: Any = batch if rows == "numpy" else batch.tolist()
-        app.backend.store_many([(t, SUCCESS, outputs[i]) for i, t in enumerate(chunk)])
+        inboxes = dict.fromkeys(chunk, inbox) if inbox is not None else None
+        app.backend.store_many([(t, SUCCESS, outputs[i]) for i, t in enumerate(chunk)], inboxes=inboxes)
     out.put(time.process_time() - started)
 
 
-def one_round(url: str, n: int, dim: int, rows: str) -> dict[str, float]:
+def one_round(url: str, n: int, dim: int, rows: str, inbox: bool) -> dict[str, float]:
     import redis
     from celery.result import AsyncResult
 
     from carpool.celery_edge.app import create_app
+    from carpool.celery_edge.inbox import inbox_channel, mark
     from carpool.celery_edge.result_consumer import subscribe_results
     from carpool.config import load_settings
     from carpool.producer.gather import gather
@@ -63,10 +69,16 @@ def one_round(url: str, n: int, dim: int, rows: str) -> dict[str, float]:
     client = redis.Redis.from_url(url)
     ids = [str(uuid.uuid4()) for _ in range(n)]
     results = [AsyncResult(t, app=app) for t in ids]
-    subscribe_results(app.backend, ids)
+    channel = inbox_channel(app) if inbox else None
+    if channel is not None:
+        mark(results, channel)
+    else:
+        subscribe_results(app.backend, ids)
     queue: Any = multiprocessing.get_context("fork").Queue()
     redis_before = _redis_cpu_s(client)
-    worker = multiprocessing.get_context("fork").Process(target=_worker, args=(url, ids, dim, rows, queue))
+    worker = multiprocessing.get_context("fork").Process(
+        target=_worker, args=(url, ids, dim, rows, queue, channel)
+    )
     worker.start()
     started = time.process_time()
     values = gather(results, timeout=120)
@@ -94,21 +106,27 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--rows", choices=("numpy", "list"), default="numpy")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--inbox", choices=("on", "off", "both"), default="on")
     opts = parser.parse_args()
+    modes = {"on": [True], "off": [False], "both": [False, True]}[opts.inbox]
 
     from carpool.tools.embedded import EmbeddedRedis
 
     server = EmbeddedRedis().start()
+    rounds: dict[bool, list[dict[str, float]]] = {m: [] for m in modes}
     try:
-        rounds = [one_round(server.url(1), opts.requests, opts.dim, opts.rows) for _ in range(opts.rounds)]
+        for _ in range(opts.rounds):
+            for mode in modes:  # alternating, so that a shared machine's swings hit both alike
+                r = one_round(server.url(1), opts.requests, opts.dim, opts.rows, mode)
+                print(f"round, inbox {'on' if mode else 'off'}:", {k: round(v, 1) for k, v in r.items()})
+                rounds[mode].append(r)
     finally:
         server.stop()
-    for r in rounds:
-        print("round:", {k: round(v, 1) for k, v in r.items()}, flush=True)
-    print(f"{'per result':20s} {'min':>8s} {'median':>8s}")
-    for key in rounds[0]:
-        values = [r[key] for r in rounds]
-        print(f"{key:20s} {min(values):8.1f} {statistics.median(values):8.1f}")
+    for mode, got in rounds.items():
+        print(f"inbox {'on' if mode else 'off'}: {'per result':20s} {'min':>8s} {'median':>8s}")
+        for key in got[0]:
+            values = [r[key] for r in got]
+            print(f"{'':11s}{key:20s} {min(values):8.1f} {statistics.median(values):8.1f}")
     return 0
 
 

@@ -31,6 +31,8 @@ class AppState:
         self._dispatcher: Any = None
         #: message builders kept between publishes (see carpool.producer.submit), per thread and options
         self.builders: dict[tuple[Any, ...], Any] = {}
+        #: (pid, channel) of this process's result inbox (see carpool.celery_edge.inbox)
+        self.inbox: tuple[int, str] | None = None
 
     def message_channel(self) -> Any:
         """A kombu Redis channel of the broker, used only to build messages (no I/O), kept because

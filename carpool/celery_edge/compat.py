@@ -87,6 +87,11 @@ def result_pubsub(consumer: Any) -> Any:
     return consumer._pubsub
 
 
+def new_result_pubsub(consumer: Any) -> None:
+    """Give the consumer a PubSub, subscribed to nothing yet, as its ``start`` makes one."""
+    consumer._pubsub = consumer.backend.client.pubsub(ignore_subscribe_messages=True)
+
+
 def forget_result_pubsub(consumer: Any) -> None:
     """Make the consumer start a new PubSub on its next subscription (the old one is let go)."""
     consumer._pubsub = None

@@ -18,7 +18,7 @@ from kombu.serialization import loads
 
 from carpool.codec import loads as json_loads
 from carpool.errors import MalformedMessage
-from carpool.names import INFER_TASK, SENT_AT_HEADER
+from carpool.names import INBOX_HEADER, INFER_TASK, SENT_AT_HEADER
 from carpool.wire import Links
 
 TASK_NAME = INFER_TASK  # the built-in task; @batched tasks' messages share the request queue
@@ -40,6 +40,7 @@ class Incoming:
     kwargsrepr: str
     eta_at: float | None = None  # wall clock: not to run before (countdown= / eta=)
     links: Links | None = None  # callbacks, chain, root and parent ids: None when it has none
+    inbox: str | None = None  # the producer's result inbox channel, when it named one
 
 
 def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
@@ -96,6 +97,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         type(embed) is dict and (embed.get("callbacks") or embed.get("errbacks") or embed.get("chain"))
     ):
         links = _links(embed, headers)
+    inbox = headers.get(INBOX_HEADER)
     return Incoming(
         id=task_id,
         task=task,
@@ -108,6 +110,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         kwargsrepr=str(headers.get("kwargsrepr") or "{}")[:200],
         eta_at=None if eta is None else _when(eta),
         links=links,
+        inbox=inbox if type(inbox) is str and inbox else None,
     )
 
 

@@ -3,7 +3,8 @@ and reading the result messages delivered to its connection.
 
 Celery's consumer handles one task per SUBSCRIBE, UNSUBSCRIBE and message; producers that submit and
 gather thousands at once (:mod:`carpool.producer`) do each of those in bulk on the same connection,
-so ``.get()`` on any single result keeps working as usual.
+or subscribe to their process's result inbox (:mod:`carpool.celery_edge.inbox`), one channel for
+all their results; ``.get()`` on any single result keeps working as usual.
 
 A pub/sub connection that broke, or went silent (:mod:`carpool.redis_edge.socket_options`), is
 reconnected and resubscribed on its next read; what was published meanwhile is read from the stored
@@ -26,6 +27,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from carpool.celery_edge.compat import (
     forget_result_pubsub,
     join_will_block,
+    new_result_pubsub,
     reconnecting,
     result_pubsub,
     subscribed_keys,
@@ -269,26 +271,48 @@ def subscribe_results(backend: Any, task_ids: Sequence[str]) -> list[str]:
     key_of = backend.get_key_for_task
     wanted = {t: key_of(t) for t in task_ids}
     fresh = [t for t, k in wanted.items() if k not in subscribed]
-    if not fresh:
-        return []
-    if result_pubsub(consumer) is None:
-        consumer.start(fresh[0])  # creates the pub/sub connection, subscribed to the first
-    keys = [k for k in (wanted[t] for t in fresh) if k not in subscribed]
-    subscribed.update(keys)
-    with reconnecting(consumer):
-        pubsub = result_pubsub(consumer)
-        for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
-            pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+    if fresh:
+        _subscribe(consumer, [wanted[t] for t in fresh])
     return fresh
 
 
 def unsubscribe_results(backend: Any, task_ids: Sequence[str]) -> None:
     """Cancel the result subscriptions of ``task_ids`` in one UNSUBSCRIBE."""
     consumer = getattr(backend, "result_consumer", None)
-    if consumer is None:
-        return
+    if consumer is not None:
+        _unsubscribe(consumer, [backend.get_key_for_task(t) for t in dict.fromkeys(task_ids)])
+
+
+def subscribe_channels(consumer: Any, channels: Sequence[bytes]) -> list[bytes]:
+    """Subscribe Celery's result consumer to ``channels`` (result inboxes) in one SUBSCRIBE, like its
+    result keys: resubscribed after a reconnection. Returns those newly subscribed."""
     subscribed = subscribed_keys(consumer)
-    keys = [k for k in (backend.get_key_for_task(t) for t in dict.fromkeys(task_ids)) if k in subscribed]
+    fresh = [c for c in dict.fromkeys(channels) if c not in subscribed]
+    if fresh:
+        _subscribe(consumer, fresh)
+    return fresh
+
+
+def unsubscribe_channels(consumer: Any, channels: Sequence[bytes]) -> None:
+    """Cancel the subscriptions of ``channels`` in one UNSUBSCRIBE."""
+    _unsubscribe(consumer, list(dict.fromkeys(channels)))
+
+
+def _subscribe(consumer: Any, keys: list[Any]) -> None:
+    """SUBSCRIBE ``keys`` (none subscribed yet) on the consumer's pub/sub, made now if it has none."""
+    if result_pubsub(consumer) is None:
+        new_result_pubsub(consumer)
+    subscribed_keys(consumer).update(keys)
+    with reconnecting(consumer):
+        pubsub = result_pubsub(consumer)
+        for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+            pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+
+
+def _unsubscribe(consumer: Any, keys: list[Any]) -> None:
+    """UNSUBSCRIBE those of ``keys`` that are subscribed."""
+    subscribed = subscribed_keys(consumer)
+    keys = [k for k in keys if k in subscribed]
     if not keys:
         return
     subscribed.difference_update(keys)

@@ -5,12 +5,14 @@ from ``.get()`` at once when the result is already known, and lets producers (un
 
 Workers and the coordinator store many results at once with :meth:`CarpoolRedisBackend.store_many`:
 one script call per batch that SETs each result only if none is stored yet (a second run of the
-same request never overwrites the first answer) and PUBLISHes it to wake waiting producers.
+same request never overwrites the first answer) and PUBLISHes it to wake waiting producers; those
+stored for a producer with a result inbox (:mod:`carpool.celery_edge.inbox`) are published there
+too, one message per inbox.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from celery import states
@@ -20,6 +22,7 @@ from carpool.celery_edge.compat import result_meta
 from carpool.celery_edge.result_consumer import PromptResultConsumer
 from carpool.codec import dumps_plain, dumps_result
 from carpool.codec import loads as json_loads
+from carpool.names import INBOX_CHANNEL
 from carpool.redis_edge import lua
 from carpool.redis_edge.store import ResultWrites, finish_call
 
@@ -79,27 +82,45 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         encoded = self.encode(meta)
         return encoded if isinstance(encoded, bytes) else encoded.encode("utf-8")
 
-    def store_args(self, entries: Sequence[tuple[str, str, Any]]) -> ResultWrites:
-        """What to store, write-once, for (task_id, state, result-or-exception) triples."""
+    @property
+    def inbox_prefix(self) -> bytes:
+        """What every result inbox channel's name starts with."""
+        prefix = self.task_keyprefix
+        return (prefix if isinstance(prefix, bytes) else prefix.encode()) + INBOX_CHANNEL.encode()
+
+    def store_args(
+        self, entries: Sequence[tuple[str, str, Any]], inboxes: Mapping[str, str] | None = None
+    ) -> ResultWrites:
+        """What to store, write-once, for (task_id, state, result-or-exception) triples; ``inboxes``:
+        the result inbox channel of the task ids whose producer named one."""
         expiry_s = int(self.expires or 86400)
         if not entries:
             return ResultWrites((), (), expiry_s)
         date_done = self.app.now().isoformat()
         keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
         payloads = [self.meta_for(task_id, state, result, date_done) for task_id, state, result in entries]
-        return ResultWrites(keys, payloads, expiry_s)
+        if not inboxes:
+            return ResultWrites(keys, payloads, expiry_s)
+        boxes = [inboxes.get(task_id, "") for task_id, _, _ in entries]
+        return ResultWrites(keys, payloads, expiry_s, boxes, self.inbox_prefix)
 
-    def store_many(self, entries: Iterable[tuple[str, str, Any]], client: Any = None) -> Any:
+    def store_many(
+        self,
+        entries: Iterable[tuple[str, str, Any]],
+        client: Any = None,
+        inboxes: Mapping[str, str] | None = None,
+    ) -> Any:
         """Store (task_id, state, result-or-exception) triples; return the ids actually stored.
 
         A task id that already has a result keeps it: at-least-once execution, one answer. With
         ``client`` a pipeline, the script is queued on it and the pipeline is returned instead
-        (``execute()`` then gives the 1-based indexes of the entries stored).
+        (``execute()`` then gives the 1-based indexes of the entries stored). ``inboxes``: see
+        :meth:`store_args`.
         """
         entries = list(entries)
         if not entries:
             return [] if client is None else client
-        keys, args = finish_call(self.store_args(entries))
+        keys, args = finish_call(self.store_args(entries, inboxes))
         if client is not None:
             return self._store_once(keys=keys, args=args, client=client)
         stored = self._store_once(keys=keys, args=args)

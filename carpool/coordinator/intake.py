@@ -33,15 +33,20 @@ class Refused:
     reason: str  # the metrics label: invalid, queue_full, too_long, deadline
     error: CarpoolError
     message: Incoming | None = None  # its message, when refused before its task-received event
-    # Its task and links (error callbacks, chain), when its message is no longer at hand.
+    # Its task, links (error callbacks, chain) and result inbox, when its message is no longer at hand.
     task: str | None = None
     links: Links | None = None
+    inbox: str | None = None
 
     def task_and_links(self) -> tuple[str | None, Links | None]:
         """The refused request's task name and links (None when it has none): what its failure goes on to."""
         if self.message is not None:
             return self.message.task, self.message.links
         return self.task, self.links
+
+    def inbox_of(self) -> str | None:
+        """The result inbox channel its producer named, if any."""
+        return self.message.inbox if self.message is not None else self.inbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,8 @@ def to_request(
     }
     if msg.links is not None:
         slot["links"] = msg.links
+    if msg.inbox is not None:
+        slot["inbox"] = msg.inbox
     return Request(
         id=msg.id,
         model=key,

@@ -21,7 +21,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -349,7 +349,8 @@ class Coordinator:
             if len(self._revoked):
                 revoked = [msg.id for msg, _ in intake.admitted if msg.id in self._revoked]
                 if revoked:
-                    self._answer_revoked(revoked)
+                    inboxes = {m.id: m.inbox for m, _ in intake.admitted if m.inbox and m.id in self._revoked}
+                    self._answer_revoked(revoked, inboxes)
                     gone = set(revoked)
                     intake.admitted = [(m, r) for m, r in intake.admitted if m.id not in gone]
             self._admit(intake, now)
@@ -394,12 +395,14 @@ class Coordinator:
         revoked = set(ids)
         held = self.deferred.discard(revoked) + self.policy.discard(revoked)
         if held:
-            self._answer_revoked([r.id for r in held])
+            self._answer_revoked([r.id for r in held], _inboxes(r.payload for r in held))
             self.pacer.changed()
 
-    def _answer_revoked(self, ids: list[str]) -> None:
+    def _answer_revoked(self, ids: list[str], inboxes: dict[str, str] | None = None) -> None:
+        """Answer ``ids`` REVOKED (``inboxes``: the result inboxes of those whose producer named one)."""
         self._held.difference_update(ids)
-        self.backend.store_many([(i, REVOKED, TaskRevokedError("revoked")) for i in ids])
+        entries = [(i, REVOKED, TaskRevokedError("revoked")) for i in ids]
+        self.backend.store_many(entries, inboxes=inboxes)
         self.store.ack(ids)
         for request_id in ids:
             self.events.revoked(request_id)
@@ -446,7 +449,8 @@ class Coordinator:
             if lk:
                 linked.append((r, task, lk))
                 entries += links.chain_failures(lk, r.error)
-        stored = self.backend.store_many(entries)
+        inboxes = {r.id: inbox for r in refused if (inbox := r.inbox_of()) is not None}
+        stored = self.backend.store_many(entries, inboxes=inboxes)
         self.store.ack([r.id for r in refused])
         for r in refused:
             self.stats.failed[r.reason] += 1
@@ -482,6 +486,7 @@ class Coordinator:
                         DeadlineExceeded.waited(now - r.deadline_s, where),
                         task=self._task_name(r.model),
                         links=cast("RequestSlot", r.payload).get("links"),
+                        inbox=cast("RequestSlot", r.payload).get("inbox"),
                     )
                     for r in plan.expired
                 ]
@@ -586,3 +591,13 @@ class Coordinator:
         # Requests still in the intake stage wait too: taken, not yet in a bin.
         gauges = {"pending": len(self.policy) + len(self.stage), "outstanding": len(self.outstanding)}
         self._stats_writer.write(self.stats, depths, gauges, self._task_name)
+
+
+def _inboxes(slots: Iterable[object]) -> dict[str, str]:
+    """Request id -> result inbox, for the request slots whose producer named one."""
+    out = {}
+    for slot in cast("Iterable[RequestSlot]", slots):
+        inbox = slot.get("inbox")
+        if inbox is not None:
+            out[slot["id"]] = inbox
+    return out

@@ -78,6 +78,7 @@ class ClaimedBatch:
     to_run: list[RequestSlot] = field(default_factory=list)  # run if within their deadline
     entries: list[tuple[str, str, Any]] = field(default_factory=list)  # outcomes: (id, state, value)
     linked: dict[str, Links] = field(default_factory=dict)  # callbacks, chains, error callbacks
+    inboxes: dict[str, str] = field(default_factory=dict)  # request id -> its producer's result inbox
 
 
 class WorkerRuntime:
@@ -239,6 +240,8 @@ class WorkerRuntime:
                 continue
             if "links" in r:
                 claimed.linked[r["id"]] = r["links"]
+            if "inbox" in r:
+                claimed.inboxes[r["id"]] = r["inbox"]
             if revoked_ids is not None and r["id"] in revoked_ids:
                 claimed.entries.append((r["id"], REVOKED, TaskRevokedError("revoked")))
             else:
@@ -323,7 +326,10 @@ class WorkerRuntime:
         published = events.take()
         # Redis may be restarting: the results are computed, so keep trying to hand them over
         # for a while before giving the batch up to recovery.
-        stored = _retrying(lambda: self._finish(writes, ack_ids, report, batch["coordinator"], published))
+        inboxes = claimed.inboxes
+        stored = _retrying(
+            lambda: self._finish(writes, ack_ids, report, batch["coordinator"], published, inboxes)
+        )
         if len(stored) < len(writes):
             self._count_rejected(batch_id, writes, stored)
         if linked:
@@ -450,21 +456,24 @@ class WorkerRuntime:
         report: BatchReport,
         coordinator: str,
         events: tuple[str, bytes] | None,
+        inboxes: dict[str, str],
     ) -> list[int]:
-        """Results (write-once), acks, the report and the task events: one round trip when the
-        results live on the broker's server, else a store on the backend and one trip for the rest.
-        Returns the 1-based indexes in ``entries`` of the results stored (the others had one)."""
+        """Results (write-once, each published on its own channel and, for producers that named one,
+        in their result inbox's one message), acks, the report and the task events: one round trip
+        when the results live on the broker's server, else a store on the backend and one trip for
+        the rest. Returns the 1-based indexes in ``entries`` of the results stored (the others had
+        one)."""
         if self.dbs is not None:
             return self.store.finish(
                 results_db=self.dbs[1],
                 broker_db=self.dbs[0],
-                writes=self.backend.store_args(entries),
+                writes=self.backend.store_args(entries, inboxes),
                 ack_ids=ack_ids,
                 report=cast(dict[str, Any], report),
                 coordinator=coordinator,
                 events=events,
             )
-        stored_ids = set(self.backend.store_many(entries))
+        stored_ids = set(self.backend.store_many(entries, inboxes=inboxes))
         with self.client.pipeline(transaction=False) as pipe:
             self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
             if events is not None:

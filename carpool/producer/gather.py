@@ -5,8 +5,9 @@
 
 :class:`Gathering` is the part both share: fed the result metas that arrive, it settles the
 waiting AsyncResults, raises the first failure and keeps the deadline. The adapters differ only in
-where the metas come from: :func:`gather` reads Celery's own result pub/sub connection (where
-``submit_many`` subscribed), :func:`gather_async` a ``redis.asyncio`` connection of its own.
+where the metas come from: :func:`gather` reads Celery's own result pub/sub connection (subscribed
+to this process's result inbox, :mod:`carpool.celery_edge.inbox`, while it waits, and to the result
+channels of results from elsewhere), :func:`gather_async` a ``redis.asyncio`` connection of its own.
 Celery's own bulk read (``ResultSet.join`` / ``backend.get_many``) polls with MGET every half
 second instead.
 """
@@ -23,13 +24,17 @@ from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from carpool.celery_edge.compat import cached_meta, set_cached_meta
+from carpool.celery_edge.inbox import inbox_of
 from carpool.celery_edge.result_consumer import (
     PromptResultConsumer,
     deferring_cancels,
     read_result_messages,
+    subscribe_channels,
     subscribe_results,
+    unsubscribe_channels,
     unsubscribe_results,
 )
+from carpool.names import INBOX_CHANNEL
 from carpool.redis_edge.socket_options import async_client_options
 
 if TYPE_CHECKING:
@@ -40,6 +45,7 @@ _SUBSCRIBE_CHUNK = 5000  # channels per SUBSCRIBE
 _READ_LIMIT = 10_000  # messages settled between two checks of the deadline
 _LONGEST_WAIT_S = 1.0  # a wait for messages without a deadline still returns this often
 _LONGEST_RECHECK_S = 10.0  # gather_async re-reads stored results after this long without a message
+_INBOX_RECHECK_S = 1.0  # gather re-reads stored results after this long without one of its own
 _READY = states.READY_STATES
 _FAILED = states.PROPAGATE_STATES
 
@@ -161,9 +167,12 @@ def gather(
     ``ModelError``...); the other requests keep running and stay collectable. With
     ``return_exceptions=True`` a failed request's exception instance takes its place in the list.
     ``timeout`` bounds the whole call and raises ``celery.exceptions.TimeoutError`` as ``.get()``
-    does. Results arriving while gather waits are each delivered once, on the subscription made by
-    ``submit_many`` (or made here for results from elsewhere); their unsubscriptions go out as one
-    command at the end. Not thread-safe, like Celery's result consumer it uses.
+    does. Results arriving while gather waits are each delivered once: those of ``submit_many``
+    through this process's result inbox, subscribed while gather waits, the others on their own
+    result channels, subscribed by ``submit_many`` or here; the unsubscriptions go out as one
+    command at the end. A result stored without an inbox message (a
+    coordinator of an older release, a plain Celery worker answering) is read from the store after
+    a second without one of ours. Not thread-safe, like Celery's result consumer it uses.
     """
     results = list(results)
     if not results:
@@ -171,35 +180,68 @@ def gather(
     backend = _one_backend(results)
     state = Gathering(results, timeout, return_exceptions)
     consumer = getattr(backend, "result_consumer", None)
-    with deferring_cancels(consumer):
-        _settle_stored(backend, consumer, state, state.pending())
-        if consumer is None:  # not a pub/sub backend: Celery's own wait, per result
-            for rs in list(state.waiting.values()):
-                for r in rs:
-                    r.get(timeout=state.remaining_s(), propagate=False)
-            return state.values()
-        if not state.done:
-            fresh = subscribe_results(backend, state.pending())
-            if fresh:  # subscribed only now: what was stored in between is read, not missed
-                _settle_stored(backend, consumer, state, fresh)
-            _wait_on_celery(backend, consumer, state)
-        _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
+    inboxes, plain = _by_channel(state) if isinstance(consumer, PromptResultConsumer) else ({}, None)
+    # Subscribed before the stored results are read: a result stored later is published to it.
+    fresh_inboxes = subscribe_channels(consumer, [c.encode() for c in inboxes]) if inboxes else []
+    try:
+        with deferring_cancels(consumer):
+            _settle_stored(backend, consumer, state, state.pending())
+            if consumer is None:  # not a pub/sub backend: Celery's own wait, per result
+                for rs in list(state.waiting.values()):
+                    for r in rs:
+                        r.get(timeout=state.remaining_s(), propagate=False)
+                return state.values()
+            if not state.done:
+                plain = state.pending() if plain is None else [t for t in plain if t in state.waiting]
+                fresh = subscribe_results(backend, plain)
+                if fresh:  # subscribed only now: what was stored in between is read, not missed
+                    _settle_stored(backend, consumer, state, fresh)
+                _wait_on_celery(backend, consumer, state, plain, bool(inboxes))
+            _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
+    finally:
+        if fresh_inboxes:  # with nobody reading it, its messages would pile up in the socket
+            unsubscribe_channels(consumer, fresh_inboxes)
     return state.values()
 
 
-def _wait_on_celery(backend: Any, consumer: Any, state: Gathering) -> None:
-    """Settle ``state`` from the messages on Celery's result pub/sub connection."""
-    for rs in list(state.waiting.values()):
-        for r in rs:
-            # Registers r with Celery's consumer; a result that arrived earlier for nobody waiting
-            # sits in Celery's buffer and settles r right here.
-            backend.add_pending_result(r, start_drainer=False)
-    state.take_settled()
+def _by_channel(state: Gathering) -> tuple[dict[str, None], list[str] | None]:
+    """The result inboxes of the results ``state`` waits for, and the task ids of the others (None:
+    all of them)."""
+    inboxes: dict[str, None] = {}
+    plain: list[str] = []
+    for task_id, rs in state.waiting.items():
+        channel = inbox_of(rs[0])
+        if channel is None:
+            plain.append(task_id)
+        else:
+            inboxes[channel] = None
+    return inboxes, (None if not inboxes else plain)
+
+
+def _wait_on_celery(
+    backend: Any, consumer: Any, state: Gathering, plain: Sequence[str], inboxes: bool
+) -> None:
+    """Settle ``state`` from the messages on Celery's result pub/sub connection; ``plain``: the
+    waited-for tasks with a subscription of their own, not an inbox."""
+    if plain:
+        for task_id in plain:
+            for r in state.waiting.get(task_id, ()):
+                # Registers r with Celery's consumer; a result that arrived earlier for nobody
+                # waiting sits in Celery's buffer and settles r right here.
+                backend.add_pending_result(r, start_drainer=False)
+        state.take_settled()
     ours = {r.id for r in state.results}  # a message for one no longer waited for: a duplicate
+    heard_s = time.monotonic()
     while not state.done:
         messages, intact = read_result_messages(backend, consumer, state.wait_s(), _READ_LIMIT)
+        before = len(state.waiting)
         state.settle(_route(backend, consumer, messages, want=state.waiting, ignore=ours))
         if not intact:  # the connection was replaced: what was published meanwhile is stored
+            _settle_stored(backend, consumer, state, state.pending())
+        elif len(state.waiting) < before:
+            heard_s = time.monotonic()
+        elif inboxes and time.monotonic() - heard_s >= _INBOX_RECHECK_S:
+            heard_s = time.monotonic()
             _settle_stored(backend, consumer, state, state.pending())
 
 
@@ -222,11 +264,17 @@ def _route(
 ) -> list[Any]:
     """The decoded metas of the messages for tasks in ``want``; messages for tasks in ``ignore`` are
     dropped undecoded, and any other goes to Celery's consumer as it would have, so that other
-    waiters in this process lose nothing."""
+    waiters in this process lose nothing. An inbox message is sorted by its meta's task id."""
     metas = []
     for task_id, message in messages:
         if task_id in want:
             metas.append(backend.decode_result(message["data"]))
+        elif task_id.startswith(INBOX_CHANNEL):
+            meta = backend.decode_result(message["data"])
+            if meta.get("task_id") in want:
+                metas.append(meta)
+            elif meta.get("task_id") not in ignore:
+                consumer.on_state_change(meta, message)
         elif task_id not in ignore:
             consumer.on_state_change(backend.decode_result(message["data"]), message)
     return metas
@@ -254,12 +302,15 @@ async def gather_async(
     non-thread-safe pub/sub connection per process, which an executor thread would race on with the
     event loop thread submitting (which subscribes on it) or another coroutine gathering, and each
     awaiting coroutine would pin a thread. Here many gathers can await at once on one loop, and
-    cancelling the awaiting task closes its connection. Results subscribed on Celery's consumer
-    (``submit_many`` with ``subscribe=True``) are unsubscribed there first, so that connection does
-    not back up with messages nobody reads; pass ``subscribe=False`` to ``submit_many`` to skip that
-    step. Costs one connection per call, closed on return. While no message comes for a health-check
-    interval (``CARPOOL_REDIS_HEALTH_CHECK_S``) the stored results are read again, so a pub/sub
-    connection that died without closing costs latency, not results.
+    cancelling the awaiting task closes its connection. It subscribes to each result's own channel,
+    not to the process's result inbox: every gather listening there would decode every batch of the
+    process's results, so many gathers awaiting at once would each decode them all. Results
+    subscribed on Celery's consumer (``submit_many`` with ``CARPOOL_RESULT_INBOX=false``) are
+    unsubscribed there first, so that connection does not back up with messages nobody reads
+    (``submit_many(..., subscribe=False)`` leaves nothing to undo). Costs one connection per call,
+    closed on return. While no message comes for a health-check interval (``CARPOOL_REDIS_HEALTH_CHECK_S``)
+    the stored results are read again, so a pub/sub connection that died without closing costs
+    latency, not results.
     """
     results = list(results)
     if not results:

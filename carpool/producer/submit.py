@@ -18,9 +18,14 @@ bad payload raises :class:`~carpool.errors.InvalidInput` in the caller and publi
 nothing. Two things ``.delay()`` does are skipped on purpose: kombu's queue declaration (a SADD of the
 binding set, needed only by consumers, which declare their queues themselves) and the publish retry
 policy (a failed pipeline raises; with MULTI/EXEC nothing of it was applied, unless the connection
-broke after EXEC was sent, when delivery is uncertain, as with any publish). The result keys are
-subscribed on Celery's result consumer in one SUBSCRIBE (``backend.on_task_call`` sends one per
-request), so ``.get()`` on each result works as usual.
+broke after EXEC was sent, when delivery is uncertain, as with any publish).
+
+Nothing is subscribed per request (``backend.on_task_call`` sends a SUBSCRIBE per request): each
+message names this process's result inbox (:mod:`carpool.celery_edge.inbox`), one channel where
+every result of this process is published too, which ``gather`` subscribes while it waits;
+``.get()`` on a result subscribes to its own channel, as for any AsyncResult. With
+``CARPOOL_RESULT_INBOX=false`` the result keys are subscribed instead, on Celery's result consumer
+in one SUBSCRIBE.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from carpool.celery_edge.app import settings_of, state_of
+from carpool.celery_edge.inbox import inbox_channel, mark
 from carpool.celery_edge.result_consumer import subscribe_results, unsubscribe_results
 from carpool.celery_edge.task_messages import TaskMessageBuilder, TaskMessages
 from carpool.errors import SubmitInterrupted
-from carpool.names import INFER_TASK, SENT_AT_HEADER
+from carpool.names import INBOX_HEADER, INFER_TASK, SENT_AT_HEADER
 from carpool.redis_edge.replication import not_replicated, transaction_then_wait
 from carpool.validation import bind_infer_args, validate_infer
 
@@ -74,9 +80,11 @@ def submit_many(
     ``model`` applies to every text payload (and to mappings without one), as
     ``infer.delay(text, model)`` would. ``options``: ``priority``, ``expires`` (seconds, datetime or ISO
     string), ``headers``, ``queue`` -- the same meaning as in ``infer.apply_async``; anything else raises
-    TypeError rather than being silently dropped. ``subscribe=False`` skips the result subscription
-    (use it with :func:`~carpool.producer.gather.gather_async`, which subscribes on its own
-    connection; ``gather`` and ``.get()`` still work, subscribing when called).
+    TypeError rather than being silently dropped. The results come back through this process's
+    result inbox (one channel for them all, read by :func:`~carpool.producer.gather.gather`), or with
+    ``CARPOOL_RESULT_INBOX=false`` through a subscription per result made here. ``subscribe=False``
+    does neither (use it with :func:`~carpool.producer.gather.gather_async`, which subscribes on its
+    own connection; ``gather`` and ``.get()`` still work, subscribing per result when called).
 
     ``task``: a ``@batched`` task instead of ``carpool.infer``; each payload is then one item, passed
     exactly as ``task.delay(item)`` would pass it (a list is not unpacked, a dict is not keyword
@@ -133,8 +141,16 @@ def submit_many(
     headers = dict(options.pop("headers", None) or {})
     headers.setdefault(SENT_AT_HEADER, time.time())
     options.setdefault("queue", settings.request_queue)
+    inbox = inbox_channel(app) if subscribe else None
     return publish_tasks(
-        name, calls, app=app, headers=headers, subscribe=subscribe, chunk_size=chunk_size, **options
+        name,
+        calls,
+        app=app,
+        headers=headers,
+        subscribe=subscribe and inbox is None,
+        inbox=inbox,
+        chunk_size=chunk_size,
+        **options,
     )
 
 
@@ -164,20 +180,22 @@ def publish_tasks(
     subscribe: bool = True,
     sent_events: bool | None = None,
     chunk_size: int | None = None,
+    inbox: str | None = None,
 ) -> list[AsyncResult]:
     """Publish ``(args, kwargs)`` calls of task ``name`` in one MULTI/EXEC pipeline; no validation.
 
     The building block of :func:`submit_many`, usable for any task routed to a Redis queue through a
     direct exchange (``carpool bench`` sends its baselines with it). ``queue`` overrides the task's
     route; ``sent_events`` defaults to the app's ``task_send_sent_event``. ``chunk_size``: see
-    :func:`submit_many`.
+    :func:`submit_many`. ``inbox``: a result inbox channel the messages name and the results are
+    marked with (:mod:`carpool.celery_edge.inbox`; only carpool's coordinators deliver there).
     """
     app = app or _default_app()
     if not calls:
         return []
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of messages, not {chunk_size!r}")
-    builder, header_values = _builder(app, name, queue, priority, expires, headers, sent_events)
+    builder, header_values = _builder(app, name, queue, priority, expires, headers, sent_events, inbox)
     publisher = state_of(app).publisher()
     settings = settings_of(app)
     replicas, wait_s = settings.wait_replicas, settings.wait_timeout_s
@@ -207,7 +225,10 @@ def publish_tasks(
         built.published()
         # The backend is passed in: looked up per result it is a thread-local property.
         with _collector_paused():
-            results.extend([make_result(task_id, backend=backend) for task_id in built.ids])
+            made = [make_result(task_id, backend=backend) for task_id in built.ids]
+        if inbox is not None:
+            mark(made, inbox)
+        results.extend(made)
         if acked < replicas:
             error = not_replicated(f"{len(results)} of {len(calls)} messages", acked, replicas, wait_s)
             error.results = results  # sent: they will run unless the master fails first
@@ -226,15 +247,18 @@ def _builder(
     expires: Any,
     headers: Mapping[str, Any] | None,
     sent_events: bool | None,
+    inbox: str | None = None,
 ) -> tuple[TaskMessageBuilder, dict[str, Any] | None]:
     """A message builder for these options, and the header values its build calls give.
 
     A builder learns its message template from Celery's first two builds; kept between calls, a
     ``.delay()`` after the first two renders its message from the template instead of having Celery
     build it. Kept only when the options are all it bakes in: no ``expires`` (an instant fixed when
-    the builder is made) and no headers but the sent-at time, which each build gives. Per thread
-    (its Celery ``thread_oid``), because a message carries its thread's ``reply_to``.
+    the builder is made) and no headers but the sent-at time, which each build gives, and the result
+    inbox, the same in every message of the process. Per thread (its Celery ``thread_oid``), because
+    a message carries its thread's ``reply_to``.
     """
+    fixed = {INBOX_HEADER: inbox} if inbox is not None else None
     if expires is not None or (headers and set(headers) != {SENT_AT_HEADER}):
         fresh = TaskMessageBuilder(  # expires in seconds: one instant for every chunk
             name,
@@ -242,13 +266,13 @@ def _builder(
             queue=queue,
             priority=priority,
             expires=expires,
-            headers=headers,
+            headers={**(headers or {}), **(fixed or {})},
             sent_events=sent_events,
         )
         return fresh, None
     per_build = (SENT_AT_HEADER,) if headers else ()
     kept = state_of(app).builders
-    key = (app.thread_oid, name, queue, priority, sent_events, per_build)
+    key = (app.thread_oid, name, queue, priority, sent_events, per_build, inbox)
     builder = kept.get(key)
     if builder is None:
         if len(kept) >= MAX_KEPT_BUILDERS:
@@ -258,6 +282,7 @@ def _builder(
             app=app,
             queue=queue,
             priority=priority,
+            headers=fixed,
             sent_events=sent_events,
             per_build_headers=per_build,
         )

@@ -39,11 +39,15 @@ Taken = tuple[list[tuple[str, bytes]], list[dict[str, Any]]]
 
 @dataclass(frozen=True, slots=True)
 class ResultWrites:
-    """Encoded results to store write-once: ``payloads[i]`` under ``keys[i]``, each for ``expiry_s``."""
+    """Encoded results to store write-once: ``payloads[i]`` under ``keys[i]``, each for ``expiry_s``;
+    with ``inboxes`` (one per result, ``""`` for none), each result stored is also published in its
+    inbox's one message, when that channel starts with ``inbox_prefix``."""
 
     keys: Sequence[bytes | str]
     payloads: Sequence[bytes]
     expiry_s: int
+    inboxes: Sequence[str] = ()
+    inbox_prefix: bytes | str = ""
 
 
 def finish_call(
@@ -62,7 +66,14 @@ def finish_call(
     topic, message = events if events is not None else ("", b"")
     keys = [*writes.keys, *inflight_keys]
     args: list[Any] = [len(writes.payloads), results_db, broker_db, writes.expiry_s, *writes.payloads]
-    args += [report, REPORTS_KEPT, REPORTS_TTL_S, topic, message, *ack_ids]
+    args += [report, REPORTS_KEPT, REPORTS_TTL_S, topic, message]
+    inboxes = writes.inboxes
+    if inboxes:
+        if len(inboxes) != len(writes.payloads) or not writes.inbox_prefix:
+            raise ValueError("give one inbox per result (or none), and the prefix every inbox starts with")
+        args += [len(inboxes), writes.inbox_prefix, *inboxes, *ack_ids]
+    else:
+        args += [0, "", *ack_ids]
     return keys, args
 
 

@@ -34,7 +34,9 @@ Format = Literal["commands", "aclfile", "explain"]
 
 # Names of Celery's and kombu's own Redis keys and channels (tests/unit/test_acl.py checks each
 # against the installed versions).
-RESULT_KEY_PREFIX = "celery-task-meta-"  # KeyValueStoreBackend.task_keyprefix; the result channel too
+# KeyValueStoreBackend.task_keyprefix; the result channel too, and the start of every result inbox
+# channel (carpool.celery_edge.inbox), so the result channel grants cover the inboxes.
+RESULT_KEY_PREFIX = "celery-task-meta-"
 EVENT_EXCHANGE = "celeryev"  # Celery's event_exchange
 PIDBOX_EXCHANGE = "celery.pidbox"  # "<control_exchange>.pidbox": broadcast to workers
 REPLY_EXCHANGE = "reply.celery.pidbox"  # "reply.<control_exchange>.pidbox": replies to the asker
@@ -165,7 +167,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 channels=(f"{events}task.sent", f"{events}task.multi", glob_escape(FENCE_CHANNEL)),
             ),
             Grant(
-                "read and await a result by its task id",
+                "read and await a result by its task id, or this process's result inbox",
                 ("get", "mget", "subscribe"),
                 (f"%R~{results}",),
                 (results,),
@@ -204,7 +206,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 (f"~{gauges}", *_exact([keys.coordinators])),
             ),
             Grant(
-                "store a rejected request's error, write-once, and wake its producer",
+                "store a rejected request's error, write-once, and wake its producer (its result inbox too)",
                 ("set", "publish"),
                 (f"~{results}",),
                 (results,),
@@ -236,7 +238,8 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 (*_exact([*inflight, keys.workers, *batches]), f"~{reports}", f"~{results}"),
             ),
             Grant(
-                "store results write-once and wake their producers; see which are stored",
+                "store results write-once and wake their producers (their result inboxes too); see which"
+                " are stored",
                 ("set", "exists", "mget", "publish"),
                 (f"~{results}",),
                 (results,),

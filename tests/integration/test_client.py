@@ -129,6 +129,13 @@ def test_messages_are_the_ones_delay_sends(clean_redis: EmbeddedRedis) -> None:
     (result,) = submit_many(["hello world"], model="toy")
     by_bulk = json.loads(as_bytes(client.rpop("carpool.requests")))
     a, b = _flat(by_delay), _flat(by_bulk)
+    # One header more: the result inbox of this process, where its results come back.
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.inbox import inbox_channel, inbox_of
+
+    inbox = b.pop("headers.carpool_inbox")
+    assert inbox == inbox_channel(app) == inbox_of(result)
+    assert inbox.startswith("celery-task-meta-carpool.inbox.")
     assert set(a) == set(b)
     per_message = {
         "headers.id",
@@ -146,7 +153,7 @@ def test_messages_are_the_ones_delay_sends(clean_redis: EmbeddedRedis) -> None:
 
     raw = json.dumps(by_bulk).encode()
     msg = protocol.decode(raw)
-    assert (msg.id, msg.args, msg.kwargs) == (result.id, ["hello world", "toy"], {})
+    assert (msg.id, msg.args, msg.kwargs, msg.inbox) == (result.id, ["hello world", "toy"], {}, inbox)
 
     # Priorities land on kombu's priority lists, as with apply_async(priority=...).
     submit_many(["urgent"], model="toy", priority=5)
@@ -384,7 +391,7 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis: EmbeddedRed
     after = _commandstats(client)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert len(broker_sends) == 1, "all messages must go out in one pipelined write"
-    assert len(backend_sends) == 1, "one SUBSCRIBE for all results"
+    assert len(backend_sends) == 0, "no subscription per result: they come back through the inbox"
     assert delta.get("cmdstat_multi") == 1 and delta.get("cmdstat_exec") == 1
     assert delta.get("cmdstat_lpush") == 1, "one multi-value LPUSH per priority list"
     assert delta.get("cmdstat_publish") == 1, "the task-sent events in one task.multi list message"
@@ -477,6 +484,9 @@ def test_chunked_submit_interrupted_says_what_was_sent(
         return real_pipeline(*args, **kwargs)
 
     monkeypatch.setattr(publisher, "pipeline", failing_after_one)
+    # Results subscribed one by one (no result inbox), so that the unsent ones' subscriptions show.
+    state = state_of(app)
+    monkeypatch.setattr(state, "settings", state.settings.model_copy(update={"result_inbox": False}))
     texts = mixed_texts(25, seed=13)
     subscribed_before = set(app.backend.result_consumer.subscribed_to)
     with pytest.raises(SubmitInterrupted, match="after 10 of 25") as info:
@@ -497,6 +507,7 @@ def test_chunked_submit_interrupted_says_what_was_sent(
     with pytest.raises(redis.ConnectionError):
         bulk.submit_many(texts, model="toy", chunk_size=10)
     assert client.llen("carpool.requests") == 10
+    client.close()  # the exceptions' tracebacks hold it in a cycle: not left to the collector
 
 
 def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis: EmbeddedRedis) -> None:
@@ -557,35 +568,72 @@ def test_gather_reads_stored_results_in_one_mget_and_raises_like_get(clean_redis
     assert time.monotonic() - t0 < 2.5
 
 
-def test_gather_waits_for_results_published_later(clean_redis: EmbeddedRedis) -> None:
+def _store_later(backend: Any, entries: Any, after_s: float, **kwargs: Any) -> Any:
+    """A thread that stores ``entries`` through ``backend`` (not its own thread-local one) after a pause."""
     import threading
 
+    def store() -> None:
+        time.sleep(after_s)
+        backend.store_many(entries, **kwargs)
+
+    thread = threading.Thread(target=store)
+    thread.start()
+    return thread
+
+
+def test_gather_waits_for_results_published_later(clean_redis: EmbeddedRedis) -> None:
+    import redis
+
     from carpool.celery_edge.app import app
+    from carpool.celery_edge.inbox import inbox_of
     from carpool.celery_edge.results import SUCCESS
     from carpool.producer.gather import gather
     from carpool.producer.submit import submit_many
 
-    results = submit_many([f"later {i}" for i in range(20)], model="toy")
-    app.backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results[:10])])
-
-    def store_rest() -> None:
-        time.sleep(0.3)
-        app.backend.store_many([(r.id, SUCCESS, i + 10) for i, r in enumerate(results[10:])])
-
-    import redis
-
+    backend = app.backend
     client = redis.Redis(port=clean_redis.port)
-    before = _commandstats(client)
-    worker = threading.Thread(target=store_rest)
-    worker.start()
+
+    def commands() -> dict[str, int]:
+        stats = _commandstats(client)
+        return {c: stats.get(f"cmdstat_{c}", 0) for c in ("subscribe", "unsubscribe")}
+
+    results = submit_many([f"later {i}" for i in range(20)], model="toy")
+    # Stored as a worker stores them: each to its own channel and to its producer's inbox.
+    inboxes = {r.id: inbox_of(r) or "" for r in results}
+    backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results[:10])], inboxes=inboxes)
+    before = commands()
+    rest = [(r.id, SUCCESS, i + 10) for i, r in enumerate(results[10:])]
+    worker = _store_later(backend, rest, 0.3, inboxes=inboxes)
     t0 = time.monotonic()
     assert gather(results, timeout=10) == list(range(20))
     assert time.monotonic() - t0 < 1.0, "waiting on pub/sub, not polling"
     worker.join()
-    unsubscribes = _commandstats(client).get("cmdstat_unsubscribe", 0) - before.get("cmdstat_unsubscribe", 0)
-    assert unsubscribes == 1, "the results' unsubscriptions go out as one command"
-    keys = {app.backend.get_key_for_task(r.id) for r in results}
-    assert not keys & app.backend.result_consumer.subscribed_to
+    after = commands()
+    assert after["subscribe"] - before["subscribe"] == 1, "the inbox, subscribed while gather waits"
+    assert after["unsubscribe"] - before["unsubscribe"] == 1
+    assert not backend.result_consumer.subscribed_to
+
+    # Results subscribed one by one come back as ever, unsubscribed in one command at the end.
+    plain = submit_many([f"plain {i}" for i in range(20)], model="toy", subscribe=False)
+    assert all(inbox_of(r) is None for r in plain)
+    before = commands()
+    worker = _store_later(backend, [(r.id, SUCCESS, r.id) for r in plain], 0.3)
+    t0 = time.monotonic()
+    assert gather(plain, timeout=10) == [r.id for r in plain]
+    assert time.monotonic() - t0 < 1.0, "waiting on pub/sub, not polling"
+    worker.join()
+    after = commands()
+    assert after["subscribe"] - before["subscribe"] == 1
+    assert after["unsubscribe"] - before["unsubscribe"] == 1
+    assert not backend.result_consumer.subscribed_to
+
+    # Stored with no inbox message (an older coordinator, a plain Celery worker): read from the
+    # store after a quiet second.
+    (late,) = submit_many(["no inbox message"], model="toy")
+    worker = _store_later(backend, [(late.id, SUCCESS, 1)], 0.2)
+    assert gather([late], timeout=10) == [1]
+    worker.join()
+    client.close()
 
 
 def test_gather_collects_large_results_published_in_bursts(clean_redis: EmbeddedRedis) -> None:
@@ -662,7 +710,7 @@ def test_gather_async(processes: Processes) -> None:
 
     async def main() -> tuple[list[Any], list[Any], list[Any]]:
         first = submit_many(texts[:100], model="toy", subscribe=False)
-        second = submit_many(texts[100:], model="toy")  # subscribed on Celery's consumer: moved over
+        second = submit_many(texts[100:], model="toy")  # marked for the inbox: subscribed one by one
         a, b = await asyncio.gather(gather_async(first, timeout=60), gather_async(second, timeout=60))
         doomed = submit_many(["expires"], model="toy", expires=0.0005, subscribe=False)
         with pytest.raises(DeadlineExceeded):

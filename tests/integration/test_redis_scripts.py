@@ -395,6 +395,33 @@ def test_finish_stores_write_once_and_publishes_once(
     channels.close()
 
 
+def test_finish_publishes_the_results_it_stores_to_their_inboxes_too(
+    client: redis.Redis, results: redis.Redis, store: RequestStore
+) -> None:
+    channels = subscribed(client, "box:1", "box:2", "elsewhere", "res:4")
+    results.set("res:2", b'{"n":"earlier"}')  # answered already: write-once keeps it out of the inbox
+    writes = ResultWrites(
+        ["res:1", "res:2", "res:3", "res:4", "res:5", "res:6"],
+        [b'{"n":1}', b'{"n":2}', b'{"n":3}', b'{"n":4}', b'{"n":5}', b'{"n":6}'],
+        60,
+        ["box:1", "box:1", "box:2", "", "box:1", "elsewhere"],
+        "box:",
+    )
+    in_flight(store, "a")
+    assert finish(store, writes=writes, ack_ids=["a"], events=("events", b"ev")) == [1, 3, 4, 5, 6]
+    # Each result's own channel as ever, and its inbox; none outside the prefix.
+    assert published(channels) == [
+        (b"box:1", b'{"n":1}'),
+        (b"box:2", b'{"n":3}'),
+        (b"res:4", b'{"n":4}'),
+        (b"box:1", b'{"n":5}'),
+    ]
+    assert json.loads(results.get("res:5") or b"") == {"n": 5} and forgotten(client, "a")
+    channels.close()
+    with pytest.raises(ValueError, match="one inbox per result"):
+        finish_call(ResultWrites(["k"], [b"{}"], 60, ["box:1", "box:2"], "box:"))
+
+
 def test_finish_forgets_acked_ids_everywhere_and_keeps_the_rest(
     client: redis.Redis, store: RequestStore
 ) -> None:

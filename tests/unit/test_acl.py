@@ -111,6 +111,20 @@ def test_producer_cannot_read_state_delete_list_or_overwrite(roles: dict[acl.Rol
     assert not allowed(producer, "evalsha", ("carpool.requests",))
 
 
+def test_result_inboxes_are_result_channels(roles: dict[acl.Role, RoleAcl]) -> None:
+    """A producer listens on its result inbox; whoever stores results publishes there."""
+    from carpool.celery_edge.app import app
+    from carpool.names import INBOX_CHANNEL
+
+    inbox = acl.RESULT_KEY_PREFIX + INBOX_CHANNEL + "3f9a0c1b2d4e5f60718293a4"
+    assert app.backend.inbox_prefix == (acl.RESULT_KEY_PREFIX + INBOX_CHANNEL).encode()
+    assert allowed(roles["producer"], "subscribe", channels=(inbox,))
+    assert allowed(roles["producer"], "unsubscribe")
+    assert not allowed(roles["producer"], "publish", channels=(inbox,))  # no forged results
+    for role in ("coordinator", "worker"):
+        assert allowed(roles[role], "publish", channels=(inbox,)), role
+
+
 def test_every_script_finds_all_its_keys_in_one_grant(roles: dict[acl.Role, RoleAcl]) -> None:
     keys = Keys("carpool.requests")
     reports = keys.reports_for("carpool-coordinator-1@host")
@@ -239,7 +253,7 @@ def test_aclfile_keeps_the_default_user_and_writes_names_raw() -> None:
 def test_explain_needs_no_password_and_says_why() -> None:
     text = acl.render(settings(), ["producer"], "explain", {})
     assert text.startswith("producer: ")
-    assert "  read and await a result by its task id:\n" in text
+    assert "  read and await a result by its task id, or this process's result inbox:\n" in text
     assert "#" not in text
 
 

@@ -97,9 +97,13 @@ class FakeStore:
 class FakeBackend:
     def __init__(self) -> None:
         self.stored: list[tuple[str, str, Any]] = []
+        self.inboxes: dict[str, str] = {}
 
-    def store_many(self, entries: list[tuple[str, str, Any]]) -> list[str]:
+    def store_many(
+        self, entries: list[tuple[str, str, Any]], inboxes: dict[str, str] | None = None
+    ) -> list[str]:
         self.stored.extend(entries)
+        self.inboxes.update(inboxes or {})
         return [task_id for task_id, _, _ in entries]
 
 
@@ -179,6 +183,35 @@ def test_a_request_expires_on_the_coordinators_clock(clocks: Clocks) -> None:
     [(request_id, state, error)] = c.backend.stored
     assert request_id == "a" and state == "FAILURE" and isinstance(error, DeadlineExceeded)
     assert c.store.acked == ["a"] and c.stats.failed["deadline"] == 1
+
+
+def test_a_producers_result_inbox_travels_in_the_slot_and_with_the_refusals(clocks: Clocks) -> None:
+    inbox = {"carpool_inbox": "celery-task-meta-carpool.inbox.abc"}
+    c = coordinator(clocks, workers=1)
+    c.store.queue += [
+        ("a", message("a", "one two three", extra_headers=inbox)),
+        ("b", message("b", "one two three")),
+        ("bad", message("bad", 42, extra_headers=inbox)),  # refused at intake
+    ]
+    c.step()
+    for _ in range(10):
+        if c.outstanding:
+            break
+        clocks.advance(0.05)
+        c.step()
+    [batch] = c.publisher._builders[c.settings.batch_queue].batches
+    slots = {r["id"]: r for r in read_batch(loads(json.dumps(batch)))["requests"]}
+    assert slots["a"]["inbox"] == inbox["carpool_inbox"] and "inbox" not in slots["b"]
+    assert c.backend.inboxes == {"bad": inbox["carpool_inbox"]}
+
+    # Held until it expires (nobody to run it): its failure goes to its inbox too.
+    c = coordinator(clocks, workers=0)
+    c.store.queue.append(("late", message("late", "hi", expires=iso(WALL_START + 1), extra_headers=inbox)))
+    c.step()
+    clocks.advance(1.01)
+    c.step()
+    assert [e[0] for e in c.backend.stored] == ["late"]
+    assert c.backend.inboxes == {"late": inbox["carpool_inbox"]}
 
 
 def test_the_batch_message_is_what_the_worker_reads_and_its_report_frees_the_worker(

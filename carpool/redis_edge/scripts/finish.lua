@@ -1,5 +1,8 @@
 -- finish: the one place results are stored. Each result is SET only if none is stored yet
--- (write-once: a rerun never overwrites the first answer) and PUBLISHed to wake waiting producers.
+-- (write-once: a rerun never overwrites the first answer) and PUBLISHed to wake waiting producers,
+-- on its own channel and, when its producer named one, on that producer's result inbox too.
+-- (One message per inbox joining its results would cost Redis more: building a long Lua string
+-- costs more than publishing its pieces.)
 -- Then, for a worker's batch, the acknowledged ids leave every in-flight key, the batch report goes to
 -- its coordinator and the task events are published: a batch finished in one round trip, across the
 -- result and broker databases of one server. With only results given it stores them and nothing more.
@@ -7,25 +10,41 @@
 -- KEYS[n+2] raw HASH, KEYS[n+3] owner HASH, KEYS[n+4] claimed HASH, KEYS[n+5] origin HASH,
 -- KEYS[n+6] report list.
 -- ARGV[1] n, ARGV[2] results db ('' = the caller's), ARGV[3] broker db ('' = the caller's),
--- ARGV[4] result expiry s, ARGV[5..4+n] encoded results, then ARGV[5+n] report json ('' = none),
--- ARGV[6+n] reports kept, ARGV[7+n] reports ttl s, ARGV[8+n] events topic ('' = none),
--- ARGV[9+n] events message, ARGV[10+n..] ids to acknowledge.
+-- ARGV[4] result expiry s, ARGV[5..4+n] encoded results, then ARGV[5+n] report json
+-- ('' = none), ARGV[6+n] reports kept, ARGV[7+n] reports ttl s, ARGV[8+n] events topic ('' = none),
+-- ARGV[9+n] events message, ARGV[10+n] m: inboxes given (0, or n: one per result), ARGV[11+n] the
+-- prefix every inbox channel starts with (others are not published to), ARGV[12+n..11+n+m] each
+-- result's inbox channel ('' = none), ARGV[12+n+m..] ids to acknowledge.
 -- Returns the 1-based indexes of the results stored.
 local n = tonumber(ARGV[1])
+local m = tonumber(ARGV[10 + n])
 -- SELECT in a script switches only the script's database, never the caller's (Redis >= 2.8.12).
 if ARGV[2] ~= '' then redis.call('SELECT', ARGV[2]) end
 local stored = {}
+local prefix = ARGV[11 + n]
+local allowed = {}  -- inbox channel -> whether it starts with the prefix
 for i = 1, n do
   local key = KEYS[i]
   local meta = ARGV[4 + i]
   if redis.call('SET', key, meta, 'NX', 'EX', ARGV[4]) then
     redis.call('PUBLISH', key, meta)
     stored[#stored + 1] = i
+    if m > 0 then
+      local inbox = ARGV[11 + n + i]
+      if inbox ~= '' then
+        local ok = allowed[inbox]
+        if ok == nil then
+          ok = string.sub(inbox, 1, #prefix) == prefix
+          allowed[inbox] = ok
+        end
+        if ok then redis.call('PUBLISH', inbox, meta) end
+      end
+    end
   end
 end
 if ARGV[3] ~= '' then redis.call('SELECT', ARGV[3]) end
 -- Variadic deletes, a chunk at a time to stay within Lua's stack limit for unpack.
-for first = 10 + n, #ARGV, 1000 do
+for first = 12 + n + m, #ARGV, 1000 do
   local last = math.min(first + 999, #ARGV)
   redis.call('ZREM', KEYS[n + 1], unpack(ARGV, first, last))
   redis.call('HDEL', KEYS[n + 2], unpack(ARGV, first, last))
