@@ -57,14 +57,21 @@ def dumps_result(value: Any) -> bytes | None:
     itself (float32 in its shortest float32 form), anything else as :func:`dumps_plain` writes it."""
     numpy = sys.modules.get("numpy")  # a result can only be an array once numpy is imported
     if numpy is not None and type(value) is numpy.ndarray:
-        kind, size = value.dtype.kind, value.dtype.itemsize
-        if not (kind in "iub" or (kind == "f" and size in (4, 8))):  # orjson writes these natively
+        if not native_numpy(value):
             return dumps_plain(value.tolist())  # float16 and the like: as the Python values they hold
         if not value.flags.c_contiguous:
             value = numpy.ascontiguousarray(value)
         encoded: bytes = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
         return encoded
     return dumps_plain(value)
+
+
+def native_numpy(array: Any) -> bool:
+    """Whether :func:`dumps_result` writes numpy ``array`` straight from its values (orjson's numpy
+    types: integers, bools, float32 and float64, in this machine's byte order), not from the Python
+    values ``tolist()`` gives."""
+    dtype = array.dtype
+    return (dtype.kind in "iub" or (dtype.kind == "f" and dtype.itemsize in (4, 8))) and dtype.isnative
 
 
 def float32_rows(array: Any) -> list[Any]:

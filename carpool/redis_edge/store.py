@@ -90,6 +90,9 @@ class RequestStore:
         self._renew_held = lua.register(client, "renew_held")
         self._claim = lua.register(client, "claim")
         self._finish = lua.register(client, "finish")
+        # A worker's two scripts per batch, on a connection each calling thread holds.
+        self._claim_held = lua.HeldScript(client, self._claim)
+        self._finish_held = lua.HeldScript(client, self._finish)
         self._renew = lua.register(client, "renew")
         self._requeue = lua.register(client, "requeue")
         self._heartbeat = lua.register(client, "heartbeat")
@@ -194,7 +197,7 @@ class RequestStore:
         messages waiting on ``batch_lists`` (the batch queues' lists)."""
         if not ids:
             return Claimed([], 0)
-        *flags, queued = self._claim(
+        *flags, queued = self._claim_held(
             keys=[*self._claim_keys(), *result_keys, *batch_lists],
             args=[batch_id, self.lease_ms, results_db, *ids],
         )
@@ -227,7 +230,7 @@ class RequestStore:
             ack_ids=ack_ids,
         )
         if not self.replicas:
-            return [int(i) for i in self._finish(keys=keys, args=args)]
+            return [int(i) for i in self._finish_held(keys=keys, args=args)]
         stored, acked = script_then_wait(self.client, self._finish, keys, args, self.replicas, self.wait_s)
         self._confirmed(acked, "a batch's results and acknowledgements")
         return [int(i) for i in stored]
