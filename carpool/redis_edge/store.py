@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis
 
 from carpool.redis_edge import lua
@@ -48,7 +49,7 @@ def finish_call(
     inflight_keys: Sequence[str] = (),
     results_db: int | str = "",
     broker_db: int | str = "",
-    report: str = "",
+    report: str | bytes = "",
     events: tuple[str, bytes] | None = None,
     ack_ids: Sequence[str] = (),
 ) -> tuple[list[bytes | str], list[Any]]:
@@ -225,7 +226,7 @@ class RequestStore:
             inflight_keys=[*self._forget_keys(), self.keys.reports_for(coordinator)],
             results_db=results_db,
             broker_db=broker_db,
-            report=json.dumps(report) if report is not None else "",
+            report=orjson.dumps(report) if report is not None else "",
             events=events,
             ack_ids=ack_ids,
         )
