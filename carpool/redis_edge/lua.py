@@ -36,8 +36,22 @@ def _read(name: str) -> str:
     return (files("carpool.redis_edge") / "scripts" / f"{name}.lua").read_text(encoding="utf-8")
 
 
+class ThreadConnections(threading.local):
+    """One connection of ``client``'s pool per thread, taken on the thread's first call and kept."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._conn: Any = None
+
+    def get(self) -> Any:
+        """This thread's connection (never released to the pool: the thread keeps it)."""
+        if self._conn is None:
+            self._conn = self.client.connection_pool.get_connection()
+        return self._conn
+
+
 class HeldScript:
-    """A script that each calling thread runs on a connection of the client's pool it holds.
+    """A script that each calling thread runs on its own connection (:class:`ThreadConnections`).
 
     For the scripts a worker runs once per batch with a batch's results in their arguments: redis-py's
     command path (a pool checkout that probes the socket, a retry wrapper, instrumentation, and the
@@ -48,15 +62,12 @@ class HeldScript:
     more (the one retry carpool's clients make); the connection's own health check still runs.
     """
 
-    def __init__(self, client: redis.Redis, script: Script) -> None:
+    def __init__(self, script: Script, connections: ThreadConnections) -> None:
         self.script = script
-        self._client = client
-        self._held = threading.local()
+        self._connections = connections
 
     def __call__(self, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
-        conn = getattr(self._held, "conn", None)
-        if conn is None:  # never released: the thread keeps it for every later call
-            conn = self._held.conn = self._client.connection_pool.get_connection()
+        conn = self._connections.get()
         packed = self._packed(keys, args)
         loaded = reconnected = False
         while True:
@@ -67,7 +78,7 @@ class HeldScript:
                 if loaded:
                     raise
                 loaded = True
-                self.script.sha = self._client.script_load(self.script.script)
+                self.script.sha = self._connections.client.script_load(self.script.script)
                 packed = self._packed(keys, args)
             except (redis.ConnectionError, redis.TimeoutError):
                 conn.disconnect()  # the next send reconnects

@@ -92,8 +92,9 @@ class RequestStore:
         self._claim = lua.register(client, "claim")
         self._finish = lua.register(client, "finish")
         # A worker's two scripts per batch, on a connection each calling thread holds.
-        self._claim_held = lua.HeldScript(client, self._claim)
-        self._finish_held = lua.HeldScript(client, self._finish)
+        held = lua.ThreadConnections(client)
+        self._claim_held = lua.HeldScript(self._claim, held)
+        self._finish_held = lua.HeldScript(self._finish, held)
         self._renew = lua.register(client, "renew")
         self._requeue = lua.register(client, "requeue")
         self._heartbeat = lua.register(client, "heartbeat")

@@ -156,7 +156,7 @@ def test_every_script_loads_into_redis(client: redis.Redis) -> None:
 
 
 def test_a_held_script_reloads_after_a_flush_and_reconnects_after_a_kill(client: redis.Redis) -> None:
-    held = lua.HeldScript(client, lua.register(client, "heartbeat"))
+    held = lua.HeldScript(lua.register(client, "heartbeat"), lua.ThreadConnections(client))
     assert held([KEYS.workers], ["w1", 30_000]) == 1
     client.script_flush()  # NOSCRIPT: loaded again, then sent again
     assert held([KEYS.workers], ["w2", 30_000]) == 2
