@@ -142,7 +142,10 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 def dumps_lenient(value: Any) -> bytes:
     """Compact UTF-8 JSON; what JSON cannot express is written as its ``str`` (telemetry: events)."""
-    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+    try:  # orjson's option for non-str keys slows every dict down, so only when one needs it
+        return orjson.dumps(value, default=str)
+    except TypeError:
+        return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
 
 
 def dumps_exact(value: Any) -> bytes:
