@@ -44,9 +44,14 @@ class ThreadConnections(threading.local):
         self._conn: Any = None
 
     def get(self) -> Any:
-        """This thread's connection (never released to the pool: the thread keeps it)."""
+        """This thread's connection (never released to the pool: the thread keeps it), dropped first
+        if the pool would drop it on release: under Sentinel, one to a master that was replaced."""
+        pool = self.client.connection_pool
         if self._conn is None:
-            self._conn = self.client.connection_pool.get_connection()
+            self._conn = pool.get_connection()
+        elif not pool.owns_connection(self._conn):
+            self._conn.disconnect()
+            self._conn.connect()  # as the pool's checkout does: under Sentinel, to the master named now
         return self._conn
 
 
@@ -58,8 +63,10 @@ class HeldScript:
     arguments converted and packed once more) costs a worker more CPU per batch than sending the
     results does. Here the call is packed into one buffer by hiredis and written to the thread's
     connection. It behaves as calling the :class:`~redis.commands.core.Script`: NOSCRIPT loads the
-    script and sends the call again, and a connection that fails is reconnected and the call sent once
-    more (the one retry carpool's clients make); the connection's own health check still runs.
+    script (on that same connection, so on the server that lacked it) and sends the call again, and a
+    connection that fails is reconnected and the call sent once more (the one retry carpool's clients
+    make); the connection's own health check, and under Sentinel its reconnection to a new master
+    after a READONLY reply, still run.
     """
 
     def __init__(self, script: Script, connections: ThreadConnections) -> None:
@@ -68,25 +75,24 @@ class HeldScript:
 
     def __call__(self, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
         conn = self._connections.get()
-        packed = self._packed(keys, args)
-        loaded = reconnected = False
-        while True:
+        call = ("EVALSHA", self.script.sha, len(keys), *keys, *args)
+        packed = hiredis.pack_command(call)  # type: ignore[arg-type]  # its stub says a 1-tuple
+        reconnected = False
+        for attempt in range(4):  # at most: a reconnection, and a load on each of two servers
             try:
                 conn.send_packed_command((packed,))
                 return conn.read_response()
-            except NoScriptError:  # a restarted or flushed server: load it, then send again
-                if loaded:
+            except NoScriptError:  # a restarted, flushed or newly promoted server: load it there
+                if attempt == 3:
                     raise
-                loaded = True
-                self.script.sha = self._connections.client.script_load(self.script.script)
-                packed = self._packed(keys, args)
+                conn.send_command("SCRIPT", "LOAD", self.script.script)
+                conn.read_response()
             except (redis.ConnectionError, redis.TimeoutError):
-                conn.disconnect()  # the next send reconnects
-                if reconnected:
+                conn.disconnect()
+                if reconnected or attempt == 3:
                     raise
                 reconnected = True
-
-    def _packed(self, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> bytes:
-        call = ("EVALSHA", self.script.sha, len(keys), *keys, *args)
-        packed: bytes = hiredis.pack_command(call)  # type: ignore[arg-type]  # its stub says a 1-tuple
-        return packed
+                # Not left to the send, which would reconnect to the same address: under Sentinel a
+                # connection asks for the master's address in connect() only.
+                conn.connect()
+        raise AssertionError("unreachable")
