@@ -37,11 +37,12 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     _task_flags(args)
-    from carpool.celery_edge.app import app, settings_of
+    from carpool.celery_edge.app import app, decode_json_fast, settings_of
     from carpool.gpu_worker import task  # noqa: F401  (registers carpool.run_batch)
     from carpool.gpu_worker.runtime import batch_queues
 
     settings = settings_of(app)
+    decode_json_fast()
     argv = [
         "worker",
         "--pool",

@@ -44,6 +44,21 @@ def loads(data: bytes | str) -> Any:
         return json.loads(data)
 
 
+def loads_tagged(data: Any) -> Any:
+    """``kombu.utils.json.loads(data)`` (kombu's type tags, such as a datetime's, become their
+    values), through orjson when ``data`` holds no tag: a worker decodes every batch message's body
+    twice, and kombu's decoder calls a Python hook per JSON object."""
+    tag = b'"__type__"' if type(data) is bytes else '"__type__"' if type(data) is str else None
+    if tag is not None and tag not in data:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass  # what orjson refuses and json accepts: kombu decides, as before
+    from kombu.utils.json import loads as kombu_loads
+
+    return kombu_loads(data)  # type: ignore[no-untyped-call]  # kombu is untyped
+
+
 def dumps_plain(value: Any) -> bytes | None:
     """Compact UTF-8 JSON of ``value`` if it is made of plain JSON types only, else None."""
     try:
@@ -57,14 +72,21 @@ def dumps_result(value: Any) -> bytes | None:
     itself (float32 in its shortest float32 form), anything else as :func:`dumps_plain` writes it."""
     numpy = sys.modules.get("numpy")  # a result can only be an array once numpy is imported
     if numpy is not None and type(value) is numpy.ndarray:
-        kind, size = value.dtype.kind, value.dtype.itemsize
-        if not (kind in "iub" or (kind == "f" and size in (4, 8))):  # orjson writes these natively
+        if not native_numpy(value):
             return dumps_plain(value.tolist())  # float16 and the like: as the Python values they hold
         if not value.flags.c_contiguous:
             value = numpy.ascontiguousarray(value)
         encoded: bytes = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
         return encoded
     return dumps_plain(value)
+
+
+def native_numpy(array: Any) -> bool:
+    """Whether :func:`dumps_result` writes numpy ``array`` straight from its values (orjson's numpy
+    types: integers, bools, float32 and float64, in this machine's byte order), not from the Python
+    values ``tolist()`` gives."""
+    dtype = array.dtype
+    return (dtype.kind in "iub" or (dtype.kind == "f" and dtype.itemsize in (4, 8))) and dtype.isnative
 
 
 def float32_rows(array: Any) -> list[Any]:
@@ -120,7 +142,10 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 def dumps_lenient(value: Any) -> bytes:
     """Compact UTF-8 JSON; what JSON cannot express is written as its ``str`` (telemetry: events)."""
-    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+    try:  # orjson's option for non-str keys slows every dict down, so only when one needs it
+        return orjson.dumps(value, default=str)
+    except TypeError:
+        return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
 
 
 def dumps_exact(value: Any) -> bytes:

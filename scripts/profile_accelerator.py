@@ -10,6 +10,8 @@ functions anywhere in it (where in carpool the time is spent), as shares of the
 process's samples and as CPU µs per request (the share times the process's µs per request in the
 bench's report). py-spy samples a thread that is running or waiting for a core: on a loaded
 machine the wait after a Redis reply lands in the frames that read it, so those shares read high.
+``--gil`` samples only the thread holding the GIL, which leaves those waits out (and the kernel's
+share of a send or a read with them).
 Needs ``py-spy`` on PATH or ``--py-spy``.
 """
 
@@ -112,6 +114,12 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default="bench-out/profile-accelerator")
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
+    parser.add_argument(
+        "--gil",
+        action="store_true",
+        help="sample only the thread holding the GIL: where Python runs, without the waits for Redis, "
+        "the device or another thread",
+    )
     opts = parser.parse_args()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,6 +154,7 @@ def main() -> int:
                 "--pid",
                 str(pid),
                 "--nonblocking",
+                *(["--gil"] if opts.gil else []),
                 "--rate",
                 str(opts.rate),
                 "--format",

@@ -21,18 +21,23 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import orjson
 from celery import Celery
+from celery.states import FAILURE, SUCCESS
 
+from carpool.codec import native_numpy, stored_form
 from carpool.names import INFER_TASK
 
 log = logging.getLogger(__name__)
 
 TASK_NAME = INFER_TASK
 REPR_LIMIT = 200  # characters of a result or argument shown in Flower
+SHOWN_ITEMS = 16  # items of a long list shown before its length
 _UTCOFFSET_REFRESH_S = 60.0  # the offset changes only at DST transitions
 
 
@@ -40,18 +45,52 @@ def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
     """A repr of ``value`` cut to ``limit`` characters, without building the whole repr of a long list.
 
     An embedding is a list of hundreds of floats: a ``repr`` of all of it, to show 200 characters,
-    would be the largest per-request cost of a worker on a fast model.
+    would be the largest per-request cost of a worker on a fast model, and even ``repr`` of the 16
+    floats shown costs more than the rest of the event, so numbers are written by orjson where its
+    text is ``repr``'s. A model's numpy row is shown as the list a reader of its result gets back.
     """
-    size = len(value) if isinstance(value, list | tuple) else 0
-    ndim = getattr(value, "ndim", None)
-    if size == 0 and ndim and hasattr(value, "tolist"):  # a model's numpy row: shown as the list stored
-        size, value = len(value), value[:17].tolist()
-    if size > 16:
-        head = ", ".join(repr(v) for v in value[:16])
-        text = f"[{head}, ... ({size} items)]"
+    if getattr(value, "ndim", None) and hasattr(value, "tolist"):  # a model's row (numpy, torch)
+        text = _list_text(value, _array_text(value[:SHOWN_ITEMS]))
+    elif isinstance(value, list) or (isinstance(value, tuple) and len(value) > SHOWN_ITEMS):
+        head = value[:SHOWN_ITEMS]
+        shown = _numbers_text(head) if set(map(type, head)) <= _NUMBERS else None
+        text = _list_text(value, ", ".join(map(repr, head)) if shown is None else shown)
     else:
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _list_text(value: Any, shown: str) -> str:
+    size = len(value)
+    return f"[{shown}, ... ({size} items)]" if size > SHOWN_ITEMS else f"[{shown}]"
+
+
+def _array_text(head: Any) -> str:
+    """The items of an array as :func:`short_repr` shows them; a numpy array's as a reader of its
+    stored result gets them back."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or type(head) is not numpy.ndarray:
+        return ", ".join(map(repr, head.tolist()))
+    shown = _numbers_text(head, orjson.OPT_SERIALIZE_NUMPY) if native_numpy(head) else None
+    return ", ".join(map(repr, stored_form(head))) if shown is None else shown
+
+
+_NUMBERS = frozenset({float, int})
+
+
+def _numbers_text(numbers: Any, option: int = 0) -> str | None:
+    """``", ".join(map(repr, numbers))`` for numbers (lists of them, from a numpy array), written
+    by orjson; None where orjson's text could differ from ``repr``'s: an exponent, a number below
+    1e-4 (orjson writes those without one), a non-finite float (``null``), or anything else."""
+    try:
+        text = orjson.dumps(numbers, option=option)
+    except TypeError:  # orjson.JSONEncodeError: not numbers, an integer past 64 bits, a non-contiguous row
+        return None
+    # Anything but digits, signs, points, commas and brackets (an exponent, null, a string, true),
+    # or a number below 1e-4, which orjson writes without an exponent.
+    if text.translate(None, b"-0123456789.,[]") or b"0.0000" in text:
+        return None
+    return text[1:-1].replace(b",", b", ").decode()
 
 
 class TaskEvents:
@@ -80,9 +119,8 @@ class TaskEvents:
         child._buffer = []
         return child
 
-    def _event(self, type_: str, fields: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
+    def _header(self, type_: str) -> dict[str, Any]:
+        """The fields every event of ``type_`` sent now carries, bar its Lamport clock."""
         now = time.time()
         if now - self._utcoffset_at > _UTCOFFSET_REFRESH_S:
             from celery.utils.time import utcoffset
@@ -90,13 +128,19 @@ class TaskEvents:
             root = self._root  # so that later forks start from the fresh offset
             root._utcoffset = self._utcoffset = utcoffset()
             root._utcoffset_at = self._utcoffset_at = now
-        fields["type"] = type_
-        fields["hostname"] = self.hostname
-        fields["utcoffset"] = self._utcoffset
-        fields["pid"] = self._pid
-        fields["clock"] = self._app.clock.forward()
-        fields["timestamp"] = now
-        self._buffer.append(fields)
+        return {
+            "type": type_,
+            "hostname": self.hostname,
+            "utcoffset": self._utcoffset,
+            "pid": self._pid,
+            "timestamp": now,
+        }
+
+    def _event(self, type_: str, fields: dict[str, Any]) -> None:
+        if self.enabled:
+            fields.update(self._header(type_))
+            fields["clock"] = self._app.clock.forward()
+            self._buffer.append(fields)
 
     def received(
         self,
@@ -126,13 +170,29 @@ class TaskEvents:
         )
 
     def started(self, task_ids: Iterable[str]) -> None:
-        for task_id in task_ids:
-            self._event("task-started", {"uuid": task_id})
+        if self.enabled:
+            header, forward = self._header("task-started"), self._app.clock.forward
+            self._buffer += [{**header, "uuid": task_id, "clock": forward()} for task_id in task_ids]
 
     def succeeded(self, task_id: str, result: Any, runtime_s: float, limit: int = REPR_LIMIT) -> None:
         self._event(
             "task-succeeded", {"uuid": task_id, "result": short_repr(result, limit), "runtime": runtime_s}
         )
+
+    def outcomes(self, entries: Iterable[tuple[str, str, Any]], runtime_s: float) -> None:
+        """task-succeeded, task-failed or task-revoked per (task id, Celery state, result or
+        exception), each with the same ``runtime_s`` (its batch's)."""
+        if not self.enabled:
+            return
+        header = {**self._header("task-succeeded"), "runtime": runtime_s}
+        forward, buffer = self._app.clock.forward, self._buffer
+        for task_id, state, value in entries:
+            if state == SUCCESS:
+                buffer.append({**header, "uuid": task_id, "result": short_repr(value), "clock": forward()})
+            elif state == FAILURE:
+                self.failed(task_id, value, runtime_s)
+            else:
+                self.revoked(task_id)
 
     def failed(
         self,

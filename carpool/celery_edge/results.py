@@ -97,8 +97,16 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         if not entries:
             return ResultWrites((), (), expiry_s)
         date_done = self.app.now().isoformat()
+        date_done_json = dumps_plain(date_done) or b"null"
+        direct = self.serializer == "json"
         keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
-        payloads = [self.meta_for(task_id, state, result, date_done) for task_id, state, result in entries]
+        payloads = []
+        for task_id, state, result in entries:  # meta_for's direct path inlined: it runs per request
+            encoded = dumps_result(result) if direct and state == SUCCESS else None
+            if encoded is None:
+                payloads.append(self.meta_for(task_id, state, result, date_done))
+            else:
+                payloads.append(success_meta(encoded, date_done_json, task_id))
         if not inboxes:
             return ResultWrites(keys, payloads, expiry_s)
         boxes = [inboxes.get(task_id, "") for task_id, _, _ in entries]

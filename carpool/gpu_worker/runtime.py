@@ -294,14 +294,7 @@ class WorkerRuntime:
         """Send a batch's events, store its outcomes and acknowledge it, with its report."""
         batch, entries, events = claimed.batch, claimed.entries, claimed.events
         batch_id = batch["id"]
-        per_request_s = run_s or 0.0
-        for task_id, state, value in entries:
-            if state == SUCCESS:
-                events.succeeded(task_id, value, per_request_s)
-            elif state == FAILURE:
-                events.failed(task_id, value, per_request_s)
-            else:
-                events.revoked(task_id)
+        events.outcomes(entries, run_s or 0.0)
         report = batch_report(
             batch_id=batch_id,
             model=batch["model"],

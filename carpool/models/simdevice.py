@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 OUTPUT_DIM = 384  # all-MiniLM-L6-v2's embedding size
+OUTPUT_ROWS = 1024  # distinct output rows, handed out in turn
 DEVICE_LOG_ENV = "CARPOOL_SIM_DEVICE_LOG"
 LOG_FLUSH_BATCHES = 64
 
@@ -68,6 +69,17 @@ def profile_from(spec: str) -> DeviceProfile:
     if profile.a_s < 0 or profile.b_s < 0:
         raise ConfigError(f"CARPOOL_SIM_DEVICE={spec!r}: both coefficients must be >= 0")
     return profile
+
+
+def output_table() -> npt.NDArray[np.float32]:
+    """The rows a simulated device hands out in turn: float32 unit vectors, the real model's output
+    type and size, with an embedding's spread of values (one value repeated would write shorter
+    JSON than a real model's rows do)."""
+    import numpy as np
+
+    table = np.random.default_rng(0).standard_normal((OUTPUT_ROWS, OUTPUT_DIM)).astype(np.float32)
+    table /= np.linalg.norm(table, axis=1, keepdims=True)
+    return table
 
 
 class DeviceLog:
@@ -110,7 +122,8 @@ class SimulatedDevice:
         self.profile = profile_from(self.profile_name or os.environ.get("CARPOOL_SIM_DEVICE", "v100"))
         self._tokenizer_model = MiniLM()
         self.max_length: int = self._tokenizer_model.max_length
-        self._row: Any = None  # numpy, imported on load
+        self._rows: Any = None  # numpy, imported on load
+        self._next = 0  # the first of the next forward's rows
         self._log: DeviceLog | None = None
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
@@ -120,10 +133,8 @@ class SimulatedDevice:
         return self._tokenizer_model.count_tokens(texts)
 
     def load(self, device: str) -> None:
-        # One float32 unit vector, copied into every row: the real model's output type and size.
-        import numpy as np
-
-        self._row = np.full(OUTPUT_DIM, 1.0 / OUTPUT_DIM**0.5, dtype=np.float32)
+        self._rows = output_table()
+        self._next = 0
         path = os.environ.get(DEVICE_LOG_ENV)
         if path and self._log is None:
             self._log = DeviceLog(path)
@@ -138,7 +149,8 @@ class SimulatedDevice:
         time.sleep(self.profile.batch_s(rows * width))
         if self._log is not None:
             self._log.record(start, time.time(), rows, width)
-        out: npt.NDArray[np.float32] = np.tile(self._row, (rows, 1))
+        first, self._next = self._next, (self._next + rows) % OUTPUT_ROWS
+        out: npt.NDArray[np.float32] = self._rows.take(np.arange(first, first + rows) % OUTPUT_ROWS, axis=0)
         return out
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis
 
 from carpool.redis_edge import lua
@@ -56,7 +57,7 @@ def finish_call(
     inflight_keys: Sequence[str] = (),
     results_db: int | str = "",
     broker_db: int | str = "",
-    report: str = "",
+    report: str | bytes = "",
     events: tuple[str, bytes] | None = None,
     ack_ids: Sequence[str] = (),
 ) -> tuple[list[bytes | str], list[Any]]:
@@ -105,6 +106,10 @@ class RequestStore:
         self._renew_held = lua.register(client, "renew_held")
         self._claim = lua.register(client, "claim")
         self._finish = lua.register(client, "finish")
+        # A worker's two scripts per batch, on a connection each calling thread holds.
+        held = lua.ThreadConnections(client)
+        self._claim_held = lua.HeldScript(self._claim, held)
+        self._finish_held = lua.HeldScript(self._finish, held)
         self._renew = lua.register(client, "renew")
         self._requeue = lua.register(client, "requeue")
         self._heartbeat = lua.register(client, "heartbeat")
@@ -235,7 +240,7 @@ class RequestStore:
         messages waiting on ``batch_lists`` (the batch queues' lists)."""
         if not ids:
             return Claimed([], 0)
-        *flags, queued = self._claim(
+        *flags, queued = self._claim_held(
             keys=[*self._claim_keys(), *result_keys, *batch_lists],
             args=[batch_id, self.lease_ms, results_db, *ids],
         )
@@ -263,12 +268,12 @@ class RequestStore:
             inflight_keys=[*self._forget_keys(), self.keys.reports_for(coordinator)],
             results_db=results_db,
             broker_db=broker_db,
-            report=json.dumps(report) if report is not None else "",
+            report=orjson.dumps(report) if report is not None else "",
             events=events,
             ack_ids=ack_ids,
         )
         if not self.replicas:
-            return [int(i) for i in self._finish(keys=keys, args=args)]
+            return [int(i) for i in self._finish_held(keys=keys, args=args)]
         stored, acked = script_then_wait(self.client, self._finish, keys, args, self.replicas, self.wait_s)
         self._confirmed(acked, "a batch's results and acknowledgements")
         return [int(i) for i in stored]

@@ -156,6 +156,19 @@ def test_every_script_loads_into_redis(client: redis.Redis) -> None:
         assert lua.register(client, name).sha == sha
 
 
+def test_a_held_script_reloads_after_a_flush_and_reconnects_after_a_kill(client: redis.Redis) -> None:
+    held = lua.HeldScript(lua.register(client, "heartbeat"), lua.ThreadConnections(client))
+    assert held([KEYS.workers], ["w1", 30_000]) == 1
+    client.script_flush()  # NOSCRIPT: loaded again, then sent again
+    assert held([KEYS.workers], ["w2", 30_000]) == 2
+    assert client.client_kill_filter(_type="normal", skipme=True) >= 1  # the held connection too
+    client.script_flush()  # a restarted server: the connection is gone and so is the script
+    assert held([KEYS.workers], ["w3", 30_000]) == 3
+    with pytest.raises(redis.ResponseError):  # a script's error is raised, the connection stays usable
+        held([KEYS.workers], ["w4", "not a number"])
+    assert held([KEYS.workers], ["w4", 30_000]) == 4
+
+
 # --- take ------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from carpool.codec import dumps_lenient, dumps_plain, flat_plain, loads
+from carpool.codec import dumps_lenient, dumps_plain, flat_plain, loads, loads_tagged
 
 plain = st.recursive(
     st.none()
@@ -41,6 +41,23 @@ def test_loads_falls_back_to_json_for_what_orjson_refuses() -> None:
     assert loads(str(2**70)) == 2**70
     with pytest.raises(ValueError):
         loads(b"{not json")
+
+
+@given(plain | st.lists(st.datetimes() | st.binary(max_size=5) | st.uuids() | plain, max_size=4))
+def test_loads_tagged_decodes_as_kombu_does(value: Any) -> None:
+    from kombu.utils.json import dumps as kombu_dumps
+    from kombu.utils.json import loads as kombu_loads
+
+    text = kombu_dumps(value)  # type: ignore[no-untyped-call]
+    assert loads_tagged(text) == kombu_loads(text) == value  # type: ignore[no-untyped-call]  # tags too
+    assert loads_tagged(text.encode()) == value
+
+
+def test_loads_tagged_leaves_to_kombu_what_orjson_refuses() -> None:
+    assert loads_tagged('["\\ud800", 1e400]') == ["\ud800", float("inf")]
+    assert loads_tagged(memoryview(b'{"a": 1}')) == {"a": 1}
+    with pytest.raises(ValueError):
+        loads_tagged(b"{not json")
 
 
 class Colour(StrEnum):

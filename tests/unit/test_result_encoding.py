@@ -124,12 +124,39 @@ def test_model_outputs_become_rows() -> None:
     assert all(isinstance(r, np.ndarray) for r in output_rows(np.zeros((2, 2, 2))))
 
 
-def test_a_numpy_row_shows_in_flower_as_its_list_does() -> None:
+def _repr_of_head(value: Any, limit: int = 200) -> str:
+    """What short_repr shows, from ``repr`` itself: the first 16 items of a long list, then its length."""
+    if isinstance(value, list) or (isinstance(value, tuple) and len(value) > 16):
+        shown = ", ".join(map(repr, value[:16]))
+        text = f"[{shown}, ... ({len(value)} items)]" if len(value) > 16 else f"[{shown}]"
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[:197] + "..."
+
+
+def test_a_numpy_row_shows_in_flower_as_the_list_its_reader_gets() -> None:
     row = np.arange(384, dtype=np.float32) / 384
-    assert short_repr(row) == short_repr(row.tolist())
+    assert short_repr(row) == _repr_of_head(stored_form(row))  # 0.0026041667, not its float64 widening
     assert len(short_repr(row)) <= 200
     small = np.array([0.5, 1.0], dtype=np.float32)
-    assert short_repr(small) == short_repr([0.5, 1.0])
+    assert short_repr(small) == short_repr([0.5, 1.0]) == "[0.5, 1.0]"
+    assert short_repr(np.array([1e-5, 3e20, 2.0], dtype=np.float32)) == "[1e-05, 3e+20, 2.0]"
+    half = (np.arange(3) / 3).astype(np.float16)  # written from its Python floats
+    assert short_repr(half) == "[0.0, 0.333251953125, 0.66650390625]"
+
+
+numbers = st.integers(-(2**70), 2**70) | st.floats() | st.floats(-1e-3, 1e-3) | st.booleans()
+lists = st.lists(numbers, max_size=40) | st.tuples(numbers, numbers) | st.lists(st.text(max_size=3))
+
+
+@given(lists)
+def test_a_list_shows_as_repr_shows_it(value: Any) -> None:
+    assert short_repr(value) == _repr_of_head(value)
+
+
+@given(f32_batches | hnp.arrays(hnp.floating_dtypes() | hnp.integer_dtypes(), st.integers(0, 40)))
+def test_an_array_shows_as_repr_shows_what_its_reader_gets(array: np.ndarray) -> None:
+    assert short_repr(array) == _repr_of_head(stored_form(array))
 
 
 def test_stored_form_is_what_a_reader_gets() -> None:

@@ -36,6 +36,9 @@ def test_forward_sleeps_for_the_device_time_and_returns_minilm_sized_rows(
     assert time.perf_counter() - started >= 0.02
     assert isinstance(rows, np.ndarray) and rows.shape == (2, 384) and rows.dtype == np.float32  # MiniLM's
     assert float((rows[0].astype(np.float64) ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
+    again = model.forward(mask, mask)  # each row its own vector, as a model's rows are
+    assert len({row.tobytes() for row in [*rows, *again]}) == 4
+    assert np.abs(rows).min() < np.abs(rows).max() / 10  # values spread as an embedding's are
 
 
 def test_named_profiles_are_builtin_models() -> None:
