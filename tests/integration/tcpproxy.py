@@ -96,6 +96,8 @@ class TcpProxy:
         self.accepted = 0  # client connections accepted so far
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
+        self._closing = False
+        self._connecting: set[asyncio.Task[None]] = set()  # upstream connections under way
         self._thread = threading.Thread(target=self._loop.run_forever, name="tcpproxy", daemon=True)
 
     # --- life ----------------------------------------------------------------------------
@@ -155,7 +157,9 @@ class TcpProxy:
         link = _Link(self)
         self.links.add(link)
         self.accepted += 1
-        self._loop.create_task(self._connect(link))
+        task = self._loop.create_task(self._connect(link))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
         return link.client
 
     async def _connect(self, link: _Link) -> None:
@@ -166,7 +170,9 @@ class TcpProxy:
                 link.client.transport.close()
             return
         assert isinstance(server, _Side)
-        if link.dead:  # reset while it connected
+        # Reset, the proxy closed, or the client gone (its close had no upstream end to pass on to)
+        # while it connected: nothing is left to forward for.
+        if link.dead or self._closing or link.client.transport is None:
             if server.transport is not None:
                 server.transport.abort()
             return
@@ -206,8 +212,13 @@ class TcpProxy:
         return len(silenced)
 
     async def _close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
+        # An upstream connection still under way would be left open by the loop's stop: let each
+        # finish (it then closes itself) before the links are closed.
+        if self._connecting:
+            await asyncio.wait(set(self._connecting), timeout=5)
         for link in list(self.links):
             for side in link.sides():
                 assert side.transport is not None
