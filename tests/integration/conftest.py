@@ -7,8 +7,11 @@ The processes come from :class:`carpool.tools.harness.Harness`, the harness ``ca
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,3 +75,15 @@ def as_bytes(reply: object) -> bytes:
     """``reply`` from a client without ``decode_responses``: bytes, though redis-py's types allow more."""
     assert isinstance(reply, bytes), reply
     return reply
+
+
+def store_later(backend: Any, entries: Any, after_s: float, **kwargs: Any) -> threading.Thread:
+    """A thread that stores ``entries`` through ``backend`` (not its own thread-local one) after a pause."""
+
+    def store() -> None:
+        time.sleep(after_s)
+        backend.store_many(entries, **kwargs)
+
+    thread = threading.Thread(target=store)
+    thread.start()
+    return thread

@@ -17,7 +17,7 @@ import pytest
 
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, as_bytes, start_stack
+from tests.integration.conftest import Processes, as_bytes, start_stack, store_later
 
 pytestmark = pytest.mark.integration
 
@@ -571,19 +571,6 @@ def test_gather_reads_stored_results_in_one_mget_and_raises_like_get(clean_redis
     assert time.monotonic() - t0 < 2.5
 
 
-def _store_later(backend: Any, entries: Any, after_s: float, **kwargs: Any) -> Any:
-    """A thread that stores ``entries`` through ``backend`` (not its own thread-local one) after a pause."""
-    import threading
-
-    def store() -> None:
-        time.sleep(after_s)
-        backend.store_many(entries, **kwargs)
-
-    thread = threading.Thread(target=store)
-    thread.start()
-    return thread
-
-
 def test_gather_waits_for_results_published_later(clean_redis: EmbeddedRedis) -> None:
     import redis
 
@@ -606,7 +593,7 @@ def test_gather_waits_for_results_published_later(clean_redis: EmbeddedRedis) ->
     backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results[:10])], inboxes=inboxes)
     before = commands()
     rest = [(r.id, SUCCESS, i + 10) for i, r in enumerate(results[10:])]
-    worker = _store_later(backend, rest, 0.3, inboxes=inboxes)
+    worker = store_later(backend, rest, 0.3, inboxes=inboxes)
     t0 = time.monotonic()
     assert gather(results, timeout=10) == list(range(20))
     assert time.monotonic() - t0 < 1.0, "waiting on pub/sub, not polling"
@@ -620,7 +607,7 @@ def test_gather_waits_for_results_published_later(clean_redis: EmbeddedRedis) ->
     plain = submit_many([f"plain {i}" for i in range(20)], model="toy", subscribe=False)
     assert all(inbox_of(r) is None for r in plain)
     before = commands()
-    worker = _store_later(backend, [(r.id, SUCCESS, r.id) for r in plain], 0.3)
+    worker = store_later(backend, [(r.id, SUCCESS, r.id) for r in plain], 0.3)
     t0 = time.monotonic()
     assert gather(plain, timeout=10) == [r.id for r in plain]
     assert time.monotonic() - t0 < 1.0, "waiting on pub/sub, not polling"
@@ -633,7 +620,7 @@ def test_gather_waits_for_results_published_later(clean_redis: EmbeddedRedis) ->
     # Stored with no inbox message (an older coordinator, a plain Celery worker): read from the
     # store after a quiet second.
     (late,) = submit_many(["no inbox message"], model="toy")
-    worker = _store_later(backend, [(late.id, SUCCESS, 1)], 0.2)
+    worker = store_later(backend, [(late.id, SUCCESS, 1)], 0.2)
     assert gather([late], timeout=10) == [1]
     worker.join()
     client.close()

@@ -7,29 +7,16 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
 
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, as_bytes, start_stack
+from tests.integration.conftest import Processes, as_bytes, start_stack, store_later
 from tests.integration.models import EXPLODING
 
 pytestmark = pytest.mark.integration
-
-
-def _store_later(backend: Any, entries: Any, after_s: float, **kwargs: Any) -> threading.Thread:
-    """A thread that stores ``entries`` through ``backend`` (not its own thread-local one) after a pause."""
-
-    def store() -> None:
-        time.sleep(after_s)
-        backend.store_many(entries, **kwargs)
-
-    thread = threading.Thread(target=store)
-    thread.start()
-    return thread
 
 
 @pytest.fixture()
@@ -55,7 +42,7 @@ def test_get_settles_the_results_of_inbox_messages_it_reads(clean_redis: Embedde
     subscribe_channels(backend.result_consumer, [channel.encode()])
     try:
         inboxes = {r.id: channel for r in results}
-        worker = _store_later(
+        worker = store_later(
             backend, [(r.id, SUCCESS, i) for i, r in enumerate(results)], 0.2, inboxes=inboxes
         )
         assert [r.get(timeout=10) for r in results] == list(range(6))
@@ -84,7 +71,7 @@ def test_without_the_inbox_each_result_is_subscribed_as_before(
         assert all(inbox_of(r) is None for r in results)
         consumer = app.backend.result_consumer
         assert {app.backend.get_key_for_task(r.id) for r in results} <= consumer.subscribed_to
-        worker = _store_later(app.backend, [(r.id, SUCCESS, r.id) for r in results], 0.2)
+        worker = store_later(app.backend, [(r.id, SUCCESS, r.id) for r in results], 0.2)
         assert gather(results, timeout=10) == [r.id for r in results]
         worker.join()
         assert not consumer.subscribed_to
