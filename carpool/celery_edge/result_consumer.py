@@ -88,7 +88,8 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         """Celery's (``BaseResultConsumer``'s, then the Redis consumer's unsubscription of a settled
         result), without its closing ``sleep(0)`` when the process runs threads (see
         :meth:`_wait_for_pending`)."""
-        if type(self.drainer) is not Drainer:
+        # Celery's own path where its internals differ from those this copy relies on (other releases).
+        if type(self.drainer) is not Drainer or not hasattr(self, "_get_pending_result"):
             super().on_state_change(meta, message)
             return
         if self.on_message:
