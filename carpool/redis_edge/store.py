@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 REPORTS_TTL_S = 3600  # a dead coordinator's report list expires after this many idle seconds
 REPORTS_KEPT = 10_000  # newest reports kept per coordinator
+RENEW_CHUNK = 2000  # request ids per lease-renewal script (a few milliseconds of Redis each)
 
 
 # What a take moved into flight, as (request id, raw message), and the batch reports it popped.
@@ -177,15 +178,17 @@ class RequestStore:
         )
 
     def renew_held(self, ids: Sequence[str]) -> int:
-        """Renew leases of requests the coordinator holds or dispatched and no worker claimed yet."""
-        if not ids:
-            return 0
-        return int(
-            self._renew_held(
-                keys=[self.keys.inflight_lease, self.keys.inflight_owner, self.keys.inflight_claimed],
-                args=[self.lease_ms, *ids],
+        """Renew leases of requests the coordinator holds or dispatched and no worker claimed yet.
+
+        One script per :data:`RENEW_CHUNK` ids: a deep backlog's renewal in one script would hold
+        Redis, and with it every worker's claim and finish, for as long as the whole renewal takes."""
+        keys = [self.keys.inflight_lease, self.keys.inflight_owner, self.keys.inflight_claimed]
+        renewed = 0
+        for first in range(0, len(ids), RENEW_CHUNK):
+            renewed += int(
+                self._renew_held(keys=keys, args=[self.lease_ms, *ids[first : first + RENEW_CHUNK]])
             )
-        )
+        return renewed
 
     def requeue(self, ids: Sequence[str]) -> int:
         """Hand ``ids`` back to the front of the request lists they came from now (shutdown)."""
