@@ -39,7 +39,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     _task_flags(args)
     from carpool.celery_edge.app import app, decode_json_fast, settings_of
     from carpool.gpu_worker import task  # noqa: F401  (registers carpool.run_batch)
-    from carpool.gpu_worker.runtime import batch_queues
+    from carpool.gpu_worker.serving import batch_queues
 
     settings = settings_of(app)
     decode_json_fast()

@@ -1,15 +1,15 @@
-"""A GPU worker's state and its work per batch: claim, run, finish; and its heartbeat.
+"""A GPU worker's state and its work per batch: claim, run, store; and its heartbeat.
 
 Per batch: claim the requests this batch still owns (a recovered request may already be someone
-else's) and learn which are answered already, in one script; answer REVOKED those this worker heard
-revoked (Celery's remote control), fail those past their deadline; run the rest padded to a
-multiple of 8; then, in one more script, store every request's result under its own task id
-(write-once; a failure also under the rest of its chain), acknowledge the batch's requests, report
-its timing to the coordinator's latency model and publish the per-request task events. Two Redis
-round trips per batch when the result backend is a database of the broker's server (the default),
-a few more otherwise. Last, the callbacks, chains' next steps and error callbacks of the requests
-whose results this run stored are applied (:mod:`carpool.celery_edge.links`): after the finish
-script, so a worker that dies between the two loses them.
+else's) and learn which are answered already, in one script (:mod:`carpool.gpu_worker.claimed` sorts
+its answer); answer REVOKED those this worker heard revoked (Celery's remote control), fail those
+past their deadline; run the rest padded to a multiple of 8; then, in one more script, store every
+request's result under its own task id (write-once; a failure also under the rest of its chain),
+acknowledge the batch's requests, report its timing to the coordinator's latency model and publish
+the per-request task events. Two Redis round trips per batch when the result backend is a database
+of the broker's server (the default), a few more otherwise. What surrounds that finish (its retries,
+the results it refused, the links applied after it) is :mod:`carpool.gpu_worker.finish`'s; which
+tasks and batch queues a worker serves, :mod:`carpool.gpu_worker.serving`'s.
 
 Under load the work overlaps the device (:mod:`carpool.gpu_worker.stage`): the Celery thread claims
 and sorts a batch and hands it to the device thread, which checks deadlines and runs it, and hands
@@ -27,33 +27,31 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import redis
 from celery import Celery
-from celery.exceptions import TaskRevokedError
 
 from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
-from carpool.celery_edge import compat, links
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
-from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
-from carpool.codec import storable, stored_form
-from carpool.config import Settings
-from carpool.errors import ConfigError, DeadlineExceeded, ModelError, WireError
+from carpool.celery_edge.results import FAILURE, SUCCESS
+from carpool.codec import storable
+from carpool.errors import DeadlineExceeded, ModelError, WireError
+from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
+from carpool.gpu_worker.finish import apply_links, chain_failures, count_rejected, retrying
 from carpool.gpu_worker.runner import pick_device, run_call_isolating
+from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks
 from carpool.gpu_worker.stage import DeviceStage, Finisher
 from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import client_for
-from carpool.redis_edge.keys import REJECTED_WRITES, Keys
+from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore
-from carpool.registry import TaskSpec, import_task_modules, registered
-from carpool.wire import BatchMessage, BatchReport, Links, RequestSlot, batch_report, read_batch
+from carpool.registry import import_task_modules, registered
+from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
 
 log = logging.getLogger(__name__)
 
@@ -61,24 +59,6 @@ BATCH_REPR_LIMIT = 1024  # characters of a batch report in its task-succeeded ev
 HEARTBEAT_S = 1.0
 LIVE_STARTED_S = 0.5  # batches longer than this publish their STARTED events before running
 DEVICE_SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a worker with a device stage
-
-T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class ClaimedBatch:
-    """A batch claimed on the Celery thread, to be run and stored on whichever thread completes it."""
-
-    batch: BatchMessage
-    task_id: str | None  # of its carpool.run_batch task
-    t0: float  # perf_counter when that task started
-    events: TaskEvents  # this batch's own buffer
-    batches_queued: int | None  # batch messages queued behind it when claimed (None: not counted)
-    ack_ids: list[str] = field(default_factory=list)  # every request claimed: acknowledged at the end
-    to_run: list[RequestSlot] = field(default_factory=list)  # run if within their deadline
-    entries: list[tuple[str, str, Any]] = field(default_factory=list)  # outcomes: (id, state, value)
-    linked: dict[str, Links] = field(default_factory=dict)  # callbacks, chains, error callbacks
-    inboxes: dict[str, str] = field(default_factory=dict)  # request id -> its producer's result inbox
 
 
 class WorkerRuntime:
@@ -226,34 +206,8 @@ class WorkerRuntime:
         self, batch: BatchMessage, events: TaskEvents, task_id: str | None, t0: float
     ) -> ClaimedBatch:
         """Claim the batch's requests and sort them: not this batch's, answered already, revoked, to run."""
-        requests = batch["requests"]
-        ids = [r["id"] for r in requests]
-        flags, batches_queued = self._claim(batch["id"], ids)
-        claimed = ClaimedBatch(batch, task_id, t0, events, batches_queued)
-        revoked = compat.revoked_ids()
-        revoked_ids = revoked if len(revoked) else None  # Celery's remote control fills it
-        for r, flag in zip(requests, flags, strict=True):
-            if flag == 0:  # another batch's now
-                continue
-            claimed.ack_ids.append(r["id"])
-            if flag != 1:  # answered already (a rerun after recovery)
-                continue
-            if "links" in r:
-                claimed.linked[r["id"]] = r["links"]
-            if "inbox" in r:
-                claimed.inboxes[r["id"]] = r["inbox"]
-            if revoked_ids is not None and r["id"] in revoked_ids:
-                claimed.entries.append((r["id"], REVOKED, TaskRevokedError("revoked")))
-            else:
-                claimed.to_run.append(r)
-        if len(claimed.ack_ids) < len(requests):
-            log.info(
-                "batch %s: %d of %d requests now belong elsewhere; skipped",
-                batch["id"],
-                len(requests) - len(claimed.ack_ids),
-                len(requests),
-            )
-        return claimed
+        flags, batches_queued = self._claim(batch["id"], [r["id"] for r in batch["requests"]])
+        return claimed_batch(batch, flags, batches_queued, task_id, t0, events)
 
     def _complete_or_report(self, claimed: ClaimedBatch) -> None:
         """:meth:`_complete` on the device stage's thread, sending the batch task's failure if it fails."""
@@ -314,71 +268,20 @@ class WorkerRuntime:
             elapsed = time.perf_counter() - claimed.t0
             events.succeeded(claimed.task_id, report, elapsed, limit=BATCH_REPR_LIMIT)
         linked = claimed.linked
-        writes = entries + self._chain_failures(entries, linked) if linked else entries
+        writes = entries + chain_failures(entries, linked) if linked else entries
         ack_ids = claimed.ack_ids
         published = events.take()
         # Redis may be restarting: the results are computed, so keep trying to hand them over
         # for a while before giving the batch up to recovery.
         inboxes = claimed.inboxes
-        stored = _retrying(
+        stored = retrying(
             lambda: self._finish(writes, ack_ids, report, batch["coordinator"], published, inboxes)
         )
         if len(stored) < len(writes):
-            self._count_rejected(batch_id, writes, stored)
+            count_rejected(self.client, self.store.keys.stats, batch_id, writes, stored)
         if linked:
-            self._apply_links(batch["task"], entries, stored, linked)
+            apply_links(self.app, self.backend, batch["task"], entries, stored, linked)
         return report
-
-    def _count_rejected(self, batch_id: str, writes: list[tuple[str, str, Any]], stored: list[int]) -> None:
-        """Count, in the stats hash, the results write-once refused: a second run of a request that
-        was answered meanwhile. Only observability: the first answer stands either way."""
-        kept = set(stored)
-        refused = [w[0] for i, w in enumerate(writes, 1) if i not in kept]
-        log.warning(
-            "batch %s: %d result(s) not stored, answered already by an earlier run (first answer kept): %s",
-            batch_id,
-            len(refused),
-            ", ".join(refused[:5]),
-        )
-        try:
-            self.client.hincrby(self.store.keys.stats, REJECTED_WRITES, len(refused))
-        except redis.RedisError as exc:
-            log.warning("could not count rejected writes: %s", exc)
-
-    @staticmethod
-    def _chain_failures(
-        entries: list[tuple[str, str, Any]], linked: dict[str, Links]
-    ) -> list[tuple[str, str, Any]]:
-        """The failures to store under the chain steps after each failed request (as Celery does)."""
-        out: list[tuple[str, str, Any]] = []
-        for task_id, state, value in entries:
-            if state == FAILURE and task_id in linked:
-                out += links.chain_failures(linked[task_id], value)
-        return out
-
-    def _apply_links(
-        self,
-        task: str,
-        entries: list[tuple[str, str, Any]],
-        stored: list[int],
-        linked: dict[str, Links],
-    ) -> None:
-        """Apply the callbacks, chains and error callbacks of the requests whose results this run
-        stored (see :mod:`carpool.celery_edge.links`: after the results, so at most once)."""
-        unsent: list[tuple[str, str, Any]] = []
-        for i in stored:
-            if i > len(entries):  # a chain step's propagated failure
-                continue
-            task_id, state, value = entries[i - 1]
-            request_links = linked.get(task_id)
-            if request_links is None:
-                continue
-            if state == SUCCESS:  # the next steps get the result as .get() returns it
-                unsent += links.on_success(self.app, task_id, request_links, stored_form(value))
-            elif state == FAILURE:
-                links.on_failure(self.app, task_id, task, request_links, value)
-        if unsent:
-            _retrying(lambda: self.backend.store_many(unsent))
 
     def _claim(self, batch_id: str, ids: list[str]) -> tuple[list[int], int | None]:
         """Per id: 0 (no longer this batch's), 1 (claimed, to run) or 2 (claimed, answered already);
@@ -411,7 +314,7 @@ class WorkerRuntime:
         padded_len = 0
         try:
             lengths = [r["len"] for r in live]
-            spec = self._spec(batch["task"])
+            spec = served_spec(self.specs, self.served, batch["task"])
             t0 = time.perf_counter()
             call = spec.batch_function(batch["model"], self.device, self.settings)
             outcomes = run_call_isolating(call, [r["item"] for r in live], lengths)
@@ -431,16 +334,6 @@ class WorkerRuntime:
             else:
                 entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
         return run_s, padded_len
-
-    def _spec(self, task: str) -> TaskSpec:
-        spec = self.specs.get(task)
-        if spec is None:
-            raise LookupError(
-                f"this worker does not serve {task!r} (serves {', '.join(sorted(self.served))}); "
-                "add its module to CARPOOL_IMPORTS here, or route its batches to workers that serve it "
-                "(@batched(batch_queue=...))"
-            )
-        return spec
 
     def _finish(
         self,
@@ -482,44 +375,3 @@ def _send_failure(events: TaskEvents, task_id: str, exc: BaseException, t0: floa
     """Publish the batch task's task-failed event now (nothing else will carry it)."""
     events.failed(task_id, exc, time.perf_counter() - t0, traceback.format_exc())
     events.flush()
-
-
-def _retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0.1) -> T:
-    """``call()``, retried while Redis is unreachable; pauses double from 0.1 s to 5 s, about 11 s in all."""
-    pause = first_pause_s
-    for attempt in range(attempts):
-        try:
-            return call()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if attempt == attempts - 1:
-                raise
-            log.warning("redis unavailable (%s); retrying in %.1fs", exc, pause)
-            time.sleep(pause)
-            pause = min(5.0, pause * 2)
-    raise AssertionError("unreachable")
-
-
-def served_tasks(serve: tuple[str, ...], specs: dict[str, TaskSpec]) -> frozenset[str]:
-    """The tasks a worker runs: those named (a dedicated worker), else every task (``carpool.infer``
-    and those of ``CARPOOL_IMPORTS``)."""
-    if not serve:
-        return frozenset(specs)
-    unknown = sorted(set(serve) - set(specs))
-    if unknown:
-        raise ConfigError(
-            f"CARPOOL_SERVE_TASKS names {', '.join(unknown)}, which no module in CARPOOL_IMPORTS defines "
-            f"(known: {', '.join(sorted(specs))})"
-        )
-    return frozenset(serve)
-
-
-def batch_queues(settings: Settings) -> list[str]:
-    """The batch queues a worker with ``settings`` consumes: those of the tasks it serves."""
-    import_task_modules(settings.imports)
-    specs = registered()
-    queues = []
-    for task in sorted(served_tasks(settings.serve_tasks, specs)):
-        queue = specs[task].batch_queue or settings.batch_queue
-        if queue not in queues:
-            queues.append(queue)
-    return queues

@@ -1,0 +1,102 @@
+"""Around a batch's finish: what it writes besides the results, how it is handed over, what follows it.
+
+The runtime stores a batch's outcomes in one finish
+(:meth:`~carpool.gpu_worker.runtime.WorkerRuntime._finish`: results write-once, acknowledgements,
+report and task events). Around it: a failed request's failure goes to the rest of its chain in that
+same finish (:func:`chain_failures`, as Celery does); the finish is retried while Redis restarts,
+since the results are computed (:func:`retrying`); the results it refused, answered meanwhile by an
+earlier run, are counted (:func:`count_rejected`); and after it, the callbacks, chains' next steps
+and error callbacks of the requests whose results it stored are applied (:func:`apply_links`,
+:mod:`carpool.celery_edge.links`), so a worker that dies between the two loses them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from celery import Celery
+
+from carpool.celery_edge import links
+from carpool.celery_edge.results import FAILURE, SUCCESS
+from carpool.codec import stored_form
+from carpool.redis_edge.keys import REJECTED_WRITES
+from carpool.wire import Links
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def chain_failures(
+    entries: list[tuple[str, str, Any]], linked: dict[str, Links]
+) -> list[tuple[str, str, Any]]:
+    """The failures to store under the chain steps after each failed request (as Celery does)."""
+    out: list[tuple[str, str, Any]] = []
+    for task_id, state, value in entries:
+        if state == FAILURE and task_id in linked:
+            out += links.chain_failures(linked[task_id], value)
+    return out
+
+
+def retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0.1) -> T:
+    """``call()``, retried while Redis is unreachable; pauses double from 0.1 s to 5 s, about 11 s in all."""
+    pause = first_pause_s
+    for attempt in range(attempts):
+        try:
+            return call()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if attempt == attempts - 1:
+                raise
+            log.warning("redis unavailable (%s); retrying in %.1fs", exc, pause)
+            time.sleep(pause)
+            pause = min(5.0, pause * 2)
+    raise AssertionError("unreachable")
+
+
+def count_rejected(
+    client: redis.Redis, stats_key: str, batch_id: str, writes: list[tuple[str, str, Any]], stored: list[int]
+) -> None:
+    """Count, in the stats hash, the results write-once refused: a second run of a request that
+    was answered meanwhile. Only observability: the first answer stands either way."""
+    kept = set(stored)
+    refused = [w[0] for i, w in enumerate(writes, 1) if i not in kept]
+    log.warning(
+        "batch %s: %d result(s) not stored, answered already by an earlier run (first answer kept): %s",
+        batch_id,
+        len(refused),
+        ", ".join(refused[:5]),
+    )
+    try:
+        client.hincrby(stats_key, REJECTED_WRITES, len(refused))
+    except redis.RedisError as exc:
+        log.warning("could not count rejected writes: %s", exc)
+
+
+def apply_links(
+    app: Celery,
+    backend: Any,
+    task: str,
+    entries: list[tuple[str, str, Any]],
+    stored: list[int],
+    linked: dict[str, Links],
+) -> None:
+    """Apply the callbacks, chains and error callbacks of the requests whose results this run
+    stored (see :mod:`carpool.celery_edge.links`: after the results, so at most once)."""
+    unsent: list[tuple[str, str, Any]] = []
+    for i in stored:
+        if i > len(entries):  # a chain step's propagated failure
+            continue
+        task_id, state, value = entries[i - 1]
+        request_links = linked.get(task_id)
+        if request_links is None:
+            continue
+        if state == SUCCESS:  # the next steps get the result as .get() returns it
+            unsent += links.on_success(app, task_id, request_links, stored_form(value))
+        elif state == FAILURE:
+            links.on_failure(app, task_id, task, request_links, value)
+    if unsent:
+        retrying(lambda: backend.store_many(unsent))
