@@ -1,10 +1,12 @@
 """The coordinator: drains Celery request messages from Redis into length-binned micro-batches.
 
-``loop`` runs the process (Redis and Celery I/O, orchestration), ``intake`` turns taken messages
+``loop`` runs the process (its steps and the waits between them), ``intake`` turns taken messages
 into the policy's requests, ``stage`` does so for a large take on threads while the loop goes on,
-``deferred`` holds requests until their eta, ``revokes`` hears Celery's
-revoke broadcasts, ``waiting`` decides how the loop waits between steps, ``publish`` hands batches to
-workers, ``metrics`` serves Prometheus metrics and ``stats`` writes the gauges and counters
+``admission`` puts them into the policy, ``deferred`` holds requests until their eta, ``revokes``
+hears Celery's revoke broadcasts, ``answers`` stores what the coordinator answers itself (refusals,
+revokes, dead letters), ``waiting`` decides how the loop waits between steps, ``dispatch`` carries
+out the policy's plan, ``publish`` hands batches to workers, ``reports`` reads the workers' batch
+reports, ``metrics`` serves Prometheus metrics and ``stats`` writes the gauges and counters
 ``carpool status`` reads. The batching decisions themselves live in the pure ``carpool.batching``.
 """
 

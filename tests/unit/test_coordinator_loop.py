@@ -482,7 +482,7 @@ def test_the_take_behind_a_wait_in_redis_is_the_next_steps_take(clocks: Clocks) 
     assert c.store.waited_on == c.keys.request_queue and c.store.queue == []
     c.store.queue.append(("b", message("b", "one two three")))  # came after that take
     c.step(ahead)
-    assert c._held == {"a"} and [i for i, _ in c.store.queue] == ["b"], "the step took nothing more"
+    assert c.held == {"a"} and [i for i, _ in c.store.queue] == ["b"], "the step took nothing more"
 
 
 class NamedUser(FakeClient):

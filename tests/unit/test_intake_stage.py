@@ -106,7 +106,7 @@ def clocks() -> Clocks:
 def staged(clocks: Clocks, **overrides: Any) -> tuple[Any, ByHand]:
     c = coordinator(clocks, workers=0, max_batch=4, **overrides)
     pool = ByHand()
-    c.stage = IntakeStage(c._take_chunk, 1, chunk=4, executor=pool)
+    c.stage = IntakeStage(c.take_chunk, 1, chunk=4, executor=pool)
     return c, pool
 
 

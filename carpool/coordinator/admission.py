@@ -1,0 +1,114 @@
+"""Taken requests into the coordinator's hold: into the policy, deferred until their eta, or refused."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from carpool.batching import Request
+from carpool.celery_edge.requests import Incoming
+from carpool.coordinator.answers import answer_revoked, dead_letter, fail
+from carpool.coordinator.intake import Intake, Refused
+from carpool.errors import DeadlineExceeded
+
+if TYPE_CHECKING:
+    from carpool.coordinator.loop import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+def admit_taken(c: Coordinator, taken: list[tuple[str, bytes]], now: float) -> None:
+    """Admit ``taken`` at once when it is small and the stage idle (a lone request gets no extra
+    hop), else hand it to the intake stage."""
+    c.stats.taken += len(taken)
+    c.metrics.requests.inc(len(taken))
+    if len(c.revoked_ids):
+        taken, revoked = c.revoked_ids.split(taken)
+        if revoked:
+            answer_revoked(c, revoked)
+    room = c.settings.max_pending - len(c.policy) - len(c.deferred) - c.stage.reserved
+    if c.stage.busy or len(taken) > c.settings.max_batch:
+        c.stage.submit(taken, room)
+    else:
+        admit(c, c.take_chunk(taken, room), now)
+
+
+def admit_finished(c: Coordinator) -> None:
+    """Admit the chunks the intake stage finished; a request revoked meanwhile is answered so."""
+    intakes, errors = c.stage.finished()
+    for error in errors:
+        log.error(
+            "preparing taken requests failed; they return to the queue when their lease runs out",
+            exc_info=error,
+        )
+    now = c.clock()
+    for intake in intakes:
+        if len(c.revoked_ids):
+            revoked = [msg.id for msg, _ in intake.admitted if msg.id in c.revoked_ids]
+            if revoked:
+                inboxes = {m.id: m.inbox for m, _ in intake.admitted if m.inbox and m.id in c.revoked_ids}
+                answer_revoked(c, revoked, inboxes)
+                gone = set(revoked)
+                intake.admitted = [(m, r) for m, r in intake.admitted if m.id not in gone]
+        admit(c, intake, now)
+
+
+def admit(c: Coordinator, intake: Intake, now: float) -> None:
+    for bad in intake.malformed:
+        dead_letter(c, bad)
+    refused = intake.refused
+    for msg, request in intake.admitted:
+        c.held.add(request.id)
+        if msg.eta_at is not None and request.arrival_s > now:
+            refusal = _defer(c, msg, request, now)
+            if refusal is not None:
+                refused.append(refusal)
+            continue
+        c.policy.add(request)
+        if msg.links is None:
+            c.events.received(request.id, msg.argsrepr, msg.kwargsrepr, name=msg.task)
+        else:
+            _received(c, msg)
+    if refused:
+        fail(c, refused)
+    c.pacer.changed()
+
+
+def release_due(c: Coordinator, now: float) -> float | None:
+    """Move the requests whose eta has come into the policy; returns when the next one comes due."""
+    due = c.deferred.due(now)
+    if due:
+        for request in due:
+            c.policy.add(request)
+        c.pacer.changed()
+    return c.deferred.next_due_s()
+
+
+def _defer(c: Coordinator, msg: Incoming, request: Request, now: float) -> Refused | None:
+    """Hold ``request`` until its eta (it stays leased in flight meanwhile), or refuse it when it
+    expires first: it could never run."""
+    if request.deadline_s <= request.arrival_s:
+        c.held.discard(request.id)
+        error = DeadlineExceeded(
+            f"the request expires {request.arrival_s - request.deadline_s:.3f} s before its eta "
+            "(countdown/eta later than expires); send it with an expires after its eta"
+        )
+        return Refused(request.id, "deadline", error, message=msg)
+    c.deferred.add(request, request.arrival_s)
+    assert msg.eta_at is not None
+    _received(c, msg, eta=datetime.fromtimestamp(msg.eta_at, UTC).isoformat())
+    return None
+
+
+def _received(c: Coordinator, msg: Incoming, eta: str | None = None) -> None:
+    links = msg.links or {}
+    c.events.received(
+        msg.id,
+        msg.argsrepr,
+        msg.kwargsrepr,
+        name=msg.task,
+        root_id=links.get("root_id"),
+        parent_id=links.get("parent_id"),
+        eta=eta,
+    )

@@ -1,0 +1,85 @@
+"""What the coordinator answers itself instead of batching: refusals (FAILURE), revokes, dead letters."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
+
+from celery.exceptions import TaskRevokedError
+
+from carpool.celery_edge import links
+from carpool.celery_edge.results import FAILURE, REVOKED
+from carpool.coordinator.intake import Malformed, Refused
+from carpool.wire import Links, RequestSlot
+
+if TYPE_CHECKING:
+    from carpool.coordinator.loop import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+def revoke(c: Coordinator, ids: list[str]) -> None:
+    """Remember revoked ``ids``, and answer REVOKED those held here (for their eta, or while no
+    worker is up). Dispatched ones are the workers' to check when they claim them."""
+    c.revoked_ids.remember(ids)
+    revoked = set(ids)
+    held = c.deferred.discard(revoked) + c.policy.discard(revoked)
+    if held:
+        answer_revoked(c, [r.id for r in held], _inboxes(r.payload for r in held))
+        c.pacer.changed()
+
+
+def answer_revoked(c: Coordinator, ids: list[str], inboxes: dict[str, str] | None = None) -> None:
+    """Answer ``ids`` REVOKED (``inboxes``: the result inboxes of those whose producer named one)."""
+    c.held.difference_update(ids)
+    entries = [(i, REVOKED, TaskRevokedError("revoked")) for i in ids]
+    c.backend.store_many(entries, inboxes=inboxes)
+    c.store.ack(ids)
+    for request_id in ids:
+        c.events.revoked(request_id)
+    log.info("revoked %d requests before they were batched", len(ids))
+
+
+def dead_letter(c: Coordinator, bad: Malformed) -> None:
+    log.warning("dead-lettering message %s: %s", bad.id, bad.reason)
+    c.store.dead_letter(bad.id, bad.raw, bad.reason)
+    c.stats.failed["malformed"] += 1
+    c.metrics.failed("malformed")
+
+
+def fail(c: Coordinator, refused: list[Refused]) -> None:
+    """Store each refusal as its request's failure (and its chain steps'), acknowledge them, then
+    call their error callbacks (:mod:`carpool.celery_edge.links`)."""
+    entries: list[tuple[str, str, Any]] = [(r.id, FAILURE, r.error) for r in refused]
+    linked: list[tuple[Refused, str | None, Links]] = []
+    for r in refused:
+        task, lk = r.task_and_links()
+        if lk:
+            linked.append((r, task, lk))
+            entries += links.chain_failures(lk, r.error)
+    inboxes = {r.id: inbox for r in refused if (inbox := r.inbox_of()) is not None}
+    stored = c.backend.store_many(entries, inboxes=inboxes)
+    c.store.ack([r.id for r in refused])
+    for r in refused:
+        c.stats.failed[r.reason] += 1
+        c.metrics.failed(r.reason)
+        if r.message is not None:  # refused at intake: Flower has not seen it received yet
+            c.events.received(r.id, r.message.argsrepr, r.message.kwargsrepr, name=r.message.task)
+        c.events.failed(r.id, r.error)
+        log.info("request %s failed (%s): %s", r.id, r.reason, r.error)
+    if linked:
+        answered = set(stored)
+        for r, task, lk in linked:
+            if r.id in answered:
+                links.on_failure(c.app, r.id, task, lk, r.error)
+
+
+def _inboxes(slots: Iterable[object]) -> dict[str, str]:
+    """Request id -> result inbox, for the request slots whose producer named one."""
+    out = {}
+    for slot in cast("Iterable[RequestSlot]", slots):
+        inbox = slot.get("inbox")
+        if inbox is not None:
+            out[slot["id"]] = inbox
+    return out

@@ -1,0 +1,102 @@
+"""The policy's plan carried out: expired requests failed, batches published and recorded as outstanding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from carpool.batching import Batch, Plan
+from carpool.batching.capacity import Capacity, pool_capacity
+from carpool.coordinator.answers import fail
+from carpool.coordinator.intake import Refused
+from carpool.errors import DeadlineExceeded
+from carpool.wire import RequestSlot
+
+if TYPE_CHECKING:
+    from carpool.coordinator.loop import Coordinator
+
+
+@dataclass(slots=True)
+class OutstandingBatch:
+    """A batch dispatched and not yet reported: its requests, predicted run time and dispatch time."""
+
+    ids: list[str]
+    model: str
+    predicted_s: float
+    dispatched_s: float
+
+
+def dispatch(c: Coordinator, now: float) -> float | None:
+    """Carry out the policy's plan for ``now``; returns when the plan wants asking again."""
+    if c.workers == 0:
+        # Nobody could run a batch: hold everything (a deadline flush would only expire in the
+        # batch queue) and fail what expires here.
+        plan = Plan(expired=c.policy.expire(now), wake_at_s=c.policy.next_deadline())
+    else:
+        cap = _capacity(c)
+        plan = c.policy.poll(now, cap.free_workers, cap.free_slots, cap.ahead_s)
+    if plan.expired:
+        where = "in the coordinator's queue"
+        c.held.difference_update(r.id for r in plan.expired)
+        fail(
+            c,
+            [
+                Refused(
+                    r.id,
+                    "deadline",
+                    DeadlineExceeded.waited(now - r.deadline_s, where),
+                    task=c.task_name(r.model),
+                    links=cast("RequestSlot", r.payload).get("links"),
+                    inbox=cast("RequestSlot", r.payload).get("inbox"),
+                )
+                for r in plan.expired
+            ],
+        )
+    if plan.batches:
+        _publish(c, plan.batches, now)
+    return plan.wake_at_s
+
+
+def _capacity(c: Coordinator) -> Capacity:
+    return pool_capacity(
+        c.workers, c.settings.prefetch_batches, (o.predicted_s for o in c.outstanding.values())
+    )
+
+
+def _publish(c: Coordinator, batches: list[Batch], now: float) -> None:
+    """Hand ``batches`` on (:mod:`carpool.coordinator.publish`); a group Redis did not take goes
+    back into the policy, still held and leased by us, to leave with a later plan."""
+    wall_now = c.wall()
+    for queue, group in c.publisher.by_queue(batches).items():
+        try:
+            batch_ids = c.publisher.publish(queue, group, wall_now, c.events.take())
+        except Exception:
+            for batch in group:
+                for req in batch.requests:
+                    c.policy.add(req)
+            c.pacer.changed()
+            raise
+        for batch_id, batch in zip(batch_ids, group, strict=True):
+            _dispatched(c, batch_id, batch, now)
+
+
+def _dispatched(c: Coordinator, batch_id: str, batch: Batch, now: float) -> None:
+    ids = [r.id for r in batch.requests]
+    predicted = c.latency.predict(batch.model, batch.padded_tokens)
+    c.outstanding[batch_id] = OutstandingBatch(ids, batch.model, predicted, now)
+    c.held.difference_update(ids)
+    c.stats.batches += 1
+    c.stats.dispatched += batch.size
+    c.stats.padded_tokens += batch.padded_tokens
+    c.stats.real_tokens += batch.real_tokens
+    c.stats.flush[batch.flush_reason.value] += 1
+    c.stats.sizes[batch.size] += 1
+    c.metrics.batch_dispatched(
+        batch.model,
+        batch.bin_label,
+        batch.size,
+        batch.padded_tokens,
+        batch.real_tokens,
+        batch.flush_reason.value,
+        [now - r.arrival_s for r in batch.requests],
+    )
