@@ -107,6 +107,7 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(task_of=self.task_name)
         self.held: set[str] = set()  # taken, not yet dispatched or answered: leased by us
         self._next_housekeeping = 0.0
+        self._next_renewal = 0.0
         self._next_stats = 0.0
         self._stats_writer = StatsWriter(self.client, self.keys, self.hostname, self.wall)
         self._wait_lists = {
@@ -313,10 +314,14 @@ class Coordinator:
         self.workers = self.store.live_workers()
         self.metrics.workers.set(self.workers)
         give_up_unreported(self, now)
-        renew = list(self.held) + self.stage.held_ids()
-        for out in self.outstanding.values():
-            renew.extend(out.ids)
-        self.store.renew_held(renew)
+        if now >= self._next_renewal:
+            renew = list(self.held) + self.stage.held_ids()
+            for out in self.outstanding.values():
+                renew.extend(out.ids)
+            self.store.renew_held(renew)
+            # Four renewals per lease: one late step cannot let a lease run out, and a deep
+            # backlog (all of it leased by us) costs Redis one pass over it per quarter lease.
+            self._next_renewal = now + self.settings.recovery_timeout_s / 4
         recovered = self.store.reap()
         if recovered:
             log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)

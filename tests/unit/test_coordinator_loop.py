@@ -45,6 +45,8 @@ class Clocks:
 class FakeStore:
     """The coordinator's calls into Redis, answered from memory."""
 
+    renewals = 0
+
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self.queue: list[tuple[str, bytes]] = []
@@ -75,6 +77,7 @@ class FakeStore:
 
     def renew_held(self, ids: Sequence[str]) -> int:
         self.renewed = list(ids)
+        self.renewals += 1
         return len(ids)
 
     def requeue(self, ids: Sequence[str]) -> int:
@@ -344,6 +347,21 @@ def test_a_request_refused_at_intake_is_received_before_it_fails(clocks: Clocks)
 
 
 # --- countdown / eta -------------------------------------------------------------------------------
+def test_held_leases_are_renewed_four_times_a_lease_not_at_every_housekeeping(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0, recovery_timeout_s=8.0)  # no worker: the requests stay held
+    c.store.queue += [(i, message(i, "hello there")) for i in ("a", "b")]
+    c.step()  # housekeeping (and the first renewal), then the take
+    assert c.store.renewals == 1 and len(c.held) == 2
+    # Housekeeping runs every second (a quarter of 8 s, capped at 1 s), here at 1.2 s: no renewal.
+    for _ in range(3):
+        clocks.advance(0.6)
+        c.step()
+    assert c.store.renewals == 1
+    clocks.advance(0.5)  # 2.3 s: a quarter lease after the first renewal
+    c.step()
+    assert c.store.renewals == 2 and sorted(c.store.renewed) == ["a", "b"]
+
+
 def test_a_request_is_held_until_its_eta_then_batched(clocks: Clocks) -> None:
     c = coordinator(clocks, workers=1, idle_poll_s=1.0)
     c.store.queue.append(("later", message("later", "hello", eta=iso(WALL_START + 0.5))))
@@ -353,7 +371,7 @@ def test_a_request_is_held_until_its_eta_then_batched(clocks: Clocks) -> None:
     # Nothing else to do: it waits for new requests, but no longer than until the eta.
     assert wait.block_on is WaitFor.REQUESTS and wait.seconds == pytest.approx(0.5)
     clocks.advance(0.2)
-    c._next_housekeeping = 0.0
+    c._next_housekeeping = c._next_renewal = 0.0
     c.step()
     assert "later" in c.store.renewed, "its lease is renewed while it is held"
     clocks.advance(0.29)

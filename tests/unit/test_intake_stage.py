@@ -124,6 +124,7 @@ def test_a_large_take_joins_the_policy_chunk_by_chunk_and_stays_leased_meanwhile
     wait = c.step()
     assert len(c.policy) == 0 and len(pool.waiting) == 3
     assert wait.block_on is WaitFor.INTAKE, "the loop waits for the next chunk"
+    c._next_renewal = 0.0
     c.housekeeping(clocks.mono())
     assert sorted(c.store.renewed) == sorted(ids), "taken but not admitted: still renewed"
     pool.run(1)
