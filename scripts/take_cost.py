@@ -7,16 +7,12 @@ mixed texts), then drains them ``--count`` at a time with three scripts, twice e
 Redis's own CPU (INFO cpu) per request: ``rpop``, the pop and the reply alone (the floor of any
 take that hands the messages over); ``rpop+hset``, plus keeping each raw message in a hash (what
 crash recovery needs); ``take``, carpool's ``take.lua`` (also the task id found in each message,
-the lease set and any origin recorded). Needs ``redis-server`` on PATH.
+the lease set and any origin recorded). On an embedded redis-server (as the tests start one).
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
-import tempfile
-import time
 
 import redis
 
@@ -25,6 +21,8 @@ from carpool.config import Settings
 from carpool.producer.submit import submit_many
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.lua import source
+from carpool.redis_edge.store import RequestStore
+from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import ACCELERATOR_MIX, mixed_texts
 
 _RPOP = "local got = redis.call('RPOP', KEYS[#KEYS], ARGV[1]) or {}\nreturn {got, {}}"
@@ -33,13 +31,6 @@ local pairs_ = {}
 for i, raw in ipairs(got) do pairs_[#pairs_ + 1] = redis.sha1hex(raw); pairs_[#pairs_ + 1] = raw end
 if #pairs_ > 0 then redis.call('HSET', KEYS[2], unpack(pairs_)) end
 return {got, {}}"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def redis_cpu_s(client: redis.Redis) -> float:
@@ -54,31 +45,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--count", type=int, default=32, help="requests per take")
     args = parser.parse_args()
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            tempfile.mkdtemp(),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        client = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        url = f"redis://127.0.0.1:{port}"
-        settings = Settings(broker_url=f"{url}/0", result_backend=f"{url}/1", model="null", models=("null",))
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url(0))
+        settings = Settings(
+            broker_url=server.url(0), result_backend=server.url(1), model="null", models=("null",)
+        )
         keys = Keys(settings.request_queue)
         base = keys.request_lists[-1]
         submit_many(
@@ -88,8 +59,8 @@ def main() -> int:
         print(
             f"{len(messages)} messages, {sum(map(len, messages)) / len(messages):.0f} bytes each on average"
         )
-        take_keys = [keys.inflight_lease, keys.inflight_raw, "carpool-bench:reports", keys.inflight_origin]
-        take_keys += keys.request_lists
+        # The take's own KEYS and ARGV, as the coordinator sends them (no reports).
+        take_keys, take_args = RequestStore(client, keys, 30.0)._take_call(args.count, None, 0)
         for name, text in (("rpop", _RPOP), ("rpop+hset", _RPOP_HSET), ("take", source("take"))):
             sha = client.script_load(text)
             for _ in range(2):
@@ -97,13 +68,10 @@ def main() -> int:
                 for first in range(0, len(messages), 1000):
                     client.lpush(base, *reversed(messages[first : first + 1000]))
                 before = redis_cpu_s(client)
-                while client.evalsha(sha, len(take_keys), *take_keys, args.count, 30_000, 0)[0]:
+                while client.evalsha(sha, len(take_keys), *take_keys, *take_args)[0]:
                     pass
                 per_request_us = (redis_cpu_s(client) - before) / len(messages) * 1e6
                 print(f"{name:10s} Redis CPU {per_request_us:5.2f} µs per request")
-    finally:
-        server.terminate()
-        server.wait()
     return 0
 
 

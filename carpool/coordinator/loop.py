@@ -6,8 +6,9 @@ them (``admission``; ``intake``: a small take at once, a large one chunk by chun
 stage's threads, ``stage``, admitting the chunks finished by each step), ask the policy what leaves
 now when something changed (``waiting``), publish those batches in one script call and fail what
 expired (``dispatch``, ``publish``).
-Housekeeping (lease renewal, recovery of requests whose holder died, worker count) runs every
-quarter lease.
+Housekeeping (recovery of requests whose holder died, worker count, batches never reported) runs
+every second (every quarter lease below 4 s); the leases of what the coordinator holds are renewed
+from it once per quarter lease.
 
 Celery's semantics on the way: a request with an eta (``countdown=`` / ``eta=``) is held, leased,
 until then (``deferred``); one revoked while held here, or before it is taken, is answered REVOKED
