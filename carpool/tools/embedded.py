@@ -213,13 +213,22 @@ class SentinelGroup:
         with redis.Redis(port=self.master.port) as master:
             master.client_kill_filter(_type="replica")
 
-    def rejoin(self) -> None:
+    def rejoin(self, timeout_s: float = 30.0) -> None:
         """Start the killed master again on its port, empty, as a replica of the promoted one (what
-        Sentinel would reconfigure it to); ``master`` and ``replica`` then name the new roles."""
+        Sentinel would reconfigure it to), and wait until it holds the new master's data; ``master``
+        and ``replica`` then name the new roles.
+
+        Until that first sync the restarted server is empty, and Sentinel would promote it all the
+        same (a replica that never linked reports no link-down time): had the new master stalled past
+        ``down_after_ms`` then, on a loaded host, the failover would have wiped the group's data.
+        """
         old = self.master
         old.cleanup()
         self.master = self.replica
         self.replica = EmbeddedRedis(port=old.port, replica_of=self.master.port).start()
+        with redis.Redis(port=self.replica.port) as replica:
+            linked = lambda: replica.info("replication").get("master_link_status") == "up"  # noqa: E731
+            _until(linked, time.monotonic() + timeout_s, "the rejoined replica's first sync")
 
     def wait_promoted(self, timeout_s: float = 30.0) -> None:
         """Wait until the Sentinels name the replica master and it accepts writes."""

@@ -3,7 +3,8 @@
 A producer sends requests one at a time through the Sentinel URLs while a coordinator and a worker
 batch them. Then the replica is cut off the master's writes for half a second (as a broken or slow
 link would leave it behind), the master is killed with SIGKILL, the Sentinels promote the replica, the old
-master comes back as a replica of the new one, and the producer keeps sending. Every request whose
+master comes back as a replica of the new one (once it has synced), and the producer keeps sending; in
+one run the new master then stalls and the Sentinels fail over a second time. Every request whose
 send returned must end with its right result on the new master: with ``CARPOOL_WAIT_REPLICAS=1``
 that is asserted (the sends in the lag raise NotReplicated); with 0 (asynchronous replication)
 what was lost is counted and recorded.
@@ -12,8 +13,10 @@ what was lost is counted and recorded.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +56,11 @@ PACE_S = 0.005  # between two sends
 KEYS = Keys("carpool.requests")
 
 
-def run_failover(tmp_path: Path, wait_replicas: int) -> dict[str, Any]:
-    """One run; returns what happened to the requests sent (ids of those accepted, and counts)."""
+def run_failover(
+    tmp_path: Path, wait_replicas: int, after_rejoin: Callable[[SentinelGroup], None] | None = None
+) -> dict[str, Any]:
+    """One run; returns what happened to the requests sent (ids of those accepted, and counts).
+    ``after_rejoin(group)`` runs once the old master is back as a replica, while the producer waits."""
     env = {**ENV, "CARPOOL_WAIT_REPLICAS": str(wait_replicas)}
     with SentinelGroup(MASTER) as group:
         settings = load_settings(
@@ -71,12 +77,18 @@ def run_failover(tmp_path: Path, wait_replicas: int) -> dict[str, Any]:
         ) as h:
             try:
                 h.start_stack(1)
-                return _produce_through_failover(group, h, app, settings)
+                return _produce_through_failover(group, h, app, settings, after_rejoin)
             finally:
                 release_result_consumer(app)
 
 
-def _produce_through_failover(group: SentinelGroup, h: Harness, app: Any, settings: Any) -> dict[str, Any]:
+def _produce_through_failover(
+    group: SentinelGroup,
+    h: Harness,
+    app: Any,
+    settings: Any,
+    after_rejoin: Callable[[SentinelGroup], None] | None,
+) -> dict[str, Any]:
     texts = iter(mixed_texts(5000, seed=14))
     accepted: dict[str, str] = {}  # id -> text of every request whose send returned
     unconfirmed: dict[str, str] = {}  # sent, but NotReplicated: on the master, maybe not on a replica
@@ -110,6 +122,8 @@ def _produce_through_failover(group: SentinelGroup, h: Harness, app: Any, settin
         assert time.monotonic() - t_kill < 30, "the Sentinels did not promote the replica"
     promoted_s = time.monotonic() - t_kill
     group.rejoin()
+    if after_rejoin is not None:
+        after_rejoin(group)
     end = time.monotonic() + AFTER_RETURN_S
     while time.monotonic() < end:
         send()
@@ -171,6 +185,32 @@ def _right_results(app: Any, stored: dict[str, bytes], texts: dict[str, str]) ->
 def test_failover_with_wait_loses_no_accepted_request(tmp_path: Path) -> None:
     outcome = run_failover(tmp_path, wait_replicas=1)
     record("kill -9 the Redis master under Sentinel, CARPOOL_WAIT_REPLICAS=1", **outcome)
+    assert outcome["accepted"] > 100, outcome
+    assert outcome["lost"] == 0, outcome
+    assert outcome["right"] == outcome["accepted"], outcome
+
+
+def _stall_new_master_until_failed_over(group: SentinelGroup) -> None:
+    """Freeze the promoted master past the Sentinels' down-after (a host stalled under load would),
+    so that they fail over again, onto the old master that has just rejoined."""
+    stalled, rejoined = group.master, group.replica
+    assert stalled.process is not None
+    os.kill(stalled.process.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while group.master_port() != rejoined.port:
+            assert time.monotonic() < deadline, "the Sentinels did not fail over a second time"
+            time.sleep(0.05)
+    finally:
+        os.kill(stalled.process.pid, signal.SIGCONT)
+    group.master, group.replica = rejoined, stalled
+
+
+def test_second_failover_onto_the_rejoined_master_loses_no_accepted_request(tmp_path: Path) -> None:
+    """Right after the first failover the new master stalls and the Sentinels promote the old one,
+    which rejoined a moment before: what it held by then (every WAITed write) is all there is."""
+    outcome = run_failover(tmp_path, wait_replicas=1, after_rejoin=_stall_new_master_until_failed_over)
+    record("kill -9 the master, then stall the promoted one: a second failover", **outcome)
     assert outcome["accepted"] > 100, outcome
     assert outcome["lost"] == 0, outcome
     assert outcome["right"] == outcome["accepted"], outcome
