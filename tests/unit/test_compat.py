@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import celery
 import kombu
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from carpool.celery_edge import compat
 
@@ -34,6 +38,33 @@ def test_installed_versions_are_the_ones_compat_was_written_for(
         f"{name} {version} is outside what carpool.celery_edge.compat was checked against "
         f"({lowest} up to, not including, {first_unsupported}): read the new code behind every "
         "function in compat.py, then widen the range"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "supported"),
+    [("celery", compat.CELERY_VERSIONS), ("kombu", compat.KOMBU_VERSIONS)],
+)
+def test_pyproject_allows_exactly_the_checked_range(
+    name: str, supported: tuple[tuple[int, int], tuple[int, int]]
+) -> None:
+    """pip must not resolve a release compat.py was never read against, nor refuse one it was."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    (requirement,) = [r for r in map(Requirement, dependencies) if r.name == name]
+    lowest, first_unsupported = supported
+    inside = [Version(f"{lowest[0]}.{lowest[1]}.0")]
+    inside.append(Version(f"{first_unsupported[0]}.{first_unsupported[1] - 1}.99"))
+    outside = [
+        Version(f"{lowest[0]}.{lowest[1] - 1}.99"),
+        Version(f"{first_unsupported[0]}.{first_unsupported[1]}.0"),
+    ]
+    assert all(requirement.specifier.contains(v) for v in inside), (
+        f"pyproject's {requirement} refuses a version inside compat.py's {supported}"
+    )
+    assert not any(requirement.specifier.contains(v) for v in outside), (
+        f"pyproject's {requirement} allows a version outside compat.py's {supported}: narrow it, "
+        "or read the new release's code behind compat.py and widen both"
     )
 
 
