@@ -3,7 +3,7 @@
 The runtime stores a batch's outcomes in one finish
 (:meth:`~carpool.gpu_worker.runtime.WorkerRuntime._finish`: results write-once, acknowledgements,
 report and task events). Around it: a failed request's failure goes to the rest of its chain in that
-same finish (:func:`chain_failures`, as Celery does); the finish is retried while Redis restarts,
+same finish (:func:`batch_chain_failures`, as Celery does); the finish is retried while Redis restarts,
 since the results are computed (:func:`retrying`); the results it refused, answered meanwhile by an
 earlier run, are counted (:func:`count_rejected`); and after it, the callbacks, chains' next steps
 and error callbacks of the requests whose results it stored are applied (:func:`apply_links`,
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def chain_failures(
+def batch_chain_failures(
     entries: list[tuple[str, str, Any]], linked: dict[str, Links]
 ) -> list[tuple[str, str, Any]]:
     """The failures to store under the chain steps after each failed request (as Celery does)."""

@@ -41,7 +41,7 @@ from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import storable
 from carpool.errors import DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
-from carpool.gpu_worker.finish import apply_links, chain_failures, count_rejected, retrying
+from carpool.gpu_worker.finish import apply_links, batch_chain_failures, count_rejected, retrying
 from carpool.gpu_worker.runner import pick_device, run_call_isolating
 from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks
 from carpool.gpu_worker.stage import DeviceStage, Finisher
@@ -268,7 +268,7 @@ class WorkerRuntime:
             elapsed = time.perf_counter() - claimed.t0
             events.succeeded(claimed.task_id, report, elapsed, limit=BATCH_REPR_LIMIT)
         linked = claimed.linked
-        writes = entries + chain_failures(entries, linked) if linked else entries
+        writes = entries + batch_chain_failures(entries, linked) if linked else entries
         ack_ids = claimed.ack_ids
         published = events.take()
         # Redis may be restarting: the results are computed, so keep trying to hand them over

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis
 from celery.exceptions import TaskRevokedError
 from redis.exceptions import NoPermissionError, ResponseError
 
@@ -45,10 +46,10 @@ class Clocks:
 class FakeStore:
     """The coordinator's calls into Redis, answered from memory."""
 
-    renewals = 0
-
     def __init__(self, workers: int) -> None:
         self.workers = workers
+        self.renewals = 0
+        self.renew_error: Exception | None = None  # what the next renewal raises, once
         self.queue: list[tuple[str, bytes]] = []
         self.reports: list[dict[str, Any]] = []
         self.acked: list[str] = []
@@ -76,6 +77,9 @@ class FakeStore:
         return self.workers
 
     def renew_held(self, ids: Sequence[str]) -> int:
+        if self.renew_error is not None:
+            error, self.renew_error = self.renew_error, None
+            raise error
         self.renewed = list(ids)
         self.renewals += 1
         return len(ids)
@@ -360,6 +364,23 @@ def test_held_leases_are_renewed_four_times_a_lease_not_at_every_housekeeping(cl
     clocks.advance(0.5)  # 2.3 s: a quarter lease after the first renewal
     c.step()
     assert c.store.renewals == 2 and sorted(c.store.renewed) == ["a", "b"]
+
+
+def test_a_renewal_that_fails_is_retried_at_the_next_step_and_nothing_held_is_dropped(
+    clocks: Clocks,
+) -> None:
+    c = coordinator(clocks, workers=0, recovery_timeout_s=8.0)
+    c.store.queue += [(i, message(i, "hello there")) for i in ("a", "b")]
+    c.step()
+    assert c.store.renewals == 1 and len(c.held) == 2
+    clocks.advance(2.1)  # a quarter lease later: the next renewal is due, and Redis drops the connection
+    c.store.renew_error = redis.ConnectionError("Connection reset by peer")
+    with pytest.raises(redis.ConnectionError):
+        c.step()  # run() backs off and steps again, as the next line does
+    assert c.store.renewals == 1 and len(c.held) == 2
+    clocks.advance(0.1)
+    c.step()  # not a quarter lease later: the missed renewal is due now, not skipped
+    assert c.store.renewals == 2 and sorted(c.store.renewed) == ["a", "b"] and len(c.held) == 2
 
 
 def test_a_request_is_held_until_its_eta_then_batched(clocks: Clocks) -> None:
