@@ -96,6 +96,8 @@ class CoordinatorMetrics:
         self.padded_tokens.labels(task, model).inc(padded)
         self.real_tokens.labels(task, model).inc(real)
         self.flushes.labels(reason).inc()
+        # A bin whose requests all left between two depth writes still gets its (zero) depth series.
+        self._depth_keys.add((model, bin_label))
         hist = self.wait_seconds.labels(task, model)
         for w in waits_s:
             hist.observe(w)

@@ -228,7 +228,33 @@ class SentinelGroup:
         self.replica = EmbeddedRedis(port=old.port, replica_of=self.master.port).start()
         with redis.Redis(port=self.replica.port) as replica:
             linked = lambda: replica.info("replication").get("master_link_status") == "up"  # noqa: E731
-            _until(linked, time.monotonic() + timeout_s, "the rejoined replica's first sync")
+            try:
+                _until(linked, time.monotonic() + timeout_s, "the rejoined replica's first sync")
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc}: {self.describe()}") from None
+
+    def describe(self) -> str:
+        """Each server's replication role and link, and the master each Sentinel names: what a
+        failed wait on this group reports."""
+        parts = []
+        for label, server in (("master", self.master), ("replica", self.replica)):
+            try:
+                with redis.Redis(port=server.port, socket_timeout=2, decode_responses=True) as client:
+                    info = client.info("replication")
+                keep = ("role", "master_port", "master_link_status", "master_sync_in_progress")
+                parts.append(
+                    f"{label} {server.port}: " + " ".join(f"{k}={info[k]}" for k in keep if k in info)
+                )
+            except redis.RedisError as error:
+                parts.append(f"{label} {server.port}: {type(error).__name__}: {error}")
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port, socket_timeout=2) as sentinel:
+                    address = sentinel.sentinel_get_master_addr_by_name(self.master_name)
+                parts.append(f"sentinel {port} names {address[1] if address else None}")
+            except redis.RedisError as error:
+                parts.append(f"sentinel {port}: {type(error).__name__}")
+        return "; ".join(parts)
 
     def wait_promoted(self, timeout_s: float = 30.0) -> None:
         """Wait until the Sentinels name the replica master and it accepts writes."""
