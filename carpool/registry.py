@@ -29,6 +29,8 @@ BatchFunction = Callable[[list[Any]], Sequence[Any]]
 LengthFunction = Callable[[Any], int]
 #: A worker's batch: (the requests' travelling items, their lengths) -> one output per item.
 BatchCall = Callable[[list[Any], list[int]], Sequence[Any]]
+#: A batch started on an asynchronous device: (items, lengths) -> a function waiting for its outputs.
+LaunchCall = Callable[[list[Any], list[int]], Callable[[], Sequence[Any]]]
 
 #: The module that registers the built-in ``carpool.infer``; every coordinator and worker imports it.
 BUILTIN_TASK_MODULE = "carpool.tasks"
@@ -96,6 +98,12 @@ class TaskSpec(ABC):
     @abstractmethod
     def batch_function(self, key: str, device: str, settings: Settings) -> BatchCall:
         """What a worker runs for one batch of ``key`` (worker)."""
+
+    def launch_function(self, key: str, device: str, settings: Settings) -> LaunchCall | None:
+        """How a worker starts a batch of ``key`` without waiting for it, where the device runs
+        asynchronously (then the worker queues the next batch on the device before collecting this
+        one's outputs); None: ``batch_function`` computes synchronously."""
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,18 @@ def forward_padded(
     return output_rows(model.forward(ids, mask))
 
 
+def launch_padded(
+    model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]
+) -> Callable[[], Sequence[Any]]:
+    """``model.launch`` of the rows padded (under ``inference_mode``); the function returned waits
+    for the batch and gives what :func:`forward_padded` would have."""
+    ids, mask = pad(rows, lengths, model.pad_id)
+    torch = sys.modules.get("torch")
+    with torch.inference_mode() if torch is not None else contextlib.nullcontext():
+        collect = model.launch(ids, mask)  # type: ignore[attr-defined]
+    return lambda: output_rows(collect())
+
+
 def output_rows(outputs: Any) -> Sequence[Any]:
     """A model's outputs, one per row: a numpy array's rows stay arrays (written straight from them;
     float32 ones as :func:`carpool.codec.float32_rows` gives them), a 1-D array's values become

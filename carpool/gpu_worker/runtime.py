@@ -14,7 +14,9 @@ tasks and batch queues a worker serves, :mod:`carpool.gpu_worker.serving`'s.
 Under load the work overlaps the device (:mod:`carpool.gpu_worker.stage`): the Celery thread claims
 and sorts a batch and hands it to the device thread, which checks deadlines and runs it, and hands
 the rest to the finisher thread; a lone batch (none queued behind it, the device thread idle) runs
-start to end on the Celery thread, with no hand-off.
+start to end on the Celery thread, with no hand-off. Where the task's device runs asynchronously
+(a model with ``launch``), the device thread launches the next batch before it collects this one's
+outputs, so the device has the next batch queued while the thread hands this one over.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, cast
 
@@ -42,7 +45,7 @@ from carpool.codec import storable
 from carpool.errors import DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
 from carpool.gpu_worker.finish import apply_links, batch_chain_failures, count_rejected, retrying
-from carpool.gpu_worker.runner import pick_device, run_call_isolating
+from carpool.gpu_worker.runner import OutputCountMismatch, pick_device, run_call_isolating
 from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks
 from carpool.gpu_worker.stage import DeviceStage, Finisher
 from carpool.names import RUN_BATCH_TASK
@@ -50,7 +53,7 @@ from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore
-from carpool.registry import import_task_modules, registered
+from carpool.registry import LaunchCall, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,7 @@ class WorkerRuntime:
         self._stage: DeviceStage | None = None  # set by start(): batches run beside the next claim
         self._finisher: Finisher | None = None  # set by start(): results stored beside the next batch
         self._last_run_s: dict[str, float] = {}
+        self._collected_at = 0.0  # perf_counter time the last launched batch's outputs came back
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.settings.torch_threads:
@@ -112,13 +116,21 @@ class WorkerRuntime:
         if self.settings.overlap_finish:
             self._finisher = Finisher()
         if self.settings.overlap_device:
-            self._stage = DeviceStage()
+            self._stage = DeviceStage(launches=self._launches())
             # A device thread waking from its batch waits for the GIL at most this long (Python's
             # default interval is longer than a fast device's batch).
             sys.setswitchinterval(DEVICE_SWITCH_INTERVAL_S)
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()
+
+    def _launches(self) -> bool:
+        """Whether any batch this worker serves starts on an asynchronous device."""
+        return any(
+            spec.launch_function(key, self.device, self.settings) is not None
+            for spec in self.specs.values()
+            for key in spec.keys(self.settings)
+        )
 
     def stop(self) -> None:
         """Let the batches claimed run and their results be stored, then leave."""
@@ -209,18 +221,43 @@ class WorkerRuntime:
         flags, batches_queued = self._claim(batch["id"], [r["id"] for r in batch["requests"]])
         return claimed_batch(batch, flags, batches_queued, task_id, t0, events)
 
-    def _complete_or_report(self, claimed: ClaimedBatch) -> None:
-        """:meth:`_complete` on the device stage's thread, sending the batch task's failure if it fails."""
+    def _complete_or_report(self, claimed: ClaimedBatch) -> Callable[[], None] | None:
+        """:meth:`_start` on the device stage's thread, sending the batch task's failure if it fails;
+        the batch's completion when it was launched on an asynchronous device (the stage calls it
+        after starting the next batch), else None once the batch is complete."""
         try:
-            self._complete(claimed)
+            complete, launched = self._start(claimed)
+            if not launched:
+                complete()
+                return None
         except Exception as exc:
-            if claimed.task_id:
-                _send_failure(claimed.events, claimed.task_id, exc, claimed.t0)
+            self._report_failure(claimed, exc)
             raise
+
+        def completion() -> None:
+            try:
+                complete()
+            except Exception as exc:
+                self._report_failure(claimed, exc)
+                raise
+
+        return completion
+
+    @staticmethod
+    def _report_failure(claimed: ClaimedBatch, exc: Exception) -> None:
+        if claimed.task_id:
+            _send_failure(claimed.events, claimed.task_id, exc, claimed.t0)
 
     def _complete(self, claimed: ClaimedBatch) -> BatchReport | None:
         """Run a claimed batch's requests still within their deadline, then store every outcome:
         here, or on the finisher's thread while the device runs the next batch (then None)."""
+        complete, _ = self._start(claimed)
+        return complete()
+
+    def _start(self, claimed: ClaimedBatch) -> tuple[Callable[[], BatchReport | None], bool]:
+        """Fail the batch's requests past their deadline and start the rest on the device: (what
+        completes the batch, whether the rest were launched on an asynchronous device and are
+        still running there)."""
         batch, entries = claimed.batch, claimed.entries
         now = time.time()
         live: list[RequestSlot] = []
@@ -230,10 +267,31 @@ class WorkerRuntime:
             else:
                 late = DeadlineExceeded.waited(now - r["deadline"], "when its batch started")
                 entries.append((r["id"], FAILURE, late))
-        run_s = None
-        padded_len = 0
-        if live:
-            run_s, padded_len = self._forward(batch, live, entries, claimed.events)
+        if not live:
+            return partial(self._hand_over, claimed, live, None, 0), False
+        launch = self._launch_function(batch)
+        started = False
+        if launch is not None:
+            self._started(batch, live, claimed.events)
+            started = True
+            try:
+                launched_at = time.perf_counter()
+                collect = launch([r["item"] for r in live], [r["len"] for r in live])
+                return partial(self._collect, claimed, live, collect, launched_at), True
+            except Exception as exc:
+                log.warning(
+                    "batch %s: launch failed (%s: %s); running it synchronously",
+                    batch["id"],
+                    type(exc).__name__,
+                    exc,
+                )
+        run_s, padded_len = self._forward(batch, live, entries, claimed.events, started=started)
+        return partial(self._hand_over, claimed, live, run_s, padded_len), False
+
+    def _hand_over(
+        self, claimed: ClaimedBatch, live: list[RequestSlot], run_s: float | None, padded_len: int
+    ) -> BatchReport | None:
+        """Store the batch's outcomes: here, or on the finisher's thread (then None)."""
         finisher, stage = self._finisher, self._stage
         # Another batch queued, or waiting in the device stage beside this one: the device can
         # start it while this one's results are stored.
@@ -296,20 +354,88 @@ class WorkerRuntime:
         flags = [(2 if i in answered else 1) if ok else 0 for i, ok in zip(ids, owned, strict=True)]
         return flags, None
 
+    def _started(self, batch: BatchMessage, live: list[RequestSlot], events: TaskEvents) -> None:
+        # Published before running only when someone could watch the batch as STARTED; otherwise
+        # they leave with the results, in the batch's one publish.
+        events.started([r["id"] for r in live])
+        if self._last_run_s.get(batch["model"], 0.0) > LIVE_STARTED_S:
+            events.flush()
+
+    def _launch_function(self, batch: BatchMessage) -> LaunchCall | None:
+        """How the batch's task starts a batch on an asynchronous device; None where its device
+        computes synchronously or the task is unavailable (:meth:`_forward` reports why)."""
+        try:
+            spec = served_spec(self.specs, self.served, batch["task"])
+            return spec.launch_function(batch["model"], self.device, self.settings)
+        except Exception:
+            return None
+
+    def _collect(
+        self,
+        claimed: ClaimedBatch,
+        live: list[RequestSlot],
+        collect: Callable[[], Sequence[Any]],
+        launched_at: float,
+    ) -> BatchReport | None:
+        """Wait for a launched batch's outputs, then hand the batch over to be stored. A batch that
+        failed on the device runs again synchronously, split until its failures are alone."""
+        batch, entries = claimed.batch, claimed.entries
+        try:
+            outputs = list(collect())
+        except Exception as exc:
+            log.warning(
+                "batch %s failed on the device (%s: %s); running it again synchronously",
+                batch["id"],
+                type(exc).__name__,
+                exc,
+            )
+            rerun_s, padded_len = self._forward(batch, live, entries, claimed.events, started=True)
+            return self._hand_over(claimed, live, rerun_s, padded_len)
+        done = time.perf_counter()
+        # The device ran this batch from when it was launched or the previous batch came back,
+        # whichever is later: queued behind another batch is not this batch's run time.
+        device_s = done - max(launched_at, self._collected_at)
+        self._collected_at = done
+        self._last_run_s[batch["model"]] = device_s
+        run_s: float | None = device_s
+        if len(outputs) != len(live):
+            mismatch = OutputCountMismatch(f"returned {len(outputs)} outputs for {len(live)} items")
+            outcomes: list[tuple[bool, Any]] = [(False, mismatch)] * len(live)
+            run_s = None
+        else:
+            outcomes = [(True, out) for out in outputs]
+            spec = served_spec(self.specs, self.served, batch["task"])
+            if spec.checks_outputs:
+                outcomes = storable(spec.name, outcomes)
+                if not all(ok for ok, _ in outcomes):
+                    run_s = None
+        self._record(live, outcomes, entries)
+        padded_len = padded_length(max(max(r["len"] for r in live), 1))
+        return self._hand_over(claimed, live, run_s, padded_len)
+
+    @staticmethod
+    def _record(
+        live: list[RequestSlot], outcomes: list[tuple[bool, Any]], entries: list[tuple[str, str, Any]]
+    ) -> None:
+        for r, (ok, out) in zip(live, outcomes, strict=True):
+            if ok:
+                entries.append((r["id"], SUCCESS, out))
+            else:
+                entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
+
     def _forward(
         self,
         batch: BatchMessage,
         live: list[RequestSlot],
         entries: list[tuple[str, str, Any]],
         events: TaskEvents,
+        started: bool = False,
     ) -> tuple[float | None, int]:
         """Run ``live`` on the model, appending each request's outcome to ``entries``; returns
-        (model time, or None when a failure split the batch; padded length)."""
-        # Published before running only when someone could watch the batch as STARTED; otherwise
-        # they leave with the results, in the batch's one publish.
-        events.started([r["id"] for r in live])
-        if self._last_run_s.get(batch["model"], 0.0) > LIVE_STARTED_S:
-            events.flush()
+        (model time, or None when a failure split the batch; padded length). ``started``: the
+        requests' STARTED events were sent already (by a launch that failed)."""
+        if not started:
+            self._started(batch, live, events)
         run_s = None
         padded_len = 0
         try:
@@ -328,11 +454,7 @@ class WorkerRuntime:
         except Exception as exc:  # model or task failed to load: every request fails with the reason
             log.exception("batch %s: %s unavailable", batch["id"], batch["model"])
             outcomes = [(False, exc)] * len(live)
-        for r, (ok, out) in zip(live, outcomes, strict=True):
-            if ok:
-                entries.append((r["id"], SUCCESS, out))
-            else:
-                entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
+        self._record(live, outcomes, entries)
         return run_s, padded_len
 
     def _finish(

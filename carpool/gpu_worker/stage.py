@@ -2,7 +2,9 @@
 
 The Celery thread claims a batch and hands it to the :class:`DeviceStage`, whose thread runs it on
 the device and hands its results to the :class:`Finisher`, whose thread stores them: while the
-device runs batch k, the Celery thread prepares batch k+1 and the finisher stores batch k-1. Each
+device runs batch k, the Celery thread prepares batch k+1 and the finisher stores batch k-1. On an
+asynchronous device (a model with ``launch``) the device thread also starts batch k+1 before it
+collects batch k's outputs, so the device never waits for the thread between two batches. Each
 job carries the ids of the requests it holds, which the heartbeat keeps leased until the job is
 done; a job that fails is logged and its requests are left to lease recovery, as a dead worker's.
 """
@@ -22,15 +24,26 @@ class Stage:
 
     :meth:`submit` blocks while ``depth`` jobs are held, so the submitter never runs more than that
     far ahead and nothing piles up in memory.
+
+    A job may return a function that completes it (a batch launched on an asynchronous device
+    returns what collects its outputs): the thread then starts up to ``ahead`` jobs before it
+    completes the oldest, and completes one at once whenever no other job is waiting to start. A
+    job stays held, its requests leased, until it is complete.
     """
 
-    def __init__(self, name: str, depth: int, failure: str) -> None:
+    def __init__(self, name: str, depth: int, failure: str, ahead: int = 1) -> None:
         if depth < 1:
             raise ValueError("depth must be an integer >= 1")
+        if not 1 <= ahead <= depth:
+            raise ValueError("ahead must be an integer from 1 to depth")
         self.depth = depth
+        self.ahead = ahead
         self._failure = failure
         self._changed = threading.Condition()
-        self._held: deque[tuple[Callable[[], object], list[str]]] = deque()  # running first
+        # Held jobs, oldest first: the started ones (completions in _started, same order), then
+        # the waiting ones.
+        self._held: deque[tuple[Callable[[], object], list[str]]] = deque()
+        self._started: deque[Callable[[], object]] = deque()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -70,15 +83,28 @@ class Stage:
             with self._changed:
                 while not self._held:
                     self._changed.wait()
-                job = self._held[0][0]
-            try:
-                job()
-            except Exception:
-                log.exception("%s failed; its requests return through lease recovery", self._failure)
-            finally:
+                started = len(self._started)
+                job = self._held[started][0] if started < min(self.ahead, len(self._held)) else None
+            if job is None:  # nothing more may start now: complete the oldest started job
+                self._run(self._started.popleft(), index=0)
+                continue
+            completion = self._run(job, index=started)
+            if callable(completion):
+                self._started.append(completion)
+
+    def _run(self, call: Callable[[], object], index: int) -> object:
+        """``call()``; the job at ``index`` of those held is done unless it returned its completion."""
+        outcome: object = None
+        try:
+            outcome = call()
+        except Exception:
+            log.exception("%s failed; its requests return through lease recovery", self._failure)
+        finally:
+            if not callable(outcome):
                 with self._changed:
-                    self._held.popleft()
+                    del self._held[index]
                     self._changed.notify_all()
+        return outcome
 
 
 class Finisher(Stage):
@@ -91,7 +117,10 @@ class Finisher(Stage):
 
 class DeviceStage(Stage):
     """Runs batches on the device while the Celery thread claims the next: one running and at most
-    one waiting beside it, so the worker never claims far ahead of its device."""
+    one waiting beside it, so the worker never claims far ahead of its device. On an asynchronous
+    device (``launches``): two started, the second queued on the device behind the first, and one
+    waiting, so the next batch is claimed while the thread collects the oldest."""
 
-    def __init__(self) -> None:
-        super().__init__("carpool-device", depth=2, failure="running a batch")
+    def __init__(self, launches: bool = False) -> None:
+        depth, ahead = (3, 2) if launches else (2, 1)
+        super().__init__("carpool-device", depth=depth, failure="running a batch", ahead=ahead)

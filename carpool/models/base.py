@@ -11,6 +11,13 @@ A model has two halves that run in different processes:
 Optionally, ``count_tokens(texts) -> list[int]`` gives untruncated lengths; with it carpool can
 reject over-long texts (``CARPOOL_TRUNCATE=false``) instead of truncating them.
 
+Optionally, ``launch(input_ids, attention_mask)`` starts a batch on an asynchronous device and returns
+at once with a function that waits for that batch and gives what ``forward`` would have (a CUDA
+model queues its kernels and a non-blocking copy of the output to pinned host memory, and waits on
+an event). A worker then starts the next batch before it collects this one, so the device has
+work queued behind the running batch while the worker's thread handles the previous batch's outputs.
+Leave it out (or ``None``) where ``forward`` computes synchronously, as on a CPU.
+
 Write your own by implementing :class:`BatchModel` and set ``CARPOOL_MODEL=package.module:ClassName``.
 The class is built with no arguments; keep heavy imports (torch) inside ``load``.
 """

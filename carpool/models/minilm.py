@@ -8,7 +8,7 @@ Loads from the installed package only, never from a hub.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,8 @@ from carpool.models.bert_ascii import AsciiPath, ascii_path, encode_ids
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+
+    Launch = Callable[[npt.NDArray[np.int64], npt.NDArray[np.int64]], Callable[[], npt.NDArray[np.float32]]]
 
 
 def model_dir() -> Path:
@@ -44,6 +46,8 @@ def _head(text: str, limit: int) -> str:
 class MiniLM:
     pad_id = 0
     needs_token_ids = True
+    #: set by ``load`` on CUDA, where kernels and copies are asynchronous (see carpool.models.base)
+    launch: Launch | None = None
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or model_dir()
@@ -101,6 +105,8 @@ class MiniLM:
         self._model = model.eval().to(device)
         self._device = device
         self._autocast = autocast_bf16 and device.startswith("cuda")
+        if device.startswith("cuda"):
+            self.launch = self._launch_cuda
         self._torch = torch
 
     def forward(
@@ -109,11 +115,35 @@ class MiniLM:
         torch = self._torch
         ids = torch.from_numpy(input_ids).to(self._device)
         mask = torch.from_numpy(attention_mask).to(self._device)
+        # The array itself: results are written from it, with no Python float per value in between.
+        return self._embed(ids, mask).cpu().numpy()  # type: ignore[no-any-return]
+
+    def _launch_cuda(
+        self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
+    ) -> Callable[[], npt.NDArray[np.float32]]:
+        """Queue the batch's copies and kernels on the current stream, and the embeddings' copy into
+        pinned host memory; the function returned waits for that copy."""
+        torch = self._torch
+        ids = torch.from_numpy(input_ids).pin_memory().to(self._device, non_blocking=True)
+        mask = torch.from_numpy(attention_mask).pin_memory().to(self._device, non_blocking=True)
+        embeddings = self._embed(ids, mask)
+        host = torch.empty(embeddings.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(embeddings, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def collect() -> npt.NDArray[np.float32]:
+            copied.synchronize()
+            return host.numpy()  # type: ignore[no-any-return]
+
+        return collect
+
+    def _embed(self, ids: Any, mask: Any) -> Any:
+        """Mean-pooled, L2-normalised float32 embeddings of a padded batch already on the device."""
+        torch = self._torch
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._autocast):
             hidden = self._model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))[0]
         hidden = hidden.float()
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-        normed = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        # The array itself: results are written from it, with no Python float per value in between.
-        return normed.detach().cpu().numpy()  # type: ignore[no-any-return]
+        return torch.nn.functional.normalize(pooled, p=2, dim=1).detach()

@@ -2,17 +2,19 @@
 
 ``forward`` keeps a pretend device busy for ``a_s + b_s * padded tokens`` seconds by sleeping, so the
 CPU stays free meanwhile as it does while a real GPU computes, and returns one 384-float row per
-request (MiniLM's output size and type). This is how carpool's own CPU cost per request is measured
+request (MiniLM's output size and type). Like a CUDA stream, the device also takes batches
+asynchronously: ``launch`` queues a batch behind those already on it and returns at once; waiting
+for its outputs sleeps until the device has run it. This is how carpool's own CPU cost per request is measured
 in the regime where the device is fast: on a CPU machine the real model hides it.
 
 The coefficients of the named profiles are fits of all-MiniLM-L6-v2's batch time on the device
 classes they are named after (docs/PERFORMANCE.md, "Accelerator regime"). Set your own with
 ``CARPOOL_SIM_DEVICE=a_s,b_s`` (seconds per batch, seconds per padded token) and model ``sim``.
 
-With ``CARPOOL_SIM_DEVICE_LOG=path`` set, every ``forward`` appends one line to that file,
-``pid start end rows width`` (wall-clock seconds, the padded batch's shape), so a benchmark can tell
-when the device was busy (``carpool bench --accelerator``). Lines are buffered and written every
-``LOG_FLUSH_BATCHES`` batches and at interpreter exit.
+With ``CARPOOL_SIM_DEVICE_LOG=path`` set, every batch appends one line to that file,
+``pid start end rows width`` (wall-clock seconds on the device's timeline, the padded batch's
+shape), so a benchmark can tell when the device was busy (``carpool bench --accelerator``). Lines
+are buffered and written every ``LOG_FLUSH_BATCHES`` batches and at interpreter exit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +126,7 @@ class SimulatedDevice:
         self.max_length: int = self._tokenizer_model.max_length
         self._rows: Any = None  # numpy, imported on load
         self._next = 0  # the first of the next forward's rows
+        self._free_at = 0.0  # wall-clock time the device finishes the batches queued on it
         self._log: DeviceLog | None = None
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
@@ -142,16 +145,29 @@ class SimulatedDevice:
     def forward(
         self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
     ) -> npt.NDArray[np.float32]:
+        return self.launch(input_ids, attention_mask)()
+
+    def launch(
+        self, input_ids: npt.NDArray[np.int64], attention_mask: npt.NDArray[np.int64]
+    ) -> Callable[[], npt.NDArray[np.float32]]:
+        """Queue the batch on the device; the function returned sleeps until the device has run it."""
         import numpy as np
 
         rows, width = attention_mask.shape
-        start = time.time()
-        time.sleep(self.profile.batch_s(rows * width))
+        start = max(time.time(), self._free_at)  # behind whatever the device still runs
+        end = self._free_at = start + self.profile.batch_s(rows * width)
         if self._log is not None:
-            self._log.record(start, time.time(), rows, width)
+            self._log.record(start, end, rows, width)
         first, self._next = self._next, (self._next + rows) % OUTPUT_ROWS
         out: npt.NDArray[np.float32] = self._rows.take(np.arange(first, first + rows) % OUTPUT_ROWS, axis=0)
-        return out
+
+        def collect() -> npt.NDArray[np.float32]:
+            left = end - time.time()
+            if left > 0:
+                time.sleep(left)
+            return out
+
+        return collect
 
 
 class V100(SimulatedDevice):

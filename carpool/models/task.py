@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from carpool.errors import InputTooLong, InvalidInput
 from carpool.models import BatchModel, get_model
-from carpool.registry import BatchCall, Prepared, TaskSpec
+from carpool.registry import BatchCall, LaunchCall, Prepared, TaskSpec
 from carpool.validation import bind_infer_args, validate_infer
 
 if TYPE_CHECKING:
@@ -92,3 +92,9 @@ class InferSpec(TaskSpec):
         from carpool.gpu_worker.runner import forward_padded, loaded_model
 
         return partial(forward_padded, loaded_model(key, device, settings.autocast_bf16))
+
+    def launch_function(self, key: str, device: str, settings: Settings) -> LaunchCall | None:
+        from carpool.gpu_worker.runner import launch_padded, loaded_model
+
+        model = loaded_model(key, device, settings.autocast_bf16)
+        return partial(launch_padded, model) if getattr(model, "launch", None) is not None else None

@@ -58,6 +58,26 @@ def test_minilm_forward_works_outside_inference_mode_and_returns_unit_float32_ro
     rows = model.forward(ids, mask)
     assert isinstance(rows, np.ndarray) and rows.dtype == np.float32 and rows.shape == (2, 384)
     assert np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-5)
+    # On a CPU the forward is synchronous: nothing to launch ahead, the worker runs it as it is.
+    assert getattr(model, "launch", None) is None
+
+
+@pytest.mark.gpu
+def test_on_cuda_minilm_launches_asynchronously_and_collects_what_forward_gives() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = get_model("minilm")
+    model.load("cuda")
+    texts = ["a short text", "a longer text about batching requests of different lengths"]
+    encoded = model.encode(texts)
+    ids, mask = pad(encoded, [len(i) for i in encoded], pad_id=model.pad_id)
+    launch = model.launch  # type: ignore[attr-defined]
+    first, second = launch(ids, mask), launch(ids[:1], mask[:1])  # two queued on the stream
+    expected = model.forward(ids, mask)
+    assert np.allclose(first(), expected, atol=1e-5)
+    assert np.allclose(second(), expected[:1], atol=1e-5)
 
 
 class Exploding:

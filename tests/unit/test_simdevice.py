@@ -73,3 +73,31 @@ def test_no_device_log_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     model = SimulatedDevice()
     model.load("cpu")
     assert model._log is None
+
+
+def test_launch_queues_each_batch_behind_the_one_running_and_returns_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from carpool.models.simdevice import DEVICE_LOG_ENV
+    from carpool.tools.bench.device import read_device_log
+
+    log = tmp_path / "device.log"
+    monkeypatch.setenv("CARPOOL_SIM_DEVICE", "0.05,0.0")
+    monkeypatch.setenv(DEVICE_LOG_ENV, str(log))
+    model = SimulatedDevice()
+    model.load("cpu")
+    mask = np.ones((2, 16), dtype=np.int64)
+    started = time.perf_counter()
+    first = model.launch(mask, mask)
+    second = model.launch(mask[:1], mask[:1])
+    assert time.perf_counter() - started < 0.04, "launching does not wait for the device"
+    rows = first()
+    first_back = time.perf_counter() - started
+    assert rows.shape == (2, 384) and 0.05 <= first_back < 0.1
+    assert second().shape == (1, 384)
+    assert time.perf_counter() - started >= 0.1, "the second batch ran after the first, not beside it"
+    assert model._log is not None
+    model._log.close()
+    a, b = read_device_log(log)
+    assert b.start == pytest.approx(a.end, abs=1e-6), "queued: the device starts it as the first ends"
+    assert a.end - a.start == pytest.approx(0.05, abs=1e-6) == b.end - b.start

@@ -105,9 +105,84 @@ def test_a_failing_batch_leaves_the_device_thread_running(caplog: pytest.LogCapt
     assert "running a batch failed" in caplog.text and "lease recovery" in caplog.text
 
 
+def launching(name: str, log: list[str], gate: threading.Event | None = None) -> Callable[[], object]:
+    """A job as a batch on an asynchronous device: it starts, and returns what completes it."""
+
+    def start() -> Callable[[], None]:
+        if gate is not None:
+            assert gate.wait(HANG_S)
+        log.append(f"start {name}")
+        return lambda: log.append(f"complete {name}")
+
+    return start
+
+
+def test_an_asynchronous_device_stage_starts_the_next_batch_before_completing_the_previous() -> None:
+    stage = DeviceStage(launches=True)
+    log: list[str] = []
+    go = threading.Event()
+    stage.submit(launching("k", log, go), ["a"])
+    stage.submit(launching("k+1", log), ["b"])
+    stage.submit(launching("k+2", log), ["c"])
+    assert stage.held() == 3 and stage.pending_ids() == ["a", "b", "c"]
+    assert stage.wait_for_room(0.05) is False, "two started and one waiting: the Celery thread waits"
+    go.set()
+    assert stage.drain(HANG_S) and stage.pending_ids() == []
+    assert log == ["start k", "start k+1", "complete k", "start k+2", "complete k+1", "complete k+2"]
+
+
+def test_a_lone_started_batch_is_completed_without_waiting_for_another() -> None:
+    stage = DeviceStage(launches=True)
+    log: list[str] = []
+    stage.submit(launching("alone", log), ["a"])
+    assert stage.drain(HANG_S) and log == ["start alone", "complete alone"]
+
+
+def test_a_batch_done_at_its_start_is_released_while_an_earlier_one_is_still_running() -> None:
+    stage = DeviceStage(launches=True)
+    release = threading.Event()
+    done: list[str] = []
+    began = threading.Event()
+
+    def running() -> Callable[[], None]:
+        began.set()
+
+        def complete() -> None:
+            assert release.wait(HANG_S)
+            done.append("k")
+
+        return complete
+
+    stage.submit(running, ["a"])
+    stage.submit(lambda: done.append("k+1"), ["b"])  # a synchronous batch: complete when it returns
+    until(lambda: done == ["k+1"])
+    assert began.is_set() and stage.pending_ids() == ["a"], "k stays leased until it completes"
+    release.set()
+    assert stage.drain(HANG_S) and done == ["k+1", "k"] and stage.pending_ids() == []
+
+
+def test_a_completion_that_fails_is_logged_and_the_stage_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    stage = DeviceStage(launches=True)
+    log: list[str] = []
+
+    def broken() -> Callable[[], None]:
+        def complete() -> None:
+            raise RuntimeError("device lost while copying back")
+
+        return complete
+
+    stage.submit(broken, ["x"])
+    stage.submit(launching("next", log), ["y"])
+    assert stage.drain(HANG_S) and stage.pending_ids() == []
+    assert log == ["start next", "complete next"]
+    assert "running a batch failed" in caplog.text and "device lost" in caplog.text
+
+
 def test_a_stage_needs_room_for_one_job() -> None:
     with pytest.raises(ValueError, match="depth must be an integer >= 1"):
         Stage("nothing", 0, "nothing")
+    with pytest.raises(ValueError, match="ahead must be an integer from 1 to depth"):
+        Stage("too far", 2, "too far", ahead=3)
 
 
 class LeaseStore(FakeStore):
@@ -118,6 +193,7 @@ class LeaseStore(FakeStore):
         self.gate = threading.Event()
         self.renewed: list[str] = []
         self.order: list[str] = []
+        self.all_writes: list[tuple[str, dict[str, Any]]] = []
 
     def heartbeat(self, hostname: str, ttl_s: float) -> None:
         pass
@@ -132,6 +208,7 @@ class LeaseStore(FakeStore):
         assert self.gate.wait(HANG_S)
         stored = super().finish(**kwargs)
         self.order += [task_id for task_id, _ in self.writes]
+        self.all_writes += self.writes
         return stored
 
 
@@ -183,6 +260,88 @@ def test_deadlines_are_checked_when_the_batch_starts_on_the_device(staged: Any) 
     metas = dict(store.writes)
     assert metas["ok"]["status"] == "SUCCESS" and metas["late"]["status"] == "FAILURE"
     assert metas["late"]["result"]["exc_type"] == DeadlineExceeded.__name__
+
+
+class LaunchingSpec:
+    """``carpool.infer`` on an asynchronous device that the test drives: each launch is recorded
+    and returns at once; each collect is recorded, waits for ``device_done`` and gives one output
+    per item (its length), or raises for a batch holding ``fails_on``."""
+
+    name = "carpool.infer"
+    checks_outputs = False
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.first_launch_gate = threading.Event()
+        self.fails_on: str | None = None
+
+    def keys(self, settings: Any) -> tuple[str, ...]:
+        return ("toy",)
+
+    def launch_function(self, key: str, device: str, settings: Any) -> Callable[..., Any]:
+        def launch(items: list[Any], lengths: list[int]) -> Callable[[], list[float]]:
+            if not self.log:
+                assert self.first_launch_gate.wait(HANG_S)
+            name = ",".join(str(n) for n in lengths)
+            self.log.append(f"launch {name}")
+
+            def collect() -> list[float]:
+                self.log.append(f"collect {name}")
+                if self.fails_on is not None and int(self.fails_on) in lengths:
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                return [float(n) for n in lengths]
+
+            return collect
+
+        return launch
+
+    def batch_function(self, key: str, device: str, settings: Any) -> Callable[..., Any]:
+        def run(items: list[Any], lengths: list[int]) -> list[float]:
+            self.log.append("sync " + ",".join(str(n) for n in lengths))
+            return [float(-n) for n in lengths]
+
+        return run
+
+
+@pytest.fixture
+def launching_worker(staged: Any) -> tuple[Any, LaunchingSpec]:
+    log: list[str] = []
+    spec = LaunchingSpec(log)
+    staged.specs = {"carpool.infer": spec}
+    staged._stage = DeviceStage(launches=staged._launches())
+    assert staged._stage.ahead == 2, "a worker serving a launching task starts batches ahead"
+    staged.store.gate.set()
+    staged.store.queued = 1
+    return staged, spec
+
+
+def test_the_worker_launches_the_next_batch_before_collecting_the_one_on_the_device(
+    launching_worker: tuple[Any, LaunchingSpec],
+) -> None:
+    worker, spec = launching_worker
+    for n in (3, 5, 7):  # a batch per length: each request's result is its batch's length
+        assert worker.run(batch(slot(f"r{n}", len=n))) is None, "handed to the device stage"
+    spec.first_launch_gate.set()
+    assert worker._stage.drain(HANG_S) and worker._finisher.drain(HANG_S)
+    assert spec.log[:3] == ["launch 3", "launch 5", "collect 3"], spec.log
+    assert sorted(spec.log) == sorted(f"{step} {n}" for n in (3, 5, 7) for step in ("launch", "collect"))
+    assert worker.store.order == ["r3", "r5", "r7"], "stored in the order claimed"
+    metas = dict(worker.store.writes)
+    assert metas["r7"]["status"] == "SUCCESS" and metas["r7"]["result"] == 7.0
+
+
+def test_a_batch_that_fails_on_the_device_runs_again_synchronously_and_the_next_is_unaffected(
+    launching_worker: tuple[Any, LaunchingSpec],
+) -> None:
+    worker, spec = launching_worker
+    spec.fails_on = "3"
+    spec.first_launch_gate.set()
+    worker.run(batch(slot("bad-luck", len=3), slot("neighbour", len=4)))
+    worker.run(batch(slot("later", len=6)))
+    assert worker._stage.drain(HANG_S) and worker._finisher.drain(HANG_S)
+    assert "sync 3,4" in spec.log, "rerun synchronously, where a failure can be isolated"
+    results = {task_id: meta["result"] for task_id, meta in worker.store.all_writes}
+    assert results == {"bad-luck": -3.0, "neighbour": -4.0, "later": 6.0}
 
 
 class ListEncoder:
