@@ -26,6 +26,7 @@ class AppState:
     def __init__(self, app: Celery, settings: Settings) -> None:
         self.settings = settings
         self._app = app
+        self._connection: Any = None
         self._channel: Any = None
         self._publisher: redis.Redis | None = None
         self._dispatcher: Any = None
@@ -38,7 +39,8 @@ class AppState:
         """A kombu Redis channel of the broker, used only to build messages (no I/O), kept because
         opening one costs a connection and a PING."""
         if self._channel is None:
-            self._channel = self._app.connection_for_write().default_channel
+            self._connection = self._app.connection_for_write()
+            self._channel = self._connection.default_channel
         return self._channel
 
     def publisher(self) -> redis.Redis:
@@ -51,6 +53,16 @@ class AppState:
             client.set_retry(client_options(self.settings)["retry"])
             self._publisher = client
         return self._publisher
+
+    def close(self) -> None:
+        """Disconnect what was built on first use (the next use builds it again)."""
+        if self._publisher is not None:
+            self._publisher.connection_pool.disconnect()
+            self._publisher = None
+        if self._connection is not None:
+            self._connection.release()  # its channel and that channel's connection pool
+            self._connection = self._channel = None
+        self.builders.clear()
 
     def event_dispatcher(self) -> Any:
         """A disabled event dispatcher: the hostname, clock, exchange and headers that task-sent
@@ -68,6 +80,24 @@ class CarpoolCelery(compat.AppWithBackendClass):
     """
 
     carpool: AppState
+
+    def close(self) -> None:
+        """Celery's close, with every connection closed: those carpool keeps (the publisher of
+        ``.delay()`` and ``submit_many``, this thread's result backend's client and pub/sub) and
+        Celery's broker connection pool (Celery's close only drops it)."""
+        backend = self.thread_backend()  # none is made just to be closed
+        if backend is not None:
+            consumer = getattr(backend, "result_consumer", None)
+            if consumer is not None and hasattr(consumer, "release"):
+                consumer.release()
+            client = self.backend_client(backend)
+            if client is not None:
+                client.connection_pool.disconnect()
+        state = getattr(self, "carpool", None)
+        if state is not None:
+            state.close()
+        self.close_connection_pool()
+        super().close()
 
     def result_backend_class(self) -> type[Any]:
         from carpool.celery_edge.results import CarpoolRedisBackend, CarpoolSentinelBackend

@@ -54,6 +54,9 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
         ("result", "state", "traceback", "request", "format_date", "encode"),
     ),
     ("celery:Celery", "_get_backend", ()),
+    ("celery:Celery", "_local", None),
+    ("celery:Celery", "_pool", None),
+    ("celery.backends.redis:RedisBackend", "client", None),
     ("celery.backends.base:Backend", "_call_task_errbacks", ("request", "exc", "traceback")),
     ("celery.worker:state", "revoked", None),
     ("kombu.transport.redis:Channel", "_inplace_augment_message", ("message", "exchange", "routing_key")),
@@ -153,6 +156,22 @@ class AppWithBackendClass(Celery):
 
     def _get_backend(self) -> Any:
         return self.result_backend_class()(app=self, url=self.conf.result_backend)
+
+    def thread_backend(self) -> Any:
+        """This thread's result backend if it was made (Celery makes one per thread on first use of
+        ``app.backend``), else None."""
+        return getattr(self._local, "backend", None)
+
+    def close_connection_pool(self) -> None:
+        """Close the connections of Celery's broker connection pool, if it was made (Celery's own
+        ``close`` only drops it)."""
+        pool = self._pool
+        if pool is not None:
+            pool.force_close_all()
+
+    def backend_client(self, backend: Any) -> Any:
+        """``backend``'s Redis client if it was made (a cached property), else None."""
+        return backend.__dict__.get("client")
 
 
 # --- kombu's Redis channel (kombu.transport.redis.Channel) ------------------------------------

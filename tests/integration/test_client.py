@@ -17,7 +17,7 @@ import pytest
 
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, as_bytes, start_stack, store_later
+from tests.integration.conftest import Processes, as_bytes, server_of, start_stack, store_later
 
 pytestmark = pytest.mark.integration
 
@@ -746,3 +746,31 @@ def test_a_plain_celery_client_reads_the_results_gather_returns(processes: Proce
     rows = {row.tobytes() for row in output_table()}  # what the model returns, a row per request
     assert all(isinstance(v, float) for v in got[0])
     assert all(np.array(g, dtype=np.float64).astype(np.float32).tobytes() in rows for g in got)
+
+
+def test_closing_the_app_closes_every_connection_carpool_opened(processes: Processes) -> None:
+    """``app.close()`` closes every connection the app opened: those carpool keeps (the publisher
+    of ``.delay()`` and ``submit_many``, the result backend's client and its pub/sub) and Celery's
+    broker pool, which Celery's own close only drops. (Celery keeps the app as the thread's current
+    app, so nothing would be garbage-collected: what close leaves open stays open.)"""
+    import psutil
+
+    from carpool.celery_edge.app import create_app
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
+
+    def to_redis() -> int:
+        port = server_of(processes).port
+        connections = psutil.Process().net_connections(kind="tcp")
+        return sum(1 for c in connections if c.raddr and c.raddr.port == port and c.status == "ESTABLISHED")
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    before = to_redis()
+    app = create_app(processes.settings().model_copy(update={"model": "toy", "models": ("toy",)}))
+    queue = app.carpool.settings.request_queue
+    one = app.send_task("carpool.infer", args=["a single request"], queue=queue)
+    assert isinstance(one.get(timeout=60), list)
+    assert len(gather(submit_many(["first", "second text"], app=app), timeout=60)) == 2
+    assert to_redis() > before, "the app's connections are open while it is used"
+    app.close()
+    assert to_redis() == before
