@@ -256,6 +256,26 @@ class SentinelGroup:
                 parts.append(f"sentinel {port}: {type(error).__name__}")
         return "; ".join(parts)
 
+    def failover_complete(self) -> bool:
+        """Whether every Sentinel names the replica master with no failover in progress, and the
+        replica says it is master: only then is the old master, restarted, a replica in every
+        Sentinel's view (restarted sooner, an aborted or unfinished failover can leave Sentinels that
+        still call it master, and they may promote the empty server)."""
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port, decode_responses=True, socket_timeout=2) as sentinel:
+                    state = sentinel.sentinel_master(self.master_name)
+            except redis.RedisError:
+                return False
+            assert isinstance(state, dict), state
+            if int(state["port"]) != self.replica.port or "failover_in_progress" in str(state["flags"]):
+                return False
+        try:
+            with redis.Redis(port=self.replica.port, decode_responses=True, socket_timeout=2) as replica:
+                return bool(replica.info("replication")["role"] == "master")
+        except redis.RedisError:
+            return False
+
     def wait_promoted(self, timeout_s: float = 30.0) -> None:
         """Wait until the Sentinels name the replica master and it accepts writes."""
         with redis.Redis(port=self.replica.port, decode_responses=True) as replica:

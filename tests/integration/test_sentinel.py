@@ -121,6 +121,9 @@ def _produce_through_failover(
         send()
         assert time.monotonic() - t_kill < 30, "the Sentinels did not promote the replica"
     promoted_s = time.monotonic() - t_kill
+    while not group.failover_complete():  # what a restarted server must wait for (see its docstring)
+        send()
+        assert time.monotonic() - t_kill < 60, f"the failover did not complete: {group.describe()}"
     group.rejoin()
     if after_rejoin is not None:
         after_rejoin(group)
