@@ -82,9 +82,9 @@ class CarpoolCelery(compat.AppWithBackendClass):
     carpool: AppState
 
     def close(self) -> None:
-        """Celery's close, with every connection closed: those carpool keeps (the publisher of
-        ``.delay()`` and ``submit_many``, this thread's result backend's client and pub/sub) and
-        Celery's broker connection pool (Celery's close only drops it)."""
+        """Celery's close, and the connections carpool keeps beside Celery's pool closed: the
+        publisher of ``.delay()`` and ``submit_many``, this thread's result backend's client and
+        its pub/sub."""
         backend = self.thread_backend()  # none is made just to be closed
         if backend is not None:
             consumer = getattr(backend, "result_consumer", None)
@@ -96,7 +96,9 @@ class CarpoolCelery(compat.AppWithBackendClass):
         state = getattr(self, "carpool", None)
         if state is not None:
             state.close()
-        self.close_connection_pool()
+        # Celery's broker pool is left to Celery: kombu keys it by the connection's address and
+        # shares it with every app of this process on the same broker, so closing it here would
+        # close theirs.
         super().close()
 
     def result_backend_class(self) -> type[Any]:

@@ -55,7 +55,6 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ),
     ("celery:Celery", "_get_backend", ()),
     ("celery:Celery", "_local", None),
-    ("celery:Celery", "_pool", None),
     ("celery.backends.redis:RedisBackend", "client", None),
     ("celery.backends.base:Backend", "_call_task_errbacks", ("request", "exc", "traceback")),
     ("celery.worker:state", "revoked", None),
@@ -161,13 +160,6 @@ class AppWithBackendClass(Celery):
         """This thread's result backend if it was made (Celery makes one per thread on first use of
         ``app.backend``), else None."""
         return getattr(self._local, "backend", None)
-
-    def close_connection_pool(self) -> None:
-        """Close the connections of Celery's broker connection pool, if it was made (Celery's own
-        ``close`` only drops it)."""
-        pool = self._pool
-        if pool is not None:
-            pool.force_close_all()
 
     def backend_client(self, backend: Any) -> Any:
         """``backend``'s Redis client if it was made (a cached property), else None."""

@@ -749,12 +749,14 @@ def test_a_plain_celery_client_reads_the_results_gather_returns(processes: Proce
 
 
 def test_closing_the_app_closes_every_connection_carpool_opened(processes: Processes) -> None:
-    """``app.close()`` closes every connection the app opened: those carpool keeps (the publisher
-    of ``.delay()`` and ``submit_many``, the result backend's client and its pub/sub) and Celery's
-    broker pool, which Celery's own close only drops. (Celery keeps the app as the thread's current
-    app, so nothing would be garbage-collected: what close leaves open stays open.)"""
+    """``app.close()`` closes the connections carpool keeps beside Celery's pool: the publisher of
+    ``.delay()`` and ``submit_many``, the result backend's client and its pub/sub. (Celery keeps the
+    app as the thread's current app, so nothing would be garbage-collected: what close leaves open
+    stays open.) Celery's own broker pool is shared by every app of the process on the same broker,
+    and a producer that uses only carpool's paths never opens it."""
     import psutil
 
+    import carpool.tasks  # noqa: F401  (registers carpool.infer on every app)
     from carpool.celery_edge.app import create_app
     from carpool.producer.gather import gather
     from carpool.producer.submit import submit_many
@@ -767,10 +769,12 @@ def test_closing_the_app_closes_every_connection_carpool_opened(processes: Proce
     start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
     before = to_redis()
     app = create_app(processes.settings().model_copy(update={"model": "toy", "models": ("toy",)}))
-    queue = app.carpool.settings.request_queue
-    one = app.send_task("carpool.infer", args=["a single request"], queue=queue)
+    one = app.tasks["carpool.infer"].delay("a single request")
     assert isinstance(one.get(timeout=60), list)
     assert len(gather(submit_many(["first", "second text"], app=app), timeout=60)) == 2
     assert to_redis() > before, "the app's connections are open while it is used"
     app.close()
     assert to_redis() == before
+    # Closed, not broken: a closed Celery app is used again the same way, and so is carpool's.
+    assert isinstance(app.tasks["carpool.infer"].delay("after close").get(timeout=60), list)
+    app.close()
