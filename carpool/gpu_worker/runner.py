@@ -136,15 +136,20 @@ def run_call(
     context = torch.inference_mode() if torch is not None else contextlib.nullcontext()
     with context:
         outputs = call(items, lengths)
+    return one_per_item(outputs, len(lengths))
+
+
+def one_per_item(outputs: Any, count: int) -> list[Any]:
+    """A batch's ``outputs`` as a list, or :class:`OutputCountMismatch` unless it holds ``count``."""
     try:
-        outputs = list(outputs)
+        listed: list[Any] = list(outputs)
     except TypeError:
         raise OutputCountMismatch(
             f"returned {type(outputs).__name__}, not a list with one output per item"
         ) from None
-    if len(outputs) != len(lengths):
-        raise OutputCountMismatch(f"returned {len(outputs)} outputs for {len(lengths)} items")
-    return outputs
+    if len(listed) != count:
+        raise OutputCountMismatch(f"returned {len(listed)} outputs for {count} items")
+    return listed
 
 
 def run_call_isolating(

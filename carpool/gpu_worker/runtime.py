@@ -45,7 +45,7 @@ from carpool.codec import storable
 from carpool.errors import DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
 from carpool.gpu_worker.finish import apply_links, batch_chain_failures, count_rejected, retrying
-from carpool.gpu_worker.runner import OutputCountMismatch, pick_device, run_call_isolating
+from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item, pick_device, run_call_isolating
 from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks
 from carpool.gpu_worker.stage import DeviceStage, Finisher
 from carpool.names import RUN_BATCH_TASK
@@ -380,8 +380,11 @@ class WorkerRuntime:
         """Wait for a launched batch's outputs, then hand the batch over to be stored. A batch that
         failed on the device runs again synchronously, split until its failures are alone."""
         batch, entries = claimed.batch, claimed.entries
+        mismatch = None
         try:
-            outputs = list(collect())
+            outputs = one_per_item(collect(), len(live))
+        except OutputCountMismatch as exc:  # splitting cannot say which output is whose
+            mismatch, outputs = exc, []
         except Exception as exc:
             log.warning(
                 "batch %s failed on the device (%s: %s); running it again synchronously",
@@ -398,8 +401,7 @@ class WorkerRuntime:
         self._collected_at = done
         self._last_run_s[batch["model"]] = device_s
         run_s: float | None = device_s
-        if len(outputs) != len(live):
-            mismatch = OutputCountMismatch(f"returned {len(outputs)} outputs for {len(live)} items")
+        if mismatch is not None:
             outcomes: list[tuple[bool, Any]] = [(False, mismatch)] * len(live)
             run_s = None
         else:
@@ -410,8 +412,7 @@ class WorkerRuntime:
                 if not all(ok for ok, _ in outcomes):
                     run_s = None
         self._record(live, outcomes, entries)
-        padded_len = padded_length(max(max(r["len"] for r in live), 1))
-        return self._hand_over(claimed, live, run_s, padded_len)
+        return self._hand_over(claimed, live, run_s, _padded_len(live))
 
     @staticmethod
     def _record(
@@ -450,7 +451,7 @@ class WorkerRuntime:
             self._last_run_s[batch["model"]] = elapsed
             if all(ok for ok, _ in outcomes):
                 run_s = elapsed  # a split batch's time says nothing about the latency model
-            padded_len = padded_length(max(max(lengths), 1))
+            padded_len = _padded_len(live)
         except Exception as exc:  # model or task failed to load: every request fails with the reason
             log.exception("batch %s: %s unavailable", batch["id"], batch["model"])
             outcomes = [(False, exc)] * len(live)
@@ -491,6 +492,11 @@ class WorkerRuntime:
             self.store.replicated("a batch's results", self.backend.client)
             self.store.replicated("a batch's acknowledgements")
         return [i for i, entry in enumerate(entries, 1) if entry[0] in stored_ids]
+
+
+def _padded_len(live: list[RequestSlot]) -> int:
+    """The length a batch of ``live`` was padded to."""
+    return padded_length(max(max(r["len"] for r in live), 1))
 
 
 def _send_failure(events: TaskEvents, task_id: str, exc: BaseException, t0: float) -> None:

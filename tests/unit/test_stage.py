@@ -274,6 +274,7 @@ class LaunchingSpec:
         self.log = log
         self.first_launch_gate = threading.Event()
         self.fails_on: str | None = None
+        self.drops_one = False  # collect gives one output fewer than the batch's items
 
     def keys(self, settings: Any) -> tuple[str, ...]:
         return ("toy",)
@@ -289,7 +290,8 @@ class LaunchingSpec:
                 self.log.append(f"collect {name}")
                 if self.fails_on is not None and int(self.fails_on) in lengths:
                     raise RuntimeError("CUDA error: an illegal memory access was encountered")
-                return [float(n) for n in lengths]
+                outputs = [float(n) for n in lengths]
+                return outputs[1:] if self.drops_one else outputs
 
             return collect
 
@@ -342,6 +344,21 @@ def test_a_batch_that_fails_on_the_device_runs_again_synchronously_and_the_next_
     assert "sync 3,4" in spec.log, "rerun synchronously, where a failure can be isolated"
     results = {task_id: meta["result"] for task_id, meta in worker.store.all_writes}
     assert results == {"bad-luck": -3.0, "neighbour": -4.0, "later": 6.0}
+
+
+def test_a_launched_batch_with_the_wrong_number_of_outputs_fails_whole_and_is_not_rerun(
+    launching_worker: tuple[Any, LaunchingSpec],
+) -> None:
+    worker, spec = launching_worker
+    spec.drops_one = True
+    spec.first_launch_gate.set()
+    worker.run(batch(slot("x", len=3), slot("y", len=4)))
+    worker.run(batch(slot("z", len=5)))  # queued behind: the stage, not the inline path
+    assert worker._stage.drain(HANG_S) and worker._finisher.drain(HANG_S)
+    metas = dict(worker.store.all_writes)
+    assert {metas[i]["status"] for i in ("x", "y", "z")} == {"FAILURE"}
+    assert "1 outputs for 2 items" in metas["x"]["result"]["exc_message"][0]
+    assert not any(step.startswith("sync") for step in spec.log), "splitting cannot say whose output"
 
 
 class ListEncoder:
