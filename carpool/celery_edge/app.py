@@ -85,12 +85,12 @@ class CarpoolCelery(compat.AppWithBackendClass):
         """Celery's close, and the connections carpool keeps beside Celery's pool closed: the
         publisher of ``.delay()`` and ``submit_many``, this thread's result backend's client and
         its pub/sub."""
-        backend = self.thread_backend()  # none is made just to be closed
+        backend = compat.made_backend(self)  # none is made just to be closed
         if backend is not None:
             consumer = getattr(backend, "result_consumer", None)
             if consumer is not None and hasattr(consumer, "release"):
                 consumer.release()
-            client = self.backend_client(backend)
+            client = compat.made_client(backend)
             if client is not None:
                 client.connection_pool.disconnect()
         state = getattr(self, "carpool", None)

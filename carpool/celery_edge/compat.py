@@ -146,6 +146,17 @@ def revoked_ids() -> Collection[str]:
     return revoked
 
 
+def made_backend(app: Celery) -> Any:
+    """This thread's result backend of ``app`` if it was made (Celery makes one per thread on first
+    use of ``app.backend``), else None."""
+    return getattr(app._local, "backend", None)
+
+
+def made_client(backend: Any) -> Any:
+    """``backend``'s Redis client if it was made (a cached property), else None."""
+    return backend.__dict__.get("client")
+
+
 class AppWithBackendClass(Celery):
     """A Celery app whose result backend is ``result_backend_class()`` built on ``result_backend``,
     the plain URL (Celery would pick the class from the URL's scheme)."""
@@ -155,15 +166,6 @@ class AppWithBackendClass(Celery):
 
     def _get_backend(self) -> Any:
         return self.result_backend_class()(app=self, url=self.conf.result_backend)
-
-    def thread_backend(self) -> Any:
-        """This thread's result backend if it was made (Celery makes one per thread on first use of
-        ``app.backend``), else None."""
-        return getattr(self._local, "backend", None)
-
-    def backend_client(self, backend: Any) -> Any:
-        """``backend``'s Redis client if it was made (a cached property), else None."""
-        return backend.__dict__.get("client")
 
 
 # --- kombu's Redis channel (kombu.transport.redis.Channel) ------------------------------------

@@ -31,7 +31,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis
 from celery import Celery
@@ -57,6 +57,8 @@ from carpool.registry import LaunchCall, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BATCH_REPR_LIMIT = 1024  # characters of a batch report in its task-succeeded event (Celery's default)
 HEARTBEAT_S = 1.0
@@ -221,32 +223,25 @@ class WorkerRuntime:
         flags, batches_queued = self._claim(batch["id"], [r["id"] for r in batch["requests"]])
         return claimed_batch(batch, flags, batches_queued, task_id, t0, events)
 
-    def _complete_or_report(self, claimed: ClaimedBatch) -> Callable[[], None] | None:
+    def _complete_or_report(self, claimed: ClaimedBatch) -> Callable[[], object] | None:
         """:meth:`_start` on the device stage's thread, sending the batch task's failure if it fails;
         the batch's completion when it was launched on an asynchronous device (the stage calls it
         after starting the next batch), else None once the batch is complete."""
-        try:
-            complete, launched = self._start(claimed)
-            if not launched:
-                complete()
-                return None
-        except Exception as exc:
-            self._report_failure(claimed, exc)
-            raise
-
-        def completion() -> None:
-            try:
-                complete()
-            except Exception as exc:
-                self._report_failure(claimed, exc)
-                raise
-
-        return completion
+        complete, launched = self._reporting(claimed, partial(self._start, claimed))
+        if not launched:
+            self._reporting(claimed, complete)
+            return None
+        return partial(self._reporting, claimed, complete)
 
     @staticmethod
-    def _report_failure(claimed: ClaimedBatch, exc: Exception) -> None:
-        if claimed.task_id:
-            _send_failure(claimed.events, claimed.task_id, exc, claimed.t0)
+    def _reporting(claimed: ClaimedBatch, call: Callable[[], T]) -> T:
+        """``call()``, sending the batch task's failure if it raises."""
+        try:
+            return call()
+        except Exception as exc:
+            if claimed.task_id:
+                _send_failure(claimed.events, claimed.task_id, exc, claimed.t0)
+            raise
 
     def _complete(self, claimed: ClaimedBatch) -> BatchReport | None:
         """Run a claimed batch's requests still within their deadline, then store every outcome:
