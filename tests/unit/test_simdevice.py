@@ -75,6 +75,9 @@ def test_no_device_log_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert model._log is None
 
 
+BATCH_S = 0.4  # each simulated batch's device time in the launch test
+
+
 def test_launch_queues_each_batch_behind_the_one_running_and_returns_at_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -82,7 +85,7 @@ def test_launch_queues_each_batch_behind_the_one_running_and_returns_at_once(
     from carpool.tools.bench.device import read_device_log
 
     log = tmp_path / "device.log"
-    monkeypatch.setenv("CARPOOL_SIM_DEVICE", "0.05,0.0")
+    monkeypatch.setenv("CARPOOL_SIM_DEVICE", f"{BATCH_S},0.0")
     monkeypatch.setenv(DEVICE_LOG_ENV, str(log))
     model = SimulatedDevice()
     model.load("cpu")
@@ -90,14 +93,16 @@ def test_launch_queues_each_batch_behind_the_one_running_and_returns_at_once(
     started = time.perf_counter()
     first = model.launch(mask, mask)
     second = model.launch(mask[:1], mask[:1])
-    assert time.perf_counter() - started < 0.04, "launching does not wait for the device"
+    # Bounds half a batch wide: only a launch that waited, or two batches run side by side, miss them.
+    assert time.perf_counter() - started < BATCH_S / 2, "launching does not wait for the device"
     rows = first()
     first_back = time.perf_counter() - started
-    assert rows.shape == (2, 384) and 0.05 <= first_back < 0.1
+    assert rows.shape == (2, 384) and BATCH_S <= first_back < 1.5 * BATCH_S
     assert second().shape == (1, 384)
-    assert time.perf_counter() - started >= 0.1, "the second batch ran after the first, not beside it"
+    assert time.perf_counter() - started >= 2 * BATCH_S, "the second batch ran after the first, not beside it"
     assert model._log is not None
     model._log.close()
     a, b = read_device_log(log)
-    assert b.start == pytest.approx(a.end, abs=1e-6), "queued: the device starts it as the first ends"
-    assert a.end - a.start == pytest.approx(0.05, abs=1e-6) == b.end - b.start
+    # The log keeps microseconds: start and end are each rounded to 1e-6 s.
+    assert b.start == pytest.approx(a.end, abs=3e-6), "queued: the device starts it as the first ends"
+    assert a.end - a.start == pytest.approx(BATCH_S, abs=3e-6) == b.end - b.start
