@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from collections.abc import Container
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -148,7 +149,12 @@ def _priority(value: Any) -> int:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    """A finite number of seconds, else None (a client's ``NaN`` or ``Infinity`` means nothing here)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number):
+            return number
+    return None
 
 
 def _when(value: Any) -> float | None:
@@ -156,7 +162,7 @@ def _when(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, int | float):
-        return float(value)
+        return _number(value)
     try:
         dt = datetime.fromisoformat(str(value))
     except ValueError:

@@ -147,7 +147,12 @@ class TaskMessageBuilder:
         task_ids: Sequence[str] | None = None,
         argsreprs: Sequence[str] | None = None,
         header_values: Mapping[str, Any] | None = None,
+        plain: bool = False,
     ) -> TaskMessages:
+        """The messages of ``calls`` (args, kwargs each). ``plain``: every argument is a value as JSON
+        decodes it (dicts with string keys, lists, strings, numbers, booleans, None) and no float in
+        it is inf or nan, so orjson writes the bodies as kombu would, nested values too, without the
+        per-call type check that arbitrary ``.delay()`` arguments need."""
         app, name, qname = self.app, self.name, self.qname
         extra_headers = self.extra_headers
         per_build: tuple[Any, ...] = ()
@@ -222,7 +227,9 @@ class TaskMessageBuilder:
                 if argsrepr is None:
                     argsrepr = saferepr(args, argsrepr_max)
                 kwargsrepr = "{}" if not kwargs else saferepr(kwargs, argsrepr_max)
-                raw = template.render(task_id, args, kwargs, argsrepr, kwargsrepr, next(fresh), per_build)
+                raw = template.render(
+                    task_id, args, kwargs, argsrepr, kwargsrepr, next(fresh), per_build, plain=plain
+                )
                 sent_event = template.sent_event(task_id, argsrepr, kwargsrepr) if evd is not None else None
                 key = template.key
             else:
@@ -232,7 +239,9 @@ class TaskMessageBuilder:
                 if after:
                     built._after.append((body, task_headers))
                 if templating:
-                    self._learn(message, body, sent_event, raw, key, task_id, args, kwargs, evd is not None)
+                    self._learn(
+                        message, body, sent_event, raw, key, task_id, args, kwargs, evd is not None, plain
+                    )
             built.pushes.setdefault(key, []).append(raw)
             if evd is not None and sent_event is not None:
                 sent_event.update(queue=qname, exchange="", routing_key=qname)
@@ -260,6 +269,7 @@ class TaskMessageBuilder:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         with_events: bool,
+        plain: bool,
     ) -> None:
         """Make a template from Celery's first message; trust it once it renders Celery's second."""
         template = self._template
@@ -277,6 +287,7 @@ class TaskMessageBuilder:
             headers["kwargsrepr"],
             message["properties"]["delivery_tag"],
             tuple(headers[h] for h in self.per_build_headers),
+            plain=plain,
         )
         if (
             key != template.key
@@ -377,10 +388,13 @@ class _MessageTemplate:
         kwargsrepr: str,
         tag: str,
         per_build: tuple[Any, ...] = (),
+        *,
+        plain: bool = False,
     ) -> str:
-        # Plain arguments (texts, a model name) are encoded by orjson: the same JSON values as
-        # kombu's encoder, which is kept for anything it would tag (datetime, UUID, ...).
-        data = dumps_plain((args, kwargs, self._embed)) if flat_plain(args, kwargs) else None
+        # Plain arguments (texts, a model name; anything as JSON decoded it) are encoded by orjson:
+        # the same JSON values as kombu's encoder, which is kept for anything it would tag
+        # (datetime, UUID, ...) and for what orjson refuses (integers past 64 bits, lone surrogates).
+        data = dumps_plain((args, kwargs, self._embed)) if plain or flat_plain(args, kwargs) else None
         if data is None:
             data = envelope_dumps((args, kwargs, self._embed)).encode("utf-8")  # type: ignore[no-untyped-call]
         # base64 needs no JSON escaping; the others are encoded once each, however often they appear.

@@ -12,6 +12,7 @@ from celery import Celery
 
 from carpool.batching import Batch
 from carpool.celery_edge.task_messages import TaskMessageBuilder
+from carpool.codec import finite
 from carpool.config import Settings
 from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.store import RequestStore
@@ -57,6 +58,10 @@ class BatchPublisher:
         batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
         calls: list[tuple[list[Any], dict[str, Any]]] = []
         summaries: list[str] = []
+        # Everything in a batch message is JSON the coordinator decoded (items validated finite) or
+        # computed; only a request's links (signatures, as a client sent them) may hold a nan, which
+        # orjson would write as null, so a batch with such links is written by kombu's encoder.
+        plain = True
         for batch_id, batch in zip(batch_ids, batches, strict=True):
             task = self.task_of_key[batch.model].name
             message = batch_message(
@@ -71,6 +76,7 @@ class BatchPublisher:
                 requests=cast("list[RequestSlot]", [r.payload for r in batch.requests]),
             )
             calls.append(([message], {}))
+            plain = plain and all(finite(slot.get("links")) for slot in message["requests"])
             # Flower shows argsrepr; the token ids or items it would otherwise show help nobody.
             padding = batch.padded_tokens / max(1, batch.real_tokens)
             what = f"task={task}" if task == batch.model else f"model={batch.model}"
@@ -78,7 +84,7 @@ class BatchPublisher:
                 f"size={batch.size} bin={batch.bin_label} width={batch.padded_len} "
                 f"padding={padding:.2f} flush={batch.flush_reason.value} {what}"
             )
-        built = self._builder(queue).build(calls, task_ids=batch_ids, argsreprs=summaries)
+        built = self._builder(queue).build(calls, task_ids=batch_ids, argsreprs=summaries, plain=plain)
         (queue_list, raws), *others = built.pushes.items()
         if others:
             raise RuntimeError("batch messages must all go to one list (no priorities on batches)")

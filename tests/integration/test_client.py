@@ -217,12 +217,15 @@ def test_templated_messages_equal_celery_built_ones(
     assert fast_events == slow_events and len(fast_events) == len(calls)
 
 
+@pytest.mark.parametrize("plain", [False, True])
 def test_a_kept_builder_renders_every_message_of_later_builds(
-    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, plain: bool
 ) -> None:
     """The coordinator keeps one TaskMessageBuilder for its batch messages, cut one or two at a time:
     once Celery built two and the template matched, later builds are rendered whole, and still equal
-    what Celery builds."""
+    what Celery builds; with ``plain`` (the coordinator's batches: JSON it decoded) the nested
+    values are written by orjson, except what orjson refuses (an integer past 64 bits, a lone
+    surrogate), which kombu's encoder writes as before."""
     from carpool.celery_edge import task_messages as bulk
     from carpool.celery_edge.app import app
 
@@ -230,8 +233,16 @@ def test_a_kept_builder_renders_every_message_of_later_builds(
     celery_builds = _count_celery_builds(app, monkeypatch)
     options = {"app": app, "queue": "carpool.batches", "sent_events": False, "ignore_result": True}
     builder = bulk.TaskMessageBuilder("carpool.run_batch", **options)
+    items: list[Any] = [
+        [101, 7592, 102],
+        {"query": "Ünïcödé 東京 🚀", "scores": [0.1, -2.5e-7, 1e300], "nested": {"ok": [True, None]}},
+        2**70,  # past 64 bits: orjson refuses, kombu's encoder writes it
+        "lone \ud800 surrogate",  # orjson refuses this too
+        'quote " and \\ backslash',
+    ]
     batches: list[tuple[list[dict[str, Any]], dict[str, Any]]] = [
-        ([{"id": f"b{i}", "requests": [{"id": f"r{i}", "len": i}]}], {}) for i in range(5)
+        ([{"id": f"b{i}", "requests": [{"id": f"r{i}", "len": i, "item": item, "deadline": 1.5 + i}]}], {})
+        for i, item in enumerate(items)
     ]
     ids = [f"00000000-0000-4000-8000-{i:012d}" for i in range(5)]
     reprs = [f"size=1 bin={i}" for i in range(5)]
@@ -239,7 +250,7 @@ def test_a_kept_builder_renders_every_message_of_later_builds(
     for i in range(5):  # one batch per build, as a saturated coordinator cuts them
         out.extend(
             builder.build(
-                batches[i : i + 1], task_ids=ids[i : i + 1], argsreprs=reprs[i : i + 1]
+                batches[i : i + 1], task_ids=ids[i : i + 1], argsreprs=reprs[i : i + 1], plain=plain
             ).pushes.items()
         )
     assert celery_builds == ids[:2], "Celery builds the first two messages only"
@@ -251,6 +262,61 @@ def test_a_kept_builder_renders_every_message_of_later_builds(
         a, b = _flat(_with_body(fast)), _flat(_with_body(s))
         assert {k for k in a if a[k] != b.get(k)} <= {"properties.delivery_tag"}, task_id
         assert set(a) == set(b) and a["headers.id"] == task_id and a["headers.ignore_result"] is True
+    # What the worker reads back: each item equal to what the coordinator put in the batch.
+    read = [_with_body(fast)["body"][0][0]["requests"][0]["item"] for _, (fast,) in out]
+    assert read == items
+    # Rendered (past the first two), the last batch is written by orjson (compact) only when plain.
+    body = base64.b64decode(json.loads(out[4][1][0])["body"])
+    assert (b", " not in body) is plain
+
+
+def test_the_coordinators_batch_messages_keep_a_nan_in_a_requests_links(clean_redis: EmbeddedRedis) -> None:
+    """A batch message is written by orjson, except when a request's links (signatures as a client
+    sent them; Python's json writes a nan as NaN) hold a float JSON lacks: orjson would make it null,
+    so that batch is written by kombu's encoder and the callback gets its nan."""
+    import math
+
+    import redis
+
+    from carpool.batching.types import Batch, FlushReason, Request
+    from carpool.celery_edge.app import app
+    from carpool.config import Settings
+    from carpool.coordinator.publish import BatchPublisher
+    from carpool.models.task import InferSpec
+    from carpool.redis_edge.keys import Keys
+    from carpool.redis_edge.store import RequestStore
+
+    settings = Settings(model="toy")
+    client = redis.Redis(port=clean_redis.port)
+    store = RequestStore(client, Keys(settings.request_queue), 30)
+    from carpool.models import get_model
+
+    spec = InferSpec("carpool.infer", model_of=get_model)
+    publisher = BatchPublisher(app, store, settings, {"toy": spec}, "coordinator@test")
+
+    def batch(*links: Any) -> Batch:
+        slots = []
+        for i, link in enumerate(links):
+            slot: dict[str, Any] = {"id": f"r{i}", "item": [101, 7, 102], "len": 3, "deadline": 2.0}
+            if link is not None:
+                slot["links"] = link
+            slots.append(slot)
+        requests = tuple(Request(s["id"], "toy", 3, 0.0, 60.0, payload=s) for s in slots)
+        return Batch("toy", "1-16", requests, 3, FlushReason.FULL)
+
+    nan_link = {"callbacks": [{"task": "t", "args": [float("nan")], "kwargs": {}, "options": {}}]}
+    each_batch: list[tuple[Any, ...]] = [(None,), (None,), (None, None), (None, nan_link), ({},)]
+    for links in each_batch:
+        publisher.publish(settings.batch_queue, [batch(*links)], 0.0, None)
+    raws = [as_bytes(r) for r in reversed(client.lrange(settings.batch_queue, 0, -1))]
+    bodies = [base64.b64decode(json.loads(raw)["body"]) for raw in raws]
+    assert len(bodies) == 5
+    # Past Celery's two builds the template renders: compact (orjson) unless a nan rides along.
+    assert [b", " not in body for body in bodies[2:]] == [True, False, True]
+    [[message], _, _] = json.loads(bodies[3])
+    [plain_slot, linked_slot] = message["requests"]
+    assert "links" not in plain_slot and plain_slot["item"] == [101, 7, 102]
+    assert math.isnan(linked_slot["links"]["callbacks"][0]["args"][0])
 
 
 def test_delay_keeps_its_builder_and_renders_later_messages_with_their_own_sent_at(

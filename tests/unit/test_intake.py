@@ -80,6 +80,20 @@ def test_expires_sets_the_deadline_and_a_missing_stamp_means_sent_now() -> None:
     assert req.deadline_s == pytest.approx(NOW + 10.0)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), True])
+def test_a_stamp_or_expiry_that_is_not_a_finite_number_counts_as_absent(bad: float) -> None:
+    """JSON from other clients may hold NaN or Infinity (Python's json writes them): such a sent-at
+    or expires means nothing, so the request counts as sent now with the default deadline, and the
+    batch message carries only finite numbers."""
+    raw = message("a", "hi", extra_headers={"carpool_sent_at": bad, "expires": bad})
+    out, _ = run([("a", raw)])
+    [(_, req)] = out.admitted
+    assert req.arrival_s == NOW
+    assert req.deadline_s == pytest.approx(NOW + 60.0)
+    assert req.payload["deadline"] == pytest.approx(WALL + 60.0)
+    assert req.payload["sent_at"] == WALL
+
+
 def test_a_producer_clock_ahead_of_ours_counts_as_arriving_now() -> None:
     req = to_request(
         decode_taken("a", message("a", "hi", sent_at=WALL + 5.0)), "toy", [1], 1, NOW, WALL, 60.0
