@@ -69,7 +69,8 @@ def validate_infer(text: Any, model: Any, settings: Settings) -> InferPayload:
             f"unknown model {model!r}: this deployment serves {', '.join(settings.served_models)}; "
             "pass one of them as model=, or add it to CARPOOL_MODELS"
         )
-    return InferPayload(text=text, model=model)
+    # Both fields were checked above: building the model without validating them again.
+    return InferPayload.model_construct(text=text, model=model)
 
 
 def bind_item(task_name: str, args: Any, kwargs: Any) -> Any:

@@ -165,6 +165,8 @@ class TaskMessageBuilder:
             per_build = tuple(given[h] for h in self.per_build_headers)
         elif header_values:
             raise ValueError("this builder takes no per-build headers")
+        # The per-build header values as JSON, encoded once for every message this call renders.
+        per_build_json = tuple(envelope_dumps(v) for v in per_build)  # type: ignore[no-untyped-call]
         expires = self.expires
         evd = self._state.event_dispatcher() if self.sent_events else None
         before = signals.before_task_publish.receivers
@@ -228,7 +230,7 @@ class TaskMessageBuilder:
                     argsrepr = saferepr(args, argsrepr_max)
                 kwargsrepr = "{}" if not kwargs else saferepr(kwargs, argsrepr_max)
                 raw = template.render(
-                    task_id, args, kwargs, argsrepr, kwargsrepr, next(fresh), per_build, plain=plain
+                    task_id, args, kwargs, argsrepr, kwargsrepr, next(fresh), per_build_json, plain=plain
                 )
                 sent_event = template.sent_event(task_id, argsrepr, kwargsrepr) if evd is not None else None
                 key = template.key
@@ -286,7 +288,7 @@ class TaskMessageBuilder:
             headers["argsrepr"],
             headers["kwargsrepr"],
             message["properties"]["delivery_tag"],
-            tuple(headers[h] for h in self.per_build_headers),
+            tuple(envelope_dumps(headers[h]) for h in self.per_build_headers),  # type: ignore[no-untyped-call]
             plain=plain,
         )
         if (
@@ -387,10 +389,11 @@ class _MessageTemplate:
         argsrepr: str,
         kwargsrepr: str,
         tag: str,
-        per_build: tuple[Any, ...] = (),
+        per_build_json: tuple[str, ...] = (),
         *,
         plain: bool = False,
     ) -> str:
+        """The message's envelope; ``per_build_json``: the per-build headers' values, as JSON."""
         # Plain arguments (texts, a model name; anything as JSON decoded it) are encoded by orjson:
         # the same JSON values as kombu's encoder, which is kept for anything it would tag
         # (datetime, UUID, ...) and for what orjson refuses (integers past 64 bits, lone surrogates).
@@ -404,7 +407,7 @@ class _MessageTemplate:
             _json_str(argsrepr),
             '"{}"' if kwargsrepr == "{}" else _json_str(kwargsrepr),
             _json_str(tag),
-            *(envelope_dumps(value) for value in per_build),  # type: ignore[no-untyped-call]
+            *per_build_json,
         )
 
     def sent_event(self, task_id: str, argsrepr: str, kwargsrepr: str) -> dict[str, Any] | None:
