@@ -7,19 +7,16 @@ change; nothing here imports torch.
 from __future__ import annotations
 
 import operator
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any, NamedTuple
 
 from carpool.codec import dumps_exact
 from carpool.config import Settings
 from carpool.errors import InputTooLong, InvalidInput, UnknownModel
 
 
-class InferPayload(BaseModel):
-    """A validated ``carpool.infer`` request."""
-
-    model_config = ConfigDict(strict=True, frozen=True)
+class InferPayload(NamedTuple):
+    """A validated ``carpool.infer`` request: :func:`validate_infer` checks each field itself (with
+    an error that says what to change), so the result is a plain record, built per request."""
 
     text: str
     model: str
@@ -69,8 +66,7 @@ def validate_infer(text: Any, model: Any, settings: Settings) -> InferPayload:
             f"unknown model {model!r}: this deployment serves {', '.join(settings.served_models)}; "
             "pass one of them as model=, or add it to CARPOOL_MODELS"
         )
-    # Both fields were checked above: building the model without validating them again.
-    return InferPayload.model_construct(text=text, model=model)
+    return InferPayload(text=text, model=model)
 
 
 def bind_item(task_name: str, args: Any, kwargs: Any) -> Any:
