@@ -139,6 +139,9 @@ class TaskMessageBuilder:
         self._template: _MessageTemplate | None = None
         self._trusted = False  # the template rendered one of Celery's own builds exactly
         self._untrusted = False  # ... or failed to: Celery builds every message from then on
+        # The task-sent events' encoder, kept with the channel and dispatcher headers it was made
+        # for: a lone .delay() is one build, and making an encoder costs as much as its message.
+        self._sent_encoder: tuple[Any, dict[str, Any], FanoutEncoder] | None = None
 
     def build(
         self,
@@ -253,12 +256,22 @@ class TaskMessageBuilder:
             # One task.multi list message per chunk, as Celery's buffered event dispatcher sends them
             # (Flower and `celery events` unpack lists), instead of one PUBLISH per request.
             assert evd is not None  # events are only collected with a dispatcher
-            encoder = FanoutEncoder(channel, evd.exchange.name, "task.multi", dict(evd.headers))
+            encoder = self._events_encoder(channel, evd)
             for start in range(0, len(sent), EVENTS_PER_MESSAGE):
                 built.events.append(
                     (encoder.topic, encoder.encode(sent[start : start + EVENTS_PER_MESSAGE]).decode())
                 )
         return built
+
+    def _events_encoder(self, channel: Any, evd: Any) -> FanoutEncoder:
+        """The encoder of task-sent events for ``channel`` and dispatcher ``evd``, made once per pair."""
+        kept = self._sent_encoder
+        headers = dict(evd.headers)
+        if kept is not None and kept[0] is channel and kept[1] == headers:
+            return kept[2]
+        encoder = FanoutEncoder(channel, evd.exchange.name, "task.multi", headers)
+        self._sent_encoder = (channel, headers, encoder)
+        return encoder
 
     def _learn(
         self,

@@ -442,6 +442,40 @@ def test_fanout_encoder_matches_what_celery_publishes(clean_redis: EmbeddedRedis
     assert carpool_body == event and celery_body["type"] == "task-started" and celery_body["uuid"] == "abc"
 
 
+def test_a_kept_builders_task_sent_events_equal_a_fresh_builders_for_every_build(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    """A builder kept for many builds (``.delay()`` keeps one per thread) reuses its events' encoder:
+    each build's task-sent message still goes to the topic, in the envelope, with the events a
+    one-off builder gives for the same call; a new message channel (after ``app.close()``) gets an
+    encoder of its own."""
+    from carpool.celery_edge.app import app, state_of
+    from carpool.celery_edge.task_messages import TaskMessageBuilder
+
+    options: dict[str, Any] = {"app": app, "queue": "carpool.requests", "sent_events": True}
+    kept = TaskMessageBuilder("carpool.infer", **options)
+    for round_ in range(2):
+        for i in range(3):
+            task_id = f"00000000-0000-4000-8000-{round_:06d}{i:06d}"
+            calls: list[tuple[tuple[str, str], dict[str, Any]]] = [((f"text {i}", "toy"), {})]
+            mine = kept.build(calls, task_ids=[task_id])
+            fresh = _build("carpool.infer", calls, task_ids=[task_id], **options)
+            [(topic, raw)] = mine.events
+            [(fresh_topic, fresh_raw)] = fresh.events
+            assert topic == fresh_topic
+            a, b = _flat(json.loads(raw)), _flat(json.loads(fresh_raw))
+            assert set(a) == set(b)
+            assert {k for k in a if a[k] != b[k]} == {"body", "properties.delivery_tag"}
+            [event], [expected] = _event_list(raw), _event_list(fresh_raw)
+            for e in (event, expected):
+                del e["clock"], e["timestamp"]
+            assert event == expected and event["uuid"] == task_id and event["type"] == "task-sent"
+        channel = state_of(app).message_channel()
+        assert kept._sent_encoder is not None and kept._sent_encoder[0] is channel
+        state_of(app).close()  # the next round builds on a new message channel
+        assert state_of(app).message_channel() is not channel
+
+
 def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis: EmbeddedRedis) -> None:
     import redis
 
