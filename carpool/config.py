@@ -260,8 +260,15 @@ class Settings(BaseSettings):
             # Rewritten with the database and credentials on every address: kombu and Celery read
             # them from the first address only.
             return parse_sentinel(url).url()
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss://, unix:// or sentinel:// URL")
+        if url.startswith("unix://"):
+            # Celery's broker names a Unix socket redis+socket://, and every connection carpool
+            # opens sets TCP options (keepalive, connect timeout) that socket connections refuse.
+            raise ValueError(
+                "a Unix socket (unix://) is not supported: Celery's broker and carpool's connections "
+                "are TCP ones; give the server's TCP address, for example redis://localhost:6379/0"
+            )
+        if not url.startswith(("redis://", "rediss://")):
+            raise ValueError("must be a redis://, rediss:// or sentinel:// URL")
         return url
 
     @model_validator(mode="after")

@@ -1,6 +1,6 @@
 """Every Redis client carpool builds for itself: a URL (and the settings) in, a client out.
 
-``redis://``, ``rediss://`` and ``unix://`` URLs give a plain client. A list of Sentinel addresses in
+``redis://`` and ``rediss://`` URLs give a plain client. A list of Sentinel addresses in
 kombu's form (``sentinel://h1:26379;sentinel://h2:26379;sentinel://h3:26379/0``) gives a client of
 the master the Sentinels know as ``CARPOOL_SENTINEL_MASTER``: it asks them where the master is when
 it connects, so after a failover its next connection goes to the promoted replica by itself.

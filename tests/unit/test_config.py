@@ -39,6 +39,8 @@ def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
         ("CARPOOL_BIN_EDGES", "a,b", "comma-separated integers"),
         ("CARPOOL_POLICY", "random", "'binned', 'fifo' or 'shortest'"),
         ("CARPOOL_BROKER_URL", "amqp://x", "redis://"),
+        ("CARPOOL_BROKER_URL", "unix:///run/redis.sock", "redis://localhost:6379/0"),
+        ("CARPOOL_RESULT_BACKEND", "unix:///run/redis.sock?db=1", "Unix socket (unix://) is not supported"),
         ("CARPOOL_MODEL", "no such model", "package.module:ClassName"),
         ("CARPOOL_RECOVERY_TIMEOUT_S", "600", "less than or equal to 60"),
     ],
