@@ -26,11 +26,14 @@ class Settings(BaseSettings):
     # --- connections -------------------------------------------------------------------------
     broker_url: str = Field(
         "redis://localhost:6379/0",
-        description="Celery broker (Redis) URL, or Sentinel addresses: sentinel://h1:26379;sentinel://h2:26379/0.",
+        description=(
+            "Celery broker (Redis) URL; a Unix socket as redis+socket:///run/redis.sock?virtual_host=0; "
+            "or Sentinel addresses: sentinel://h1:26379;sentinel://h2:26379/0."
+        ),
     )
     result_backend: str = Field(
         "redis://localhost:6379/1",
-        description="Result backend (Redis) URL, or Sentinel addresses like the broker.",
+        description="Result backend (Redis) URL, a Unix socket or Sentinel addresses, as for the broker.",
     )
     sentinel_master: str = Field(
         "", description="Name of the master the Sentinels monitor; required with sentinel:// URLs."
@@ -254,21 +257,20 @@ class Settings(BaseSettings):
     @field_validator("broker_url", "result_backend")
     @classmethod
     def _check_url(cls, url: str) -> str:
-        from carpool.redis_edge.connect import is_sentinel, parse_sentinel
+        from carpool.redis_edge.connect import is_sentinel, is_socket, parse_sentinel, parse_socket
 
         if is_sentinel(url):
             # Rewritten with the database and credentials on every address: kombu and Celery read
             # them from the first address only.
             return parse_sentinel(url).url()
-        if url.startswith("unix://"):
-            # Celery's broker names a Unix socket redis+socket://, and every connection carpool
-            # opens sets TCP options (keepalive, connect timeout) that socket connections refuse.
-            raise ValueError(
-                "a Unix socket (unix://) is not supported: Celery's broker and carpool's connections "
-                "are TCP ones; give the server's TCP address, for example redis://localhost:6379/0"
-            )
+        if is_socket(url):
+            # Rewritten in kombu's and Celery's spelling, with the database always named: kombu
+            # would read a socket URL's path as its database otherwise.
+            return parse_socket(url).url()
         if not url.startswith(("redis://", "rediss://")):
-            raise ValueError("must be a redis://, rediss:// or sentinel:// URL")
+            raise ValueError(
+                "must be a redis://, rediss://, redis+socket:// (a Unix socket) or sentinel:// URL"
+            )
         return url
 
     @model_validator(mode="after")

@@ -159,13 +159,17 @@ def made_client(backend: Any) -> Any:
 
 class AppWithBackendClass(Celery):
     """A Celery app whose result backend is ``result_backend_class()`` built on ``result_backend``,
-    the plain URL (Celery would pick the class from the URL's scheme)."""
+    the URL as Celery's ``by_url`` would hand it over (Celery would pick the class from its scheme)."""
 
     def result_backend_class(self) -> type[Any]:
         raise NotImplementedError
 
     def _get_backend(self) -> Any:
-        return self.result_backend_class()(app=self, url=self.conf.result_backend)
+        url = str(self.conf.result_backend)
+        scheme, _, rest = url.partition("://")
+        if "+" in scheme:  # redis+socket://: Celery gives the backend what follows the "+", as here
+            url = f"{scheme.split('+', 1)[1]}://{rest}"
+        return self.result_backend_class()(app=self, url=url)
 
 
 # --- kombu's Redis channel (kombu.transport.redis.Channel) ------------------------------------

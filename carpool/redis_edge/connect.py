@@ -1,6 +1,8 @@
 """Every Redis client carpool builds for itself: a URL (and the settings) in, a client out.
 
-``redis://`` and ``rediss://`` URLs give a plain client. A list of Sentinel addresses in
+``redis://`` and ``rediss://`` URLs give a plain client, and so does a Unix socket URL
+(``redis+socket:///run/redis.sock?virtual_host=0``, the form kombu and Celery read; redis-py's
+``unix:///run/redis.sock?db=0`` is taken too). A list of Sentinel addresses in
 kombu's form (``sentinel://h1:26379;sentinel://h2:26379;sentinel://h3:26379/0``) gives a client of
 the master the Sentinels know as ``CARPOOL_SENTINEL_MASTER``: it asks them where the master is when
 it connects, so after a failover its next connection goes to the promoted replica by itself.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis
 
@@ -21,6 +23,11 @@ if TYPE_CHECKING:
 SENTINEL_SCHEME = "sentinel"
 SENTINEL_PORT = 26379  # Sentinel's own default port
 _SEPARATOR = ";"  # between the addresses of one Sentinel URL, as kombu and Celery split them
+SOCKET_SCHEME = "redis+socket"  # how kombu's broker and Celery's backend name a Unix socket
+# Celery hands its backend the URL without "redis+"; redis-py's own spelling is unix://.
+_SOCKET_SCHEMES = (SOCKET_SCHEME, "socket", "unix")
+# Options of TCP connections only: redis-py's UnixDomainSocketConnection refuses them.
+_TCP_ONLY = ("socket_keepalive", "socket_keepalive_options")
 
 
 class SentinelSettings(Protocol):
@@ -52,14 +59,79 @@ class SentinelUrl:
         kombu and Celery read both from the first address only, so ``.../0`` written on the last one
         alone (the usual way to write it) would silently mean database 0 to them.
         """
-        creds = ""
-        if self.password is not None:
-            creds = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@"
-        elif self.username is not None:
-            creds = f"{quote(self.username, safe='')}@"
+        creds = _credentials(self.username, self.password)
         return _SEPARATOR.join(
             f"{SENTINEL_SCHEME}://{creds}{_host(host)}:{port}/{self.db}" for host, port in self.sentinels
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SocketUrl:
+    """A parsed Unix socket URL: the socket's path, the database and the credentials."""
+
+    path: str
+    db: int
+    username: str | None
+    password: str | None
+
+    def server(self) -> tuple[object, ...]:
+        return ("socket", self.path, self.username, self.password)
+
+    def url(self) -> str:
+        """The URL as kombu and Celery read it: ``redis+socket://[user:password@]/path?virtual_host=N``.
+
+        kombu takes a socket URL's path for the database unless ``virtual_host`` says otherwise, so
+        it is always written.
+        """
+        creds = _credentials(self.username, self.password)
+        return f"{SOCKET_SCHEME}://{creds}{quote(self.path)}?virtual_host={self.db}"
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """What ``redis.Redis`` takes for this socket."""
+        return {
+            "unix_socket_path": self.path,
+            "db": self.db,
+            "username": self.username,
+            "password": self.password,
+        }
+
+
+def is_socket(url: str) -> bool:
+    """Whether ``url`` names a Unix socket (``redis+socket://``, ``socket://`` or ``unix://``)."""
+    return url.partition("://")[0] in _SOCKET_SCHEMES and "://" in url
+
+
+def parse_socket(url: str) -> SocketUrl:
+    """Parse a Unix socket URL in kombu's and Celery's form or redis-py's.
+
+    The database is ``virtual_host=N`` (kombu, Celery) or ``db=N`` (redis-py), 0 when neither is
+    given; a password may be in the credentials or a ``password=`` parameter. Raises ValueError for
+    a URL naming a host, a relative path, other parameters, or two databases.
+    """
+    split = urlsplit(url)
+    example = f"{SOCKET_SCHEME}:///run/redis/redis.sock?virtual_host=0"
+    if split.hostname:
+        raise ValueError(
+            f"a Unix socket URL names a path, not a host ({split.hostname!r}): for example {example}"
+        )
+    path = unquote(split.path)
+    if not path.startswith("/") or path == "/":
+        raise ValueError(f"a Unix socket URL needs the socket's absolute path: for example {example}")
+    query = parse_qs(split.query, keep_blank_values=True)
+    unknown = sorted(set(query) - {"virtual_host", "db", "password"})
+    if unknown:
+        raise ValueError(
+            f"a Unix socket URL takes virtual_host (or db) and password parameters, not {unknown}"
+        )
+    values = [v for key in ("virtual_host", "db") for v in query.get(key, ())]
+    if len(set(values)) > 1:
+        raise ValueError(f"names more than one database ({sorted(set(values))}); give one")
+    if values and not values[0].isdigit():
+        raise ValueError(f"the database must be a number, not {values[0]!r}")
+    password = _unquoted(split.password)
+    if password is None and query.get("password"):
+        password = query["password"][0]
+    return SocketUrl(path, int(values[0]) if values else 0, _unquoted(split.username) or None, password)
 
 
 def is_sentinel(url: str) -> bool:
@@ -108,8 +180,8 @@ def parse_sentinel(url: str) -> SentinelUrl:
 
 def server_and_db(url: str) -> tuple[object, int]:
     """(what names the server, the database number) of a carpool Redis URL of any scheme."""
-    if is_sentinel(url):
-        parsed = parse_sentinel(url)
+    if is_sentinel(url) or is_socket(url):
+        parsed = parse_sentinel(url) if is_sentinel(url) else parse_socket(url)
         return parsed.server(), parsed.db
     from redis.connection import parse_url
 
@@ -139,6 +211,8 @@ def transport_options(settings: SentinelSettings) -> dict[str, Any]:
 
 def client_for(url: str, settings: SentinelSettings | None = None, **options: Any) -> redis.Redis:
     """A ``redis.Redis`` for ``url``: a plain client, or one that follows the Sentinels' master."""
+    if is_socket(url):
+        return redis.Redis(**parse_socket(url).client_kwargs(), **_without_tcp(options))
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **options)
     from redis.sentinel import Sentinel
@@ -160,6 +234,8 @@ def async_client_for(
     """The ``redis.asyncio`` twin of :func:`client_for`."""
     import redis.asyncio as aioredis
 
+    if is_socket(url):
+        return aioredis.Redis(**parse_socket(url).client_kwargs(), **_without_tcp(options))
     if not is_sentinel(url):
         return aioredis.Redis.from_url(url, **options)
     from redis.asyncio.sentinel import Sentinel
@@ -186,6 +262,17 @@ def _sentinel_target(url: str, settings: SentinelSettings | None) -> tuple[Senti
         return parse_sentinel(url), master
     except ValueError as exc:
         raise ConfigError(f"Sentinel URL {_redacted(url)!r}: {exc}") from None
+
+
+def _credentials(username: str | None, password: str | None) -> str:
+    """``user:password@`` as a URL writes them (quoted), or nothing."""
+    if password is not None:
+        return f"{quote(username or '', safe='')}:{quote(password, safe='')}@"
+    return f"{quote(username, safe='')}@" if username is not None else ""
+
+
+def _without_tcp(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in _TCP_ONLY}
 
 
 def _host(host: str) -> str:

@@ -3,10 +3,11 @@
 A reset connection fails at once; a stalled or half-open one (a NAT or firewall that dropped its
 state, a host that vanished) accepts writes and never answers. So every client waits at most
 ``CARPOOL_REDIS_SOCKET_TIMEOUT_S`` for a reply or a connection, retries a command once on a fresh
-connection, keeps TCP keepalive on, and PINGs a connection idle for ``CARPOOL_REDIS_HEALTH_CHECK_S``
-before using it. A pub/sub connection is only read, so a dead one is noticed by its unanswered
-health-check PINGs (:func:`silent`) and dropped (:func:`drop`): the next read reconnects and
-resubscribes, and the reader re-reads what was stored meanwhile.
+connection, keeps TCP keepalive on (a Unix socket has none and needs none: its peer is local), and
+PINGs a connection idle for ``CARPOOL_REDIS_HEALTH_CHECK_S`` before using it. A pub/sub
+connection is only read, so a dead one is noticed by its unanswered health-check PINGs
+(:func:`silent`) and dropped (:func:`drop`): the next read reconnects and resubscribes, and the
+reader re-reads what was stored meanwhile.
 
 :func:`client_options` is for carpool's own ``redis.Redis`` clients, :func:`celery_options` for
 Celery's result backend and kombu's broker connections (the same values under their names).
@@ -62,14 +63,18 @@ def celery_options(settings: Settings) -> dict[str, Any]:
     producer's ``.get()`` goes on waiting and reads again by itself; a retry would only double how
     far it can overrun its timeout while Redis does not answer.
     """
+    from carpool.redis_edge.connect import is_socket
+
     common = _common(settings)
-    return {
-        "broker_transport_options": common,
+    options = {
+        "broker_transport_options": common,  # kombu leaves out keepalive on a Unix socket itself
         "redis_socket_timeout": common["socket_timeout"],
         "redis_socket_connect_timeout": common["socket_connect_timeout"],
-        "redis_socket_keepalive": True,
         "redis_backend_health_check_interval": common["health_check_interval"],
     }
+    if not is_socket(settings.result_backend):  # Celery's backend would hand it to a Unix socket too
+        options["redis_socket_keepalive"] = True
+    return options
 
 
 def silent(pubsub: Any) -> bool:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -56,8 +57,11 @@ class EmbeddedRedis:
         replica_of: int | None = None,
         *,
         appendfsync: str | None = None,
+        unix_socket: bool = False,
     ) -> None:
         self.port = port or free_port()
+        # Listen on redis.sock in its directory instead of TCP (port 0), and name it in url().
+        self.unix_socket = unix_socket
         self.appendonly = appendonly
         self.replica_of = replica_of  # the port of a master on this host to replicate
         self.appendfsync = appendfsync  # always / everysec / no; None keeps Redis's default
@@ -65,14 +69,24 @@ class EmbeddedRedis:
         self.directory = directory or tempfile.mkdtemp(prefix="carpool-redis-")
         self.process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.directory, "redis.sock")
+
     def url(self, db: int = 0) -> str:
+        """The URL clients are given: the Unix socket's when the server listens on one."""
+        if self.unix_socket:
+            return f"redis+socket://{self.socket_path}?virtual_host={db}"
+        return self.tcp_url(db)
+
+    def tcp_url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [
             redis_server_binary(),
             "--port",
-            str(self.port),
+            "0" if self.unix_socket else str(self.port),
             "--bind",
             "127.0.0.1",
             "--dir",
@@ -92,7 +106,10 @@ class EmbeddedRedis:
             args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         if self.appendfsync is not None:
             args += ["--appendfsync", self.appendfsync]
-        self.process = _launch(args, self.port, timeout_s)
+        if self.unix_socket:
+            args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
+        where = {"unix_socket_path": self.socket_path} if self.unix_socket else {"port": self.port}
+        self.process = _launch(args, where, timeout_s)
         return self
 
     def stop(self, kill: bool = False) -> None:
@@ -129,10 +146,12 @@ class EmbeddedRedis:
         self.cleanup()
 
 
-def _launch(args: list[str], port: int, timeout_s: float) -> subprocess.Popen[bytes]:
-    """Start ``args`` and wait until a server answers PING on ``port``."""
+def _launch(args: list[str], where: int | dict[str, Any], timeout_s: float) -> subprocess.Popen[bytes]:
+    """Start ``args`` and wait until a server answers PING ``where`` (a port, or redis.Redis's
+    keywords naming one)."""
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    address = {"port": where} if isinstance(where, int) else where
+    client = redis.Redis(**address, socket_connect_timeout=0.2)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -142,7 +161,7 @@ def _launch(args: list[str], port: int, timeout_s: float) -> subprocess.Popen[by
             if process.poll() is not None or time.monotonic() > deadline:
                 err = process.stderr.read().decode() if process.stderr else ""
                 process.kill()
-                raise RuntimeError(f"{args[0]} did not start on port {port}: {err}") from None
+                raise RuntimeError(f"{args[0]} did not start on {address}: {err}") from None
             time.sleep(0.02)
     client.close()
     return process

@@ -49,7 +49,8 @@ class Harness:
     embedded redis-server and removes it on exit. ``log_dir``: where ``<name>.log`` files go (a
     temporary directory, removed on exit, when None). ``base_env``: the environment children start
     from (this process's, read at each start, when None). ``profile_dir``: run every child under
-    cProfile, writing ``<name>-<n>.prof`` there.
+    cProfile, writing ``<name>-<n>.prof`` there. ``unix_socket``: the embedded redis-server it
+    starts is reached through a Unix socket (its URLs are ``redis+socket://`` ones).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class Harness:
         base_env: Mapping[str, str] | None = None,
         loglevel: str = "info",
         profile_dir: Path | None = None,
+        unix_socket: bool = False,
     ) -> None:
         if server is not None and broker_url is not None:
             raise ValueError("give either a server or a broker_url, not both")
@@ -73,6 +75,7 @@ class Harness:
         self.base_env = dict(base_env) if base_env is not None else None
         self.loglevel = loglevel
         self.profile_dir = profile_dir
+        self.unix_socket = unix_socket
         self.profiles: dict[str, Path] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._specs: dict[str, _Spec] = {}
@@ -81,7 +84,7 @@ class Harness:
     # --- Redis ---------------------------------------------------------------------------------
     def __enter__(self) -> Harness:
         if self.server is None and self._external is None:
-            self.server = EmbeddedRedis().start()
+            self.server = EmbeddedRedis(unix_socket=self.unix_socket).start()
             self._own_server = True
         return self
 

@@ -39,8 +39,11 @@ def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
         ("CARPOOL_BIN_EDGES", "a,b", "comma-separated integers"),
         ("CARPOOL_POLICY", "random", "'binned', 'fifo' or 'shortest'"),
         ("CARPOOL_BROKER_URL", "amqp://x", "redis://"),
-        ("CARPOOL_BROKER_URL", "unix:///run/redis.sock", "redis://localhost:6379/0"),
-        ("CARPOOL_RESULT_BACKEND", "unix:///run/redis.sock?db=1", "Unix socket (unix://) is not supported"),
+        ("CARPOOL_BROKER_URL", "unix://localhost/run/redis.sock", "names a path, not a host"),
+        ("CARPOOL_RESULT_BACKEND", "redis+socket://run/redis.sock", "names a path, not a host"),
+        ("CARPOOL_RESULT_BACKEND", "unix:///run/redis.sock?db=1&virtual_host=2", "more than one database"),
+        ("CARPOOL_BROKER_URL", "redis+socket:///run/redis.sock?timeout=3", "not ['timeout']"),
+        ("CARPOOL_BROKER_URL", "redis+socket:///run/redis.sock?virtual_host=zero", "must be a number"),
         ("CARPOOL_MODEL", "no such model", "package.module:ClassName"),
         ("CARPOOL_RECOVERY_TIMEOUT_S", "600", "less than or equal to 60"),
     ],
@@ -54,6 +57,26 @@ def test_bad_values_name_the_setting(
     message = str(err.value)
     assert var in message or (var == "CARPOOL_MODEL" and "CARPOOL_MODEL" in message)
     assert needle in message
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        # redis-py's spelling becomes kombu's and Celery's, with the database always named
+        ("unix:///run/redis.sock?db=2", "redis+socket:///run/redis.sock?virtual_host=2"),
+        ("redis+socket:///run/redis.sock", "redis+socket:///run/redis.sock?virtual_host=0"),
+        ("socket:///run/redis.sock?virtual_host=1", "redis+socket:///run/redis.sock?virtual_host=1"),
+        ("unix://:s%40cret@/run/redis.sock?db=1", "redis+socket://:s%40cret@/run/redis.sock?virtual_host=1"),
+        ("unix:///run/redis.sock?password=pw", "redis+socket://:pw@/run/redis.sock?virtual_host=0"),
+        (
+            "redis+socket://app:pw@/run/redis.sock?virtual_host=3",
+            "redis+socket://app:pw@/run/redis.sock?virtual_host=3",
+        ),
+    ],
+)
+def test_a_unix_socket_url_is_kept_in_the_form_celery_and_kombu_read(given: str, kept: str) -> None:
+    settings = load_settings(broker_url=given, result_backend=given)
+    assert settings.broker_url == settings.result_backend == kept
 
 
 def test_automatic_bin_edges(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,10 +14,12 @@ from carpool.redis_edge.connect import (
     async_client_for,
     client_for,
     is_sentinel,
+    is_socket,
     parse_sentinel,
     server_and_db,
     transport_options,
 )
+from carpool.redis_edge.socket_options import async_client_options, client_options
 
 THREE = "sentinel://h1:26379;sentinel://h2:26380;sentinel://h3/1"
 
@@ -96,6 +98,50 @@ def test_plain_urls_give_plain_clients_with_the_options_passed_through() -> None
     kwargs = client.connection_pool.connection_kwargs
     assert (kwargs["host"], kwargs["port"], kwargs["db"], kwargs["socket_timeout"]) == ("h", 6380, 2, 3)
     assert not is_sentinel("redis://h")
+
+
+SOCKET = "redis+socket://:pw@/run/redis.sock?virtual_host=2"
+
+
+def test_socket_urls_give_unix_socket_clients_without_tcp_options() -> None:
+    from redis.connection import UnixDomainSocketConnection
+
+    settings = load_settings(broker_url=SOCKET, result_backend=SOCKET)
+    options = client_options(settings)
+    assert options["socket_keepalive"] is True  # what a TCP client gets, and this one must not
+    client = client_for(settings.broker_url, settings, **options)
+    pool = client.connection_pool
+    assert pool.connection_class is UnixDomainSocketConnection
+    kwargs = pool.connection_kwargs
+    assert (kwargs["path"], kwargs["db"], kwargs["password"]) == ("/run/redis.sock", 2, "pw")
+    assert "socket_keepalive" not in kwargs
+    assert kwargs["socket_timeout"] == settings.redis_socket_timeout_s
+    pool.make_connection()  # builds the connection object (no connect): it takes these options
+    aclient = async_client_for(settings.result_backend, settings, **async_client_options(settings))
+    assert "socket_keepalive" not in aclient.connection_pool.connection_kwargs
+    assert aclient.connection_pool.connection_kwargs["path"] == "/run/redis.sock"
+    assert is_socket(SOCKET) and is_socket("unix:///x") and not is_socket("redis://h/0")
+
+
+def test_a_socket_and_its_databases_are_one_server() -> None:
+    same = load_settings(broker_url=SOCKET.replace("=2", "=0"), result_backend=SOCKET)
+    assert same.shared_server_dbs() == (0, 2)
+    other = load_settings(broker_url="redis+socket:///run/other.sock", result_backend=SOCKET)
+    assert other.shared_server_dbs() is None
+
+
+def test_the_celery_app_reaches_a_unix_socket_for_broker_and_backend() -> None:
+    from redis.connection import UnixDomainSocketConnection
+
+    settings = load_settings(broker_url=SOCKET.replace("=2", "=0"), result_backend=SOCKET)
+    app = create_app(settings)
+    backend = app.backend
+    assert backend.connparams["connection_class"] is UnixDomainSocketConnection
+    assert (backend.connparams["path"], int(backend.connparams["db"])) == ("/run/redis.sock", 2)
+    assert "socket_keepalive" not in backend.connparams
+    assert backend.connparams["socket_timeout"] == settings.redis_socket_timeout_s
+    # kombu's broker connection is checked against a real socket in tests/integration/test_unix_socket.py
+    assert app.conf.broker_url == settings.broker_url
 
 
 def test_sentinel_urls_give_master_clients_of_the_named_master() -> None:

@@ -253,6 +253,7 @@ def run_accelerator(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "quick": bool(args.quick),
             "gather_timeout_s": args.timeout,
             "profile": bool(args.profile),
+            "redis": getattr(args, "redis", "tcp"),  # how the processes reach redis-server
         },
         "workload": {
             "requests": n,
@@ -283,6 +284,7 @@ def run_accelerator(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         ("null",),
         profile=args.profile,
         coordinators=args.coordinators,
+        unix_socket=getattr(args, "redis", "tcp") == "unix",
     )
     with env_ as env:
         _simulated_device(env, args, texts, tokenizer_us, capacity, device_log, sim_env, report)

@@ -122,6 +122,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for one run's results (s)")
     parser.add_argument(
+        "--redis",
+        choices=("tcp", "unix"),
+        default="tcp",
+        help="how every process reaches the bench's redis-server: TCP loopback (default) or its Unix socket",
+    )
+    parser.add_argument(
         "--accelerator",
         metavar="PROFILE",
         default=None,

@@ -25,7 +25,8 @@ class BenchEnv:
     """An embedded redis-server, a producer Celery app bound to it, and the processes under test.
 
     Children log to ``<out_dir>/logs/<name>.log`` and, with ``profile``, run under cProfile
-    (``<out_dir>/profiles``).
+    (``<out_dir>/profiles``). ``unix_socket``: every process reaches the redis-server through its
+    Unix socket instead of TCP loopback.
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class BenchEnv:
         profile: bool = False,
         torch_threads: int = 0,
         coordinators: int = 1,
+        unix_socket: bool = False,
     ) -> None:
         self.out_dir = out_dir
         self.model = model
@@ -52,6 +54,7 @@ class BenchEnv:
             log_dir=out_dir / "logs",
             loglevel="warning",
             profile_dir=out_dir / "profiles" if profile else None,
+            unix_socket=unix_socket,
         )
         self.app: Celery | None = None
 

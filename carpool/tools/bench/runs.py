@@ -94,6 +94,7 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "light": light,
             "sweep": bool(args.sweep),
             "send_chunk": SEND_CHUNK,  # messages per MULTI/EXEC when a burst is sent, every system
+            "redis": getattr(args, "redis", "tcp"),
         },
         "workload": {
             "requests": n,
@@ -112,7 +113,14 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     extra_models = ("null",) if pipeline_n else ()
     profile = bool(getattr(args, "profile", False))
     env_ = BenchEnv(
-        out, args.model, args.max_batch, args.max_wait, args.workers, extra_models, profile=profile
+        out,
+        args.model,
+        args.max_batch,
+        args.max_wait,
+        args.workers,
+        extra_models,
+        profile=profile,
+        unix_socket=getattr(args, "redis", "tcp") == "unix",
     )
     with env_ as env:
         report["config"]["deadline_s"] = env.settings.default_deadline_s

@@ -197,7 +197,13 @@ def run_task(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         "errors": [],
     }
     env_ = BenchEnv(
-        out, "null", max_batch, max_wait_s, args.workers, torch_threads=int(args.torch_threads or 0)
+        out,
+        "null",
+        max_batch,
+        max_wait_s,
+        args.workers,
+        torch_threads=int(args.torch_threads or 0),
+        unix_socket=getattr(args, "redis", "tcp") == "unix",
     )
     with env_ as env:
         report["config"]["deadline_s"] = env.settings.default_deadline_s
