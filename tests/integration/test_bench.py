@@ -195,6 +195,21 @@ def test_accelerator_mode_reports_ratios_cpu_and_the_device_busy_fraction(tmp_pa
     assert busy["forwards"] >= 1 and busy["devices"] == 1
     assert 0.0 < busy["overall"] <= 1.0
     assert all(0.0 <= v <= 1.0 for v in busy["buckets"])
+    # Cores per component over the burst, on the device's buckets; over the whole burst they add up
+    # to what the per-request figures say (coordinators and workers summed, the producer's two parts).
+    over = report["cpu_over_run"]
+    assert set(over["components"]) == {"coordinator", "worker", "redis", "producer"}
+    assert len(over["total"]) == len(busy["buckets"]) and over["machine_cores"] == os.cpu_count()
+    cpu = carpool["cpu_us_per_request"]
+    by_request = {
+        "coordinator": cpu["coordinator"],
+        "worker": cpu["worker"],
+        "producer": cpu["producer_submit"] + cpu["producer_gather"],
+    }
+    for role, us in by_request.items():
+        cores = us * carpool["requests"] / 1e6 / carpool["wall_s"]
+        # /proc counts in 10 ms ticks, and the sampler's first and last readings bracket the burst
+        assert over["whole_run"]["cores"][role] == pytest.approx(cores, abs=0.02 / carpool["wall_s"] + 0.1)
     pipeline = report["pipeline"]
     assert pipeline["carpool"]["requests"] == 60 and pipeline["celery_noop"]["tasks"] == 60
     assert pipeline["ratio"] > 0

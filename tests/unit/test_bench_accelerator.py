@@ -155,6 +155,12 @@ def test_report_schema() -> None:
     broken = _report()
     del broken["carpool"]["cpu_us_per_request"]["worker"]
     assert any("worker" in p for p in validate_report(broken))
+    over = {"components": {"worker": [0.5, 0.2]}, "total": [0.5, 0.2]}
+    assert validate_report(_report(cpu_over_run=over)) == []
+    negative = {"components": {"worker": [0.5, -0.2]}, "total": [0.5, 0.2]}
+    assert any(">= 0" in p for p in validate_report(_report(cpu_over_run=negative)))
+    longer = {"components": {"worker": [0.5, 0.2, 0.1]}, "total": [0.5, 0.2, 0.1]}
+    assert any("more buckets" in p for p in validate_report(_report(cpu_over_run=longer)))
 
 
 def test_accelerator_mix_reaches_past_the_window_and_the_default_mix_is_kept() -> None:

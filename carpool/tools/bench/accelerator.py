@@ -81,8 +81,8 @@ def _per_request_us(before: dict[str, float], after: dict[str, float], requests:
     processes (workers and coordinators summed by role)."""
     out = {"coordinator": 0.0, "worker": 0.0, "redis": 0.0}
     for name, value in after.items():
-        role = _ROLES.get(name) or next((r for r in ("coordinator", "worker") if r in name), None)
-        if role is None or name not in before:
+        role = _role(name)
+        if role in (None, "producer") or name not in before:
             continue  # the bench's own process: its submit and gather are counted apart
         out[role] += (value - before[name]) / max(1, requests) * 1e6
     return out
@@ -97,24 +97,31 @@ def _background_cores(before: dict[str, float], after: dict[str, float]) -> floa
     return round(max(0.0, (after["_busy"] - before["_busy"]) - ours) / wall, 3) if wall > 0 else None
 
 
-def burst(env: BenchEnv, texts: Sequence[str], timeout_s: float) -> dict[str, Any]:
+def burst(env: BenchEnv, texts: Sequence[str], timeout_s: float, timeline: bool = False) -> dict[str, Any]:
     """Every text through ``submit_many`` then ``gather``, as an application calls them; the wall
     time from the submit call to gather's return, and CPU per request of each component.
+    ``timeline``: each component's CPU is also sampled over the run (``cpu_samples``, for
+    :mod:`~carpool.tools.bench.cpu_timeline`).
 
     ``gather`` gets the bench's hang bound as its timeout; nothing else is passed but the bench's app.
     """
     from carpool.producer.gather import gather
     from carpool.producer.submit import submit_many
+    from carpool.tools.bench.cpu_timeline import CpuSampler
 
     pids = {**env.harness.pids(), "producer": os.getpid()}
+    sampler = CpuSampler(_by_role(pids)) if timeline else None
     cpu_before = cpu_snapshot(pids)
     redis_before = _commandstats(env)
+    if sampler is not None:
+        sampler.start()
     wall_start = time.time()
     t0, p0 = time.perf_counter(), time.process_time()
     results = submit_many(texts, app=env.app)
     t1, p1 = time.perf_counter(), time.process_time()
     gather(results, timeout=timeout_s)
     t2, p2 = time.perf_counter(), time.process_time()
+    samples = sampler.stop() if sampler is not None else None
     cpu_after = cpu_snapshot(pids)
     n = len(texts)
     cpu = _per_request_us(cpu_before, cpu_after, n)
@@ -132,7 +139,24 @@ def burst(env: BenchEnv, texts: Sequence[str], timeout_s: float) -> dict[str, An
         "cpu_us_per_request": {k: round(v, 1) for k, v in cpu.items()},
         "background_cpu_cores": _background_cores(cpu_before, cpu_after),
         "redis_commands_per_request": round(sum(commands.values()) / n, 3),
+        **({"cpu_samples": samples} if samples is not None else {}),
     }
+
+
+def _role(name: str) -> str | None:
+    """The component a harness process (or ``producer``, this one) belongs to."""
+    if name == "producer":
+        return name
+    return _ROLES.get(name) or next((r for r in ("coordinator", "worker") if r in name), None)
+
+
+def _by_role(pids: dict[str, int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for name, pid in pids.items():
+        role = _role(name)
+        if role is not None:
+            out.setdefault(role, []).append(pid)
+    return out
 
 
 def _commandstats(env: BenchEnv) -> dict[str, int]:
@@ -329,7 +353,7 @@ def _simulated_device(
         phase = "burst"
         before = system.snapshot()
         _log(f"carpool on {env.model}: a burst of {len(texts)} texts")
-        run = burst(env, texts, args.timeout)
+        run = burst(env, texts, args.timeout, timeline=True)
         time.sleep(0.6)  # batch counters reach Redis a moment after the last result
         sizes, padded, real = system.batches_since(before, ())
     except Exception as exc:
@@ -353,12 +377,36 @@ def _simulated_device(
     busy["device_s_nominal"] = nominal_device_s(forwards, profile["a_s"], profile["b_s"])
     # The device's own time on carpool's batches against the sorted ideal: what batching alone costs.
     run["batching_efficiency"] = capacity["device_s"] / busy["device_s_nominal"] if forwards else None
+    samples = run.pop("cpu_samples", None)
     report["carpool"] = run
     report["device_busy"] = busy
+    if samples:
+        report["cpu_over_run"] = cpu_over_run(samples, run["wall_start"], end, busy)
     _log(
         f"carpool: {run['throughput_rps']:.0f} texts/s = {run['ratio_to_capacity']:.2f} x capacity; "
         f"device busy {busy['overall']:.2f} of the run"
     )
+
+
+def cpu_over_run(samples: list[Any], start: float, end: float, busy: dict[str, Any]) -> dict[str, Any]:
+    """Cores each component used per bucket of the device's busy series, over the whole run, and
+    where the device waited and where it was saturated (:mod:`~carpool.tools.bench.cpu_timeline`)."""
+    from carpool.tools.bench.cpu_timeline import cores_per_bucket, starved_and_saturated
+
+    cores = cores_per_bucket(samples, start, end, busy["bucket_s"])
+    whole = {
+        name: (series[0] if series else 0.0)
+        for name, series in cores_per_bucket(samples, start, end, end - start).items()
+    }
+    count = min((len(series) for series in cores.values()), default=0)
+    return {
+        "bucket_s": busy["bucket_s"],
+        "machine_cores": os.cpu_count(),
+        "whole_run": {"total_cores": round(sum(whole.values()), 3), "cores": whole},
+        "components": cores,
+        "total": [round(sum(series[i] for series in cores.values()), 3) for i in range(count)],
+        **starved_and_saturated(cores, busy["buckets"]),
+    }
 
 
 def _null_pipeline(

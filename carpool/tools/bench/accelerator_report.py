@@ -19,6 +19,11 @@ Schema ``carpool-bench-accelerator/1``::
       "device_busy": null | {"bucket_s", "window_s", "devices", "forwards", "overall",
                              "while_working", "first_start_s", "last_end_s", "buckets": [float],
                              "buckets_p10_p50_p90", "device_s_logged", "device_s_nominal"},
+      "cpu_over_run": absent | {"bucket_s", "machine_cores", "whole_run" {"total_cores", "cores"},
+                                "components" {producer, coordinator, worker, redis: [cores per
+                                bucket of device_busy]}, "total": [cores],
+                                "device_waiting" | "device_saturated": {"buckets", "total_cores",
+                                "cores"}},
       "pipeline": null | {"model": "null", "carpool": burst | null, "celery_noop": {...} | null,
                           "ratio": float | null},
       "light": null | {"requests", "latency_ms" {p50, p90, p99, mean, max}, ...},
@@ -147,6 +152,13 @@ def validate_report(report: Any) -> list[str]:
         values = [busy.get("overall"), *busy.get("buckets", [])]
         if any(not isinstance(v, int | float) or not 0.0 <= v <= 1.0 for v in values):
             problems.append("device_busy: a fraction outside [0, 1]")
+    over = report.get("cpu_over_run")
+    if over is not None:
+        series = [*over.get("components", {}).values(), over.get("total", [])]
+        if any(not isinstance(v, int | float) or v < 0 for values in series for v in values):
+            problems.append("cpu_over_run: cores must be numbers >= 0")
+        if busy is not None and any(len(values) > len(busy.get("buckets", [])) for values in series):
+            problems.append("cpu_over_run: more buckets than device_busy")
     for t in report["targets"]:
         if not {"name", "target", "measured", "met"} <= set(t):
             problems.append(f"target {t.get('name')!r} incomplete")
@@ -222,6 +234,31 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         total = sum(cpu[k] for k in ("producer_submit", "producer_gather", "redis", "coordinator", "worker"))
         table.add_row("[bold]all[/bold]", f"[bold]{total:.1f}[/bold]", "")
     console.print(table)
+
+    over = report.get("cpu_over_run")
+    if over:
+        table = Table(
+            title=f"Cores busy during the burst (of {over['machine_cores']}; per {over['bucket_s']} s bucket)"
+        )
+        table.add_column("")
+        table.add_column("buckets", justify="right")
+        table.add_column("all", justify="right")
+        names = list(over["whole_run"]["cores"])
+        for name in names:
+            table.add_column(name, justify="right")
+        rows = (
+            ("whole run", over["whole_run"]),
+            ("device waiting (busy < 0.5)", over["device_waiting"]),
+            ("device saturated (busy >= 0.9)", over["device_saturated"]),
+        )
+        for label, part in rows:
+            table.add_row(
+                label,
+                _num(part.get("buckets"), "d") if "buckets" in part else "-",
+                _num(part.get("total_cores"), ".2f"),
+                *(_num(part.get("cores", {}).get(name), ".2f") for name in names),
+            )
+        console.print(table)
 
     pipeline = report.get("pipeline") or {}
     light = report.get("light") or {}

@@ -173,6 +173,24 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     return written
 
 
+def _cores_panel(ax: Any, over: dict[str, Any]) -> None:
+    """Cores each component kept busy per bucket, stacked, under the machine's core count."""
+    width = over["bucket_s"]
+    names = list(over["components"])
+    count = len(over["total"])
+    xs = [i * width for i in range(count + 1)]
+    stacks = [[*over["components"][n][:count], over["components"][n][count - 1]] for n in names]
+    ax.stackplot(xs, *stacks, labels=names, step="post", alpha=0.8)
+    cores = over.get("machine_cores")
+    if cores:
+        ax.axhline(cores, color="#7f7f7f", ls="--", lw=1, label=f"{cores} cores")
+    ax.set_ylim(0, max([float(cores or 0), *over["total"]]) * 1.1 or 1.0)
+    ax.set_xlabel("seconds since submit_many was called")
+    ax.set_ylabel(f"cores busy (per {width:g} s)")
+    ax.legend(fontsize=8, loc="upper right", ncol=len(names) + 1)
+    ax.grid(alpha=0.3)
+
+
 def write_accelerator_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     """The plots of ``carpool bench --accelerator``: the device's busy fraction over the run, and
     CPU per request by component; returns the file names."""
@@ -184,7 +202,12 @@ def write_accelerator_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     if busy and busy.get("buckets"):
         width = busy["bucket_s"]
         series = busy["buckets"]
-        fig, ax = plt.subplots(figsize=(8, 3.8))
+        over = report.get("cpu_over_run")
+        if over and over.get("total"):
+            fig, (ax, cpu_ax) = plt.subplots(2, 1, figsize=(8, 6.4), sharex=True, height_ratios=(1, 1.2))
+            _cores_panel(cpu_ax, over)
+        else:
+            fig, ax = plt.subplots(figsize=(8, 3.8))
         ax.step(
             [i * width for i in range(len(series) + 1)],
             [*series, series[-1]],
@@ -203,7 +226,8 @@ def write_accelerator_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         ax.axhline(busy["overall"], color="#d62728", ls="--", lw=1, label=f"whole run {busy['overall']:.2f}")
         ax.set_ylim(0, 1.05)
         ax.set_xlim(0, busy["window_s"])
-        ax.set_xlabel("seconds since submit_many was called")
+        if not over:
+            ax.set_xlabel("seconds since submit_many was called")
         ax.set_ylabel(f"device busy fraction (per {width:g} s)")
         ratio = carpool.get("ratio_to_capacity")
         ax.set_title(
