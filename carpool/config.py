@@ -157,6 +157,16 @@ class Settings(BaseSettings):
             "stage fed: one batch waits beside the one running while the previous one's results are stored)."
         ),
     )
+    prefetch_s: float = Field(
+        0.03,
+        ge=0,
+        le=10,
+        description=(
+            "Full batches are also queued beyond CARPOOL_PREFETCH_BATCHES while the predicted work queued "
+            "per worker is under this many seconds (a fast device runs a batch in a few ms: a count of "
+            "batches alone leaves it waiting on the hand-off); 0 = the count only."
+        ),
+    )
 
     # --- reliability -------------------------------------------------------------------------
     recovery_timeout_s: float = Field(

@@ -6,6 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# The most batches queued per worker when full batches leave by predicted time (``prefetch_s``):
+# a bound for a model whose batches are predicted to take next to no time.
+MAX_QUEUED_PER_WORKER = 16
+
 
 @dataclass(frozen=True, slots=True)
 class Capacity:
@@ -14,6 +18,7 @@ class Capacity:
     free_workers: int  # workers with nothing to run
     free_slots: int  # batches that may be cut now (idle workers plus prefetch slots)
     ahead_s: float  # predicted work already queued per worker, seconds
+    queue_room: int = 0  # batches that may still be queued while ahead_s is short of prefetch_s
 
 
 def free_workers(workers: int, outstanding_batches: int) -> int:
@@ -34,6 +39,7 @@ def pool_capacity(workers: int, prefetch_batches: int, outstanding_predicted_s: 
         free_workers=free_workers(workers, busy),
         free_slots=max(0, workers * (1 + prefetch_batches) - busy),
         ahead_s=ahead_s,
+        queue_room=max(0, workers * MAX_QUEUED_PER_WORKER - busy),
     )
 
 

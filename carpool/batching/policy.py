@@ -10,7 +10,9 @@ Rules, in order of precedence for a (model, bin) queue:
 2. deadline: if waiting longer would miss the most urgent member's deadline, given the predicted run
    time of the batch and the work already ahead of it, the batch leaves now, even with no free slot
    (only while it can still make it: otherwise it waits for a slot like any batch, or expires);
-3. full: ``max_batch`` requests, or one more would pass ``max_tokens``, leaves when a slot is free;
+3. full: ``max_batch`` requests, or one more would pass ``max_tokens``, leaves when a slot is free,
+   or while the predicted work queued per worker is under ``prefetch_s`` (a fast device runs a
+   batch in milliseconds: a count of queued batches alone leaves it waiting on the hand-off);
    a ``binned`` queue holding more than that cuts its oldest request and its nearest lengths
    (``PolicyConfig.tight_backlog``, see :mod:`carpool.batching.binqueue`);
 4. wait: with a worker idle, a partial batch leaves once its oldest member waited
@@ -54,14 +56,17 @@ class PolicyConfig:
     # binned: a bin holding more than one batch cuts its oldest request's nearest widths, not the
     # oldest few, so a backlog pads about as little as a length-sorted pass
     tight_backlog: bool = True
+    # full batches also leave, beyond the prefetch slots, while the predicted work queued per
+    # worker is under this (0: slots only)
+    prefetch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be an integer >= 1")
         if self.max_tokens < self.pad_multiple:
             raise ValueError(f"max_tokens must be >= {self.pad_multiple}")
-        if self.max_wait_s < 0 or self.wait_factor < 0:
-            raise ValueError("max_wait_s and wait_factor must be >= 0")
+        if self.max_wait_s < 0 or self.wait_factor < 0 or self.prefetch_s < 0:
+            raise ValueError("max_wait_s, wait_factor and prefetch_s must be >= 0")
         if self.kind not in POLICY_NAMES:
             raise ValueError(f"kind must be one of {', '.join(POLICY_NAMES)}")
 
@@ -147,12 +152,15 @@ class BatchPolicy:
         pad_multiple = self.config_for(model).pad_multiple
         return self.latency.predict(model, len(requests) * padded_length(longest, pad_multiple))
 
-    def poll(self, now_s: float, free_workers: int, free_slots: int, ahead_s: float = 0.0) -> Plan:
+    def poll(
+        self, now_s: float, free_workers: int, free_slots: int, ahead_s: float = 0.0, queue_room: int = 0
+    ) -> Plan:
         """Decide what leaves now.
 
         ``free_workers``: workers with nothing to run; ``free_slots``: batches that may still be
         handed on (free workers plus prefetch room); ``ahead_s``: predicted seconds until a worker
-        frees up for a newly dispatched batch (0 when one is idle).
+        frees up for a newly dispatched batch (0 when one is idle); ``queue_room``: batches that
+        may still be queued beyond the slots while ``ahead_s`` is under ``prefetch_s``.
         """
         # Queues left empty (a refit moved their bin, or they drained) are dropped.
         self._queues = {k: q for k, q in self._queues.items() if q}
@@ -166,7 +174,9 @@ class BatchPolicy:
                 if not queue:
                     continue
                 head = queue.head(self.config_for(key[0]))
-                cand, wake_at = self._evaluate(key, queue, head, now_s, free_workers, free_slots, ahead_s)
+                cand, wake_at = self._evaluate(
+                    key, queue, head, now_s, free_workers, free_slots, ahead_s, queue_room
+                )
                 if wake_at is not None and (wake is None or wake_at < wake):
                     wake = wake_at
                 if cand is not None and (best is None or cand.rank < best.rank):
@@ -188,6 +198,7 @@ class BatchPolicy:
             )
             free_slots -= 1
             free_workers -= 1
+            queue_room -= 1
             if free_workers < 0:
                 # The new batch queues behind running ones: later deadline checks must count it.
                 ahead_s += self.predict_s(best.key[0], best.requests)
@@ -225,6 +236,7 @@ class BatchPolicy:
         free_workers: int,
         free_slots: int,
         ahead_s: float,
+        queue_room: int = 0,
     ) -> tuple[_Candidate | None, float | None]:
         model = key[0]
         cfg = self.config_for(model)
@@ -246,7 +258,7 @@ class BatchPolicy:
         # Past the point where a deadline flush helps, the next event for this queue is its expiry.
         next_deadline_event = urgent_at if now_s < urgent_at else deadline
         if limited:
-            if free_slots > 0:
+            if free_slots > 0 or (queue_room > 0 and ahead_s < cfg.prefetch_s):
                 return _Candidate(key, head, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
             return None, next_deadline_event
         wait_s = min(cfg.max_wait_s, cfg.wait_factor * predicted)

@@ -30,6 +30,7 @@ def policy_config(settings: Settings) -> PolicyConfig:
         bin_edges=settings.bin_edges,
         auto_bins=settings.auto_bins,
         tight_backlog=settings.tight_backlog,
+        prefetch_s=settings.prefetch_s,
     )
 
 

@@ -124,6 +124,37 @@ def test_partial_batch_keeps_filling_while_every_worker_is_busy() -> None:
     assert len(plan.batches) == 1 and plan.batches[0].size == 4
 
 
+def test_full_batches_queue_past_the_slots_while_the_work_ahead_is_short_of_prefetch_s() -> None:
+    # Each full batch of 4 x 8 tokens is predicted at 10 ms + 32 x 0.1 ms = 13.2 ms.
+    p = policy(max_batch=4, bin_edges=(), prefetch_s=0.03)
+    for _ in range(40):
+        p.add(req(8))
+    # No slot free and 5 ms queued per worker: batches leave until the work ahead reaches 30 ms.
+    plan = p.poll(0.0, free_workers=0, free_slots=0, ahead_s=0.005, queue_room=16)
+    assert len(plan.batches) == 2  # 5 -> 18.2 -> 31.4 ms ahead
+    assert all(b.flush_reason is FlushReason.FULL and b.size == 4 for b in plan.batches)
+    assert p.poll(0.0, free_workers=0, free_slots=0, ahead_s=0.03, queue_room=16).batches == []
+    # ...never past the room left for queued batches
+    assert len(p.poll(0.0, free_workers=0, free_slots=0, ahead_s=0.0, queue_room=1).batches) == 1
+    # ...and only full ones: a partial batch still waits for an idle worker
+    q = policy(max_batch=4, bin_edges=(), prefetch_s=0.03)
+    q.add(req(8))
+    assert q.poll(5.0, free_workers=0, free_slots=0, ahead_s=0.0, queue_room=16).batches == []
+    # With prefetch_s 0 (the default of the pure policy) the slots alone decide, as before.
+    r = policy(max_batch=4, bin_edges=())
+    for _ in range(8):
+        r.add(req(8))
+    assert r.poll(0.0, free_workers=0, free_slots=0, ahead_s=0.0, queue_room=16).batches == []
+
+
+def test_the_pool_leaves_room_for_queued_batches_up_to_a_bound_per_worker() -> None:
+    from carpool.batching.capacity import MAX_QUEUED_PER_WORKER, pool_capacity
+
+    cap = pool_capacity(2, 2, [0.01] * 7)
+    assert (cap.free_slots, cap.queue_room) == (0, 2 * MAX_QUEUED_PER_WORKER - 7)
+    assert pool_capacity(1, 2, [0.0] * 40).queue_room == 0
+
+
 def test_deadline_flush_happens_before_the_deadline_even_with_workers_busy() -> None:
     p = policy(max_batch=32, max_wait_s=10.0, bin_edges=())
     r = req(8, at=0.0, deadline=1.0)
@@ -225,6 +256,7 @@ arrival = st.tuples(
     workers=st.integers(1, 3),
     step=st.floats(0.001, 0.2),
     tight=st.booleans(),
+    prefetch_s=st.sampled_from([0.0, 0.02, 1.0]),
 )
 def test_simulated_runs_keep_every_invariant(
     arrivals: list[tuple[float, int, float, int, str]],
@@ -234,6 +266,7 @@ def test_simulated_runs_keep_every_invariant(
     workers: int,
     step: float,
     tight: bool,
+    prefetch_s: float,
 ) -> None:
     """Drive the policy with a fake clock and a fake pool of workers; check the invariants."""
     cfg = PolicyConfig(
@@ -243,6 +276,7 @@ def test_simulated_runs_keep_every_invariant(
         max_wait_s=0.05,
         bin_edges=(16, 64),
         tight_backlog=tight,
+        prefetch_s=prefetch_s,
     )
     latency = LatencyModel(prior_base_s=0.005, prior_per_token_s=1e-5)
     p = BatchPolicy(cfg, latency)
@@ -259,7 +293,8 @@ def test_simulated_runs_keep_every_invariant(
         while pending and pending[0].arrival_s <= now:
             p.add(pending.pop(0))
         free = sum(1 for b in busy_until if b <= now)
-        plan = p.poll(now, free_workers=free, free_slots=free)
+        ahead = sum(max(0.0, b - now) for b in busy_until) / workers
+        plan = p.poll(now, free_workers=free, free_slots=free, ahead_s=ahead, queue_room=4 * workers)
         for r in plan.expired:
             assert r.deadline_s <= now  # only what really expired
             expired.append(r.id)
