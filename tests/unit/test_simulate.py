@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from carpool.batching import LatencyModel, PolicyConfig
+from carpool.errors import ConfigError
 from carpool.tools.simulate import (
     POLICIES,
     Arrival,
@@ -232,6 +233,25 @@ def test_cli_prints_the_table_and_writes_the_png(tmp_path: Path, capsys: pytest.
     for word in ("fifo", "shortest", "binned", "throughput", "p99", "padding", "misses", "capacity bound"):
         assert word in printed
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_cli_hands_the_queue_knobs_to_the_policy_it_simulates(monkeypatch: pytest.MonkeyPatch) -> None:
+    import carpool.tools.simulate.cli as cli
+
+    seen: list[tuple[dict[str, PolicyConfig], int]] = []
+    real = compare_configs
+
+    def spy(configs: dict[str, PolicyConfig], *args: object, **kwargs: object) -> object:
+        seen.append((configs, int(kwargs["prefetch_batches"])))  # type: ignore[call-overload]
+        return real(configs, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cli, "compare_configs", spy)
+    base = ["simulate", "--model", "toy", "--requests", "100", "--rates", "inf", "--latency", "0.001,1e-6"]
+    cli.run_sweep(parse([*base, "--prefetch-s", "0.5", "--prefetch-batches", "3", "--policies", "binned"]))
+    (configs, prefetch_batches), *_ = seen
+    assert [c.prefetch_s for c in configs.values()] == [0.5] and prefetch_batches == 3
+    with pytest.raises(ConfigError, match="CARPOOL_PREFETCH_S"):
+        cli.run_sweep(parse([*base, "--prefetch-s", "-1"]))
 
 
 def test_cli_replays_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

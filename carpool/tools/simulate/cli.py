@@ -108,6 +108,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     pol.add_argument("--workers", type=int, default=1)
     pol.add_argument("--prefetch-batches", type=int)
+    pol.add_argument(
+        "--prefetch-s", type=float, help="full batches also queue while less work than this is ahead"
+    )
     pol.add_argument("--max-batch", type=int)
     pol.add_argument("--max-tokens", type=int)
     pol.add_argument("--max-wait-s", type=float)
@@ -167,7 +170,15 @@ def run_sweep(args: argparse.Namespace, console: Any = None) -> Sweep:
     from carpool.config import load_settings
     from carpool.coordinator import policy_config
 
-    knobs = ("max_batch", "max_tokens", "max_wait_s", "wait_factor", "prefetch_batches", "auto_bins")
+    knobs = (
+        "max_batch",
+        "max_tokens",
+        "max_wait_s",
+        "wait_factor",
+        "prefetch_batches",
+        "prefetch_s",
+        "auto_bins",
+    )
     overrides: dict[str, object] = {k: getattr(args, k) for k in knobs if getattr(args, k) is not None}
     if args.bin_edges is not None:
         overrides["bin_edges"] = args.bin_edges
