@@ -32,6 +32,7 @@ import orjson
 import redis
 
 from carpool.redis_edge import lua
+from carpool.tools.bench.procstat import redis_cpu_s
 from carpool.tools.embedded import EmbeddedRedis
 
 BATCH = 32
@@ -51,11 +52,6 @@ def _metas() -> list[bytes]:
         + b'"}'
         for row in rows
     ]
-
-
-def _redis_cpu_s(client: redis.Redis) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def main() -> int:
@@ -119,13 +115,13 @@ def main() -> int:
                     [f"celery-task-meta-{uuid.uuid4()}" for _ in range(BATCH)] for _ in range(args.batches)
                 ]
                 time.sleep(0.2)
-                redis_before, ours_before = _redis_cpu_s(client), time.process_time()
+                redis_before, ours_before = redis_cpu_s(client), time.process_time()
                 for keys in batches:
                     store(keys)
                 time.sleep(0.3)  # the subscriber reads what is left
                 figures[name].append(
                     (
-                        (_redis_cpu_s(client) - redis_before) / results * 1e6,
+                        (redis_cpu_s(client) - redis_before) / results * 1e6,
                         (time.process_time() - ours_before) / results * 1e6,
                     )
                 )

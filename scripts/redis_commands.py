@@ -18,6 +18,8 @@ import threading
 from collections import Counter, defaultdict
 from typing import Any
 
+from carpool.tools.bench.procstat import redis_cpu_s
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(
@@ -56,7 +58,7 @@ def main() -> int:
         client = harness.redis_client(0)
         before = _calls(client)
         usec_before = _usec(client)
-        cpu_before = _server_cpu(client)
+        cpu_before = redis_cpu_s(client)
         lines: list[tuple[str, str]] = []
         ready = threading.Event()
         stop = threading.Event()
@@ -80,7 +82,7 @@ def main() -> int:
             thread.join(10)
         after = _calls(client)
         usec = {k: v - usec_before.get(k, 0) for k, v in _usec(client).items()}
-        cpu_s = _server_cpu(client) - cpu_before
+        cpu_s = redis_cpu_s(client) - cpu_before
         release_result_consumer(app)
 
     per_script: dict[str, Counter[str]] = defaultdict(Counter)
@@ -125,11 +127,6 @@ def _sha1(text: str) -> str:
 def _calls(client: Any) -> dict[str, int]:
     stats = client.info("commandstats")
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
-
-
-def _server_cpu(client: Any) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def _usec(client: Any) -> dict[str, int]:

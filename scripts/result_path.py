@@ -25,12 +25,9 @@ import time
 import uuid
 from typing import Any
 
+from carpool.tools.bench.procstat import redis_cpu_s
+
 BATCH = 32
-
-
-def _redis_cpu_s(client: Any) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def _worker(url: str, ids: list[str], dim: int, rows: str, out: Any, inbox: str | None) -> None:
@@ -75,7 +72,7 @@ def one_round(url: str, n: int, dim: int, rows: str, inbox: bool) -> dict[str, f
     else:
         subscribe_results(app.backend, ids)
     queue: Any = multiprocessing.get_context("fork").Queue()
-    redis_before = _redis_cpu_s(client)
+    redis_before = redis_cpu_s(client)
     worker = multiprocessing.get_context("fork").Process(
         target=_worker, args=(url, ids, dim, rows, queue, channel)
     )
@@ -85,7 +82,7 @@ def one_round(url: str, n: int, dim: int, rows: str, inbox: bool) -> dict[str, f
     gather_s = time.process_time() - started
     worker_s = queue.get(timeout=120)
     worker.join()
-    redis_s = _redis_cpu_s(client) - redis_before
+    redis_s = redis_cpu_s(client) - redis_before
     stored = client.strlen(app.backend.get_key_for_task(ids[0]))
     assert len(values) == n and len(values[0]) == dim
     client.flushdb()

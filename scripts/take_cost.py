@@ -22,6 +22,7 @@ from carpool.producer.submit import submit_many
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.lua import source
 from carpool.redis_edge.store import RequestStore
+from carpool.tools.bench.procstat import redis_cpu_s
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import ACCELERATOR_MIX, mixed_texts
 
@@ -31,11 +32,6 @@ local pairs_ = {}
 for i, raw in ipairs(got) do pairs_[#pairs_ + 1] = redis.sha1hex(raw); pairs_[#pairs_ + 1] = raw end
 if #pairs_ > 0 then redis.call('HSET', KEYS[2], unpack(pairs_)) end
 return {got, {}}"""
-
-
-def redis_cpu_s(client: redis.Redis) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 def main() -> int:

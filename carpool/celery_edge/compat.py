@@ -165,10 +165,10 @@ class AppWithBackendClass(Celery):
         raise NotImplementedError
 
     def _get_backend(self) -> Any:
-        url = str(self.conf.result_backend)
-        scheme, _, rest = url.partition("://")
-        if "+" in scheme:  # redis+socket://: Celery gives the backend what follows the "+", as here
-            url = f"{scheme.split('+', 1)[1]}://{rest}"
+        from celery.app.backends import by_url
+
+        # by_url's URL: what follows a "redis+" (a Unix socket is redis+socket://), as Celery's own.
+        _, url = by_url(self.conf.result_backend, self.loader)
         return self.result_backend_class()(app=self, url=url)
 
 

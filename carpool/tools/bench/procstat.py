@@ -94,3 +94,9 @@ def cpu_usage(before: dict[str, float], after: dict[str, float], requests: int) 
 def this_process() -> dict[str, float]:
     """A snapshot of this process alone, as ``producer`` (the in-process systems' only process)."""
     return cpu_snapshot({"producer": os.getpid()}, trees=False)
+
+
+def redis_cpu_s(client: Any) -> float:
+    """User + system CPU seconds the Redis server behind ``client`` has used (its INFO cpu)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
