@@ -58,6 +58,8 @@ class EmbeddedRedis:
         *,
         appendfsync: str | None = None,
         unix_socket: bool = False,
+        log_level: str = "warning",
+        replica_priority: int | None = None,
     ) -> None:
         self.port = port or free_port()
         # Listen on redis.sock in its directory instead of TCP (port 0), and name it in url().
@@ -65,6 +67,8 @@ class EmbeddedRedis:
         self.appendonly = appendonly
         self.replica_of = replica_of  # the port of a master on this host to replicate
         self.appendfsync = appendfsync  # always / everysec / no; None keeps Redis's default
+        self.replica_priority = replica_priority  # 0: Sentinel never promotes it; None: Redis's 100
+        self.log_level = log_level  # the server logs to redis.log in its directory: see log_tail()
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="carpool-redis-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -72,6 +76,14 @@ class EmbeddedRedis:
     @property
     def socket_path(self) -> str:
         return os.path.join(self.directory, "redis.sock")
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.directory, "redis.log")
+
+    def log_tail(self, lines: int = 8) -> list[str]:
+        """The last ``lines`` lines the server logged: what a failed wait on it reports."""
+        return _tail(self.log_path, lines)
 
     def url(self, db: int = 0) -> str:
         """The URL clients are given: the Unix socket's when the server listens on one."""
@@ -100,16 +112,20 @@ class EmbeddedRedis:
             "--daemonize",
             "no",
             "--loglevel",
-            "warning",
+            self.log_level,
+            "--logfile",
+            self.log_path,
         ]
         if self.replica_of is not None:
             args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         if self.appendfsync is not None:
             args += ["--appendfsync", self.appendfsync]
+        if self.replica_priority is not None:
+            args += ["--replica-priority", str(self.replica_priority)]
         if self.unix_socket:
             args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
         where = {"unix_socket_path": self.socket_path} if self.unix_socket else {"port": self.port}
-        self.process = _launch(args, where, timeout_s)
+        self.process = _launch(args, where, timeout_s, self.log_path)
         return self
 
     def stop(self, kill: bool = False) -> None:
@@ -146,9 +162,12 @@ class EmbeddedRedis:
         self.cleanup()
 
 
-def _launch(args: list[str], where: int | dict[str, Any], timeout_s: float) -> subprocess.Popen[bytes]:
+def _launch(
+    args: list[str], where: int | dict[str, Any], timeout_s: float, log_path: str | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``args`` and wait until a server answers PING ``where`` (a port, or redis.Redis's
-    keywords naming one)."""
+    keywords naming one). A server that does not start is reported with its stderr (where errors in
+    its arguments go) and the end of its ``log_path`` (where the rest go)."""
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = {"port": where} if isinstance(where, int) else where
     client = redis.Redis(**address, socket_connect_timeout=0.2)
@@ -159,9 +178,10 @@ def _launch(args: list[str], where: int | dict[str, Any], timeout_s: float) -> s
             break
         except redis.ConnectionError:
             if process.poll() is not None or time.monotonic() > deadline:
-                err = process.stderr.read().decode() if process.stderr else ""
                 process.kill()
-                raise RuntimeError(f"{args[0]} did not start on {address}: {err}") from None
+                err = process.stderr.read().decode() if process.stderr else ""
+                logged = "\n".join(_tail(log_path, 8)) if log_path else ""
+                raise RuntimeError(f"{args[0]} did not start on {address}: {err}{logged}") from None
             time.sleep(0.02)
     client.close()
     return process
@@ -181,8 +201,9 @@ class SentinelGroup:
         self.master_name = master_name
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
-        self.master = EmbeddedRedis()
-        self.replica = EmbeddedRedis(replica_of=self.master.port)
+        # Notice-level logs: a failover's steps (the sync, the promotion) are what a failure is read from.
+        self.master = EmbeddedRedis(log_level="notice")
+        self.replica = EmbeddedRedis(replica_of=self.master.port, log_level="notice")
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.directory = tempfile.mkdtemp(prefix="carpool-sentinel-")
         self._sentinels: list[subprocess.Popen[bytes]] = []
@@ -200,9 +221,8 @@ class SentinelGroup:
             linked = lambda: replica.info("replication").get("master_link_status") == "up"  # noqa: E731
             _until(linked, deadline, "the replica's link")
         for port in self.sentinel_ports:
-            self._sentinels.append(
-                _launch([redis_server_binary(), self._config(port), "--sentinel"], port, 10)
-            )
+            args = [redis_server_binary(), self._config(port), "--sentinel"]
+            self._sentinels.append(_launch(args, port, 10, self.sentinel_log(port)))
         for port in self.sentinel_ports:
             with redis.Redis(port=port, decode_responses=True) as sentinel:
                 _until(partial(self._ready, sentinel), deadline, f"sentinel on {port} to see its peers")
@@ -234,33 +254,62 @@ class SentinelGroup:
 
     def rejoin(self, timeout_s: float = 30.0) -> None:
         """Start the killed master again on its port, empty, as a replica of the promoted one (what
-        Sentinel would reconfigure it to), and wait until it holds the new master's data; ``master``
-        and ``replica`` then name the new roles.
+        Sentinel would reconfigure it to), and wait until it holds the new master's data and every
+        Sentinel may promote it; ``master`` and ``replica`` then name the new roles."""
+        self.restart_old_master()
+        self.wait_rejoined(timeout_s)
 
-        Until that first sync the restarted server is empty, and Sentinel would promote it all the
-        same (a replica that never linked reports no link-down time): had the new master stalled past
-        ``down_after_ms`` then, on a loaded host, the failover would have wiped the group's data.
+    def restart_old_master(self) -> None:
+        """The first half of :meth:`rejoin`: the server is back, empty and unpromotable.
+
+        Until its first sync the restarted server is empty, and Sentinel would promote it all the
+        same (a replica that never linked reports no link-down time): were the new master to stall
+        past ``down_after_ms`` then (a loaded host can; Redis 7 waits 5 s before a diskless sync),
+        the Sentinels would fail over onto the empty server and the group's data would be gone. So
+        it starts with ``replica-priority 0``, which Sentinel never promotes, as an operator should.
         """
         old = self.master
         old.cleanup()
         self.master = self.replica
-        self.replica = EmbeddedRedis(port=old.port, replica_of=self.master.port).start()
+        self.replica = EmbeddedRedis(
+            port=old.port, replica_of=self.master.port, log_level="notice", replica_priority=0
+        ).start()
+
+    def wait_rejoined(self, timeout_s: float = 30.0) -> None:
+        """The second half of :meth:`rejoin`: wait for the first sync, then give the replica Redis's
+        default priority back and wait until every Sentinel has read it."""
+        deadline = time.monotonic() + timeout_s
         with redis.Redis(port=self.replica.port) as replica:
             linked = lambda: replica.info("replication").get("master_link_status") == "up"  # noqa: E731
             try:
-                _until(linked, time.monotonic() + timeout_s, "the rejoined replica's first sync")
+                _until(linked, deadline, "the rejoined replica's first sync")
             except TimeoutError as exc:
                 raise TimeoutError(f"{exc}: {self.describe()}") from None
+            replica.config_set("replica-priority", 100)
+        try:
+            _until(lambda: self._priorities() == [100] * 3, deadline, "the Sentinels to read its priority")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc} ({self._priorities()}): {self.describe()}") from None
 
-    def describe(self) -> str:
-        """Each server's replication role and link, and the master each Sentinel names: what a
-        failed wait on this group reports."""
+    def _priorities(self) -> list[int | None]:
+        """The priority each Sentinel holds for the replica (None: it does not list it)."""
+        found: list[int | None] = []
+        for port in self.sentinel_ports:
+            with redis.Redis(port=port, decode_responses=True, socket_timeout=2) as sentinel:
+                listed = sentinel.sentinel_slaves(self.master_name)
+            mine = [r for r in listed if int(r["port"]) == self.replica.port]
+            found.append(int(mine[0]["slave-priority"]) if mine else None)
+        return found
+
+    def describe(self, log_lines: int = 6) -> str:
+        """Each server's replication role and link, the master each Sentinel names, and the last
+        ``log_lines`` each server and Sentinel logged: what a failed wait on this group reports."""
         parts = []
+        keep = ("role", "connected_slaves", "master_port", "master_link_status", "master_sync_in_progress")
         for label, server in (("master", self.master), ("replica", self.replica)):
             try:
                 with redis.Redis(port=server.port, socket_timeout=2, decode_responses=True) as client:
                     info = client.info("replication")
-                keep = ("role", "master_port", "master_link_status", "master_sync_in_progress")
                 parts.append(
                     f"{label} {server.port}: " + " ".join(f"{k}={info[k]}" for k in keep if k in info)
                 )
@@ -273,7 +322,14 @@ class SentinelGroup:
                 parts.append(f"sentinel {port} names {address[1] if address else None}")
             except redis.RedisError as error:
                 parts.append(f"sentinel {port}: {type(error).__name__}")
-        return "; ".join(parts)
+        text = "; ".join(parts)
+        logs = [(f"master {self.master.port}", self.master.log_path)]
+        logs.append((f"replica {self.replica.port}", self.replica.log_path))
+        logs += [(f"sentinel {port}", self.sentinel_log(port)) for port in self.sentinel_ports]
+        for label, path in logs:
+            lines = _tail(path, log_lines)
+            text += f"\n{label} logged:\n  " + ("\n  ".join(lines) if lines else "(nothing)")
+        return text
 
     def failover_complete(self) -> bool:
         """Whether every Sentinel names the replica master with no failover in progress, and the
@@ -330,17 +386,29 @@ class SentinelGroup:
         path = Path(self.directory) / f"sentinel-{port}.conf"
         name = self.master_name
         path.write_text(
-            f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.directory}\nloglevel warning\n"
+            f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.directory}\n"
+            f"loglevel notice\nlogfile {self.sentinel_log(port)}\n"
             f"sentinel monitor {name} 127.0.0.1 {self.master.port} 2\n"
             f"sentinel down-after-milliseconds {name} {self.down_after_ms}\n"
             f"sentinel failover-timeout {name} {self.failover_timeout_ms}\n"
         )
         return str(path)
 
+    def sentinel_log(self, port: int) -> str:
+        return str(Path(self.directory) / f"sentinel-{port}.log")
+
     def _ready(self, sentinel: redis.Redis) -> bool:
         state = sentinel.sentinel_master(self.master_name)
         assert isinstance(state, dict), state
         return int(state.get("num-slaves", 0)) >= 1 and int(state.get("num-other-sentinels", 0)) >= 2
+
+
+def _tail(path: str, lines: int) -> list[str]:
+    try:
+        with open(path, errors="replace") as log:
+            return [line.rstrip("\n") for line in log.readlines()[-lines:]]
+    except OSError:
+        return []
 
 
 def _until(predicate: Callable[[], bool], deadline: float, what: str) -> None:

@@ -270,3 +270,45 @@ def test_scripts_reload_on_a_server_that_lacks_them(clean_redis: Any) -> None:
         assert int(script(keys=[KEYS.workers], args=["", 0])) == 1  # redis-py's Script does the same
     finally:
         client.close()
+
+
+def test_a_rejoining_master_is_not_promoted_before_its_first_sync() -> None:
+    """The killed master comes back empty; the promoted one stalls before the two have synced (Redis
+    7 waits 5 s before a diskless sync). The Sentinels try to fail over and find no replica they may
+    promote (it starts with replica-priority 0): the data stays on the stalled master, and once it
+    resumes the rejoined server syncs it and may be promoted from then on."""
+    with SentinelGroup(MASTER) as group:
+        with redis.Redis(port=group.master.port) as master:
+            master.set("kept", "yes")
+            assert master.wait(1, 5000) == 1
+        group.kill_master()
+        group.wait_promoted()
+        deadline = time.monotonic() + 60
+        while not group.failover_complete():
+            assert time.monotonic() < deadline, f"the failover did not complete: {group.describe()}"
+            time.sleep(0.05)
+        group.restart_old_master()
+        stalled, rejoined = group.master, group.replica
+        with redis.Redis(port=rejoined.port) as replica:
+            assert replica.info("replication")["master_link_status"] == "down"  # not synced yet
+        assert stalled.process is not None
+        os.kill(stalled.process.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while not _sentinels_logged(group, "-failover-abort-no-good-slave"):
+                assert group.master_port() == stalled.port, (
+                    f"the empty server was promoted: {group.describe()}"
+                )
+                assert time.monotonic() < deadline, f"no failover was tried: {group.describe()}"
+                time.sleep(0.05)
+        finally:
+            os.kill(stalled.process.pid, signal.SIGCONT)
+        group.wait_rejoined()
+        assert group.master_port() == stalled.port
+        with redis.Redis(port=rejoined.port) as replica:
+            assert replica.get("kept") == b"yes"
+            assert int(replica.config_get("replica-priority")["replica-priority"]) == 100
+
+
+def _sentinels_logged(group: SentinelGroup, event: str) -> bool:
+    return any(event in Path(group.sentinel_log(port)).read_text() for port in group.sentinel_ports)
