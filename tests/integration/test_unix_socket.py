@@ -9,6 +9,7 @@ plain Celery app, configured with the same URLs as a Celery user would write the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -19,10 +20,12 @@ from carpool.errors import ConfigError
 from carpool.gpu_worker.runner import run_single
 from carpool.producer.gather import gather
 from carpool.producer.submit import submit_many
-from carpool.tools.embedded import EmbeddedRedis
+from carpool.tools.embedded import EmbeddedRedis, free_port
 from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
 from tests.integration.test_end_to_end import assert_same_vectors
+
+TOY: dict[str, Any] = {"model": "toy", "models": ("toy",)}
 
 
 def test_a_stack_on_a_unix_socket_serves_every_path_and_a_plain_celery_client(tmp_path: Path) -> None:
@@ -60,3 +63,67 @@ def test_a_stack_on_a_unix_socket_serves_every_path_and_a_plain_celery_client(tm
                 plain.close()
             assert processes.procs["coordinator"].poll() is None
             assert processes.procs["worker0"].poll() is None
+
+
+def test_flower_on_a_unix_socket_lists_the_requests_and_counts_the_batch_queue(tmp_path: Path) -> None:
+    """Flower, given carpool's app and the socket's URLs as every other process is: its event
+    receiver (Redis pub/sub on the socket) lists each request as SUCCESS, and its broker API counts
+    the batch queue's messages, which it reads through its own socket client."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    import redis
+
+    import carpool.tasks  # noqa: F401  # registers carpool.infer on every app
+
+    def api(path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    with EmbeddedRedis(unix_socket=True) as server, Harness(server, tmp_path) as processes:
+        toy = {"CARPOOL_MODEL": "toy", "CARPOOL_MODELS": "toy"}
+        port = free_port()
+        flower = processes.spawn(
+            "flower",
+            ["celery", "-A", "carpool.celery_app", "flower", f"--port={port}", "--address=127.0.0.1"],
+            FLOWER_UNAUTHENTICATED_API="true",
+            **toy,
+        )
+        deadline = time.monotonic() + 60
+        with redis.Redis(unix_socket_path=server.socket_path) as client:
+            # the batch queue, before anything consumes it: what Flower's broker page shows
+            client.rpush("carpool.batches", b"not-a-message-1", b"not-a-message-2")
+            while True:
+                assert flower.poll() is None, processes.log("flower")
+                try:
+                    queues = api("/api/queues/length")["active_queues"]
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    assert time.monotonic() < deadline, processes.log("flower")
+                    time.sleep(0.3)
+            client.delete("carpool.batches")
+        assert {"name": "carpool.batches", "messages": 2} in queues, queues
+        settings = load_settings(broker_url=server.url(0), result_backend=server.url(1))
+        app = create_app(settings.model_copy(update=TOY))
+        processes.start_stack(1, wait=True, **toy)
+        deadline = time.monotonic() + 60
+        try:
+            listed: dict[str, Any] = {}
+            ids: list[str] = []
+            while time.monotonic() < deadline and not (ids and all(i in listed for i in ids)):
+                # Flower answers HTTP before its event receiver subscribes: requests sent until then
+                # are not shown, so send a few more until every one of the last round is
+                ids = [r.id for r in submit_many(mixed_texts(4, seed=len(ids)), app=app)]
+                gather([app.AsyncResult(i) for i in ids], timeout=60)
+                time.sleep(0.5)
+                listed = {
+                    i: t
+                    for i, t in api("/api/tasks?taskname=carpool.infer").items()
+                    if t["state"] == "SUCCESS"
+                }
+            assert all(i in listed for i in ids), (ids, sorted(listed), processes.log("flower"))
+        finally:
+            release_result_consumer(app)
+            app.close()
