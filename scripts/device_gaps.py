@@ -2,6 +2,14 @@
 many batches were already queued on it when the previous one ended.
 
     python scripts/device_gaps.py OUT_DIR [OUT_DIR ...]
+    python scripts/device_gaps.py --trace TRACE_FILE OUT_DIR     # what each gap waited for
+
+With ``--trace``: ``TRACE_FILE`` was written by a worker patched with
+``scripts/trace-worker-handoffs.patch`` (``git apply`` it on a copy of the tree, then run the bench
+there with ``CARPOOL_TRACE_FILE=TRACE_FILE``): per batch, when ``run`` began, when the device stage
+had room, when the claim returned and when the device thread launched it. Each gap, from the end of
+forward k to the start of forward k+1, is cut at those marks of batch k+1 (and its
+``dispatched_at``), and the pieces are summed over the burst.
 
 Each ``OUT_DIR`` is a ``carpool bench --accelerator`` output folder (its ``report.json`` and
 ``device-*.log``). A batch "queued" started the moment the previous one ended: the worker had
@@ -38,11 +46,57 @@ def summary(out_dir: Path) -> str:
     )
 
 
+# The marks of a traced batch, in the order a gap is cut at them, and what the device waited for
+# until each: (trace kind, or "d" for the batch's dispatched_at; what the piece before it is).
+_MARKS = (
+    ("d", "the coordinator to dispatch it"),
+    ("R", "its delivery to the worker's run()"),
+    ("W", "room in the device stage"),
+    ("C", "the claim"),
+    ("L", "the device thread to launch it"),
+)
+
+
+def handoffs(out_dir: Path, trace: Path) -> dict[str, float]:
+    """Seconds of device idle time in the burst by what it waited for (see the module's doc)."""
+    (log,) = sorted(out_dir.glob("device-*.log"))
+    forwards = sorted(read_device_log(log), key=lambda f: f.start)
+    marks: dict[str, dict[str, float]] = {}
+    launched: list[str] = []
+    for line in trace.read_text().splitlines():
+        kind, batch_id, dispatched, _, when, _ = line.split()
+        marks.setdefault(batch_id, {})[kind] = float(when)
+        if kind == "R":
+            marks[batch_id]["d"] = float(dispatched)
+        if kind == "L":
+            launched.append(batch_id)
+    count = min(len(forwards), len(launched))  # the warm-up batch runs outside run(): not traced
+    forwards, launched = forwards[-count:], launched[-count:]
+    waited = {what: 0.0 for _, what in _MARKS} | {"the device to start it once launched": 0.0}
+    for (before, after), batch_id in zip(pairwise(forwards), launched[1:], strict=True):
+        if not 0 < after.start - before.end < WARM_UP_GAP_S:
+            continue
+        cut = before.end
+        for kind, what in _MARKS:
+            at = marks[batch_id].get(kind, cut)
+            waited[what] += max(0.0, at - cut)
+            cut = max(cut, at)
+        waited["the device to start it once launched"] += max(0.0, after.start - cut)
+    return waited
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dirs", nargs="+", type=Path)
-    for out_dir in parser.parse_args().out_dirs:
+    parser.add_argument("--trace", type=Path, help="a worker's hand-off trace (one OUT_DIR)")
+    args = parser.parse_args()
+    for out_dir in args.out_dirs:
         print(summary(out_dir))
+        if args.trace is not None:
+            waited = handoffs(out_dir, args.trace)
+            for what, seconds in waited.items():
+                print(f"  waited for {what}: {seconds:.3f} s")
+            print(f"  all gaps: {sum(waited.values()):.3f} s")
 
 
 if __name__ == "__main__":
