@@ -68,7 +68,7 @@ class EmbeddedRedis:
         self.replica_of = replica_of  # the port of a master on this host to replicate
         self.appendfsync = appendfsync  # always / everysec / no; None keeps Redis's default
         self.replica_priority = replica_priority  # 0: Sentinel never promotes it; None: Redis's 100
-        self.log_level = log_level  # the server logs to redis.log in its directory: see log_tail()
+        self.log_level = log_level  # the server logs to log_path, in its directory
         self._own_dir = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="carpool-redis-")
         self.process: subprocess.Popen[bytes] | None = None
@@ -80,10 +80,6 @@ class EmbeddedRedis:
     @property
     def log_path(self) -> str:
         return os.path.join(self.directory, "redis.log")
-
-    def log_tail(self, lines: int = 8) -> list[str]:
-        """The last ``lines`` lines the server logged: what a failed wait on it reports."""
-        return _tail(self.log_path, lines)
 
     def url(self, db: int = 0) -> str:
         """The URL clients are given: the Unix socket's when the server listens on one."""
@@ -287,7 +283,7 @@ class SentinelGroup:
                 raise TimeoutError(f"{exc}: {self.describe()}") from None
             replica.config_set("replica-priority", 100)
         try:
-            _until(lambda: self._priorities() == [100] * 3, deadline, "the Sentinels to read its priority")
+            _until(lambda: set(self._priorities()) == {100}, deadline, "the Sentinels to read its priority")
         except TimeoutError as exc:
             raise TimeoutError(f"{exc} ({self._priorities()}): {self.describe()}") from None
 
@@ -323,9 +319,11 @@ class SentinelGroup:
             except redis.RedisError as error:
                 parts.append(f"sentinel {port}: {type(error).__name__}")
         text = "; ".join(parts)
-        logs = [(f"master {self.master.port}", self.master.log_path)]
-        logs.append((f"replica {self.replica.port}", self.replica.log_path))
-        logs += [(f"sentinel {port}", self.sentinel_log(port)) for port in self.sentinel_ports]
+        logs = [
+            (f"master {self.master.port}", self.master.log_path),
+            (f"replica {self.replica.port}", self.replica.log_path),
+            *((f"sentinel {port}", self.sentinel_log(port)) for port in self.sentinel_ports),
+        ]
         for label, path in logs:
             lines = _tail(path, log_lines)
             text += f"\n{label} logged:\n  " + ("\n  ".join(lines) if lines else "(nothing)")

@@ -8,10 +8,15 @@ plain Celery app, configured with the same URLs as a Celery user would write the
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
 from carpool.celery_edge.app import create_app
@@ -37,7 +42,7 @@ def test_a_stack_on_a_unix_socket_serves_every_path_and_a_plain_celery_client(tm
         # redis-py's spelling of the same socket is taken and rewritten into Celery's
         settings = load_settings(broker_url=f"unix://{server.socket_path}?db=0", result_backend=backend_url)
         assert settings.broker_url == broker_url
-        app = create_app(settings.model_copy(update={"model": "toy", "models": ("toy",)}))
+        app = create_app(settings.model_copy(update=TOY))
         plain = Celery("plain", broker=broker_url, backend=backend_url)
         with Harness(server, tmp_path) as processes:
             processes.start_stack(1, wait=True, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
@@ -69,13 +74,6 @@ def test_flower_on_a_unix_socket_lists_the_requests_and_counts_the_batch_queue(t
     """Flower, given carpool's app and the socket's URLs as every other process is: its event
     receiver (Redis pub/sub on the socket) lists each request as SUCCESS, and its broker API counts
     the batch queue's messages, which it reads through its own socket client."""
-    import json
-    import time
-    import urllib.error
-    import urllib.request
-
-    import redis
-
     import carpool.tasks  # noqa: F401  # registers carpool.infer on every app
 
     def api(path: str) -> Any:
