@@ -204,7 +204,14 @@ class Settings(BaseSettings):
             "wakes it at once (Redis 6.2+; older servers are polled every 2 ms)."
         ),
     )
-    events: bool = Field(True, description="Send per-request task events so Flower lists every request.")
+    events: bool | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Per-request and per-batch task events, so Flower lists every request and batch: auto = "
+            "while some client receives them (Flower, `celery events`; probed every 0.1 s), true = "
+            "always, false = never."
+        ),
+    )
     metrics_port: int = Field(
         9808, ge=0, le=65535, description="Prometheus port of the coordinator; 0 = off."
     )

@@ -14,7 +14,9 @@ encoding into kombu's envelope (:mod:`carpool.celery_edge.fanout`) that the call
 inside a pipeline it sends anyway.
 
 Events are telemetry: a failure to build or send them is logged and dropped, never allowed to stop
-serving.
+serving. They are also pub/sub: a message nobody is subscribed to reaches no one. So by default
+(``CARPOOL_EVENTS=auto``) a process builds them only while some client receives them (Flower,
+``celery events``, any event receiver): :class:`Listeners` asks Redis every ``PROBE_INTERVAL_S``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from celery import Celery
@@ -39,6 +42,10 @@ TASK_NAME = INFER_TASK
 REPR_LIMIT = 200  # characters of a result or argument shown in Flower
 SHOWN_ITEMS = 16  # items of a long list shown before its length
 _UTCOFFSET_REFRESH_S = 60.0  # the offset changes only at DST transitions
+PROBE_INTERVAL_S = 0.1  # how long a monitor that starts listening may miss events
+
+EventsMode = bool | Literal["auto"]
+_start_lock = threading.Lock()  # one probe thread per process, whichever thread asks first
 
 
 def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
@@ -93,19 +100,53 @@ def _numbers_text(numbers: Any, option: int = 0) -> str | None:
     return text[1:-1].replace(b",", b", ").decode()
 
 
+class Listeners:
+    """Whether any client receives task events now, as Redis answers a probe.
+
+    Every ``interval_s`` a daemon thread PUBLISHes an empty ``task.multi`` list on the events topic;
+    Redis answers how many subscribers got it (an event receiver processes an empty list as no
+    events). Until the first answer, and while Redis does not answer, the last belief stands,
+    starting with "someone listens": a monitor already connected misses nothing.
+    """
+
+    def __init__(self, client: Any, topic: str, probe: bytes, interval_s: float = PROBE_INTERVAL_S) -> None:
+        self.listening = True
+        self.pid = os.getpid()  # a forked child starts its own: threads do not survive a fork
+        self._client, self._topic, self._probe, self._interval_s = client, topic, probe, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="carpool-event-listeners", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.listening = self._client.publish(self._topic, self._probe) > 0
+            except Exception as exc:  # Redis away: serving goes on, and so does the last belief
+                log.debug("could not probe for task event listeners: %s", exc)
+            if self._stop.wait(self._interval_s):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 class TaskEvents:
     """Buffers one process's per-request task events; :meth:`take` or :meth:`flush` sends them.
 
     One buffer belongs to one thread at a time: a worker whose batches finish on other threads
     gives each batch a :meth:`fork` of its own, so no batch takes another's events.
+
+    ``mode``: True sends them always, False never, ``"auto"`` while :class:`Listeners` says some
+    client receives them (always, without a ``client`` to ask).
     """
 
-    def __init__(self, app: Celery, hostname: str, enabled: bool = True, client: Any = None) -> None:
-        self.enabled = enabled
+    def __init__(self, app: Celery, hostname: str, mode: EventsMode = True, client: Any = None) -> None:
+        self.mode = mode
         self.hostname = hostname
         self._app = app
-        self._client = client  # a redis.Redis on the broker, for flush()
+        self._client = client  # a redis.Redis on the broker, for flush() and the listener probe
         self._encoder: Any = None
+        self._listeners: Listeners | None = None
         self._pid = os.getpid()
         self._buffer: list[dict[str, Any]] = []
         self._utcoffset = 0
@@ -118,6 +159,50 @@ class TaskEvents:
         child.__dict__.update(self.__dict__)
         child._buffer = []
         return child
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events are built now (checked per event: a monitor may come or go at any time)."""
+        root = self._root
+        if root.mode != "auto":
+            return bool(root.mode)
+        if self._client is None:
+            return True
+        listeners = root._listeners
+        if listeners is None or listeners.pid != os.getpid():
+            listeners = root._start_listeners()
+        return listeners is None or listeners.listening
+
+    def _start_listeners(self) -> Listeners | None:
+        with _start_lock:
+            if self._listeners is not None and self._listeners.pid == os.getpid():
+                return self._listeners
+            try:
+                encoder = self._event_encoder()
+                self._listeners = Listeners(self._client, encoder.topic, encoder.encode([]))
+            except Exception as exc:
+                log.warning("could not start probing for task event listeners (events stay on): %s", exc)
+                self.mode = True
+                return None
+            return self._listeners
+
+    def start(self) -> None:
+        """Start probing for listeners now (``auto``), so that the first requests served find the
+        answer in place; otherwise the first event asked for starts it."""
+        _ = self.enabled
+
+    def close(self) -> None:
+        """Stop probing for listeners (a process that stops serving)."""
+        if self._root._listeners is not None:
+            self._root._listeners.close()
+
+    def _event_encoder(self) -> Any:
+        encoder = self._root._encoder
+        if encoder is None:
+            from carpool.celery_edge.fanout import event_encoder
+
+            encoder = self._root._encoder = event_encoder(self._app, "task.multi", self.hostname)
+        return encoder
 
     def _header(self, type_: str) -> dict[str, Any]:
         """The fields every event of ``type_`` sent now carries, bar its Lamport clock."""
@@ -220,11 +305,7 @@ class TaskEvents:
             return None
         events, self._buffer = self._buffer, []
         try:
-            encoder = self._root._encoder
-            if encoder is None:
-                from carpool.celery_edge.fanout import event_encoder
-
-                encoder = self._root._encoder = event_encoder(self._app, "task.multi", self.hostname)
+            encoder = self._event_encoder()
             return encoder.topic, encoder.encode(events)
         except Exception as exc:
             log.warning("could not encode %d task events (Flower will miss them): %s", len(events), exc)

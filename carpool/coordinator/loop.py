@@ -104,7 +104,7 @@ class Coordinator:
         self.revoked_ids = revokes.Revoked()  # a request revoked before it is taken is never batched
         self.stopping = threading.Event()
         self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
-        self.events = TaskEvents(app, self.hostname, enabled=settings.events, client=self.client)
+        self.events = TaskEvents(app, self.hostname, mode=settings.events, client=self.client)
         self.metrics = CoordinatorMetrics(task_of=self.task_name)
         self.held: set[str] = set()  # taken, not yet dispatched or answered: leased by us
         self._next_housekeeping = 0.0
@@ -136,6 +136,7 @@ class Coordinator:
             self.settings.max_tokens,
         )
         self.warm_up()
+        self.events.start()
         self.revokes = revokes.listen(self.app, self.settings)
         try:
             self._loop()
@@ -189,6 +190,7 @@ class Coordinator:
         """Hand every request not yet dispatched back to the front of the request queue."""
         held = [r.id for r in self.policy.drain() + self.deferred.drain()] + self.stage.drain()
         self.stage.close()
+        self.events.close()
         try:
             returned = self.store.requeue(held)
         except redis.ConnectionError:

@@ -86,7 +86,7 @@ class WorkerRuntime:
         self.events = TaskEvents(
             app,
             f"carpool-gpu-{os.getpid()}@{socket.gethostname()}",
-            enabled=self.settings.events,
+            mode=self.settings.events,
             client=self.client,
         )
         # (broker db, results db) when both live on one server: then a batch finishes in one script.
@@ -122,6 +122,7 @@ class WorkerRuntime:
             # A device thread waking from its batch waits for the GIL at most this long (Python's
             # default interval is longer than a fast device's batch).
             sys.setswitchinterval(DEVICE_SWITCH_INTERVAL_S)
+        self.events.start()
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()
@@ -141,6 +142,7 @@ class WorkerRuntime:
         if self._finisher is not None:
             self._finisher.drain()
         self._stop.set()
+        self.events.close()
         with contextlib.suppress(redis.RedisError):
             self.store.leave(self.hostname)
 

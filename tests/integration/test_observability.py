@@ -160,14 +160,16 @@ def flower(processes: Processes, tmp_path: Path) -> Iterator[Flower]:
 
 
 def wait_flower_listening(flower: Flower, attempts: int = 10) -> list[str]:
-    """Flower answers HTTP before its event receiver is subscribed: send probes until one shows."""
+    """Flower answers HTTP before its event receiver is subscribed, and the coordinator and worker
+    build events once their probe has found it (``CARPOOL_EVENTS=auto``): send probes until one
+    shows with the events of both."""
     probes = []
     for n in range(attempts):
         probes += send_and_get([f"probe number {n} for flower"], timeout_s=60)
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             task = flower.tasks("carpool.infer").get(probes[-1])
-            if task and task.get("state") == "SUCCESS":
+            if task and task.get("state") == "SUCCESS" and task.get("received") is not None:
                 return probes
             time.sleep(0.2)
     pytest.fail(f"flower never listed a probe request:\n{flower.log()}")

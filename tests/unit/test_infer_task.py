@@ -85,7 +85,7 @@ def test_infer_and_a_batched_task_go_through_one_coordinator_and_one_worker_path
     assert peer["model"] == reverse.name and peer["requests"][0]["item"] == "abc", "the item travels"
 
     worker = WorkerRuntime(app)
-    worker.device, worker.dbs, worker.events.enabled = "cpu", (0, 1), False
+    worker.device, worker.dbs, worker.events.mode = "cpu", (0, 1), False
     store = worker.store = FakeStore()  # type: ignore[assignment]
     assert {INFER_TASK, reverse.name} <= set(worker.specs)
     results: dict[str, Any] = {}

@@ -218,7 +218,7 @@ def staged() -> Any:
     from carpool.gpu_worker.runtime import WorkerRuntime
 
     rt = WorkerRuntime(app)
-    rt.device, rt.dbs, rt.events.enabled = "cpu", (0, 1), False
+    rt.device, rt.dbs, rt.events.mode = "cpu", (0, 1), False
     rt.store = LeaseStore()  # type: ignore[assignment]
     rt._stage, rt._finisher = DeviceStage(), Finisher()
     return rt

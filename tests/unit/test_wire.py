@@ -164,7 +164,7 @@ def runtime() -> Any:
     rt = WorkerRuntime(app)
     rt.device = "cpu"
     rt.dbs = (0, 1)  # results on the broker's server: one finish script
-    rt.events.enabled = False
+    rt.events.mode = False
     rt.store = FakeStore()  # type: ignore[assignment]
     return rt
 

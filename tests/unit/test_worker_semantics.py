@@ -49,7 +49,7 @@ def runtime() -> Any:
     rt = WorkerRuntime(app)
     rt.device = "cpu"
     rt.dbs = (0, 1)
-    rt.events.enabled = False
+    rt.events.mode = False
     rt.store = FakeStore()  # type: ignore[assignment]
     return rt
 

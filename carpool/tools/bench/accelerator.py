@@ -278,6 +278,8 @@ def run_accelerator(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "gather_timeout_s": args.timeout,
             "profile": bool(args.profile),
             "redis": getattr(args, "redis", "tcp"),  # how the processes reach redis-server
+            # Task events as the processes build them (auto: only while some client receives them).
+            "events": os.environ.get("CARPOOL_EVENTS", "auto"),
         },
         "workload": {
             "requests": n,

@@ -7,7 +7,8 @@ Schema ``carpool-bench-accelerator/1``::
       "model": "sim-v100" | "sim-h100" | "sim",
       "device": {"profile", "a_s", "b_s"},
       "config": {"requests", "seed", "max_batch", "max_wait_s", "workers", "coordinators", "light",
-                 "pipeline", "noop_tasks", "quick", "gather_timeout_s", "profile", "redis"},
+                 "pipeline", "noop_tasks", "quick", "gather_timeout_s", "profile", "redis",
+                 "events"},
       "workload": {"requests", "seed", "length_distribution", "chars_mean", "token_lengths",
                    "at_window_share"},
       "tokenizer_cpu_us_per_text": float,        # in the bench's process, one thread

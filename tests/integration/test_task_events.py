@@ -1,0 +1,180 @@
+"""Task events go out while some client receives them (``CARPOOL_EVENTS=auto``, the default).
+
+Against the session's redis-server: a real Celery event receiver comes and goes, and the
+probe's answer follows it; a coordinator and a worker serving with nobody listening publish only
+the probes' empty lists (seen with MONITOR, which is not a subscriber), and with a listener every
+request's events reach it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+
+from carpool.celery_edge.app import app
+from carpool.celery_edge.events import TaskEvents
+from carpool.producer.gather import gather
+from carpool.producer.submit import submit_many
+from carpool.tools.embedded import EmbeddedRedis
+from tests.integration.conftest import Processes, start_stack
+
+TOY = {"CARPOOL_MODEL": "toy", "CARPOOL_MODELS": "toy"}
+EVENTS_PATTERN = "/0.celeryev/*"  # what kombu's Redis transport subscribes an event receiver to
+
+
+def eventually(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not seen within {timeout_s}s")
+        time.sleep(0.02)
+
+
+@contextmanager
+def celery_receiver() -> Iterator[list[dict[str, Any]]]:
+    """Celery's own event receiver capturing in a thread; yields the events it has processed."""
+    seen: list[dict[str, Any]] = []
+    subscribed = threading.Event()
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"*": seen.append})
+        thread = threading.Thread(
+            target=receiver.capture,
+            kwargs={"limit": None, "timeout": None, "wakeup": False},
+            daemon=True,
+        )
+        receiver.on_consume_ready = lambda *a, **k: subscribed.set()
+        thread.start()
+        assert subscribed.wait(10), "the event receiver never subscribed"
+        try:
+            yield seen
+        finally:
+            receiver.should_stop = True
+            thread.join(10)
+            assert not thread.is_alive(), "the event receiver did not stop"
+
+
+def test_events_are_built_only_while_a_receiver_listens(clean_redis: EmbeddedRedis) -> None:
+    client = redis.Redis(port=clean_redis.port)
+    events = TaskEvents(app, "probe-test@host", mode="auto", client=client)
+    events.start()
+    try:
+        eventually("no listener found", lambda: not events.enabled)
+        events.received("unheard", "('nobody listens',)")
+        assert events.take() is None, "an event built while nobody listens"
+
+        with celery_receiver() as seen:
+            eventually("the receiver found", lambda: events.enabled)
+            batch = events.fork()  # a worker's batch: its fork follows the same probe
+            batch.received("heard", "('someone listens',)")
+            message = batch.take()
+            assert message is not None
+            assert client.publish(*message) >= 1
+            eventually("the event processed", lambda: any(e.get("uuid") == "heard" for e in seen))
+            time.sleep(0.3)  # a few more probes arrive meanwhile
+        # The probes' empty lists are no events to a receiver: it processed exactly the one sent.
+        assert [(e["type"], e["uuid"]) for e in seen] == [("task-received", "heard")], seen
+
+        eventually("the receiver gone", lambda: not events.enabled)
+    finally:
+        events.close()
+
+
+def test_on_and_off_do_not_probe(clean_redis: EmbeddedRedis) -> None:
+    client = redis.Redis(port=clean_redis.port)
+    always = TaskEvents(app, "on@host", mode=True, client=client)
+    never = TaskEvents(app, "off@host", mode=False, client=client)
+    always.start()
+    never.start()
+    assert always.enabled and not never.enabled
+    assert always._listeners is None and never._listeners is None, "a probe thread for a fixed mode"
+    always.received("a", "()")
+    never.received("b", "()")
+    assert always.take() is not None and never.take() is None
+
+
+@contextmanager
+def monitored(port: int) -> Iterator[list[str]]:
+    """Every command the server runs meanwhile (scripts' commands included), as MONITOR shows them."""
+    lines: list[str] = []
+    stop_word = "end-of-monitor"
+    client = redis.Redis(port=port)
+    ready = threading.Event()
+
+    def watch() -> None:
+        with client.monitor() as monitor:  # type: ignore[no-untyped-call]
+            ready.set()
+            for command in monitor.listen():
+                text = str(command["command"])
+                if stop_word in text:
+                    return
+                lines.append(text)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    time.sleep(0.2)  # MONITOR is in effect once the server answered it
+    try:
+        yield lines
+    finally:
+        client.echo(stop_word)
+        thread.join(10)
+
+
+def event_bodies(lines: list[str]) -> list[list[Any]]:
+    """The event lists PUBLISHed on the task.multi topic, decoded."""
+    out = []
+    for line in lines:
+        head, _, rest = line.partition(" ")
+        if head.upper() != "PUBLISH" or not rest.startswith("/0.celeryev/task.multi "):
+            continue
+        envelope = json.loads(rest.split(" ", 1)[1])
+        out.append(json.loads(base64.b64decode(envelope["body"])))
+    return out
+
+
+def test_a_stack_sends_events_only_while_someone_listens(processes: Processes) -> None:
+    start_stack(processes, **TOY)
+    port = processes.server.port  # type: ignore[union-attr]
+    gather(submit_many(["warm up"], model="toy"), timeout=60)
+    time.sleep(0.5)  # both processes' probes have answered: nobody listens
+
+    with monitored(port) as lines:
+        results = submit_many([f"unheard request {i}" for i in range(40)], model="toy")
+        assert len(gather(results, timeout=60)) == 40
+        time.sleep(0.3)
+    bodies = event_bodies(lines)
+    assert bodies.count([]) >= 2, f"no probes seen in {len(lines)} commands"
+    # The producer's task-sent events follow Celery's task_send_sent_event, not the probe.
+    served = [e for body in bodies for e in body if e["type"] != "task-sent"]
+    assert served == [], served[:2]
+
+    listener = redis.Redis(port=port).pubsub()  # type: ignore[no-untyped-call]
+    listener.psubscribe(EVENTS_PATTERN)
+    try:
+        time.sleep(0.5)  # a few probe intervals: both processes have heard of the listener
+        results = submit_many([f"heard request {i}" for i in range(40)], model="toy")
+        assert len(gather(results, timeout=60)) == 40
+        wanted = {r.id for r in results}
+        kinds: dict[str, set[str]] = {i: set() for i in wanted}
+
+        def all_heard() -> bool:
+            message = listener.get_message(timeout=0.5)
+            if message is not None and message["type"] == "pmessage":
+                envelope = json.loads(message["data"])
+                body = json.loads(base64.b64decode(envelope["body"]))
+                for event in body if isinstance(body, list) else [body]:
+                    if event.get("uuid") in kinds:
+                        kinds[event["uuid"]].add(event["type"])
+            return all({"task-received", "task-started", "task-succeeded"} <= k for k in kinds.values())
+
+        eventually("every request's received, started and succeeded events", all_heard, timeout_s=30)
+    finally:
+        listener.close()
