@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,25 @@ def start_stack(processes: Processes, workers: int = 1, /, **env: str) -> Proces
     """A coordinator and ``workers`` GPU workers sharing ``env`` (CARPOOL_* overrides), all up."""
     # ``workers`` positional and ``wait`` given: a ``**dict[str, str]`` of settings can fill neither.
     return processes.start_stack(workers, wait=True, **env)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0, every_s: float = 0.1) -> Any:
+    """Poll ``check`` until it returns something truthy, and return that; fail naming ``what`` and
+    the last answer or error. OSError (a refused connection, an HTTP error), ValueError (a body not
+    yet JSON) and AssertionError (a check that says why it is not there yet) count as "not yet"."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+            last = value
+        except (OSError, ValueError, AssertionError) as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not seen within {timeout_s}s (last: {last!r})")
+        time.sleep(every_s)
 
 
 def server_of(processes: Processes) -> EmbeddedRedis:

@@ -26,7 +26,7 @@ from carpool.config import load_settings
 from carpool.redis_edge.keys import Keys
 from carpool.tools import acl
 from carpool.tools.embedded import EmbeddedRedis, free_port, redis_server_binary
-from tests.integration.conftest import Processes, server_of
+from tests.integration.conftest import Processes, server_of, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -113,20 +113,6 @@ def flower_get(port: int, path: str) -> Any:
         return json.loads(resp.read())
 
 
-def wait_for(what: str, check: Any, timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except (OSError, ValueError) as exc:
-            last = exc
-        time.sleep(0.25)
-    pytest.fail(f"{what} not seen within {timeout_s}s (last error: {last!r})")
-
-
 @pytest.fixture()
 def flower(role_users: redis.Redis, processes: Processes, tmp_path: Path) -> Iterator[int]:
     """Flower on the flower role's user; yields its port once it answers."""
@@ -146,7 +132,9 @@ def flower(role_users: redis.Redis, processes: Processes, tmp_path: Path) -> Ite
         )
     try:
         wait_for(
-            "flower answering", lambda: proc.poll() is None and flower_get(port, "/api/tasks?limit=1") == {}
+            "flower answering",
+            lambda: proc.poll() is None and flower_get(port, "/api/tasks?limit=1") == {},
+            timeout_s=60,
         )
         yield port
     finally:
@@ -189,9 +177,9 @@ def test_every_role_serves_with_its_own_user(
 
     # Flower heard the events, inspected the worker and reads a result, all on its own user.
     task_id = out["send_task_id"]
-    info = wait_for("the request in flower", lambda: flower_get(flower, f"/api/task/info/{task_id}"))
+    info = wait_for("the request in flower", lambda: flower_get(flower, f"/api/task/info/{task_id}"), 60)
     assert info["state"] == "SUCCESS"
-    workers = wait_for("the worker in flower", lambda: flower_get(flower, "/api/workers?refresh=1"))
+    workers = wait_for("the worker in flower", lambda: flower_get(flower, "/api/workers?refresh=1"), 60)
     assert any(name.startswith("carpool-gpu-") for name in workers)
     assert flower_get(flower, f"/api/task/result/{task_id}")["result"] == vector
 

@@ -28,9 +28,10 @@ from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
+from tests.integration.conftest import wait_for
 from tests.integration.models import SLOW
 from tests.integration.tcpproxy import TcpProxy
-from tests.integration.test_reliability import expected, record, wait_for
+from tests.integration.test_reliability import expected, record
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -157,7 +158,7 @@ def test_a_network_fault_loses_nothing_and_restarts_nothing(stack: Stack, role: 
     assert not wrong, f"requests {wrong} have wrong results"
     # One answer each, and nothing left behind to be answered again.
     admin = stack.admin()
-    wait_for(lambda: admin.zcard(KEYS.inflight_lease) == 0, 10, "requests left in flight")
+    wait_for("no request left in flight", lambda: admin.zcard(KEYS.inflight_lease) == 0, 10)
     assert all(admin.llen(key) == 0 for key in KEYS.request_lists)
     assert stack.admin(1).exists(*[f"celery-task-meta-{r.id}" for r in results]) == len(results)
     # The same processes throughout, all still serving.

@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import pytest
 
 from carpool.tools.embedded import EmbeddedRedis, free_port
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, as_bytes, server_of, start_stack
+from tests.integration.conftest import Processes, as_bytes, server_of, start_stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -38,23 +38,6 @@ BATCH_ARGS = re.compile(
     r"size=(?P<size>\d+) bin=(?P<bin>\S+) width=(?P<width>\d+) padding=(?P<padding>[\d.]+) "
     r"flush=(?P<flush>\S+) model=(?P<model>\S+)"
 )
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0, every_s: float = 0.25) -> Any:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last error."""
-    deadline = time.monotonic() + timeout_s
-    last: object = None
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-            last = value
-        except (OSError, ValueError, AssertionError) as exc:
-            last = exc
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not seen within {timeout_s}s (last: {last!r})")
-        time.sleep(every_s)
 
 
 def http_get(url: str, auth: tuple[str, str] | None = None, timeout_s: float = 10) -> bytes:

@@ -21,7 +21,7 @@ from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, ModelEr
 from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack
+from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack, wait_for
 from tests.integration.models import EXPLODING, SLOW
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -58,14 +58,6 @@ def check_all_correct(results: Sequence[Any], texts: Sequence[str], timeout: flo
         assert np.allclose(g, w, atol=VECTOR_ATOL), f"request {i} has a wrong result"
 
 
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-
-
 def record(fault: str, **figures: Any) -> None:
     """Append a fault run's figures to $CARPOOL_FAULT_REPORT (JSON lines) for docs/RELIABILITY.md."""
     path = os.environ.get("CARPOOL_FAULT_REPORT")
@@ -84,7 +76,7 @@ def test_kill_9_coordinator_loses_nothing(processes: Processes) -> None:
     start_stack(processes, **SLOW_ENV)
     texts = mixed_texts(300, seed=11)
     results = send(texts)
-    wait_for(lambda: in_flight(processes) > 50, 30, "coordinator never took requests")
+    wait_for("the coordinator taking requests", lambda: in_flight(processes) > 50, 30)
     held = in_flight(processes)
     processes.stop("coordinator", sig=signal.SIGKILL)
     t_kill = time.monotonic()
@@ -93,7 +85,7 @@ def test_kill_9_coordinator_loses_nothing(processes: Processes) -> None:
     recovered_in = time.monotonic() - t_kill
     assert held > 0
     assert recovered_in < 60  # generous: catches a hang, not a timing target
-    wait_for(lambda: in_flight(processes) == 0, 10, "in-flight entries left behind")
+    wait_for("no in-flight entry left", lambda: in_flight(processes) == 0, 10)
     record(
         "kill -9 coordinator",
         requests=len(texts),
@@ -115,7 +107,7 @@ def test_kill_9_worker_mid_batch_loses_nothing(processes: Processes) -> None:
     t_kill = time.monotonic()
     check_all_correct(results, texts, timeout=180)
     done_in = time.monotonic() - t_kill
-    wait_for(lambda: in_flight(processes) == 0, 10, "in-flight entries left behind")
+    wait_for("no in-flight entry left", lambda: in_flight(processes) == 0, 10)
     record(
         "kill -9 worker (1 of 2) mid-batch",
         requests=len(texts),
@@ -185,7 +177,7 @@ def test_two_coordinators_share_the_queue_without_duplicates(processes: Processe
     results = send(texts)
     check_all_correct(results, texts)
     client = redis.Redis(port=server_of(processes).port)
-    wait_for(lambda: int(client.hget(KEYS.stats, "dispatched") or 0) >= 300, 5, "stats not written")
+    wait_for("the stats written", lambda: int(client.hget(KEYS.stats, "dispatched") or 0) >= 300, 5)
     time.sleep(0.5)
     assert int(client.hget(KEYS.stats, "dispatched") or 0) == 300  # each request dispatched once
 
@@ -195,7 +187,7 @@ def test_sigterm_coordinator_hands_back_what_it_holds(processes: Processes) -> N
     processes.start("coordinator", "coordinator", **SLOW_ENV)
     texts = mixed_texts(100, seed=15)
     results = send(texts)
-    wait_for(lambda: in_flight(processes) == 100, 30, "coordinator did not take the requests")
+    wait_for("the coordinator taking the requests", lambda: in_flight(processes) == 100, 30)
     assert processes.stop("coordinator", sig=signal.SIGTERM) == 0
     client = redis.Redis(port=server_of(processes).port)
     assert client.llen("carpool.requests") == 100
@@ -219,7 +211,7 @@ def test_requests_a_coordinator_held_go_back_to_their_priority_lists(processes: 
     def held_then(stop: Any) -> None:
         # No worker: the coordinator holds everything until it is stopped.
         processes.start("coordinator", "coordinator", **SLOW_ENV)
-        wait_for(lambda: in_flight(processes) == 50, 30, "coordinator did not take the requests")
+        wait_for("the coordinator taking the requests", lambda: in_flight(processes) == 50, 30)
         assert client.llen(high_list) == client.llen(base_list) == 0
         stop()
         assert (client.llen(high_list), client.llen(base_list)) == (len(high), len(low))
@@ -229,7 +221,7 @@ def test_requests_a_coordinator_held_go_back_to_their_priority_lists(processes: 
     def kill_and_reap() -> None:
         processes.stop("coordinator", sig=signal.SIGKILL)
         store = RequestStore(client, KEYS, float(RECOVERY))
-        wait_for(lambda: store.reap() >= 0 and in_flight(processes) == 0, 30, "leases never ran out")
+        wait_for("the leases running out", lambda: store.reap() >= 0 and in_flight(processes) == 0, 30)
 
     held_then(kill_and_reap)
     # Stopped: it hands back what it holds, each request to its own list.
@@ -300,12 +292,12 @@ def test_garbage_in_the_request_queue_is_dead_lettered(processes: Processes) -> 
     client.lpush("carpool.requests", b'["a", "list"]')
     result = infer.delay("after the garbage", model="toy")
     assert len(result.get(timeout=10)) == 32
-    wait_for(lambda: client.llen(KEYS.dead_letter) == 3, 5, "garbage not dead-lettered")
+    wait_for("the garbage dead-lettered", lambda: client.llen(KEYS.dead_letter) == 3, 5)
     reasons = [as_bytes(e).decode() for e in client.lrange(KEYS.dead_letter, 0, -1)]
     assert any("not JSON" in r for r in reasons)
     assert any("unknown task name 'someone.else'" in r for r in reasons)
     # the good request is acked just after its result is stored: allow the worker that moment
-    wait_for(lambda: in_flight(processes) == 0, 5, "in-flight entries left behind")
+    wait_for("no in-flight entry left", lambda: in_flight(processes) == 0, 5)
 
 
 def test_a_model_error_fails_only_the_culprits(processes: Processes) -> None:
@@ -367,7 +359,7 @@ def test_sigterm_worker_finishes_its_batch(processes: Processes) -> None:
     results = send(texts)
     client = redis.Redis(port=server_of(processes).port)
     # wait until a worker has claimed the batch, then ask it to stop
-    wait_for(lambda: client.hlen(KEYS.inflight_claimed) > 0, 30, "no claim")
+    wait_for("a claim", lambda: client.hlen(KEYS.inflight_claimed) > 0, 30)
     assert processes.stop("worker0", sig=signal.SIGTERM, timeout_s=30) == 0
     done = [r for r in results if r.ready()]
     assert done, "the batch that was running should have finished before the worker exited"

@@ -33,9 +33,9 @@ from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import SentinelGroup
 from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import VECTOR_ATOL
+from tests.integration.conftest import VECTOR_ATOL, wait_for
 from tests.integration.models import SLOW
-from tests.integration.test_reliability import expected, record, wait_for
+from tests.integration.test_reliability import expected, record
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -172,7 +172,7 @@ def _wait_answered(group: SentinelGroup, settings: Any, ids: list[str], timeout_
             except redis.ConnectionError:
                 return False
 
-        wait_for(settled, timeout_s, f"{len(ids)} requests never settled")
+        wait_for(f"{len(ids)} requests settled", settled, timeout_s)
 
 
 def _right_results(app: Any, stored: dict[str, bytes], texts: dict[str, str]) -> int:

@@ -12,11 +12,10 @@ import base64
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import pytest
 import redis
 
 from carpool.celery_edge.app import app
@@ -24,18 +23,10 @@ from carpool.celery_edge.events import TaskEvents
 from carpool.producer.gather import gather
 from carpool.producer.submit import submit_many
 from carpool.tools.embedded import EmbeddedRedis
-from tests.integration.conftest import Processes, start_stack
+from tests.integration.conftest import Processes, start_stack, wait_for
 
 TOY = {"CARPOOL_MODEL": "toy", "CARPOOL_MODELS": "toy"}
 EVENTS_PATTERN = "/0.celeryev/*"  # what kombu's Redis transport subscribes an event receiver to
-
-
-def eventually(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not seen within {timeout_s}s")
-        time.sleep(0.02)
 
 
 @contextmanager
@@ -66,23 +57,23 @@ def test_events_are_built_only_while_a_receiver_listens(clean_redis: EmbeddedRed
     events = TaskEvents(app, "probe-test@host", mode="auto", client=client)
     events.start()
     try:
-        eventually("no listener found", lambda: not events.enabled)
+        wait_for("no listener found", lambda: not events.enabled)
         events.received("unheard", "('nobody listens',)")
         assert events.take() is None, "an event built while nobody listens"
 
         with celery_receiver() as seen:
-            eventually("the receiver found", lambda: events.enabled)
+            wait_for("the receiver found", lambda: events.enabled)
             batch = events.fork()  # a worker's batch: its fork follows the same probe
             batch.received("heard", "('someone listens',)")
             message = batch.take()
             assert message is not None
             assert client.publish(*message) >= 1
-            eventually("the event processed", lambda: any(e.get("uuid") == "heard" for e in seen))
+            wait_for("the event processed", lambda: any(e.get("uuid") == "heard" for e in seen))
             time.sleep(0.3)  # a few more probes arrive meanwhile
         # The probes' empty lists are no events to a receiver: it processed exactly the one sent.
         assert [(e["type"], e["uuid"]) for e in seen] == [("task-received", "heard")], seen
 
-        eventually("the receiver gone", lambda: not events.enabled)
+        wait_for("the receiver gone", lambda: not events.enabled)
     finally:
         events.close()
 
@@ -175,6 +166,6 @@ def test_a_stack_sends_events_only_while_someone_listens(processes: Processes) -
                         kinds[event["uuid"]].add(event["type"])
             return all({"task-received", "task-started", "task-succeeded"} <= k for k in kinds.values())
 
-        eventually("every request's received, started and succeeded events", all_heard, timeout_s=30)
+        wait_for("every request's received, started and succeeded events", all_heard, timeout_s=30)
     finally:
         listener.close()
