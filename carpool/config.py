@@ -207,9 +207,9 @@ class Settings(BaseSettings):
     events: bool | Literal["auto"] = Field(
         "auto",
         description=(
-            "Per-request and per-batch task events, so Flower lists every request and batch: auto = "
-            "while some client receives them (Flower, `celery events`; probed every 0.1 s), true = "
-            "always, false = never."
+            "Task events (producers' task-sent, the coordinator's and workers' per request and per "
+            "batch), so Flower lists every request and batch: auto = while some client receives them "
+            "(Flower, `celery events`; asked every 0.1 s), true = always, false = never."
         ),
     )
     metrics_port: int = Field(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 
 from carpool.celery_edge import compat
+from carpool.celery_edge.events import Heard
 from carpool.config import Settings, load_settings
 from carpool.names import INFER_TASK, RUN_BATCH_TASK
 from carpool.redis_edge.socket_options import celery_options, client_options
@@ -34,6 +35,8 @@ class AppState:
         self.builders: dict[tuple[Any, ...], Any] = {}
         #: (pid, channel) of this process's result inbox (see carpool.celery_edge.inbox)
         self.inbox: tuple[int, str] | None = None
+        #: whether the task-sent events published last reached anyone (CARPOOL_EVENTS=auto)
+        self.sent_heard = Heard()
 
     def message_channel(self) -> Any:
         """A kombu Redis channel of the broker, used only to build messages (no I/O), kept because

@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import orjson
@@ -100,28 +100,51 @@ def _numbers_text(numbers: Any, option: int = 0) -> str | None:
     return text[1:-1].replace(b",", b", ").decode()
 
 
-class Listeners:
-    """Whether any client receives task events now, as Redis answers a probe.
+class Heard:
+    """What a process last heard of event receivers: the answer to a PUBLISH on the events topic
+    (how many subscribers got it). Events are wanted until an answer says nobody got them, and
+    again once that answer is ``fresh_s`` old, so the next publish asks again."""
 
-    Every ``interval_s`` a daemon thread PUBLISHes an empty ``task.multi`` list on the events topic;
-    Redis answers how many subscribers got it (an event receiver processes an empty list as no
-    events). Until the first answer, and while Redis does not answer, the last belief stands,
-    starting with "someone listens": a monitor already connected misses nothing.
+    def __init__(
+        self, fresh_s: float = PROBE_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._fresh_s, self._clock = fresh_s, clock
+        self._nobody_at: float | None = None  # when an answer last said nobody listens
+
+    def heard(self, receivers: int) -> None:
+        self._nobody_at = self._clock() if receivers <= 0 else None
+
+    def wanted(self) -> bool:
+        nobody_at = self._nobody_at
+        return nobody_at is None or self._clock() - nobody_at >= self._fresh_s
+
+
+class Listeners:
+    """Whether any client receives task events now, for a process whose events go out inside Redis
+    scripts (where a PUBLISH's answer stays): a daemon thread asks every ``interval_s``.
+
+    It PUBLISHes an empty ``task.multi`` list on the events topic; an event receiver processes that
+    as no events. Until the first answer, and while Redis does not answer for a few intervals,
+    events are wanted: a monitor already connected misses nothing.
     """
 
     def __init__(self, client: Any, topic: str, probe: bytes, interval_s: float = PROBE_INTERVAL_S) -> None:
-        self.listening = True
+        self.heard = Heard(fresh_s=3 * interval_s)  # one late answer does not turn events on
         self.pid = os.getpid()  # a forked child starts its own: threads do not survive a fork
         self._client, self._topic, self._probe, self._interval_s = client, topic, probe, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="carpool-event-listeners", daemon=True)
         self._thread.start()
 
+    @property
+    def listening(self) -> bool:
+        return self.heard.wanted()
+
     def _run(self) -> None:
         while True:
             try:
-                self.listening = self._client.publish(self._topic, self._probe) > 0
-            except Exception as exc:  # Redis away: serving goes on, and so does the last belief
+                self.heard.heard(self._client.publish(self._topic, self._probe))
+            except Exception as exc:  # Redis away: serving goes on
                 log.debug("could not probe for task event listeners: %s", exc)
             if self._stop.wait(self._interval_s):
                 return

@@ -151,11 +151,13 @@ class TaskMessageBuilder:
         argsreprs: Sequence[str] | None = None,
         header_values: Mapping[str, Any] | None = None,
         plain: bool = False,
+        events: bool = True,
     ) -> TaskMessages:
         """The messages of ``calls`` (args, kwargs each). ``plain``: every argument is a value as JSON
         decodes it (dicts with string keys, lists, strings, numbers, booleans, None) and no float in
         it is inf or nan, so orjson writes the bodies as kombu would, nested values too, without the
-        per-call type check that arbitrary ``.delay()`` arguments need."""
+        per-call type check that arbitrary ``.delay()`` arguments need. ``events``: False leaves the
+        task-sent events out of this build even where the builder sends them."""
         app, name, qname = self.app, self.name, self.qname
         extra_headers = self.extra_headers
         per_build: tuple[Any, ...] = ()
@@ -171,7 +173,7 @@ class TaskMessageBuilder:
         # The per-build header values as JSON, encoded once for every message this call renders.
         per_build_json = tuple(envelope_dumps(v) for v in per_build)  # type: ignore[no-untyped-call]
         expires = self.expires
-        evd = self._state.event_dispatcher() if self.sent_events else None
+        evd = self._state.event_dispatcher() if self.sent_events and events else None
         before = signals.before_task_publish.receivers
         after = signals.after_task_publish.receivers
         templating = not (before or after or self.compression or self._untrusted)

@@ -38,6 +38,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from carpool.celery_edge.app import settings_of, state_of
+from carpool.celery_edge.events import EventsMode
 from carpool.celery_edge.inbox import inbox_channel, mark
 from carpool.celery_edge.result_consumer import subscribe_results, unsubscribe_results
 from carpool.celery_edge.task_messages import TaskMessageBuilder, TaskMessages
@@ -186,7 +187,9 @@ def publish_tasks(
 
     The building block of :func:`submit_many`, usable for any task routed to a Redis queue through a
     direct exchange (``carpool bench`` sends its baselines with it). ``queue`` overrides the task's
-    route; ``sent_events`` defaults to the app's ``task_send_sent_event``. ``chunk_size``: see
+    route; ``sent_events`` defaults to the app's ``task_send_sent_event``, sent as ``CARPOOL_EVENTS``
+    says (``auto``: while the last events published reached a receiver, and again a tenth of a
+    second after one reached none; given, it holds as given). ``chunk_size``: see
     :func:`submit_many`. ``inbox``: a result inbox channel the messages name and the results are
     marked with (:mod:`carpool.celery_edge.inbox`; only carpool's coordinators deliver there).
     """
@@ -196,26 +199,31 @@ def publish_tasks(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of messages, not {chunk_size!r}")
     builder, header_values = _builder(app, name, queue, priority, expires, headers, sent_events, inbox)
-    publisher = state_of(app).publisher()
+    state = state_of(app)
+    publisher = state.publisher()
     settings = settings_of(app)
+    events_when = _events_when(builder.sent_events, sent_events is not None, settings.events)
     replicas, wait_s = settings.wait_replicas, settings.wait_timeout_s
     backend = app.backend
     step = chunk_size or len(calls)
     results: list[AsyncResult] = []
     make_result = app.AsyncResult  # a property: looked up once
     for start in range(0, len(calls), step):
+        events = state.sent_heard.wanted() if events_when is None else events_when
         with _collector_paused():
-            built = builder.build(calls[start : start + step], header_values=header_values)
+            built = builder.build(calls[start : start + step], header_values=header_values, events=events)
         if subscribe:
             subscribe_results(backend, built.ids)
         acked = replicas
         try:
             if replicas:
-                _, acked = transaction_then_wait(publisher, partial(_queue, built), replicas, wait_s)
+                replies, acked = transaction_then_wait(publisher, partial(_queue, built), replicas, wait_s)
             else:
                 with publisher.pipeline(transaction=True) as pipe:
                     _queue(built, pipe)
-                    pipe.execute()
+                    replies = pipe.execute()
+            if built.events:  # the PUBLISHes come last: how many receivers got the events
+                state.sent_heard.heard(max(replies[-len(built.events) :]))
         except BaseException as exc:
             if subscribe:
                 unsubscribe_results(backend, built.ids)
@@ -303,6 +311,18 @@ def _collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def _events_when(sends: bool, asked: bool, mode: EventsMode) -> bool | None:
+    """Whether a publish sends task-sent events: True always, False never, None while someone
+    receives them. ``sends``: the builder's (the call's ``sent_events``, else Celery's
+    ``task_send_sent_event``); ``asked``: the call gave ``sent_events``, which holds as given;
+    ``mode``: ``CARPOOL_EVENTS``."""
+    if not sends:
+        return False
+    if asked or mode is True:
+        return True
+    return None if mode == "auto" else False
 
 
 def _queue(built: TaskMessages, pipe: Any) -> None:

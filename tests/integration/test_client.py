@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from carpool.celery_edge.events import PROBE_INTERVAL_S
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import Processes, as_bytes, server_of, start_stack, store_later
@@ -488,6 +489,8 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis: EmbeddedRed
     events = client.pubsub()  # type: ignore[no-untyped-call]
     events.psubscribe("/0.celeryev/*")  # where kombu's Redis transport publishes the event exchange
     events.get_message(timeout=1)
+    # The warm-up's task-sent events reached nobody: the producer asks again after this long.
+    time.sleep(PROBE_INTERVAL_S)
     before = _commandstats(client)
     with _count_sends(db=0) as broker_sends, _count_sends(db=1) as backend_sends:
         results = submit_many(texts, model="toy")

@@ -169,3 +169,53 @@ def test_a_stack_sends_events_only_while_someone_listens(processes: Processes) -
         wait_for("every request's received, started and succeeded events", all_heard, timeout_s=30)
     finally:
         listener.close()
+
+
+def test_a_producer_sends_task_sent_events_while_its_last_ones_reached_someone(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    from carpool.celery_edge.app import create_app, settings_of
+    from carpool.celery_edge.events import PROBE_INTERVAL_S
+    from carpool.producer.submit import publish_tasks
+
+    client = redis.Redis(port=clean_redis.port)
+    settings = settings_of(app)
+
+    def publishes(producer: Any, **options: Any) -> int:
+        """The PUBLISH commands one small publish_tasks call sent."""
+        before = int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
+        publish_tasks("carpool.infer", [(("a text",), {})], app=producer, subscribe=False, **options)
+        return int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0)) - before
+
+    auto = create_app(settings.model_copy(update={"events": "auto"}))
+    assert publishes(auto) == 1, "the first publish sends its events, and hears nobody got them"
+    assert publishes(auto) == 0, "nobody listened a moment ago: no events built"
+    assert publishes(auto, sent_events=True) == 1, "sent_events given holds as given"
+    time.sleep(PROBE_INTERVAL_S)
+    assert publishes(auto) == 1, "asked again once the answer is a probe interval old"
+
+    listener = client.pubsub()  # type: ignore[no-untyped-call]
+    listener.psubscribe(EVENTS_PATTERN)
+    try:
+        time.sleep(PROBE_INTERVAL_S)
+        sent = [publishes(auto) for _ in range(5)]
+        assert sent == [1] * 5, "someone listens: every publish sends its events"
+        heard = []
+        for _ in range(20):
+            message = listener.get_message(timeout=1)
+            if message and message["type"] == "pmessage":
+                body = json.loads(base64.b64decode(json.loads(message["data"])["body"]))
+                heard += [e["type"] for e in body]
+            if len(heard) == 5:
+                break
+        assert heard == ["task-sent"] * 5, heard
+
+        never = create_app(settings.model_copy(update={"events": False}))
+        assert [publishes(never) for _ in range(3)] == [0, 0, 0], "CARPOOL_EVENTS=false: none"
+        always = create_app(settings.model_copy(update={"events": True}))
+    finally:
+        listener.close()
+    assert [publishes(always) for _ in range(3)] == [1, 1, 1], (
+        "CARPOOL_EVENTS=true: nobody listens, still sent"
+    )
+    client.delete("carpool.requests")
