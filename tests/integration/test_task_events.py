@@ -3,7 +3,7 @@
 Against the session's redis-server: a real Celery event receiver comes and goes, and the
 probe's answer follows it; a coordinator and a worker serving with nobody listening publish only
 the probes' empty lists (seen with MONITOR, which is not a subscriber), and with a listener every
-request's events reach it.
+request's events reach it; a producer's task-sent events follow the answers to its own publishes.
 """
 
 from __future__ import annotations
