@@ -246,8 +246,19 @@ class TaskMessageBuilder:
                 if after:
                     built._after.append((body, task_headers))
                 if templating:
+                    # Celery makes the sent event whenever the builder sends events, also for a build
+                    # that leaves them out: the template is checked against it either way.
                     self._learn(
-                        message, body, sent_event, raw, key, task_id, args, kwargs, evd is not None, plain
+                        message,
+                        body,
+                        sent_event,
+                        raw,
+                        key,
+                        task_id,
+                        args,
+                        kwargs,
+                        sent_event is not None,
+                        plain,
                     )
             built.pushes.setdefault(key, []).append(raw)
             if evd is not None and sent_event is not None:

@@ -222,8 +222,6 @@ def publish_tasks(
                 with publisher.pipeline(transaction=True) as pipe:
                     _queue(built, pipe)
                     replies = pipe.execute()
-            if built.events:  # the PUBLISHes come last: how many receivers got the events
-                state.sent_heard.heard(max(replies[-len(built.events) :]))
         except BaseException as exc:
             if subscribe:
                 unsubscribe_results(backend, built.ids)
@@ -231,6 +229,8 @@ def publish_tasks(
                 raise _interrupted(results, len(calls), exc) from exc
             raise
         built.published()
+        if built.events:  # the PUBLISHes come last: how many receivers got the events
+            state.sent_heard.heard(max(replies[-len(built.events) :]))
         # The backend is passed in: looked up per result it is a thread-local property.
         with _collector_paused():
             made = [make_result(task_id, backend=backend) for task_id in built.ids]

@@ -477,6 +477,35 @@ def test_a_kept_builders_task_sent_events_equal_a_fresh_builders_for_every_build
         assert state_of(app).message_channel() is not channel
 
 
+def test_a_builder_checks_its_sent_event_template_also_when_its_second_build_sends_none(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With CARPOOL_EVENTS=auto a producer's second build may leave its task-sent events out (nobody
+    listened to the first): the template is trusted only after its sent event matched Celery's."""
+    from carpool.celery_edge import task_messages
+    from carpool.celery_edge.app import app
+
+    checked: list[str] = []
+    real = task_messages._MessageTemplate.sent_event
+
+    def spy(self: Any, task_id: str, *args: Any) -> Any:
+        checked.append(task_id)
+        return real(self, task_id, *args)
+
+    monkeypatch.setattr(task_messages._MessageTemplate, "sent_event", spy)
+    kept = task_messages.TaskMessageBuilder(
+        "carpool.infer", app=app, queue="carpool.requests", sent_events=True
+    )
+    first = kept.build([(("one", "toy"), {})], task_ids=["id-1"], events=True)
+    second = kept.build([(("two", "toy"), {})], task_ids=["id-2"], events=False)
+    assert first.events and not second.events
+    assert kept._trusted and checked == ["id-2"], "trusted without comparing the sent event"
+    third = kept.build([(("three", "toy"), {})], task_ids=["id-3"], events=True)
+    [(_, raw)] = third.events
+    [event] = _event_list(raw)
+    assert event["type"] == "task-sent" and event["uuid"] == "id-3" and event["queue"] == "carpool.requests"
+
+
 def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis: EmbeddedRedis) -> None:
     import redis
 

@@ -143,7 +143,7 @@ def test_a_stack_sends_events_only_while_someone_listens(processes: Processes) -
         time.sleep(0.3)
     bodies = event_bodies(lines)
     assert bodies.count([]) >= 2, f"no probes seen in {len(lines)} commands"
-    # The producer's task-sent events follow Celery's task_send_sent_event, not the probe.
+    # The producer's task-sent events follow the answers to its own publishes (the last test here).
     served = [e for body in bodies for e in body if e["type"] != "task-sent"]
     assert served == [], served[:2]
 
