@@ -107,6 +107,7 @@ class Coordinator:
         self.events = TaskEvents(app, self.hostname, mode=settings.events, client=self.client)
         self.metrics = CoordinatorMetrics(task_of=self.task_name)
         self.held: set[str] = set()  # taken, not yet dispatched or answered: leased by us
+        self._ahead: _Take | None = None  # what the last wait took on its way out, for the next step
         self._next_housekeeping = 0.0
         self._next_renewal = 0.0
         self._next_stats = 0.0
@@ -148,10 +149,9 @@ class Coordinator:
 
     def _loop(self) -> None:
         backoff = 0.1
-        taken: _Take | None = None  # what the last wait took on its way out
         while not self.stopping.is_set():
             try:
-                ahead, taken = taken, None
+                ahead, self._ahead = self._ahead, None
                 wait = self.step(ahead)
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -168,7 +168,8 @@ class Coordinator:
                 backoff = min(5.0, backoff * 2)
                 continue
             if wait.seconds > 0:
-                taken = self._wait(wait)
+                # A stop signal may come while it takes: shutdown hands back what no step admitted.
+                self._ahead = self._wait(wait)
 
     def warm_up(self) -> None:
         """Build what each task measures requests with (infer: the tokenizers) before taking any."""
@@ -189,6 +190,9 @@ class Coordinator:
     def shutdown(self) -> None:
         """Hand every request not yet dispatched back to the front of the request queue."""
         held = [r.id for r in self.policy.drain() + self.deferred.drain()] + self.stage.drain()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # taken by the last wait, never admitted
+            held += [request_id for request_id, _ in ahead[1][0]]
         self.stage.close()
         self.events.close()
         try:

@@ -547,3 +547,22 @@ def test_a_redis_user_without_blmove_is_a_config_error_not_an_old_redis(clocks: 
     c.store.wait_error = ResponseError("unknown command 'blmove'")
     c._wait(Wait(0.01, WaitFor.REQUESTS))
     assert not c.pacer.can_block
+
+
+def test_a_stop_during_a_wait_hands_back_what_the_wait_took(clocks: Clocks) -> None:
+    """The stop signal comes while a wait in Redis takes requests on its way out: no step admits
+    them, and shutdown hands them back at once rather than leaving them to their lease."""
+    c = coordinator(clocks, workers=1)
+    c.store.queue += [("first", message("first", "hello")), ("second", message("second", "there"))]
+
+    def wait_and_stop(wait: Wait) -> Any:
+        taken = Coordinator._wait(c, wait)
+        c.stopping.set()  # SIGTERM's handler, between the take and the next step
+        return taken
+
+    c._wait = wait_and_stop
+    c.step = lambda ahead=None: Wait(0.01, WaitFor.REQUESTS)
+    c._loop()
+    assert c.store.queue == [], "the wait took both"
+    c.shutdown()
+    assert sorted(c.store.requeued) == ["first", "second"]
