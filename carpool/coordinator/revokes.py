@@ -7,6 +7,10 @@ REVOKED at once, and one it takes later is never batched. Like Celery's workers 
 revoked ids for a while (``celery.worker.state``'s limits), in memory: a revoke broadcast while no
 coordinator and no worker listens is heard by nobody.
 
+A broadcast published before a SUBSCRIBE is in effect reaches nobody, so :func:`listen` returns
+once Redis confirmed the subscription (or after :data:`SUBSCRIBED_WITHIN_S`), and the coordinator
+takes requests only after it: a revoke of a request it took is heard.
+
 The thread only collects ids; the coordinator's loop takes them between steps, so the loop's cost
 stays one list check per step.
 """
@@ -34,6 +38,7 @@ from carpool.redis_edge.socket_options import client_options, drop, silent
 log = logging.getLogger(__name__)
 
 RECONNECT_S = 1.0
+SUBSCRIBED_WITHIN_S = 5.0
 
 
 def revoked_task_ids(raw: bytes | str) -> list[str]:
@@ -71,11 +76,18 @@ class RevokeListener:
         self._heard: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._subscribed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, within_s: float = SUBSCRIBED_WITHIN_S) -> bool:
+        """Start listening; wait up to ``within_s`` until Redis confirmed the subscription, since a
+        broadcast published before that reaches nobody. Whether it did (if not, it goes on trying)."""
         self._thread = threading.Thread(target=self._listen, name="carpool-revokes", daemon=True)
         self._thread.start()
+        if self._subscribed.wait(within_s):
+            return True
+        log.warning("revoke listener not subscribed after %.0fs; revokes before it is are missed", within_s)
+        return False
 
     def stop(self) -> None:
         self._stop.set()
@@ -90,7 +102,7 @@ class RevokeListener:
 
     def _listen(self) -> None:
         while not self._stop.is_set():
-            pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
+            pubsub = self._client.pubsub()  # type: ignore[no-untyped-call, unused-ignore]
             try:
                 pubsub.subscribe(self._topic)
                 while not self._stop.is_set():
@@ -99,13 +111,16 @@ class RevokeListener:
                         log.info("revoke listener's connection stopped answering; reconnecting")
                         drop(pubsub)
                         continue
-                    if message is not None and message.get("type") == "message":
+                    if message is not None and message.get("type") == "subscribe":
+                        self._subscribed.set()
+                    elif message is not None and message.get("type") == "message":
                         ids = revoked_task_ids(message["data"])
                         if ids:
                             with self._lock:
                                 self._heard.extend(ids)
             except redis.ResponseError as exc:  # e.g. an ACL without this channel: workers still check
                 log.warning("cannot hear revokes on %s (%s); only workers will check them", self._topic, exc)
+                self._subscribed.set()  # nothing to wait for
                 return
             except redis.RedisError as exc:
                 log.info("revoke listener lost redis (%s); resubscribing", exc)

@@ -1,0 +1,43 @@
+"""A coordinator's revoke listener, against the session's redis-server and Celery's own broadcast.
+
+``AsyncResult.revoke()`` is a PUB/SUB broadcast: one published before the listener's SUBSCRIBE is
+in effect reaches nobody. The coordinator starts taking requests only once ``listen`` returns, so
+a revoke of anything it took must be heard.
+"""
+
+from __future__ import annotations
+
+from carpool.celery_edge.app import app
+from carpool.config import Settings
+from carpool.coordinator import revokes
+from carpool.tools.embedded import EmbeddedRedis
+from tests.integration.conftest import wait_for
+
+
+def first_heard(listener: revokes.RevokeListener, what: str) -> list[str]:
+    """The ids of the first take that holds any (waiting up to 10 s for one)."""
+    taken: list[str] = wait_for(what, listener.take, timeout_s=10)
+    return taken
+
+
+def test_a_revoke_sent_as_soon_as_the_listener_started_is_heard(clean_redis: EmbeddedRedis) -> None:
+    for attempt in range(20):  # without the wait for the subscription, most of these are missed
+        listener = revokes.listen(app, Settings())
+        assert listener is not None
+        try:
+            app.control.revoke(f"revoked-{attempt}")
+            assert first_heard(listener, f"revoke {attempt} heard") == [f"revoked-{attempt}"]
+        finally:
+            listener.stop()
+
+
+def test_a_broadcast_that_is_no_revoke_or_aimed_elsewhere_is_not_taken(clean_redis: EmbeddedRedis) -> None:
+    listener = revokes.listen(app, Settings())
+    assert listener is not None
+    try:
+        app.control.revoke("for-a-worker", destination=["worker0@host"])
+        app.control.ping(timeout=0.1)
+        app.control.revoke("for-everyone")
+        assert first_heard(listener, "the broadcast revoke heard") == ["for-everyone"]
+    finally:
+        listener.stop()
