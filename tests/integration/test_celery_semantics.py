@@ -7,6 +7,7 @@ would write it.
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -172,6 +173,26 @@ def test_a_revoked_request_never_runs(processes: Processes) -> None:
         assert r.state == "REVOKED"
     assert kept.get(timeout=30)["out"] == "KEPT"
     assert not carpool_app.AsyncResult(counted.id).ready(), "a revoked request's callbacks are not applied"
+
+
+def test_celerys_publish_options_reach_the_message_and_the_answer(processes: Processes) -> None:
+    from tests.integration import batched_tasks as t
+
+    r = t.shout.apply_async(
+        ("mine",),
+        task_id="my-own-id",
+        headers={"tenant": "a"},
+        shadow="shout-for-tenant-a",
+        retry=True,
+        retry_policy={"max_retries": 2, "interval_start": 0},
+    )
+    assert r.id == "my-own-id"
+    client = redis.Redis.from_url(processes.broker_url)
+    (raw,) = client.lrange("carpool.requests", 0, -1)
+    headers = json.loads(raw)["headers"]
+    assert (headers["id"], headers["tenant"], headers["shadow"]) == ("my-own-id", "a", "shout-for-tenant-a")
+    start_stack(processes, **ENV)
+    assert carpool_app.AsyncResult("my-own-id").get(timeout=30)["out"] == "MINE"
 
 
 def test_what_cannot_be_honoured_is_refused_at_the_call(processes: Processes) -> None:
