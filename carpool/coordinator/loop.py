@@ -151,8 +151,10 @@ class Coordinator:
         backoff = 0.1
         while not self.stopping.is_set():
             try:
-                ahead, self._ahead = self._ahead, None
-                wait = self.step(ahead)
+                wait = self.step(self._ahead)
+                if wait.seconds > 0 and not self.stopping.is_set():
+                    # A stop signal may come while it takes: shutdown hands back what no step admitted.
+                    self._ahead = self._wait(wait)
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Redis restarts: keep what we hold in memory; leases we miss are recovered by reap.
@@ -160,16 +162,14 @@ class Coordinator:
                 self.stopping.wait(backoff)
                 backoff = min(5.0, backoff * 2)
                 continue
+            except ConfigError:
+                raise  # a deployment error: retrying cannot mend it, and run() hands back what we hold
             except Exception:
                 # A bug or a surprise must not take the queue down with it: what we hold stays
                 # leased (and is recovered if this repeats until the process is replaced).
                 log.exception("coordinator step failed; retrying in %.1fs", backoff)
                 self.stopping.wait(backoff)
                 backoff = min(5.0, backoff * 2)
-                continue
-            if wait.seconds > 0:
-                # A stop signal may come while it takes: shutdown hands back what no step admitted.
-                self._ahead = self._wait(wait)
 
     def warm_up(self) -> None:
         """Build what each task measures requests with (infer: the tokenizers) before taking any."""
@@ -190,14 +190,13 @@ class Coordinator:
     def shutdown(self) -> None:
         """Hand every request not yet dispatched back to the front of the request queue."""
         held = [r.id for r in self.policy.drain() + self.deferred.drain()] + self.stage.drain()
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:  # taken by the last wait, never admitted
-            held += [request_id for request_id, _ in ahead[1][0]]
+        held += self._ahead_ids()  # taken by the last wait or a failed step, never admitted
+        self._ahead = None
         self.stage.close()
         self.events.close()
         try:
             returned = self.store.requeue(held)
-        except redis.ConnectionError:
+        except (redis.ConnectionError, redis.TimeoutError):
             log.warning("redis unavailable at shutdown; %d held requests return after their lease", len(held))
             return
         self.held.clear()
@@ -207,7 +206,10 @@ class Coordinator:
     # --- one step ------------------------------------------------------------------------
     def step(self, ahead: _Take | None = None) -> Wait:
         """One iteration; returns how to wait before the next. ``ahead``: the take the wait before it
-        made on its way out, used instead of taking again."""
+        made on its way out, used instead of taking again.
+
+        Until a take is admitted it stays in ``_ahead``: a step that fails before then (Redis gone
+        in its bookkeeping, say) leaves it for the next step, and a stop hands it back."""
         if self.workers == 0:
             self._bookkeeping(self.clock())  # nothing could leave before the worker count is known
         if self.revokes is not None:
@@ -223,12 +225,15 @@ class Coordinator:
             take_n = self._take_count()
             if take_n or self.outstanding:
                 taken, reports = self.store.take(take_n, reports_of=self._reports_of())
+        # The reports are applied once, whatever follows; the take is kept until it is admitted.
+        self._ahead = (take_n, (taken, [])) if taken else None
         if reports:
             apply_reports(self, reports)
         if taken:
             # In flight on the replicas too before any of it is batched.
             if self.settings.wait_replicas:
                 self.store.replicated("requests taken into flight")
+            self._ahead = None  # from here on the policy, the stage or an answer holds each request
             admit_taken(self, taken, self.clock())
         if self.stage.busy:
             admit_finished(self)
@@ -250,6 +255,10 @@ class Coordinator:
             next_eta_s=next_eta_s,
             intake_busy=self.stage.busy,
         )
+
+    def _ahead_ids(self) -> list[str]:
+        """Ids of the take not yet admitted (leased by this coordinator all the same)."""
+        return [] if self._ahead is None else [request_id for request_id, _ in self._ahead[1][0]]
 
     def _reports_of(self) -> str | None:
         """Whose batch reports a take pops: this coordinator's while it has batches out, else none."""
@@ -322,7 +331,7 @@ class Coordinator:
         self.metrics.workers.set(self.workers)
         give_up_unreported(self, now)
         if now >= self._next_renewal:
-            renew = list(self.held) + self.stage.held_ids()
+            renew = list(self.held) + self.stage.held_ids() + self._ahead_ids()
             for out in self.outstanding.values():
                 renew.extend(out.ids)
             self.store.renew_held(renew)

@@ -542,6 +542,11 @@ def test_a_redis_user_without_blmove_is_a_config_error_not_an_old_redis(clocks: 
         c._wait(Wait(0.01, WaitFor.REQUESTS))
     assert c.pacer.can_block, "a denied BLMOVE is not taken for a Redis without it"
     assert c.store.requeued == ["a"], "what the take behind the refused wait got goes back at once"
+    # It ends the loop (run() then hands back what the process holds): retrying cannot mend it.
+    c.step = lambda ahead=None: Wait(0.01, WaitFor.REQUESTS)
+    c.stopping.wait = lambda _s=None: c.stopping.set()  # a retry's backoff ends the loop instead
+    with pytest.raises(ConfigError):
+        c._loop()
 
     # A Redis before 6.2 does not know the command: the coordinator polls instead.
     c.store.wait_error = ResponseError("unknown command 'blmove'")
@@ -566,3 +571,35 @@ def test_a_stop_during_a_wait_hands_back_what_the_wait_took(clocks: Clocks) -> N
     assert c.store.queue == [], "the wait took both"
     c.shutdown()
     assert sorted(c.store.requeued) == ["first", "second"]
+
+
+def test_a_step_that_fails_after_its_take_keeps_the_take_for_the_next(clocks: Clocks) -> None:
+    """Redis fails between a take and its admission (here: the replicas' acknowledgement): the
+    take is neither dropped to its lease nor taken twice; the next step admits it, renewals cover
+    it meanwhile, and a stop hands it back."""
+    c = coordinator(clocks, workers=1, wait_replicas=1)
+    c.store.queue += [("first", message("first", "hello")), ("second", message("second", "there"))]
+    failures = [redis.ConnectionError("the replica went away")]
+
+    def replicated(_what: str) -> None:
+        if failures:
+            raise failures.pop()
+
+    c.store.replicated = replicated
+    with pytest.raises(redis.ConnectionError):
+        c.step()
+    assert c.store.queue == [] and len(c.policy) == 0
+    clocks.advance(c.settings.recovery_timeout_s / 4)
+    c.housekeeping(clocks.mono())
+    assert sorted(c.store.renewed) == ["first", "second"], "the take's leases are renewed while it waits"
+
+    c.step(c._ahead)  # as the loop calls it
+    assert sorted(r.id for r in c.policy.drain()) == ["first", "second"]
+    assert c._ahead is None
+
+    c.store.queue += [("third", message("third", "again"))]
+    failures.append(redis.ConnectionError("and again"))
+    with pytest.raises(redis.ConnectionError):
+        c.step()
+    c.shutdown()
+    assert c.store.requeued == ["third"]
