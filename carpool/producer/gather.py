@@ -45,7 +45,7 @@ _SUBSCRIBE_CHUNK = 5000  # channels per SUBSCRIBE
 _READ_LIMIT = 10_000  # messages settled between two checks of the deadline
 _LONGEST_WAIT_S = 1.0  # a wait for messages without a deadline still returns this often
 _LONGEST_RECHECK_S = 10.0  # gather_async re-reads stored results after this long without a message
-_INBOX_RECHECK_S = 1.0  # gather re-reads stored results after this long without one of its own
+_QUIET_RECHECK_S = 1.0  # gather re-reads stored results after this long without one of its own
 _READY = states.READY_STATES
 _FAILED = states.PROPAGATE_STATES
 
@@ -170,9 +170,9 @@ def gather(
     does. Results arriving while gather waits are each delivered once: those of ``submit_many``
     through this process's result inbox, subscribed while gather waits, the others on their own
     result channels, subscribed by ``submit_many`` or here; the unsubscriptions go out as one
-    command at the end. A result stored without an inbox message (a
-    coordinator of an older release, a plain Celery worker answering) is read from the store after
-    a second without one of ours. Not thread-safe, like Celery's result consumer it uses.
+    command at the end. A result stored without a message gather hears (a coordinator of an older
+    release or a plain Celery worker answering, without the inbox; one published while its
+    SUBSCRIBE was on its way) is read from the store after a second without one of ours. Not thread-safe, like Celery's result consumer it uses.
     """
     results = list(results)
     if not results:
@@ -196,7 +196,7 @@ def gather(
                 fresh = subscribe_results(backend, plain)
                 if fresh:  # subscribed only now: what was stored in between is read, not missed
                     _settle_stored(backend, consumer, state, fresh)
-                _wait_on_celery(backend, consumer, state, plain, bool(inboxes))
+                _wait_on_celery(backend, consumer, state, plain)
             _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
     finally:
         if fresh_inboxes:  # with nobody reading it, its messages would pile up in the socket
@@ -218,11 +218,11 @@ def _by_channel(state: Gathering) -> tuple[dict[str, None], list[str] | None]:
     return inboxes, (None if not inboxes else plain)
 
 
-def _wait_on_celery(
-    backend: Any, consumer: Any, state: Gathering, plain: Sequence[str], inboxes: bool
-) -> None:
+def _wait_on_celery(backend: Any, consumer: Any, state: Gathering, plain: Sequence[str]) -> None:
     """Settle ``state`` from the messages on Celery's result pub/sub connection; ``plain``: the
-    waited-for tasks with a subscription of their own, not an inbox."""
+    waited-for tasks with a subscription of their own, not an inbox. After a quiet second the
+    stored results are read again: a result stored without a message of ours (see :func:`gather`),
+    or published while a SUBSCRIBE was still on its way (redis-py does not wait for its answer)."""
     if plain:
         for task_id in plain:
             for r in state.waiting.get(task_id, ()):
@@ -240,7 +240,7 @@ def _wait_on_celery(
             _settle_stored(backend, consumer, state, state.pending())
         elif len(state.waiting) < before:
             heard_s = time.monotonic()
-        elif inboxes and time.monotonic() - heard_s >= _INBOX_RECHECK_S:
+        elif time.monotonic() - heard_s >= _QUIET_RECHECK_S:
             heard_s = time.monotonic()
             _settle_stored(backend, consumer, state, state.pending())
 

@@ -7,6 +7,7 @@ import base64
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -755,6 +756,16 @@ def test_gather_waits_for_results_published_later(clean_redis: EmbeddedRedis) ->
     worker = store_later(backend, [(late.id, SUCCESS, 1)], 0.2)
     assert gather([late], timeout=10) == [1]
     worker.join()
+    # Stored with no message at all while gather waits on the result's own channel (as if it was
+    # published while the SUBSCRIBE was on its way): read from the store after a quiet second too.
+    (quiet,) = submit_many(["no message at all"], model="toy", subscribe=False)
+    meta = backend._get_result_meta(result=2, state=SUCCESS, traceback=None, request=None)
+    meta["task_id"] = quiet.id
+    key = backend.get_key_for_task(quiet.id)
+    silent_store = threading.Timer(0.2, backend.client.set, (key, backend.encode(meta)))  # no PUBLISH
+    silent_store.start()
+    assert gather([quiet], timeout=10) == [2]
+    silent_store.join()
     client.close()
 
 

@@ -91,7 +91,7 @@ def test_gather_rereads_what_was_published_while_its_connection_was_down(
     from carpool.producer.submit import submit_many
 
     # Only the reconnection may find the lost ones: no quiet-time re-read within the test.
-    monkeypatch.setattr(gathering, "_INBOX_RECHECK_S", 600.0)
+    monkeypatch.setattr(gathering, "_QUIET_RECHECK_S", 600.0)
     backend = app.backend
     results = submit_many([f"dropped {i}" for i in range(20)], model="toy")
     inboxes = {r.id: inbox_of(r) or "" for r in results}
