@@ -161,12 +161,16 @@ class Harness:
         return proc
 
     def start_stack(self, workers: int = 1, prefix: str = "", wait: bool = True, **env: str) -> Harness:
-        """``<prefix>coordinator`` and ``workers`` workers ``<prefix>worker0``... sharing ``env``."""
+        """``<prefix>coordinator`` and ``workers`` workers ``<prefix>worker0``... sharing ``env``;
+        with ``wait``, until the workers heartbeat and the coordinator has stepped (it hears revokes)."""
+        started = time.time()
         self.start(f"{prefix}coordinator", "coordinator", **env)
         for i in range(workers):
             self.start(f"{prefix}worker{i}", "worker", **env)
         if wait:
-            self.wait_workers(workers)
+            queue = env.get("CARPOOL_REQUEST_QUEUE", DEFAULT_REQUEST_QUEUE)
+            self.wait_workers(workers, request_queue=queue)
+            self.wait_coordinators(1, since=started, request_queue=queue)
         return self
 
     def restart(self, name: str, **env: str) -> subprocess.Popen[bytes]:
@@ -208,6 +212,30 @@ class Harness:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{count} worker(s) not up in {timeout_s:g}s")
                 time.sleep(0.1)
+        finally:
+            client.close()
+
+    def wait_coordinators(
+        self,
+        count: int = 1,
+        since: float = 0.0,
+        timeout_s: float = 120,
+        request_queue: str = DEFAULT_REQUEST_QUEUE,
+    ) -> None:
+        """Wait until ``count`` coordinators of ``request_queue`` wrote their stats after ``since``
+        (wall clock): each has then stepped, after subscribing to revokes, or raise as
+        :meth:`wait_workers` does."""
+        from carpool.redis_edge.keys import Keys
+
+        client = self.redis_client(0)
+        try:
+            key = Keys(request_queue).coordinators
+            deadline = time.monotonic() + timeout_s
+            while client.zcount(key, int(since * 1000), "+inf") < count:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{count} coordinator(s) not up in {timeout_s:g}s")
+                time.sleep(0.05)
         finally:
             client.close()
 

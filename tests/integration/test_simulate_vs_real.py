@@ -31,7 +31,7 @@ from carpool.tools.simulate import (
     write_trace,
 )
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, server_of, start_stack
+from tests.integration.conftest import Processes, server_of, start_stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -58,6 +58,15 @@ def coordinator_stats(processes: Processes) -> dict[str, float]:
 
     client = redis.Redis(port=server_of(processes).port, decode_responses=True)
     return {str(k): float(v) for k, v in client.hgetall(Keys("carpool.requests").stats).items()}
+
+
+def stats_counting(processes: Processes, dispatched: float) -> dict[str, float]:
+    """The coordinator's counters once they count ``dispatched`` requests (written every 0.25 s)."""
+    stats: dict[str, float] = wait_for(
+        f"{dispatched:g} dispatched requests counted",
+        lambda: (s := coordinator_stats(processes)).get("dispatched", 0) >= dispatched and s,
+    )
+    return stats
 
 
 def worker_batches(processes: Processes) -> list[tuple[float, dict[str, Any]]]:
@@ -114,8 +123,7 @@ def test_simulated_throughput_matches_a_real_burst(processes: Processes, tmp_pat
     # The prediction proper: every text at once, as if the producer were infinitely fast.
     sim_burst = predict(burst_arrivals(lengths))
 
-    time.sleep(0.6)  # the coordinator writes its counters every 0.25 s
-    before = coordinator_stats(processes)
+    before = stats_counting(processes, dispatched=1)  # the warm-up
     t0 = time.time()
     sent = [(time.time(), infer.delay(text, model=MODEL)) for text in texts]
     latencies = []
@@ -124,8 +132,7 @@ def test_simulated_throughput_matches_a_real_burst(processes: Processes, tmp_pat
         latencies.append(result.date_done.timestamp() - sent_at)
     last_done = max(s + lat for (s, _), lat in zip(sent, latencies, strict=True))
     real_throughput = N / (last_done - t0)
-    time.sleep(0.6)
-    after = coordinator_stats(processes)
+    after = stats_counting(processes, dispatched=before["dispatched"] + N)
     real_batches = int(after["batches"] - before["batches"])
     real_padded = after["padded_tokens"] - before["padded_tokens"]
     real_padding = real_padded / (after["real_tokens"] - before["real_tokens"])
