@@ -172,7 +172,8 @@ def gather(
     result channels, subscribed by ``submit_many`` or here; the unsubscriptions go out as one
     command at the end. A result stored without a message gather hears (a coordinator of an older
     release or a plain Celery worker answering, without the inbox; one published while its
-    SUBSCRIBE was on its way) is read from the store after a second without one of ours. Not thread-safe, like Celery's result consumer it uses.
+    SUBSCRIBE was on its way) is read from the store after a second without one of ours.
+    Not thread-safe, like Celery's result consumer it uses.
     """
     results = list(results)
     if not results:
