@@ -311,7 +311,8 @@ async def gather_async(
     (``submit_many(..., subscribe=False)`` leaves nothing to undo). Costs one connection per call,
     closed on return. While no message comes for a health-check interval (``CARPOOL_REDIS_HEALTH_CHECK_S``)
     the stored results are read again, so a pub/sub connection that died without closing costs
-    latency, not results.
+    latency, not results; after a reconnection (redis-py's own retries included) they are read
+    again at once, since what was published meanwhile reached nobody.
     """
     results = list(results)
     if not results:
@@ -330,17 +331,25 @@ async def gather_async(
             with deferring_cancels(getattr(backend, "result_consumer", None)):
                 await _settle_stored_async(backend, client, state)
                 heard_s = time.monotonic()
+                connections = _Connections()
+                pubsub.connection.register_connect_callback(connections.made)
+                reread = 0
                 while not state.done:
                     try:
                         message = await pubsub.get_message(
                             ignore_subscribe_messages=True, timeout=min(state.wait_s(), recheck_s)
                         )
                     except backend.connection_errors:  # redis-py reconnects on the next read
-                        message = None
                         await asyncio.sleep(min(state.wait_s(), _LONGEST_WAIT_S))
+                        continue
                     if message and message.get("type") == "message":
                         state.settle([backend.decode_result(message["data"])])
                         heard_s = time.monotonic()
+                    if connections.count > reread:  # resubscribed: what was published meanwhile is stored
+                        with contextlib.suppress(*backend.connection_errors):
+                            seen = connections.count
+                            await _settle_stored_async(backend, client, state)
+                            reread, heard_s = seen, time.monotonic()
                     elif time.monotonic() - heard_s >= recheck_s:
                         heard_s = time.monotonic()
                         with contextlib.suppress(*backend.connection_errors):
@@ -348,6 +357,17 @@ async def gather_async(
     finally:
         await client.aclose()
     return state.values()
+
+
+class _Connections:
+    """Counts a pub/sub connection's reconnections, redis-py's own retries inside a read included
+    (its connect callbacks are weak references to bound methods)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def made(self, _connection: Any) -> None:
+        self.count += 1
 
 
 async def _settle_stored_async(backend: Any, client: Any, state: Gathering) -> None:

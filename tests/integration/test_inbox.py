@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -109,6 +110,38 @@ def test_gather_rereads_what_was_published_while_its_connection_was_down(
         assert gathering.gather(results, timeout=20) == list(range(20))
     finally:
         worker.join()
+
+
+def test_gather_async_rereads_what_was_published_while_its_connection_was_down(
+    clean_redis: EmbeddedRedis, admin: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gather_async's own pub/sub connection killed under it: once it has reconnected and
+    resubscribed, the results published meanwhile are read from the store at once."""
+    import asyncio
+
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.results import SUCCESS
+    from carpool.producer import gather as gathering
+    from carpool.producer.submit import submit_many
+
+    real_client = gathering._async_client
+    # Only the reconnection may find the lost ones: no quiet-time re-read within the test.
+    monkeypatch.setattr(gathering, "_async_client", lambda backend: (real_client(backend)[0], 600.0))
+    backend = app.backend
+    results = submit_many([f"dropped {i}" for i in range(20)], model="toy", subscribe=False)
+
+    async def drop_then_store() -> list[Any]:
+        waiting = asyncio.ensure_future(gathering.gather_async(results, timeout=20))
+        await asyncio.sleep(0.3)  # subscribed, reading
+        # No await between the kill and the first results: the event loop, where redis-py would
+        # reconnect and resubscribe, does not run until they were published to nobody.
+        admin.client_kill_filter(_type="pubsub")
+        backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results[:10])])
+        await asyncio.sleep(0.5)  # then on the resubscribed connection
+        backend.store_many([(r.id, SUCCESS, i + 10) for i, r in enumerate(results[10:])])
+        return await waiting
+
+    assert asyncio.run(drop_then_store()) == list(range(20))
 
 
 def test_gather_over_the_inbox_with_failures_and_other_readers(processes: Processes) -> None:
