@@ -24,6 +24,12 @@ INBOX_CHANNEL: Final = "carpool.inbox."
 DEFAULT_REQUEST_QUEUE: Final = "carpool.requests"
 DEFAULT_BATCH_QUEUE: Final = "carpool.batches"
 
+
+def coordinator_hostname(pid: int, host: str) -> str:
+    """A coordinator's name in events, stats and batch reports (process ``pid`` on ``host``)."""
+    return f"carpool-coordinator-{pid}@{host}"
+
+
 # Batching policies the coordinator and the simulator know.
 PolicyName = Literal["binned", "fifo", "shortest"]
 POLICY_NAMES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)

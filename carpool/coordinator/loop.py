@@ -47,6 +47,7 @@ from carpool.coordinator.stage import IntakeStage, auto_threads
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError
+from carpool.names import coordinator_hostname
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
@@ -103,11 +104,12 @@ class Coordinator:
         self.revokes: revokes.RevokeListener | None = None  # started by run()
         self.revoked_ids = revokes.Revoked()  # a request revoked before it is taken is never batched
         self.stopping = threading.Event()
-        self.hostname = f"carpool-coordinator-{os.getpid()}@{socket.gethostname()}"
+        self.hostname = coordinator_hostname(os.getpid(), socket.gethostname())
         self.events = TaskEvents(app, self.hostname, mode=settings.events, client=self.client)
         self.metrics = CoordinatorMetrics(task_of=self.task_name)
         self.held: set[str] = set()  # taken, not yet dispatched or answered: leased by us
-        self._ahead: _Take | None = None  # what the last wait took on its way out, for the next step
+        # Taken, not yet admitted: by the last wait on its way out, or by a step that failed after it.
+        self._ahead: _Take | None = None
         self._next_housekeeping = 0.0
         self._next_renewal = 0.0
         self._next_stats = 0.0
@@ -151,7 +153,7 @@ class Coordinator:
         backoff = 0.1
         while not self.stopping.is_set():
             try:
-                wait = self.step(self._ahead)
+                wait = self.step()
                 if wait.seconds > 0 and not self.stopping.is_set():
                     # A stop signal may come while it takes: shutdown hands back what no step admitted.
                     self._ahead = self._wait(wait)
@@ -204,12 +206,11 @@ class Coordinator:
         log.info("handed back %d requests", returned)
 
     # --- one step ------------------------------------------------------------------------
-    def step(self, ahead: _Take | None = None) -> Wait:
-        """One iteration; returns how to wait before the next. ``ahead``: the take the wait before it
-        made on its way out, used instead of taking again.
-
-        Until a take is admitted it stays in ``_ahead``: a step that fails before then (Redis gone
-        in its bookkeeping, say) leaves it for the next step, and a stop hands it back."""
+    def step(self) -> Wait:
+        """One iteration; returns how to wait before the next. A take not yet admitted (``_ahead``:
+        the wait before took it on its way out, or a step failed after taking it) is admitted
+        instead of taking again; until it is admitted it stays there, for the next step if this one
+        fails, and for shutdown to hand back."""
         if self.workers == 0:
             self._bookkeeping(self.clock())  # nothing could leave before the worker count is known
         if self.revokes is not None:
@@ -219,8 +220,8 @@ class Coordinator:
         # One round trip: new requests, and the reports of batches still out (none asked when none are).
         taken: list[tuple[str, bytes]] = []
         reports: list[dict[str, Any]] = []
-        if ahead is not None:
-            take_n, (taken, reports) = ahead
+        if self._ahead is not None:
+            take_n, (taken, reports) = self._ahead
         else:
             take_n = self._take_count()
             if take_n or self.outstanding:

@@ -84,7 +84,7 @@ class IntakeStage:
     def finished(self) -> tuple[list[Intake], list[BaseException]]:
         """The intakes of the chunks finished since the last call, and the errors of those whose
         function raised: a failed chunk's requests, no longer held, return to the queue when their
-        lease runs out, as after any failure of the loop."""
+        lease runs out (a chunk that always fails would otherwise come straight back)."""
         self.ready.clear()
         intakes: list[Intake] = []
         errors: list[BaseException] = []

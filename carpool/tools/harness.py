@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from carpool.names import DEFAULT_REQUEST_QUEUE
+from carpool.names import DEFAULT_REQUEST_QUEUE, coordinator_hostname
 from carpool.tools.embedded import EmbeddedRedis
 
 LOG_TAIL_CHARS = 4000
@@ -162,15 +163,14 @@ class Harness:
 
     def start_stack(self, workers: int = 1, prefix: str = "", wait: bool = True, **env: str) -> Harness:
         """``<prefix>coordinator`` and ``workers`` workers ``<prefix>worker0``... sharing ``env``;
-        with ``wait``, until the workers heartbeat and the coordinator has stepped (it hears revokes)."""
-        started = time.time()
-        self.start(f"{prefix}coordinator", "coordinator", **env)
+        with ``wait``, until the workers heartbeat and this coordinator has stepped."""
+        coordinator = self.start(f"{prefix}coordinator", "coordinator", **env)
         for i in range(workers):
             self.start(f"{prefix}worker{i}", "worker", **env)
         if wait:
-            queue = env.get("CARPOOL_REQUEST_QUEUE", DEFAULT_REQUEST_QUEUE)
+            queue = self.env(**env).get("CARPOOL_REQUEST_QUEUE", DEFAULT_REQUEST_QUEUE)
             self.wait_workers(workers, request_queue=queue)
-            self.wait_coordinators(1, since=started, request_queue=queue)
+            self.wait_coordinator(coordinator.pid, request_queue=queue)
         return self
 
     def restart(self, name: str, **env: str) -> subprocess.Popen[bytes]:
@@ -215,26 +215,23 @@ class Harness:
         finally:
             client.close()
 
-    def wait_coordinators(
-        self,
-        count: int = 1,
-        since: float = 0.0,
-        timeout_s: float = 120,
-        request_queue: str = DEFAULT_REQUEST_QUEUE,
+    def wait_coordinator(
+        self, pid: int, timeout_s: float = 120, request_queue: str = DEFAULT_REQUEST_QUEUE
     ) -> None:
-        """Wait until ``count`` coordinators of ``request_queue`` wrote their stats after ``since``
-        (wall clock): each has then stepped, after subscribing to revokes, or raise as
+        """Wait until the coordinator with process id ``pid`` has written its stats for
+        ``request_queue`` (its first step, taken once it listens for revokes), or raise as
         :meth:`wait_workers` does."""
         from carpool.redis_edge.keys import Keys
 
         client = self.redis_client(0)
         try:
             key = Keys(request_queue).coordinators
+            hostname = coordinator_hostname(pid, socket.gethostname())
             deadline = time.monotonic() + timeout_s
-            while client.zcount(key, int(since * 1000), "+inf") < count:
+            while client.zscore(key, hostname) is None:
                 self.check_alive()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{count} coordinator(s) not up in {timeout_s:g}s")
+                    raise TimeoutError(f"coordinator {hostname} not up in {timeout_s:g}s")
                 time.sleep(0.05)
         finally:
             client.close()

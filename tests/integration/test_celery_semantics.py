@@ -191,8 +191,12 @@ def test_celerys_publish_options_reach_the_message_and_the_answer(processes: Pro
     (raw,) = client.lrange("carpool.requests", 0, -1)
     headers = json.loads(raw)["headers"]
     assert (headers["id"], headers["tenant"], headers["shadow"]) == ("my-own-id", "a", "shout-for-tenant-a")
+    elsewhere = t.shout.apply_async(("elsewhere",), queue="team-b.requests")
+    (raw,) = client.lrange("team-b.requests", 0, -1)  # for a coordinator of that queue
+    assert json.loads(raw)["headers"]["id"] == elsewhere.id
     start_stack(processes, **ENV)
     assert carpool_app.AsyncResult("my-own-id").get(timeout=30)["out"] == "MINE"
+    assert client.llen("team-b.requests") == 1, "a coordinator of carpool.requests leaves it alone"
 
 
 def test_what_cannot_be_honoured_is_refused_at_the_call(processes: Processes) -> None:

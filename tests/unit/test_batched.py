@@ -78,6 +78,8 @@ def test_two_functions_under_one_name_is_a_configuration_error() -> None:
         (lambda: shout.delay("x" * 70_000), InputTooLong, "CARPOOL_MAX_INPUT_BYTES"),
         (lambda: shout.apply_async(("a",), chord=infer.s()), UnsupportedOption, "chord"),
         (lambda: infer.apply_async(("a",), time_limit=3), UnsupportedOption, "time_limit"),
+        (lambda: shout.apply_async(("a",), soft_time_limit=3), UnsupportedOption, "soft_time_limit"),
+        (lambda: shout.apply_async(("a",), compression="gzip"), UnsupportedOption, "plain JSON"),
         (lambda: infer.apply_async(("a",), ignore_result=True), UnsupportedOption, "ignore_result"),
         (lambda: infer.apply_async(("a",), serializer="pickle"), UnsupportedOption, "plain JSON"),
     ],

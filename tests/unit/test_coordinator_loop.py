@@ -517,10 +517,10 @@ def test_the_take_behind_a_wait_in_redis_is_the_next_steps_take(clocks: Clocks) 
     c = coordinator(clocks, workers=1)
     assert c.step().block_on is WaitFor.REQUESTS
     c.store.queue.append(("a", message("a", "one two three")))
-    ahead = c._wait(Wait(0.01, WaitFor.REQUESTS))
+    c._ahead = c._wait(Wait(0.01, WaitFor.REQUESTS))  # as the loop keeps it
     assert c.store.waited_on == c.keys.request_queue and c.store.queue == []
     c.store.queue.append(("b", message("b", "one two three")))  # came after that take
-    c.step(ahead)
+    c.step()
     assert c.held == {"a"} and [i for i, _ in c.store.queue] == ["b"], "the step took nothing more"
 
 
@@ -543,7 +543,7 @@ def test_a_redis_user_without_blmove_is_a_config_error_not_an_old_redis(clocks: 
     assert c.pacer.can_block, "a denied BLMOVE is not taken for a Redis without it"
     assert c.store.requeued == ["a"], "what the take behind the refused wait got goes back at once"
     # It ends the loop (run() then hands back what the process holds): retrying cannot mend it.
-    c.step = lambda ahead=None: Wait(0.01, WaitFor.REQUESTS)
+    c.step = lambda: Wait(0.01, WaitFor.REQUESTS)
     c.stopping.wait = lambda _s=None: c.stopping.set()  # a retry's backoff ends the loop instead
     with pytest.raises(ConfigError):
         c._loop()
@@ -566,7 +566,7 @@ def test_a_stop_during_a_wait_hands_back_what_the_wait_took(clocks: Clocks) -> N
         return taken
 
     c._wait = wait_and_stop
-    c.step = lambda ahead=None: Wait(0.01, WaitFor.REQUESTS)
+    c.step = lambda: Wait(0.01, WaitFor.REQUESTS)
     c._loop()
     assert c.store.queue == [], "the wait took both"
     c.shutdown()
@@ -593,7 +593,7 @@ def test_a_step_that_fails_after_its_take_keeps_the_take_for_the_next(clocks: Cl
     c.housekeeping(clocks.mono())
     assert sorted(c.store.renewed) == ["first", "second"], "the take's leases are renewed while it waits"
 
-    c.step(c._ahead)  # as the loop calls it
+    c.step()
     assert sorted(r.id for r in c.policy.drain()) == ["first", "second"]
     assert c._ahead is None
 
