@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -203,17 +203,10 @@ class Harness:
         from carpool.redis_edge.keys import Keys
         from carpool.redis_edge.store import RequestStore
 
-        client = self.redis_client(0)
-        try:
-            store = RequestStore(client, Keys(request_queue), 1)
-            deadline = time.monotonic() + timeout_s
-            while store.live_workers() < count:
-                self.check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{count} worker(s) not up in {timeout_s:g}s")
-                time.sleep(0.1)
-        finally:
-            client.close()
+        def up(client: Any) -> bool:
+            return RequestStore(client, Keys(request_queue), 1).live_workers() >= count
+
+        self._wait_until(f"{count} worker(s)", up, timeout_s)
 
     def wait_coordinator(
         self, pid: int, timeout_s: float = 120, request_queue: str = DEFAULT_REQUEST_QUEUE
@@ -223,15 +216,22 @@ class Harness:
         :meth:`wait_workers` does."""
         from carpool.redis_edge.keys import Keys
 
+        hostname = coordinator_hostname(pid, socket.gethostname())
+
+        def up(client: Any) -> bool:
+            return client.zscore(Keys(request_queue).coordinators, hostname) is not None
+
+        self._wait_until(f"coordinator {hostname}", up, timeout_s)
+
+    def _wait_until(self, what: str, up: Callable[[Any], bool], timeout_s: float) -> None:
+        """Poll ``up(client)`` on db 0 until it is true; raise if a child exits or time runs out."""
         client = self.redis_client(0)
         try:
-            key = Keys(request_queue).coordinators
-            hostname = coordinator_hostname(pid, socket.gethostname())
             deadline = time.monotonic() + timeout_s
-            while client.zscore(key, hostname) is None:
+            while not up(client):
                 self.check_alive()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"coordinator {hostname} not up in {timeout_s:g}s")
+                    raise TimeoutError(f"{what} not up in {timeout_s:g}s")
                 time.sleep(0.05)
         finally:
             client.close()
