@@ -58,8 +58,6 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("celery.backends.redis:RedisBackend", "client", None),
     ("celery.backends.base:Backend", "_call_task_errbacks", ("request", "exc", "traceback")),
     ("celery.worker:state", "revoked", None),
-    ("celery.worker:control", "revoke", ("task_id", "terminate", "signal", "kwargs")),
-    ("celery.worker.control:Panel", "data", None),
     ("kombu.transport.redis:Channel", "_inplace_augment_message", ("message", "exchange", "routing_key")),
     ("kombu.transport.redis:Channel", "_get_publish_topic", ("exchange", "routing_key")),
     ("kombu.transport.redis:Channel", "_get_message_priority", ("message", "reverse")),
@@ -146,38 +144,6 @@ def revoked_ids() -> Collection[str]:
 
     revoked: Collection[str] = state.revoked
     return revoked
-
-
-_terminated: Any = None  # LimitedSet of the ids revoked with terminate=True, once noted
-
-
-def note_terminations() -> None:
-    """From now on, remember the ids this process hears revoked with ``terminate=True``: Celery's
-    ``revoke`` remote-control command (which every worker's mailbox dispatches through
-    ``Panel.data``) is wrapped once per process. Celery's own handling of the command is unchanged;
-    it finds no active request under a carpool request's id (the active task is the batch)."""
-    global _terminated
-    from celery.utils.collections import LimitedSet
-    from celery.utils.functional import maybe_list
-    from celery.worker import state
-    from celery.worker.control import Panel
-
-    if _terminated is not None:
-        return
-    _terminated = LimitedSet(maxlen=state.REVOKES_MAX, expires=state.REVOKE_EXPIRES)
-    celery_revoke = Panel.data["revoke"]
-
-    def revoke(state: Any, task_id: Any, terminate: bool = False, signal: Any = None, **kwargs: Any) -> Any:
-        if terminate:
-            _terminated.update(maybe_list(task_id) or [])
-        return celery_revoke(state, task_id, terminate=terminate, signal=signal, **kwargs)
-
-    Panel.data["revoke"] = revoke
-
-
-def terminated_ids() -> Collection[str]:
-    """The ids heard revoked with ``terminate=True`` since :func:`note_terminations` (empty before)."""
-    return () if _terminated is None else _terminated
 
 
 def made_backend(app: Celery) -> Any:

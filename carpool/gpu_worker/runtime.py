@@ -4,9 +4,7 @@ Per batch: claim the requests this batch still owns (a recovered request may alr
 else's) and learn which are answered already, in one script (:mod:`carpool.gpu_worker.claimed` sorts
 its answer); answer REVOKED those this worker heard revoked (Celery's remote control), fail those
 past their deadline; run the rest padded to a multiple of 8; then, in one more script, store every
-request's result under its own task id (write-once; a failure also under the rest of its chain; a
-request revoked with ``terminate=True`` while its batch ran is answered REVOKED instead, as Celery
-answers a task it terminated),
+request's result under its own task id (write-once; a failure also under the rest of its chain),
 acknowledge the batch's requests, report its timing to the coordinator's latency model and publish
 the per-request task events. Two Redis round trips per batch when the result backend is a database
 of the broker's server (the default), a few more otherwise. What surrounds that finish (its retries,
@@ -31,20 +29,18 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar, cast
 
 import redis
 from celery import Celery
-from celery.exceptions import TaskRevokedError
 
 from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
-from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
-from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
+from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import storable
 from carpool.errors import DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
@@ -95,7 +91,6 @@ class WorkerRuntime:
         )
         # (broker db, results db) when both live on one server: then a batch finishes in one script.
         self.dbs = self.settings.shared_server_dbs()
-        compat.note_terminations()
         import_task_modules(self.settings.imports)
         self.served = served_tasks(self.settings.serve_tasks, registered())
         self.specs = {name: spec for name, spec in registered().items() if name in self.served}
@@ -308,9 +303,6 @@ class WorkerRuntime:
         """Send a batch's events, store its outcomes and acknowledge it, with its report."""
         batch, entries, events = claimed.batch, claimed.entries, claimed.events
         batch_id = batch["id"]
-        terminated = compat.terminated_ids()
-        if len(terminated):
-            _answer_terminated(entries, terminated)
         events.outcomes(entries, run_s or 0.0)
         report = batch_report(
             batch_id=batch_id,
@@ -497,15 +489,6 @@ class WorkerRuntime:
             self.store.replicated("a batch's results", self.backend.client)
             self.store.replicated("a batch's acknowledgements")
         return [i for i, entry in enumerate(entries, 1) if entry[0] in stored_ids]
-
-
-def _answer_terminated(entries: list[tuple[str, str, Any]], terminated: Collection[str]) -> None:
-    """Answer REVOKED, as Celery answers a task it terminated, each request revoked with
-    ``terminate=True`` while its batch ran: the batch cannot be stopped for one request, but its
-    caller gets what Celery would give, and its callbacks are not applied."""
-    for i, (request_id, state, _) in enumerate(entries):
-        if state != REVOKED and request_id in terminated:
-            entries[i] = (request_id, REVOKED, TaskRevokedError("terminated"))
 
 
 def _padded_len(live: list[RequestSlot]) -> int:

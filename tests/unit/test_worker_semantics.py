@@ -5,7 +5,6 @@ to the rest of its chain in the batch's one finish script."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -180,38 +179,3 @@ def test_results_go_to_the_finisher_thread_only_when_another_batch_is_queued(run
     runtime.run(batch(slot("busy")))
     assert finisher.handed == [["busy"]]
     assert [task_id for task_id, _ in runtime.store.writes] == ["busy"]
-
-
-def test_a_request_terminated_while_its_batch_runs_is_answered_revoked(
-    runtime: Any, applied: list[Any], revoked: set[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``revoke(terminate=True)`` reaches the worker through Celery's remote-control command while
-    the batch runs: the batch goes on for the others, the terminated request is answered as Celery
-    answers a task it terminated, and its callbacks are not applied. A plain revoke meanwhile
-    changes nothing, as in Celery (a running task completes)."""
-    from celery.utils.collections import LimitedSet
-    from celery.worker.control import Panel
-
-    from carpool.celery_edge import compat
-
-    monkeypatch.setattr(compat, "_terminated", LimitedSet())  # this test's own, forgotten after it
-    linked: Links = {"callbacks": [{"task": "x", "args": [], "kwargs": {}, "options": {}}]}
-    forward = runtime._forward
-    no_consumer = SimpleNamespace()  # Celery's revoke looks up active requests only; there are none
-
-    def forward_then_revoke(*args: Any, **kwargs: Any) -> Any:
-        out = forward(*args, **kwargs)
-        revoked.update({"busy", "plain"})
-        Panel.data["revoke"](no_consumer, "busy", terminate=True)
-        Panel.data["revoke"](no_consumer, ["plain"])
-        return out
-
-    monkeypatch.setattr(runtime, "_forward", forward_then_revoke)
-    report = runtime.run(batch(slot("busy", links=linked), slot("plain", links=linked), slot("other")))
-    metas = dict(runtime.store.writes)
-    assert metas["busy"]["status"] == "REVOKED"
-    assert metas["busy"]["result"]["exc_type"] == "TaskRevokedError"
-    assert "terminated" in str(metas["busy"]["result"]["exc_message"])
-    assert metas["plain"]["status"] == metas["other"]["status"] == "SUCCESS"
-    assert report["size"] == 3, "the batch ran for all three"
-    assert [request_id for _, request_id, _ in applied] == ["plain"], "no callbacks for the terminated one"
