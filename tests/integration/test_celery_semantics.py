@@ -20,7 +20,7 @@ from celery.result import AsyncResult
 from carpool.celery_app import app as carpool_app
 from carpool.errors import DeadlineExceeded, InvalidInput, ModelError, UnsupportedOption
 from carpool.redis_edge.keys import Keys
-from tests.integration.conftest import Processes, start_stack
+from tests.integration.conftest import Processes, start_stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -238,6 +238,32 @@ def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -
     assert kept.get(timeout=60)["out"] == "KEPT"
     with pytest.raises(TaskRevokedError):
         carpool_app.AsyncResult(before.id).get(timeout=30)
+
+
+def test_a_revoke_heard_while_its_batch_is_on_the_device_answers_it_revoked(processes: Processes) -> None:
+    """Celery's revoke handler stores REVOKED at once in every worker that hears it, and carpool's
+    write-once results keep that answer: a request revoked while its batch waits for or runs on the
+    device thread is answered REVOKED (with or without ``terminate``), and its batch runs on for
+    the others."""
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
+    from tests.integration.models import SLOW
+
+    slow = {"CARPOOL_MODEL": SLOW, "CARPOOL_MODELS": SLOW, "CARPOOL_MAX_BATCH": "8", "SLOW_TOY_DELAY_S": "2"}
+    start_stack(processes, **slow)
+    # Sixteen in one publish: one take, two full batches dispatched together, so the worker hands
+    # both to its device thread (a lone batch would run on the Celery thread, which reads remote
+    # control only after it, as Celery's solo pool does).
+    results = submit_many([f"text {i}" for i in range(16)], model=SLOW)
+    wait_for(
+        "both batches handed to the device thread",
+        lambda: processes.log("worker0").count("handed to the device stage") >= 2,
+    )
+    for i, r in enumerate(results[:12]):
+        r.revoke(terminate=i % 2 == 0)
+    outcomes = gather(results, timeout=60, return_exceptions=True)
+    assert all(isinstance(o, TaskRevokedError) for o in outcomes[:12]), outcomes[:12]
+    assert all(isinstance(o, list) and len(o) == 32 for o in outcomes[12:]), outcomes[12:]
 
 
 def test_chains_between_carpool_and_plain_celery_tasks(processes: Processes) -> None:
