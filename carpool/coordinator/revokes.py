@@ -79,15 +79,15 @@ class RevokeListener:
         self._subscribed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, within_s: float = SUBSCRIBED_WITHIN_S) -> bool:
+    def start(self, within_s: float = SUBSCRIBED_WITHIN_S) -> None:
         """Start listening; wait up to ``within_s`` until Redis confirmed the subscription, since a
-        broadcast published before that reaches nobody. Whether it did (if not, it goes on trying)."""
+        broadcast published before that reaches nobody (after that it goes on trying)."""
         self._thread = threading.Thread(target=self._listen, name="carpool-revokes", daemon=True)
         self._thread.start()
-        if self._subscribed.wait(within_s):
-            return True
-        log.warning("revoke listener not subscribed after %.0fs; revokes before it is are missed", within_s)
-        return False
+        if not self._subscribed.wait(within_s):
+            log.warning(
+                "revoke listener not subscribed after %.0fs; revokes until it is are missed", within_s
+            )
 
     def stop(self) -> None:
         self._stop.set()
