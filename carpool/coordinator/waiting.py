@@ -100,9 +100,10 @@ class Pacer:
           times out: with no worker free they change at most which batch waits in a prefetch slot.
         - Otherwise a worker is idle and requests wait for a partial batch to fill: poll briefly.
 
-        While the intake stage prepares chunks (``intake_busy``), a wait that is not for a report
-        ends when a chunk finishes instead (its requests may fill a batch or a free worker), or at
-        the plan's wake time.
+        While the intake stage prepares chunks (``intake_busy``), a wait ends when a chunk finishes
+        instead (its requests may fill a batch for a free worker, or for the room a fast device's
+        queue has beyond its slots), or at the plan's wake time; with every worker busy, also after
+        ``BUSY_POLL_S``, so that a report waiting in Redis is read by the next step's take.
         """
         if full_take:
             return GO_ON
@@ -117,9 +118,12 @@ class Pacer:
             block_on = WaitFor.REQUESTS
         elif all_workers_busy:
             block_on = WaitFor.REPORTS
-        if intake_busy and block_on is not WaitFor.REPORTS:
-            # Arrivals are taken when the stage runs low, so only a chunk or the plan's time matters.
-            seconds = self.idle_poll_s if until_wake is None else min(self.idle_poll_s, until_wake)
+        if intake_busy:
+            # Arrivals are taken when the stage runs low, so only a chunk, a report or the plan's
+            # time matters.
+            seconds = min(self.idle_poll_s, BUSY_POLL_S) if all_workers_busy else self.idle_poll_s
+            if until_wake is not None:
+                seconds = min(seconds, until_wake)
             return Wait(seconds, WaitFor.INTAKE)
         seconds = self.idle_poll_s if block_on is not None else min(self.idle_poll_s, BUSY_POLL_S)
         if until_wake is not None:

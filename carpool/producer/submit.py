@@ -51,11 +51,15 @@ if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
 
+    from carpool.config import Settings
     from carpool.registry import TaskSpec
 
 SUPPORTED_OPTIONS = frozenset({"priority", "expires", "headers", "queue"})
 #: submit_many's default ``chunk_size``: a larger call streams, so serving starts while it builds.
 STREAM_CHUNK = 500
+# A streamed call's first chunk, doubled chunk by chunk up to ``chunk_size``: the coordinator starts
+# on a small first chunk while the larger ones are built.
+FIRST_CHUNK = 64
 _LPUSH_CHUNK = 10_000  # values per LPUSH command
 
 
@@ -94,9 +98,11 @@ def submit_many(
     Raises :class:`~carpool.errors.InvalidInput` (naming the payload's index) before anything is sent
     if any payload is not a valid request.
 
-    Streamed in chunks of ``chunk_size`` messages (default :data:`STREAM_CHUNK`): each chunk is
+    Streamed in chunks of up to ``chunk_size`` messages (default :data:`STREAM_CHUNK`): each chunk is
     published (one MULTI/EXEC) as soon as it is built, so the coordinator and workers start on the
-    first while the rest are built; a call of at most one chunk is all or nothing. Every payload is
+    first while the rest are built (a longer call's first chunk is :data:`FIRST_CHUNK` messages,
+    the next ones twice the one before, up to ``chunk_size``); a call of at most ``chunk_size``
+    messages is one chunk, all or nothing. Every payload is
     validated before anything is sent, but if Redis fails part-way,
     :class:`~carpool.errors.SubmitInterrupted` carries the AsyncResults of the requests already sent
     (they will run) and the rest were not sent. ``chunk_size=None`` sends every message in one
@@ -110,20 +116,59 @@ def submit_many(
         )
     app = app or (task.app if task is not None else _default_app())
     settings = settings_of(app)
-    calls: list[tuple[list[Any], dict[str, Any]]] = []
     name = INFER_TASK
+    spec = None
     if task is not None and getattr(task, "name", task) != INFER_TASK:
         spec = _batched_spec(task, model)
         name = spec.name
-        for index, item in enumerate(payloads):
-            one = [item]
-            try:
-                spec.accept(one, {}, settings)
-            except Exception as exc:
-                exc.add_note(f"(in submit_many: payloads[{index}]; nothing was sent)")
-                raise
-            calls.append((one, {}))
-    for index, payload in enumerate(payloads if name == INFER_TASK else ()):
+    # Thousands of small objects that all live on: see _collector_paused.
+    with _collector_paused():
+        calls = _item_calls(payloads, spec, settings) if spec else _infer_calls(payloads, model, settings)
+    headers = dict(options.pop("headers", None) or {})
+    headers.setdefault(SENT_AT_HEADER, time.time())
+    options.setdefault("queue", settings.request_queue)
+    inbox = inbox_channel(app) if subscribe else None
+    return publish_tasks(
+        name,
+        calls,
+        app=app,
+        headers=headers,
+        subscribe=subscribe and inbox is None,
+        inbox=inbox,
+        chunk_size=chunk_size,
+        **options,
+    )
+
+
+_Call = tuple[list[Any], dict[str, Any]]
+
+
+def _item_calls(payloads: Iterable[Any], spec: TaskSpec, settings: Settings) -> list[_Call]:
+    """One call per item of a ``@batched`` task, each accepted as ``task.delay(item)`` would be."""
+    calls: list[_Call] = []
+    for index, item in enumerate(payloads):
+        one = [item]
+        try:
+            spec.accept(one, {}, settings)
+        except Exception as exc:
+            exc.add_note(f"(in submit_many: payloads[{index}]; nothing was sent)")
+            raise
+        calls.append((one, {}))
+    return calls
+
+
+def _infer_calls(payloads: Iterable[Any], model: str | None, settings: Settings) -> list[_Call]:
+    """One ``carpool.infer`` call per payload, each checked as ``infer.delay`` would check it."""
+    calls: list[_Call] = []
+    # The common payload, an ASCII text no longer than the byte limit (one byte per character, and no
+    # lone surrogate) for a served model, is valid without the general checks: a burst of thousands
+    # is sent only once all are checked, so each payload's check delays the first message.
+    fast_model = model is None or (type(model) is str and model in settings.served_models)
+    fast_limit = settings.max_input_bytes if fast_model else -1
+    for index, payload in enumerate(payloads):
+        if type(payload) is str and len(payload) <= fast_limit and payload.isascii():
+            calls.append(([payload] if model is None else [payload, model], {}))
+            continue
         if isinstance(payload, Mapping):
             kwargs = dict(payload)
             if model is not None:
@@ -139,20 +184,7 @@ def submit_many(
             exc.add_note(f"(in submit_many: payloads[{index}]; nothing was sent)")
             raise
         calls.append((args, kwargs))
-    headers = dict(options.pop("headers", None) or {})
-    headers.setdefault(SENT_AT_HEADER, time.time())
-    options.setdefault("queue", settings.request_queue)
-    inbox = inbox_channel(app) if subscribe else None
-    return publish_tasks(
-        name,
-        calls,
-        app=app,
-        headers=headers,
-        subscribe=subscribe and inbox is None,
-        inbox=inbox,
-        chunk_size=chunk_size,
-        **options,
-    )
+    return calls
 
 
 def _batched_spec(task: Any, model: str | None) -> TaskSpec:
@@ -205,13 +237,12 @@ def publish_tasks(
     events_when = _events_when(builder.sent_events, sent_events is not None, settings.events)
     replicas, wait_s = settings.wait_replicas, settings.wait_timeout_s
     backend = app.backend
-    step = chunk_size or len(calls)
     results: list[AsyncResult] = []
     make_result = app.AsyncResult  # a property: looked up once
-    for start in range(0, len(calls), step):
+    for start, end in _chunk_bounds(len(calls), chunk_size):
         events = state.sent_heard.wanted() if events_when is None else events_when
         with _collector_paused():
-            built = builder.build(calls[start : start + step], header_values=header_values, events=events)
+            built = builder.build(calls[start:end], header_values=header_values, events=events)
         if subscribe:
             subscribe_results(backend, built.ids)
         acked = replicas
@@ -242,6 +273,19 @@ def publish_tasks(
             error.results = results  # sent: they will run unless the master fails first
             raise error
     return results
+
+
+def _chunk_bounds(n: int, chunk_size: int | None) -> Iterator[tuple[int, int]]:
+    """(start, end) of each chunk of ``n`` messages: all in one when they fit in ``chunk_size`` (or it
+    is None), else chunks from ``FIRST_CHUNK`` doubling up to ``chunk_size``."""
+    if chunk_size is None or n <= chunk_size:
+        yield 0, n
+        return
+    start, size = 0, min(chunk_size, FIRST_CHUNK)
+    while start < n:
+        yield start, min(n, start + size)
+        start += size
+        size = min(chunk_size, size * 2)
 
 
 MAX_KEPT_BUILDERS = 256  # (thread, task, options) combinations; past this the kept ones start over

@@ -551,13 +551,17 @@ def test_one_pipelined_publish_for_hundreds_of_requests(clean_redis: EmbeddedRed
     assert ids == [r.id for r in results]
 
 
-def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis: EmbeddedRedis) -> None:
-    """By default one MULTI/EXEC per STREAM_CHUNK messages, in order, with the builder's template
-    carried over (Celery builds only the first two of the whole call); chunk_size=None: one for all."""
+def test_chunked_submit_publishes_each_chunk_as_it_is_built(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default one MULTI/EXEC per chunk, from FIRST_CHUNK messages doubling up to STREAM_CHUNK, in
+    order, with the builder's template carried over (Celery builds only the first two of the whole
+    call); a call of at most STREAM_CHUNK messages, or chunk_size=None: one for all."""
     import redis
 
     from carpool.celery_edge.app import app
-    from carpool.producer.submit import STREAM_CHUNK, submit_many
+    from carpool.celery_edge.task_messages import TaskMessageBuilder
+    from carpool.producer.submit import FIRST_CHUNK, STREAM_CHUNK, submit_many
 
     client = redis.Redis(port=clean_redis.port)
     submit_many(["warm up"], model="toy")
@@ -571,6 +575,14 @@ def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis: Embedde
         return real(*args, **kwargs)
 
     app.amqp.create_task_message = counting
+    chunk_sizes: list[int] = []
+    build = TaskMessageBuilder.build
+
+    def sizing(self: TaskMessageBuilder, calls: Any, *args: Any, **kwargs: Any) -> Any:
+        chunk_sizes.append(len(calls))
+        return build(self, calls, *args, **kwargs)
+
+    monkeypatch.setattr(TaskMessageBuilder, "build", sizing)
     before = _commandstats(client)
     try:
         with _count_sends(db=0) as broker_sends:
@@ -578,8 +590,10 @@ def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis: Embedde
     finally:
         del app.amqp.create_task_message
     delta = {k: v - before.get(k, 0) for k, v in _commandstats(client).items()}
-    chunks = -(-len(texts) // STREAM_CHUNK)
-    assert chunks > 1 and len(broker_sends) == chunks and delta.get("cmdstat_exec") == chunks
+    assert (FIRST_CHUNK, STREAM_CHUNK) == (64, 500)
+    assert chunk_sizes == [64, 128, 256, 500, 102]
+    chunks = len(chunk_sizes)
+    assert len(broker_sends) == chunks and delta.get("cmdstat_exec") == chunks
     assert len(built_by_celery) == 2, "the template outlives a chunk"
     raws = client.lrange("carpool.requests", 0, -1)
     messages = [json.loads(r) for r in reversed(raws)]
@@ -591,6 +605,9 @@ def test_chunked_submit_publishes_each_chunk_as_it_is_built(clean_redis: Embedde
     delta = {k: v - before.get(k, 0) for k, v in _commandstats(client).items()}
     assert len(broker_sends) == 1 and delta.get("cmdstat_exec") == 1, "chunk_size=None: all at once"
     assert client.llen("carpool.requests") == len(results) + len(whole)
+    chunk_sizes.clear()
+    one_chunk = submit_many(texts[:STREAM_CHUNK], model="toy")
+    assert chunk_sizes == [STREAM_CHUNK] and len(one_chunk) == STREAM_CHUNK, "one chunk: all or nothing"
     with pytest.raises(ValueError, match="chunk_size"):
         submit_many(["a"], model="toy", chunk_size=0)
 
@@ -660,6 +677,16 @@ def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis: Embedded
         submit_many(["a", "b"], model="nope")
     with pytest.raises(InputTooLong):
         submit_many(["x" * 70_000], model="toy")
+    # ASCII texts take a shorter check: its limits are the general one's, to the byte.
+    with pytest.raises(InputTooLong, match="65537 bytes") as too_long:
+        submit_many(["x" * 65_536, "x" * 65_537], model="toy")
+    assert any("payloads[1]" in note for note in too_long.value.__notes__)
+    with pytest.raises(InputTooLong, match="65538 bytes"):
+        submit_many(["\u00e9" * 32_769])  # 32,769 characters, two bytes each
+    with pytest.raises(InvalidInput, match="lone surrogate"):
+        submit_many(["fine", "half a pair: \ud800"])
+    with pytest.raises(UnknownModel, match="unknown model 'nope'"):
+        submit_many(["an ASCII text"], model="nope")
     with pytest.raises(InvalidInput, match="takes"):
         submit_many([{"text": "a", "colour": "red"}])
     with pytest.raises(TypeError, match="countdown"):
