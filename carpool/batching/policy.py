@@ -18,7 +18,9 @@ Rules, in order of precedence for a (model, bin) queue:
 4. wait: with a worker idle, a partial batch leaves once its oldest member waited
    ``min(max_wait_s, wait_factor * predicted run time)``, or at once when the recent arrival rate
    says fewer than one more request would arrive in that time (light traffic: waiting only adds
-   latency). With every worker busy it keeps filling.
+   latency); with no more requests on their way in (``incoming``), every partial batch ready by
+   then leaves in the same poll, as far as the free slots go. With every worker busy it keeps
+   filling.
 Requests of different models never share a batch.
 """
 
@@ -153,29 +155,49 @@ class BatchPolicy:
         return self.latency.predict(model, len(requests) * padded_length(longest, pad_multiple))
 
     def poll(
-        self, now_s: float, free_workers: int, free_slots: int, ahead_s: float = 0.0, queue_room: int = 0
+        self,
+        now_s: float,
+        free_workers: int,
+        free_slots: int,
+        ahead_s: float = 0.0,
+        queue_room: int = 0,
+        incoming: bool = False,
     ) -> Plan:
         """Decide what leaves now.
 
         ``free_workers``: workers with nothing to run; ``free_slots``: batches that may still be
         handed on (free workers plus prefetch room); ``ahead_s``: predicted seconds until a worker
         frees up for a newly dispatched batch (0 when one is idle); ``queue_room``: batches that
-        may still be queued beyond the slots while ``ahead_s`` is under ``prefetch_s``.
+        may still be queued beyond the slots while ``ahead_s`` is under ``prefetch_s``;
+        ``incoming``: requests are already on their way in (taken and being prepared, or more
+        waiting in the broker), so a partial batch may still find company among them.
         """
         # Queues left empty (a refit moved their bin, or they drained) are dropped.
         self._queues = {k: q for k, q in self._queues.items() if q}
+        # With nothing on its way in, the partial batches that waited their share leave together
+        # while a worker was idle at the start: one at a time, each would wait for the next idle
+        # moment, a hand-off each time (the tail of a burst). Else one leaves per idle worker.
+        idle_at_start = free_workers > 0
         plan = Plan(expired=self.expire(now_s))
         wake: float | None = None
         # A queue's head batch changes only when its membership does, so each queue remembers its head
         # and a poll re-selects only the queues that changed, not every queue after every batch.
         while True:
             best: _Candidate | None = None
+            worker_idle = free_workers > 0 or (idle_at_start and not incoming)
             for key, queue in self._queues.items():
                 if not queue:
                     continue
                 head = queue.head(self.config_for(key[0]))
                 cand, wake_at = self._evaluate(
-                    key, queue, head, now_s, free_workers, free_slots, ahead_s, queue_room
+                    key,
+                    queue,
+                    head,
+                    now_s,
+                    worker_idle,
+                    free_slots,
+                    ahead_s,
+                    queue_room,
                 )
                 if wake_at is not None and (wake is None or wake_at < wake):
                     wake = wake_at
@@ -233,7 +255,7 @@ class BatchPolicy:
         queue: BinQueue,
         selected: tuple[list[Request], bool],
         now_s: float,
-        free_workers: int,
+        worker_idle: bool,
         free_slots: int,
         ahead_s: float,
         queue_room: int = 0,
@@ -265,7 +287,7 @@ class BatchPolicy:
         if self.expected_arrivals(model, now_s, wait_s) < 1.0:
             wait_s = 0.0  # light traffic: no company is coming, waiting would only add latency
         ready_at = oldest + wait_s
-        if free_workers > 0 and free_slots > 0:
+        if worker_idle and free_slots > 0:
             if now_s >= ready_at:
                 return _Candidate(key, head, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None
             return None, min(ready_at, next_deadline_event)

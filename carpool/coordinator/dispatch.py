@@ -34,7 +34,9 @@ def dispatch(c: Coordinator, now: float) -> float | None:
         plan = Plan(expired=c.policy.expire(now), wake_at_s=c.policy.next_deadline())
     else:
         cap = _capacity(c)
-        plan = c.policy.poll(now, cap.free_workers, cap.free_slots, cap.ahead_s, cap.queue_room)
+        plan = c.policy.poll(
+            now, cap.free_workers, cap.free_slots, cap.ahead_s, cap.queue_room, incoming=c.incoming
+        )
     if plan.expired:
         where = "in the coordinator's queue"
         c.held.difference_update(r.id for r in plan.expired)

@@ -110,6 +110,7 @@ class Coordinator:
         self.held: set[str] = set()  # taken, not yet dispatched or answered: leased by us
         # Taken, not yet admitted: by the last wait on its way out, or by a step that failed after it.
         self._ahead: _Take | None = None
+        self.incoming = False  # requests on their way into the policy, as of the last step
         self._next_housekeeping = 0.0
         self._next_renewal = 0.0
         self._next_stats = 0.0
@@ -242,6 +243,9 @@ class Coordinator:
         next_eta_s = None
         if len(self.deferred):
             next_eta_s = release_due(self, now)
+        # Requests on their way in may still join a partial batch: being prepared, or a full take
+        # says more wait in Redis.
+        self.incoming = self.stage.busy or (take_n > 0 and len(taken) >= take_n)
         if self.pacer.poll_due(now):
             self.pacer.polled(now, dispatch(self, now))
         self.events.flush()

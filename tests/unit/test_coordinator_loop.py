@@ -279,9 +279,9 @@ def test_the_policy_is_asked_only_when_something_may_have_changed(clocks: Clocks
     asked: list[float] = []
     poll = c.policy.poll
 
-    def counting_poll(now: float, *args: Any) -> Any:
+    def counting_poll(now: float, *args: Any, **kwargs: Any) -> Any:
         asked.append(now)
-        return poll(now, *args)
+        return poll(now, *args, **kwargs)
 
     c.policy.poll = counting_poll
     c.step()

@@ -106,6 +106,28 @@ def test_partial_batch_waits_its_adaptive_share_then_leaves_when_a_worker_is_fre
     assert plan.batches[0].flush_reason is FlushReason.WAIT
 
 
+def test_partial_batches_ready_while_a_worker_is_idle_leave_together_as_far_as_the_slots_go() -> None:
+    # The tail of a burst: a partial batch in each of three bins, all past their wait.
+    def tails() -> tuple[BatchPolicy, list[Request]]:
+        p = policy(max_batch=32, max_wait_s=0.01, bin_edges=(16, 64))
+        reqs = [req(8, at=0.0), req(40, at=0.0), req(100, at=0.0)]
+        for r in reqs:
+            p.add(r)
+        return p, reqs
+
+    p, reqs = tails()
+    plan = p.poll(1.0, free_workers=1, free_slots=3)
+    assert {b.requests for b in plan.batches} == {(r,) for r in reqs}
+    assert {b.flush_reason for b in plan.batches} == {FlushReason.WAIT}
+    p, _ = tails()
+    assert len(p.poll(1.0, free_workers=1, free_slots=2).batches) == 2, "never past the free slots"
+    p, _ = tails()
+    assert p.poll(1.0, free_workers=0, free_slots=3).batches == [], "no worker idle: they keep filling"
+    # With requests on their way in, company may come: one partial batch per idle worker, as before.
+    p, _ = tails()
+    assert len(p.poll(1.0, free_workers=1, free_slots=3, incoming=True).batches) == 1
+
+
 def test_max_wait_caps_the_adaptive_wait() -> None:
     p = policy(max_batch=32, max_wait_s=0.001, wait_factor=10.0, bin_edges=())
     p.add(req(8, at=0.0))
