@@ -24,6 +24,7 @@ from celery.backends.asynchronous import Drainer
 from celery.backends.redis import ResultConsumer
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
+from carpool import collector
 from carpool.celery_edge.compat import (
     forget_result_pubsub,
     join_will_block,
@@ -351,14 +352,18 @@ def read_result_messages(
     count = 0
     wait = timeout_s
     prompt = isinstance(consumer, PromptResultConsumer)
-    replaced = failed = False
-    with reconnecting(consumer):  # on a connection error: dropped, reconnected on the next read
-        failed = True
+    replaced = failed = quiet = False
+    # Once the first message is there, the rest are read without the collector: each is kept.
+    with reconnecting(consumer), contextlib.ExitStack() as reading:
+        failed = True  # on a connection error: dropped, reconnected on the next read
         replaced = prompt and consumer.check_connection(ping=True)
         while count < limit:
             conn = pubsub.connection
             if conn is None or not conn.can_read(timeout=wait):
                 break
+            if not quiet:
+                reading.enter_context(collector.paused())
+                quiet = True
             wait = 0.0
             message = _next_message(pubsub, conn)
             if message is None:  # a (un)subscribe confirmation: look for more

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
+from carpool import collector
 from carpool.celery_edge.compat import cached_meta, set_cached_meta
 from carpool.celery_edge.inbox import inbox_of
 from carpool.celery_edge.result_consumer import (
@@ -79,17 +80,18 @@ class Gathering:
         Metas of other tasks, of tasks settled already, and unfinished ones are passed over."""
         failed: set[str] = set()
         waiting = self.waiting
-        for meta in metas:
-            if not meta or meta.get("status") not in _READY:
-                continue
-            task_id: str = meta.get("task_id", "")
-            rs = waiting.pop(task_id, None)
-            if rs is None:
-                continue
-            for r in rs:
-                set_cached_meta(r, dict(meta))
-            if meta["status"] in _FAILED:
-                failed.add(task_id)
+        with collector.paused():  # the metas (decoded here when a generator) and Celery's promises
+            for meta in metas:
+                if not meta or meta.get("status") not in _READY:
+                    continue
+                task_id: str = meta.get("task_id", "")
+                rs = waiting.pop(task_id, None)
+                if rs is None:
+                    continue
+                for r in rs:
+                    set_cached_meta(r, dict(meta))
+                if meta["status"] in _FAILED:
+                    failed.add(task_id)
         self._raise_first(failed)
 
     def take_settled(self) -> None:
@@ -236,7 +238,9 @@ def _wait_on_celery(backend: Any, consumer: Any, state: Gathering, plain: Sequen
     while not state.done:
         messages, intact = read_result_messages(backend, consumer, state.wait_s(), _READ_LIMIT)
         before = len(state.waiting)
-        state.settle(_route(backend, consumer, messages, want=state.waiting, ignore=ours))
+        with collector.paused():  # decoded results, all kept
+            metas = _route(backend, consumer, messages, want=state.waiting, ignore=ours)
+        state.settle(metas)
         if not intact:  # the connection was replaced: what was published meanwhile is stored
             _settle_stored(backend, consumer, state, state.pending())
         elif len(state.waiting) < before:
@@ -251,7 +255,8 @@ def _settle_stored(backend: Any, consumer: Any, state: Gathering, task_ids: Sequ
     consumer is told to have them read again once its connection is back, and the wait goes on
     (so that only the deadline ends it, as for ``.get()``)."""
     try:
-        metas = list(_stored(backend, task_ids))
+        with collector.paused():  # decoded results, all kept
+            metas = list(_stored(backend, task_ids))
     except backend.connection_errors:
         if not isinstance(consumer, PromptResultConsumer):
             raise

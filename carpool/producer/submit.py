@@ -30,13 +30,12 @@ in one SUBSCRIBE.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from carpool import collector
 from carpool.celery_edge.app import settings_of, state_of
 from carpool.celery_edge.events import EventsMode
 from carpool.celery_edge.inbox import inbox_channel, mark
@@ -121,8 +120,7 @@ def submit_many(
     if task is not None and getattr(task, "name", task) != INFER_TASK:
         spec = _batched_spec(task, model)
         name = spec.name
-    # Thousands of small objects that all live on: see _collector_paused.
-    with _collector_paused():
+    with collector.paused():  # thousands of small objects that all live on
         calls = _item_calls(payloads, spec, settings) if spec else _infer_calls(payloads, model, settings)
     headers = dict(options.pop("headers", None) or {})
     headers.setdefault(SENT_AT_HEADER, time.time())
@@ -241,7 +239,7 @@ def publish_tasks(
     make_result = app.AsyncResult  # a property: looked up once
     for start, end in _chunk_bounds(len(calls), chunk_size):
         events = state.sent_heard.wanted() if events_when is None else events_when
-        with _collector_paused():
+        with collector.paused():
             built = builder.build(calls[start:end], header_values=header_values, events=events)
         if subscribe:
             subscribe_results(backend, built.ids)
@@ -263,7 +261,7 @@ def publish_tasks(
         if built.events:  # the PUBLISHes come last: how many receivers got the events
             state.sent_heard.heard(max(replies[-len(built.events) :]))
         # The backend is passed in: looked up per result it is a thread-local property.
-        with _collector_paused():
+        with collector.paused():
             made = [make_result(task_id, backend=backend) for task_id in built.ids]
         if inbox is not None:
             mark(made, inbox)
@@ -340,21 +338,6 @@ def _builder(
         )
         kept[key] = builder
     return builder, dict(headers) if headers else None
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a bulk build: the thousands of objects made there all
-    live on, and the full collections their allocations would trigger, each walking every object of
-    the process, cost more than the build itself."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _events_when(sends: bool, asked: bool, mode: EventsMode) -> bool | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import subprocess
 import sys
@@ -823,6 +824,7 @@ def test_gather_collects_large_results_published_in_bursts(clean_redis: Embedded
     finally:
         proc.wait(timeout=60)
     assert got == [[i / 7.0 + k for k in range(384)] for i in range(n)]
+    assert gc.isenabled(), "the collector is paused only while a read's messages are decoded"
 
 
 def test_submit_many_results_equal_delay_results(processes: Processes) -> None:
