@@ -3,6 +3,11 @@ many batches were already queued on it when the previous one ended.
 
     python scripts/device_gaps.py OUT_DIR [OUT_DIR ...]
     python scripts/device_gaps.py --trace TRACE_FILE OUT_DIR     # what each gap waited for
+    python scripts/device_gaps.py --phases OUT_DIR [OUT_DIR ...] # when in the burst the device waited
+
+With ``--phases``: the device's idle time in the burst, split at the end of the submit call: before
+the first forward, between forwards while ``submit_many`` still sent, between forwards after it (and
+how much of that among the last, partial batches), and from the last forward to ``gather``'s return.
 
 With ``--trace``: ``TRACE_FILE`` was written by a worker patched with
 ``scripts/trace-worker-handoffs.patch`` (``git apply`` it on a copy of the tree, then run the bench
@@ -43,6 +48,33 @@ def summary(out_dir: Path) -> str:
         f"idle between batches {sum(gaps):.3f} s (median {statistics.median(gaps) * 1e3:.2f} ms), "
         f"CPU us/request worker {cpu['worker']:.0f} coordinator {cpu['coordinator']:.0f} "
         f"redis {cpu['redis']:.0f}"
+    )
+
+
+def phases(out_dir: Path) -> str:
+    """The burst's idle device time by phase (see the module's docstring), in ms."""
+    carpool = json.loads((out_dir / "report.json").read_text())["carpool"]
+    begin, submitted, ended = carpool["wall_start"], carpool["submit_s"], carpool["wall_s"]
+    (log,) = sorted(out_dir.glob("device-*.log"))
+    forwards = sorted((f for f in read_device_log(log) if f.start >= begin), key=lambda f: f.start)
+    first = forwards[0].start - begin
+    while_sending = after = 0.0
+    for a, b in pairwise(forwards):
+        gap = max(0.0, b.start - a.end)
+        if b.start - begin <= submitted:
+            while_sending += gap
+        else:
+            after += gap
+    tail = len(forwards)
+    while tail > 1 and forwards[tail - 1].rows < max(f.rows for f in forwards):
+        tail -= 1
+    partials = sum(max(0.0, b.start - a.end) for a, b in pairwise(forwards[tail - 1 :]))
+    last = begin + ended - max(f.end for f in forwards)
+    return (
+        f"{out_dir}: ratio {carpool['ratio_to_capacity']:.3f}, burst {ended * 1e3:.0f} ms; device idle: "
+        f"before the first forward {first * 1e3:.0f}, between forwards while sending "
+        f"{while_sending * 1e3:.0f}, after {after * 1e3:.0f} (among the last {len(forwards) - tail} "
+        f"partial batches {partials * 1e3:.0f}), after the last forward {last * 1e3:.0f}"
     )
 
 
@@ -89,9 +121,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dirs", nargs="+", type=Path)
     parser.add_argument("--trace", type=Path, help="a worker's hand-off trace (one OUT_DIR)")
+    parser.add_argument("--phases", action="store_true", help="idle time by phase of the burst")
     args = parser.parse_args()
     for out_dir in args.out_dirs:
-        print(summary(out_dir))
+        print(phases(out_dir) if args.phases else summary(out_dir))
         if args.trace is not None:
             waited = handoffs(out_dir, args.trace)
             for what, seconds in waited.items():
