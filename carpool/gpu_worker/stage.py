@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+FINISHER_DEPTH = 3  # batches whose results are being stored or wait to be
+
 
 class Stage:
     """One daemon thread running submitted jobs in order; at most ``depth`` held (running + waiting).
@@ -108,11 +110,13 @@ class Stage:
 
 
 class Finisher(Stage):
-    """Stores a batch's results while the device runs the next batch: at most one batch held, so
-    handing over the next waits for the previous to be stored."""
+    """Stores batches' results, in order, while the device runs the next batches: at most
+    ``FINISHER_DEPTH`` held, so the device thread launches on while storing lags behind a run of
+    short batches (whose results cost more CPU than their device time) and catches up during long
+    ones; past that, handing over waits."""
 
     def __init__(self) -> None:
-        super().__init__("carpool-finisher", depth=1, failure="storing a batch's results")
+        super().__init__("carpool-finisher", depth=FINISHER_DEPTH, failure="storing a batch's results")
 
 
 class DeviceStage(Stage):

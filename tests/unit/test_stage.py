@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from carpool.errors import DeadlineExceeded
-from carpool.gpu_worker.stage import DeviceStage, Finisher, Stage
+from carpool.gpu_worker.stage import FINISHER_DEPTH, DeviceStage, Finisher, Stage
 from tests.unit.test_worker_semantics import FakeStore, batch, slot
 
 HANG_S = 5.0  # a bound on waits that only a hang exceeds
@@ -26,7 +26,8 @@ def until(condition: Callable[[], bool]) -> None:
         time.sleep(0.005)
 
 
-def test_jobs_run_in_order_and_a_new_one_waits_for_the_previous() -> None:
+def test_jobs_run_in_order_and_a_new_one_waits_while_the_finisher_holds_its_depth() -> None:
+    assert FINISHER_DEPTH == 3
     finisher = Finisher()
     release = threading.Event()
     done: list[str] = []
@@ -37,18 +38,21 @@ def test_jobs_run_in_order_and_a_new_one_waits_for_the_previous() -> None:
 
     finisher.submit(first, ["a", "b"])
     assert finisher.pending_ids() == ["a", "b"]  # still held: the heartbeat keeps renewing them
-    second_submitted = threading.Event()
+    finisher.submit(lambda: done.append("second"), ["c"])  # room: queued behind the first
+    finisher.submit(lambda: done.append("third"), ["d"])
+    assert finisher.pending_ids() == ["a", "b", "c", "d"]
+    fourth_submitted = threading.Event()
 
-    def submit_second() -> None:
-        finisher.submit(lambda: done.append("second"), ["c"])
-        second_submitted.set()
+    def submit_fourth() -> None:
+        finisher.submit(lambda: done.append("fourth"), ["e"])
+        fourth_submitted.set()
 
-    threading.Thread(target=submit_second).start()
-    assert not second_submitted.wait(0.2)  # blocked: one batch at most waits to be stored
+    threading.Thread(target=submit_fourth).start()
+    assert not fourth_submitted.wait(0.2)  # blocked: three batches at most are held
     release.set()
-    assert second_submitted.wait(5)
+    assert fourth_submitted.wait(5)
     assert finisher.drain(5)
-    assert done == ["first", "second"] and finisher.pending_ids() == []
+    assert done == ["first", "second", "third", "fourth"] and finisher.pending_ids() == []
 
 
 def test_a_failing_job_is_logged_and_the_finisher_goes_on(caplog: pytest.LogCaptureFixture) -> None:
