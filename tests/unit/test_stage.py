@@ -233,8 +233,8 @@ def test_batches_run_beside_the_next_claim_and_every_claimed_request_stays_lease
     store.queued = 1  # a batch queued behind each: hand over to the device thread
     assert staged.run(batch(slot("a"), slot("b"))) is None, "handed to the device stage"
     assert staged.run(batch(slot("c"))) is None
-    # "a" and "b" wait in the finisher (their store is held up), "c" on the device thread behind them.
-    until(lambda: staged._finisher.held() == 1 and staged._stage.held() == 1)
+    # "a" and "b" are being stored (their store is held up), "c" waits in the finisher behind them.
+    until(lambda: staged._finisher.held() == 2 and staged._stage.idle())
     staged._beat()
     assert sorted(store.renewed) == ["a", "b", "c"]
     store.gate.set()
