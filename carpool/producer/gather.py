@@ -238,9 +238,8 @@ def _wait_on_celery(backend: Any, consumer: Any, state: Gathering, plain: Sequen
     while not state.done:
         messages, intact = read_result_messages(backend, consumer, state.wait_s(), _READ_LIMIT)
         before = len(state.waiting)
-        with collector.paused():  # decoded results, all kept
-            metas = _route(backend, consumer, messages, want=state.waiting, ignore=ours)
-        state.settle(metas)
+        with collector.paused():  # decoded results, all kept (settle's own pause then does nothing)
+            state.settle(_route(backend, consumer, messages, want=state.waiting, ignore=ours))
         if not intact:  # the connection was replaced: what was published meanwhile is stored
             _settle_stored(backend, consumer, state, state.pending())
         elif len(state.waiting) < before:
