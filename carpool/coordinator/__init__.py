@@ -6,8 +6,9 @@ into the policy's requests, ``stage`` does so for a large take on threads while 
 hears Celery's revoke broadcasts, ``answers`` stores what the coordinator answers itself (refusals,
 revokes, dead letters), ``waiting`` decides how the loop waits between steps, ``dispatch`` carries
 out the policy's plan, ``publish`` hands batches to workers, ``reports`` reads the workers' batch
-reports, ``metrics`` serves Prometheus metrics and ``stats`` writes the gauges and counters
-``carpool status`` reads. The batching decisions themselves live in the pure ``carpool.batching``.
+reports, ``metrics`` serves Prometheus metrics, ``stats`` writes the gauges and counters
+``carpool status`` reads, and ``signals`` turns SIGTERM and SIGINT into the loop's stop. The
+batching decisions themselves live in the pure ``carpool.batching``.
 """
 
 from __future__ import annotations

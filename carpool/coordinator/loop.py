@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -43,6 +42,7 @@ from carpool.coordinator.intake import Intake, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
 from carpool.coordinator.publish import BatchPublisher
 from carpool.coordinator.reports import apply_reports, give_up_unreported
+from carpool.coordinator.signals import set_on_signals
 from carpool.coordinator.stage import IntakeStage, auto_threads
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
@@ -183,12 +183,12 @@ class Coordinator:
             spec.warm_up(self.settings)
 
     def install_signal_handlers(self) -> None:
-        def _stop(signum: int, _frame: Any) -> None:
-            log.info("signal %d: handing back held requests and stopping", signum)
-            self.stopping.set()
+        """SIGTERM and SIGINT stop the loop, which then hands back what it holds."""
 
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
+        def stopping(signum: int) -> None:
+            log.info("signal %d: handing back held requests and stopping", signum)
+
+        set_on_signals(self.stopping, on_signal=stopping)
 
     def shutdown(self) -> None:
         """Hand every request not yet dispatched back to the front of the request queue."""
