@@ -175,12 +175,15 @@ def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis
         app.backend.result_consumer.consume_from(r.id)
     app.backend.store_many([(i, SUCCESS, n) for n, i in reversed(list(enumerate(ids)))])
     gc.collect()  # the test process's own garbage is not the read path's time (a full pass: ~0.1 s)
-    slowest = 0.0
+    took: list[float] = []
     for n, r in enumerate(results):
         t0 = time.perf_counter()
         assert r.get(timeout=10) == n
-        slowest = max(slowest, time.perf_counter() - t0)
-    assert slowest < 0.25, f"slowest .get(): {slowest:.3f}s"  # the stock backend: ~1 s
+        took.append(time.perf_counter() - t0)
+    # The stock backend stalls up to 1 s on most of these calls; here all 200 take milliseconds
+    # together, and no single one comes near that 1 s (a loaded host may take one's core away).
+    assert sum(took) < 2.0, f"200 .get() of stored results took {sum(took):.3f}s"
+    assert max(took) < 0.9, f"slowest .get(): {max(took):.3f}s"
 
 
 def test_results_are_stored_once(clean_redis: EmbeddedRedis) -> None:
