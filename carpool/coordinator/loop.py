@@ -29,6 +29,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from carpool import collector
 from carpool.batching import BatchPolicy, LatencyModel
 from carpool.batching.capacity import free_workers
 from carpool.celery_edge.events import TaskEvents
@@ -142,6 +143,7 @@ class Coordinator:
         self.warm_up()
         self.events.start()
         self.revokes = revokes.listen(self.app, self.settings)
+        collector.freeze_startup()  # full collections mid-burst walked the tokenizers and Celery
         try:
             self._loop()
         finally:

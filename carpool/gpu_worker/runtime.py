@@ -36,6 +36,7 @@ from typing import Any, TypeVar, cast
 import redis
 from celery import Celery
 
+from carpool import collector
 from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
 from carpool.celery_edge.app import settings_of
@@ -123,6 +124,7 @@ class WorkerRuntime:
             # default interval is longer than a fast device's batch).
             sys.setswitchinterval(DEVICE_SWITCH_INTERVAL_S)
         self.events.start()
+        collector.freeze_startup()  # the models and Celery's worker, out of every later collection
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -30,3 +31,22 @@ def test_a_collector_the_application_turned_off_stays_off() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_freeze_startup_collects_the_garbage_then_leaves_what_lives_out_of_later_collections() -> None:
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.self = garbage  # type: ignore[attr-defined]  # a cycle only the collector can free
+    freed = weakref.ref(garbage)
+    del garbage
+    kept = [Node()]
+    try:
+        collector.freeze_startup()
+        assert freed() is None
+        assert gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects())  # out of every generation collected
+    finally:
+        gc.unfreeze()
+    assert any(o is kept for o in gc.get_objects())
