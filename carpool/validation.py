@@ -61,7 +61,7 @@ def validate_infer(text: Any, model: Any, settings: Settings) -> InferPayload:
         model = settings.model
     if not isinstance(model, str):
         raise InvalidInput(f"model must be a str naming a served model, got {type(model).__name__}")
-    if model != settings.model and model not in settings.models:  # not in served_models, built per call
+    if model != settings.model and model not in settings.models:  # served_models, without its tuple
         raise UnknownModel(
             f"unknown model {model!r}: this deployment serves {', '.join(settings.served_models)}; "
             "pass one of them as model=, or add it to CARPOOL_MODELS"

@@ -2,8 +2,9 @@
 it began (wall clock), its generation, how long it took and what it freed, written at exit to
 ``$CARPOOL_GC_PROBE_DIR/gc-<pid>.json`` (default: the system's temporary folder).
 
-    PYTHONPATH=scripts/gc_probe:$PWD carpool bench --accelerator v100 --pipeline 0 --light 0 --out OUT
-    python scripts/gc_in_burst.py OUT
+    CARPOOL_GC_PROBE_DIR=/tmp/gc PYTHONPATH=scripts/gc_probe:$PWD \
+        carpool bench --accelerator v100 --pipeline 0 --light 0 --out OUT
+    python scripts/gc_in_burst.py OUT /tmp/gc
 
 Python imports ``sitecustomize`` at start-up, so the bench's own process, its coordinator and its
 worker (which inherit the environment) all record theirs; carpool carries no probe of its own.
