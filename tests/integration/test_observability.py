@@ -346,7 +346,13 @@ def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> N
     client.lpush("carpool.requests", b"this is not a celery message")  # dead-lettered
     wait_for("dead letter", lambda: client.llen(keys.dead_letter) == 1)
     n = len(texts) + len(more)
-    wait_for("counters written", lambda: stats_hash(processes).get("dispatched") == n)
+
+    # The dead letter is pushed at once, its `taken` reaches the hash with the next counter write.
+    def counters_written() -> bool:
+        stats = stats_hash(processes)
+        return stats.get("taken") == n + 1 and stats.get("dispatched") == n
+
+    wait_for("counters written", counters_written)
     after = collect(client, keys)
     r = rates(before, after)
     # `before` came after the first 60 were taken, before any was dispatched.
