@@ -292,9 +292,9 @@ class WorkerRuntime:
     ) -> BatchReport | None:
         """Store the batch's outcomes: here, or on the finisher's thread (then None)."""
         finisher, stage = self._finisher, self._stage
-        # Another batch queued, or waiting in the device stage beside this one: the device can
-        # start it while this one's results are stored.
-        if finisher is not None and (claimed.batches_queued != 0 or (stage is not None and stage.held() > 1)):
+        if finisher is not None and stores_behind(
+            claimed.batches_queued, stage.held() if stage is not None else 0, finisher.held()
+        ):
             finisher.submit(partial(self._store, claimed, live, run_s, padded_len), claimed.ack_ids)
             return None
         return self._store(claimed, live, run_s, padded_len)
@@ -491,6 +491,14 @@ class WorkerRuntime:
             self.store.replicated("a batch's results", self.backend.client)
             self.store.replicated("a batch's acknowledgements")
         return [i for i, entry in enumerate(entries, 1) if entry[0] in stored_ids]
+
+
+def stores_behind(batches_queued: int | None, device_held: int, finisher_held: int) -> bool:
+    """Whether a batch's results go to the finisher rather than being stored on this thread: another
+    batch is queued (``None``: not counted) or beside this one in the device stage, so the device can
+    start it meanwhile; or the finisher still holds earlier batches, whose results must be stored
+    first (results are stored in the order their batches ran)."""
+    return batches_queued != 0 or device_held > 1 or finisher_held > 0
 
 
 def _padded_len(live: list[RequestSlot]) -> int:

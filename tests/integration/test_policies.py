@@ -41,6 +41,8 @@ def test_higher_priority_runs_first(processes: Processes) -> None:
         "CARPOOL_MODELS": "toy",
         "CARPOOL_MAX_BATCH": "10",
         "CARPOOL_POLICY": "fifo",
+        # The deadline runs from the send; a loaded host's slow worker start must not reach it.
+        "CARPOOL_DEFAULT_DEADLINE_S": "600",
     }
     processes.start("coordinator", "coordinator", **env)  # no worker yet: everything queues
     low = [infer.apply_async((f"low priority {i}",), {"model": "toy"}, priority=0) for i in range(40)]

@@ -158,17 +158,24 @@ def test_results_write_once_refused_are_counted_in_the_stats_hash(runtime: Any) 
 
 
 class RecordingFinisher:
-    """Runs each job at once, noting the ids of each batch handed to it."""
+    """Runs each job at once, noting the ids of each batch handed to it; ``holding`` earlier batches
+    still being stored, as it says."""
 
     def __init__(self) -> None:
         self.handed: list[list[str]] = []
+        self.holding = 0
 
     def submit(self, job: Any, ids: list[str]) -> None:
         self.handed.append(ids)
         job()
 
+    def held(self) -> int:
+        return self.holding
 
-def test_results_go_to_the_finisher_thread_only_when_another_batch_is_queued(runtime: Any) -> None:
+
+def test_results_go_to_the_finisher_thread_when_another_batch_is_queued_or_earlier_ones_are_stored(
+    runtime: Any,
+) -> None:
     finisher = runtime._finisher = RecordingFinisher()
     runtime.run(batch(slot("alone")))
     assert finisher.handed == [], "nothing to overlap with: stored inline"
@@ -179,3 +186,9 @@ def test_results_go_to_the_finisher_thread_only_when_another_batch_is_queued(run
     runtime.run(batch(slot("busy")))
     assert finisher.handed == [["busy"]]
     assert [task_id for task_id, _ in runtime.store.writes] == ["busy"]
+    # Nothing queued, but the finisher still stores earlier batches: this one's results go behind
+    # theirs, so results are stored in the order their batches ran.
+    runtime.store.queued = 0
+    finisher.holding = 1
+    runtime.run(batch(slot("after")))
+    assert finisher.handed == [["busy"], ["after"]]
