@@ -166,16 +166,30 @@ def _launch(
     its arguments go) and the end of its ``log_path`` (where the rest go)."""
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = {"port": where} if isinstance(where, int) else where
-    client = redis.Redis(**address, socket_connect_timeout=0.2)
+    client = redis.Redis(**address, socket_connect_timeout=0.2, socket_timeout=5)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            client.ping()
-            break
+            # The answer must come from this process: another server on the port answers too.
+            answered_by = client.info("server").get("process_id")
+            if answered_by == process.pid and process.poll() is None:
+                break
+            process.kill()
+            process.wait()
+            if process.stderr:
+                process.stderr.close()
+            client.close()
+            raise RuntimeError(
+                f"{args[0]} did not start on {address}: another server (pid {answered_by}) holds it; "
+                "choose another port"
+            )
         except redis.ConnectionError:
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
                 err = process.stderr.read().decode() if process.stderr else ""
+                if process.stderr:
+                    process.stderr.close()
+                client.close()
                 logged = "\n".join(_tail(log_path, 8)) if log_path else ""
                 raise RuntimeError(f"{args[0]} did not start on {address}: {err}{logged}") from None
             time.sleep(0.02)

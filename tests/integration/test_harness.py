@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import redis
 
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.harness import Harness, ProcessExited
@@ -66,3 +67,14 @@ def test_an_external_redis_is_used_as_given(tmp_path: Path, redis_server: Embedd
         assert harness.env()["CARPOOL_BROKER_URL"] == url
         with pytest.raises(TimeoutError):
             harness.wait_workers(1, timeout_s=0.3, request_queue="carpool.harness-test")
+
+
+def test_an_embedded_server_on_a_port_another_server_holds_is_refused(redis_server: EmbeddedRedis) -> None:
+    # The other server answers on the port too: only the answer of the server started may count.
+    second = EmbeddedRedis(port=redis_server.port)
+    try:
+        with pytest.raises(RuntimeError, match=r"another server \(pid \d+\) holds it"):
+            second.start()
+    finally:
+        second.cleanup()
+    assert redis.Redis(port=redis_server.port).ping()  # the server already there is left alone
