@@ -96,11 +96,16 @@ def as_bytes(reply: object) -> bytes:
     return reply
 
 
-def store_later(backend: Any, entries: Any, after_s: float, **kwargs: Any) -> threading.Thread:
-    """A thread that stores ``entries`` through ``backend`` (not its own thread-local one) after a pause."""
+def store_later(
+    backend: Any, entries: Any, after_s: float, when: Callable[[], bool] | None = None, **kwargs: Any
+) -> threading.Thread:
+    """A thread that stores ``entries`` through ``backend`` (not its own thread-local one) after a
+    pause and, given ``when``, once ``when()`` holds."""
 
     def store() -> None:
         time.sleep(after_s)
+        if when is not None:
+            wait_for("the condition to store on", when)
         backend.store_many(entries, **kwargs)
 
     thread = threading.Thread(target=store)

@@ -177,7 +177,12 @@ def test_every_role_serves_with_its_own_user(
 
     # Flower heard the events, inspected the worker and reads a result, all on its own user.
     task_id = out["send_task_id"]
-    info = wait_for("the request in flower", lambda: flower_get(flower, f"/api/task/info/{task_id}"), 60)
+    # Its received event leaves with the dispatch, its succeeded event with the result: wait for both.
+    info = wait_for(
+        "the request in flower, succeeded",
+        lambda: (i := flower_get(flower, f"/api/task/info/{task_id}")).get("state") == "SUCCESS" and i,
+        60,
+    )
     assert info["state"] == "SUCCESS"
     workers = wait_for("the worker in flower", lambda: flower_get(flower, "/api/workers?refresh=1"), 60)
     assert any(name.startswith("carpool-gpu-") for name in workers)

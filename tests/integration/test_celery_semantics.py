@@ -249,7 +249,7 @@ def test_a_revoke_heard_while_its_batch_is_on_the_device_answers_it_revoked(proc
     from carpool.producer.submit import submit_many
     from tests.integration.models import SLOW
 
-    slow = {"CARPOOL_MODEL": SLOW, "CARPOOL_MODELS": SLOW, "CARPOOL_MAX_BATCH": "8", "SLOW_TOY_DELAY_S": "2"}
+    slow = {"CARPOOL_MODEL": SLOW, "CARPOOL_MODELS": SLOW, "CARPOOL_MAX_BATCH": "8", "SLOW_TOY_DELAY_S": "4"}
     start_stack(processes, **slow)
     # Sixteen in one publish: one take, two full batches dispatched together, so the worker hands
     # both to its device thread (a lone batch would run on the Celery thread, which reads remote

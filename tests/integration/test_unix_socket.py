@@ -28,6 +28,7 @@ from carpool.producer.submit import submit_many
 from carpool.tools.embedded import EmbeddedRedis, free_port
 from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
+from tests.integration.conftest import wait_for
 from tests.integration.test_end_to_end import assert_same_vectors
 
 TOY: dict[str, Any] = {"model": "toy", "models": ("toy",)}
@@ -108,19 +109,29 @@ def test_flower_on_a_unix_socket_lists_the_requests_and_counts_the_batch_queue(t
         processes.start_stack(1, wait=True, **toy)
         deadline = time.monotonic() + 60
         try:
-            listed: dict[str, Any] = {}
-            ids: list[str] = []
-            while time.monotonic() < deadline and not (ids and all(i in listed for i in ids)):
-                # Flower answers HTTP before its event receiver subscribes: requests sent until then
-                # are not shown, so send a few more until every one of the last round is
-                ids = [r.id for r in submit_many(mixed_texts(4, seed=len(ids)), app=app)]
+
+            def succeeded() -> dict[str, Any]:
+                tasks = api("/api/tasks?taskname=carpool.infer")
+                return {i: t for i, t in tasks.items() if t["state"] == "SUCCESS"}
+
+            def send_round(seed: int) -> list[str]:
+                ids = [r.id for r in submit_many(mixed_texts(4, seed=seed), app=app)]
                 gather([app.AsyncResult(i) for i in ids], timeout=60)
+                return ids
+
+            # Flower answers HTTP before its event receiver subscribes: requests sent until then are
+            # not shown, so send rounds until one of a round is; then every one of a new round must be.
+            ids: list[str] = []
+            rounds = 0
+            while not any(i in succeeded() for i in ids):
+                assert time.monotonic() < deadline, processes.log("flower")
+                rounds += 1
+                ids = send_round(rounds)
                 time.sleep(0.5)
-                listed = {
-                    i: t
-                    for i, t in api("/api/tasks?taskname=carpool.infer").items()
-                    if t["state"] == "SUCCESS"
-                }
+            ids = send_round(rounds + 1)
+            listed = wait_for(
+                "the last round's requests in flower", lambda: all(i in (s := succeeded()) for i in ids) and s
+            )
             assert all(i in listed for i in ids), (ids, sorted(listed), processes.log("flower"))
         finally:
             release_result_consumer(app)

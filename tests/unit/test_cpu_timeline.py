@@ -51,7 +51,10 @@ def test_the_sampler_thread_reads_until_stopped() -> None:
     sampler = CpuSampler({"me": [0]}, interval_s=0.001, read=lambda pid: float(next(ticks))).start()
     import time
 
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5.0  # only a hang takes that long
+    while len(sampler.samples) < 3:
+        assert time.monotonic() < deadline, "the sampler thread stopped sampling"
+        time.sleep(0.01)
     samples = sampler.stop()
     assert len(samples) >= 3
     values = [s[1]["me"] for s in samples]
