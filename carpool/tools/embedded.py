@@ -161,40 +161,45 @@ class EmbeddedRedis:
 def _launch(
     args: list[str], where: int | dict[str, Any], timeout_s: float, log_path: str | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start ``args`` and wait until a server answers PING ``where`` (a port, or redis.Redis's
+    """Start ``args`` and wait until the server it started answers ``where`` (a port, or redis.Redis's
     keywords naming one). A server that does not start is reported with its stderr (where errors in
-    its arguments go) and the end of its ``log_path`` (where the rest go)."""
+    its arguments go) and the end of its ``log_path`` (where the rest go); a port another server
+    holds, as such."""
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     address = {"port": where} if isinstance(where, int) else where
     client = redis.Redis(**address, socket_connect_timeout=0.2, socket_timeout=5)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            # The answer must come from this process: another server on the port answers too.
+            # Another server on the port answers too: only this process's answer counts.
             answered_by = client.info("server").get("process_id")
-            if answered_by == process.pid and process.poll() is None:
-                break
-            process.kill()
-            process.wait()
-            if process.stderr:
-                process.stderr.close()
-            client.close()
-            raise RuntimeError(
-                f"{args[0]} did not start on {address}: another server (pid {answered_by}) holds it; "
-                "choose another port"
-            )
         except redis.ConnectionError:
             if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                err = process.stderr.read().decode() if process.stderr else ""
-                if process.stderr:
-                    process.stderr.close()
-                client.close()
+                err = _abandon(process, client)
                 logged = "\n".join(_tail(log_path, 8)) if log_path else ""
                 raise RuntimeError(f"{args[0]} did not start on {address}: {err}{logged}") from None
             time.sleep(0.02)
+            continue
+        if answered_by == process.pid and process.poll() is None:
+            client.close()
+            return process
+        _abandon(process, client)
+        raise RuntimeError(
+            f"{args[0]} did not start on {address}: another server (pid {answered_by}) holds it; "
+            "choose another port"
+        )
+
+
+def _abandon(process: subprocess.Popen[bytes], client: redis.Redis) -> str:
+    """Kill a server that did not start and close what pointed at it; what it wrote to stderr."""
+    process.kill()
+    process.wait()
+    err = ""
+    if process.stderr:
+        err = process.stderr.read().decode()
+        process.stderr.close()
     client.close()
-    return process
+    return err
 
 
 class SentinelGroup:
