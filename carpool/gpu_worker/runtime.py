@@ -16,7 +16,9 @@ and sorts a batch and hands it to the device thread, which checks deadlines and 
 the rest to the finisher thread; a lone batch (none queued behind it, the device thread idle) runs
 start to end on the Celery thread, with no hand-off. Where the task's device runs asynchronously
 (a model with ``launch``), the device thread launches the next batch before it collects this one's
-outputs, so the device has the next batch queued while the thread hands this one over.
+outputs, so the device has the next batch queued while the thread hands this one over; a batch
+claimed while that thread waits to collect the one before, with nothing else waiting, is launched
+by the Celery thread itself, so it does not wait for that collection to start.
 """
 
 from __future__ import annotations
@@ -209,6 +211,17 @@ class WorkerRuntime:
                 # Nothing to overlap with: a hand-off would only add a thread wake-up to its latency.
                 self._inline_ids = claimed.ack_ids
                 return self._complete(claimed)
+            if stage.may_start_here() and self._launch_function(message) is not None:
+                # The device thread would start it at once, but it may be waiting on the device to
+                # complete the batch before: launched here, this one is queued on the device now.
+                self._inline_ids = claimed.ack_ids
+                complete, launched = self._start(claimed)
+                job = partial(self._reporting, claimed, complete)
+                if launched:
+                    stage.add_started(job, claimed.ack_ids)
+                else:  # nothing launched: stored in its turn, after the batches before it
+                    stage.submit(job, claimed.ack_ids)
+                return None
             stage.submit(partial(self._complete_or_report, claimed), claimed.ack_ids)
             return None
         except BaseException as exc:

@@ -30,7 +30,10 @@ class Stage:
     A job may return a function that completes it (a batch launched on an asynchronous device
     returns what collects its outputs): the thread then starts up to ``ahead`` jobs before it
     completes the oldest, and completes one at once whenever no other job is waiting to start. A
-    job stays held, its requests leased, until it is complete.
+    job stays held, its requests leased, until it is complete. The submitting thread may also start
+    a job itself where this thread would start it at once (:meth:`may_start_here`,
+    :meth:`add_started`): this thread may be busy completing a job, and its completion can wait on
+    the device.
     """
 
     def __init__(self, name: str, depth: int, failure: str, ahead: int = 1) -> None:
@@ -46,6 +49,7 @@ class Stage:
         # the waiting ones.
         self._held: deque[tuple[Callable[[], object], list[str]]] = deque()
         self._started: deque[Callable[[], object]] = deque()
+        self._completing = False  # the oldest held job is being completed (out of _started)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -55,6 +59,22 @@ class Stage:
             while len(self._held) >= self.depth:
                 self._changed.wait()
             self._held.append((job, ids))
+            self._changed.notify_all()
+
+    def may_start_here(self) -> bool:
+        """Whether a job submitted now would be the next to start, with room to start it: none
+        waiting to start and fewer than ``ahead`` started. Only the submitting thread may act on a
+        True (by :meth:`add_started`): it alone adds jobs, and this thread starts none meanwhile."""
+        with self._changed:
+            waiting = len(self._held) - len(self._started) - int(self._completing)
+            return waiting == 0 and len(self._started) < self.ahead and len(self._held) < self.depth
+
+    def add_started(self, completion: Callable[[], object], ids: list[str]) -> None:
+        """Hold a job that the submitting thread started itself after :meth:`may_start_here`; this
+        thread calls ``completion`` in its turn, after those of the jobs started before it."""
+        with self._changed:
+            self._held.append((completion, ids))
+            self._started.append(completion)
             self._changed.notify_all()
 
     def wait_for_room(self, timeout_s: float | None = None) -> bool:
@@ -87,12 +107,18 @@ class Stage:
                     self._changed.wait()
                 started = len(self._started)
                 job = self._held[started][0] if started < min(self.ahead, len(self._held)) else None
-            if job is None:  # nothing more may start now: complete the oldest started job
-                self._run(self._started.popleft(), index=0)
+                completion = None
+                if job is None:  # nothing more may start now: complete the oldest started job
+                    completion = self._started.popleft()
+                    self._completing = True
+            if completion is not None:
+                self._run(completion, index=0)
                 continue
-            completion = self._run(job, index=started)
-            if callable(completion):
-                self._started.append(completion)
+            assert job is not None
+            outcome = self._run(job, index=started)
+            if callable(outcome):
+                with self._changed:
+                    self._started.append(outcome)
 
     def _run(self, call: Callable[[], object], index: int) -> object:
         """``call()``; the job at ``index`` of those held is done unless it returned its completion."""
@@ -105,6 +131,7 @@ class Stage:
             if not callable(outcome):
                 with self._changed:
                     del self._held[index]
+                    self._completing = False
                     self._changed.notify_all()
         return outcome
 

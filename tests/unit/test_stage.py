@@ -182,6 +182,46 @@ def test_a_completion_that_fails_is_logged_and_the_stage_goes_on(caplog: pytest.
     assert "running a batch failed" in caplog.text and "device lost" in caplog.text
 
 
+def test_the_submitting_thread_may_start_a_job_while_the_stage_thread_waits_to_complete_one() -> None:
+    stage = DeviceStage(launches=True)
+    assert stage.may_start_here(), "nothing held: a job would start at once"
+    log: list[str] = []
+    device_done = threading.Event()
+
+    def completion(name: str) -> Callable[[], None]:
+        def complete() -> None:
+            assert device_done.wait(HANG_S)  # the stage's thread waits on the device
+            log.append(f"complete {name}")
+
+        return complete
+
+    stage.add_started(completion("k"), ["a"])
+    until(lambda: stage._completing)  # the thread now waits on k: it would start nothing else
+    assert stage.may_start_here(), "none waiting to start and none started beside k"
+    stage.add_started(completion("k+1"), ["b"])
+    assert stage.may_start_here(), "one started beside k: room for another ahead"
+    stage.add_started(completion("k+2"), ["c"])
+    assert not stage.may_start_here(), "the stage holds its depth"
+    assert stage.pending_ids() == ["a", "b", "c"], "started here, leased like the others"
+    device_done.set()
+    assert stage.drain(HANG_S) and stage.pending_ids() == []
+    assert log == ["complete k", "complete k+1", "complete k+2"], "completed in the order started"
+
+
+def test_a_job_waiting_to_start_is_started_by_the_stage_thread_not_the_submitter() -> None:
+    stage = DeviceStage(launches=True)
+    log: list[str] = []
+    gate = threading.Event()
+    stage.submit(launching("k", log, gate), ["a"])  # the stage's thread is starting it
+    until(lambda: stage.held() == 1 and not stage._started)
+    assert not stage.may_start_here(), "k is being started: a job submitted now starts after it"
+    stage.submit(launching("k+1", log), ["b"])
+    assert not stage.may_start_here()
+    gate.set()
+    assert stage.drain(HANG_S)
+    assert log == ["start k", "start k+1", "complete k", "complete k+1"]
+
+
 def test_a_stage_needs_room_for_one_job() -> None:
     with pytest.raises(ValueError, match="depth must be an integer >= 1"):
         Stage("nothing", 0, "nothing")
@@ -277,6 +317,9 @@ class LaunchingSpec:
     def __init__(self, log: list[str]) -> None:
         self.log = log
         self.first_launch_gate = threading.Event()
+        self.device_done = threading.Event()  # every collect waits for it
+        self.device_done.set()
+        self.launched_on: list[str] = []  # the thread each launch ran on
         self.fails_on: str | None = None
         self.drops_one = False  # collect gives one output fewer than the batch's items
 
@@ -289,8 +332,10 @@ class LaunchingSpec:
                 assert self.first_launch_gate.wait(HANG_S)
             name = ",".join(str(n) for n in lengths)
             self.log.append(f"launch {name}")
+            self.launched_on.append(threading.current_thread().name)
 
             def collect() -> list[float]:
+                assert self.device_done.wait(HANG_S)
                 self.log.append(f"collect {name}")
                 if self.fails_on is not None and int(self.fails_on) in lengths:
                     raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -325,15 +370,38 @@ def test_the_worker_launches_the_next_batch_before_collecting_the_one_on_the_dev
     launching_worker: tuple[Any, LaunchingSpec],
 ) -> None:
     worker, spec = launching_worker
+    spec.first_launch_gate.set()
+    spec.device_done.clear()  # the device runs the first batch until the test says
     for n in (3, 5, 7):  # a batch per length: each request's result is its batch's length
         assert worker.run(batch(slot(f"r{n}", len=n))) is None, "handed to the device stage"
-    spec.first_launch_gate.set()
+        until(lambda: worker._stage._completing)  # the device thread waits on the oldest batch
+    assert spec.log == ["launch 3", "launch 5", "launch 7"], "all queued on the device before any collect"
+    assert worker._stage.held() == 3 and worker._stage.pending_ids() == ["r3", "r5", "r7"]
+    spec.device_done.set()
     assert worker._stage.drain(HANG_S) and worker._finisher.drain(HANG_S)
-    assert spec.log[:3] == ["launch 3", "launch 5", "collect 3"], spec.log
-    assert sorted(spec.log) == sorted(f"{step} {n}" for n in (3, 5, 7) for step in ("launch", "collect"))
+    assert spec.log[3:] == ["collect 3", "collect 5", "collect 7"], spec.log
     assert worker.store.order == ["r3", "r5", "r7"], "stored in the order claimed"
     metas = dict(worker.store.writes)
     assert metas["r7"]["status"] == "SUCCESS" and metas["r7"]["result"] == 7.0
+
+
+def test_a_batch_claimed_while_the_device_thread_waits_to_collect_is_launched_by_the_celery_thread(
+    launching_worker: tuple[Any, LaunchingSpec],
+) -> None:
+    worker, spec = launching_worker
+    spec.first_launch_gate.set()
+    busy = threading.Event()
+    worker._stage.submit(lambda: busy.wait(HANG_S), [])  # the device thread is running another job
+    worker.run(batch(slot("waits", len=3)))  # so this one waits for the device thread to start it
+    spec.device_done.clear()
+    busy.set()
+    until(lambda: worker._stage._completing and spec.log == ["launch 3"])  # collecting "waits" now
+    worker.run(batch(slot("next", len=5)))
+    assert spec.log == ["launch 3", "launch 5"], "launched while the device thread waits on the device"
+    assert spec.launched_on == ["carpool-device", threading.current_thread().name]
+    spec.device_done.set()
+    assert worker._stage.drain(HANG_S) and worker._finisher.drain(HANG_S)
+    assert worker.store.order == ["waits", "next"]
 
 
 def test_a_batch_that_fails_on_the_device_runs_again_synchronously_and_the_next_is_unaffected(
