@@ -12,9 +12,11 @@ how much of that among the last, partial batches), and from the last forward to 
 With ``--trace``: ``TRACE_FILE`` was written by a worker patched with
 ``scripts/trace-worker-handoffs.patch`` (``git apply`` it on a copy of the tree, then run the bench
 there with ``CARPOOL_TRACE_FILE=TRACE_FILE``): per batch, when ``run`` began, when the device stage
-had room, when the claim returned and when the device thread launched it. Each gap, from the end of
-forward k to the start of forward k+1, is cut at those marks of batch k+1 (and its
-``dispatched_at``), and the pieces are summed over the burst.
+had room, when the claim returned (with how many batches the device stage held then), when the
+device thread picked it up (none where the Celery thread launched it) and when it was launched.
+Each gap, from the end of forward k to the start of forward k+1, is cut at those marks of batch k+1
+(and its ``dispatched_at``), and the pieces are summed over the burst; the wait for the device
+thread is also split by what the device stage held at the claim.
 
 Each ``OUT_DIR`` is a ``carpool bench --accelerator`` output folder (its ``report.json`` and
 ``device-*.log``). A batch "queued" started the moment the previous one ended: the worker had
@@ -85,7 +87,8 @@ _MARKS = (
     ("R", "its delivery to the worker's run()"),
     ("W", "room in the device stage"),
     ("C", "the claim"),
-    ("L", "the device thread to launch it"),
+    ("P", "the device thread to pick it up"),
+    ("L", "its launch"),
 )
 
 
@@ -95,11 +98,14 @@ def handoffs(out_dir: Path, trace: Path) -> dict[str, float]:
     forwards = sorted(read_device_log(log), key=lambda f: f.start)
     marks: dict[str, dict[str, float]] = {}
     launched: list[str] = []
+    held: dict[str, int] = {}  # batches the device stage held when this one's claim returned
     for line in trace.read_text().splitlines():
-        kind, batch_id, dispatched, _, when, _ = line.split()
+        kind, batch_id, dispatched, count, when, _ = line.split()
         marks.setdefault(batch_id, {})[kind] = float(when)
         if kind == "R":
             marks[batch_id]["d"] = float(dispatched)
+        if kind == "C":
+            held[batch_id] = int(count)
         if kind == "L":
             launched.append(batch_id)
     count = min(len(forwards), len(launched))  # the warm-up batch runs outside run(): not traced
@@ -112,9 +118,20 @@ def handoffs(out_dir: Path, trace: Path) -> dict[str, float]:
         for kind, what in _MARKS:
             at = marks[batch_id].get(kind, cut)
             waited[what] += max(0.0, at - cut)
+            if kind == "P" and batch_id in held:
+                split = f"  of which with {held[batch_id]} held at the claim"
+                waited[split] = waited.get(split, 0.0) + max(0.0, at - cut)
             cut = max(cut, at)
         waited["the device to start it once launched"] += max(0.0, after.start - cut)
     return waited
+
+
+def _order(what: str) -> tuple[int, str]:
+    """Pieces in the order of the marks; the split of the device thread's piece right after it."""
+    names = [w for _, w in _MARKS] + ["the device to start it once launched"]
+    if what.startswith(" "):
+        return names.index("the device thread to pick it up"), what
+    return names.index(what), ""
 
 
 def main() -> None:
@@ -127,9 +144,9 @@ def main() -> None:
         print(phases(out_dir) if args.phases else summary(out_dir))
         if args.trace is not None:
             waited = handoffs(out_dir, args.trace)
-            for what, seconds in waited.items():
-                print(f"  waited for {what}: {seconds:.3f} s")
-            print(f"  all gaps: {sum(waited.values()):.3f} s")
+            for what, seconds in sorted(waited.items(), key=lambda kv: _order(kv[0])):
+                print(f"  {'' if what.startswith(' ') else 'waited for '}{what}: {seconds:.3f} s")
+            print(f"  all gaps: {sum(s for what, s in waited.items() if not what.startswith(' ')):.3f} s")
 
 
 if __name__ == "__main__":
