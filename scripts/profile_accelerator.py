@@ -11,7 +11,10 @@ process's samples and as CPU µs per request (the share times the process's µs 
 bench's report). py-spy samples a thread that is running or waiting for a core: on a loaded
 machine the wait after a Redis reply lands in the frames that read it, so those shares read high.
 ``--gil`` samples only the thread holding the GIL, which leaves those waits out (and the kernel's
-share of a send or a read with them).
+share of a send or a read with them). ``--thread NAME`` (``MainThread``: the worker's Celery thread;
+``carpool-device``, ``carpool-finisher``) samples every thread, idle or not, and reports that one
+thread's wall-clock time: where it waits (for a Redis reply, the next message, the device) as well
+as where it runs, as shares of its samples.
 Needs ``py-spy`` on PATH or ``--py-spy``.
 """
 
@@ -76,19 +79,24 @@ def _carpool_frame(frame: str) -> str | None:
     return f"{name} (carpool/{path.rsplit('carpool/', 1)[-1]})"
 
 
-def summarize(raw: Path, top: int) -> dict[str, list[tuple[str, float]]]:
+def summarize(raw: Path, top: int, thread: str | None = None) -> dict[str, list[tuple[str, float]]]:
     """(own, inclusive, carpool's inclusive) shares of the samples per function in a py-spy
-    ``raw`` (collapsed) file."""
+    ``raw`` (collapsed) file; with ``thread``, of that thread's samples alone (recorded with
+    ``--threads``, whose stacks start with ``thread (TID): NAME``)."""
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     carpool: Counter[str] = Counter()
     total = 0
-    for line in raw.read_text().splitlines():
+    for line in raw.read_text().split("\n"):  # splitlines() would also cut at \x1c, \x85 and the like
         stack, _, count_text = line.rpartition(" ")
         if not stack:
             continue
         count = int(count_text)
         raw_frames = stack.split(";")
+        if thread is not None:
+            if raw_frames[0].partition("): ")[2] != thread:
+                continue
+            raw_frames = raw_frames[1:] or ["(idle)"]
         frames = [_frame(f) for f in raw_frames]
         total += count
         own[frames[-1]] += count
@@ -119,6 +127,11 @@ def main() -> int:
         action="store_true",
         help="sample only the thread holding the GIL: where Python runs, without the waits for Redis, "
         "the device or another thread",
+    )
+    parser.add_argument(
+        "--thread",
+        help="sample every thread, waiting or not, and report this one's wall-clock time "
+        "(MainThread: a worker's Celery thread; carpool-device; carpool-finisher)",
     )
     opts = parser.parse_args()
     out = Path(opts.out)
@@ -155,6 +168,7 @@ def main() -> int:
                 str(pid),
                 "--nonblocking",
                 *(["--gil"] if opts.gil else []),
+                *(["--idle", "--threads"] if opts.thread else []),
                 "--rate",
                 str(opts.rate),
                 "--format",
@@ -172,14 +186,18 @@ def main() -> int:
     cpu = (report.get("carpool") or {}).get("cpu_us_per_request") or {}
     result = {}
     for role in spies:
-        shares = summarize(out / f"{role}.raw", opts.top)
+        shares = summarize(out / f"{role}.raw", opts.top, opts.thread)
         per_request = cpu.get(role, 0.0)
-        result[role] = {"cpu_us_per_request": per_request, **shares}
-        print(f"\n== {role}: {per_request:.0f} µs CPU per request over the run")
+        result[role] = {"cpu_us_per_request": per_request, "thread": opts.thread, **shares}
+        if opts.thread:
+            print(f"\n== {role}, thread {opts.thread}: shares of its wall-clock time, waits included")
+        else:
+            print(f"\n== {role}: {per_request:.0f} µs CPU per request over the run")
         for kind in ("own", "inclusive", "carpool"):
             print(f"-- {kind} time")
             for name, share in shares[kind]:
-                print(f"{share:7.1%} {share * per_request:8.1f} µs  {name}")
+                cost = "" if opts.thread else f" {share * per_request:8.1f} µs"
+                print(f"{share:7.1%}{cost}  {name}")
     (out / "profile.json").write_text(json.dumps(result, indent=2))
     print(f"\nbench exit {rc}; {out / 'bench.txt'}, {out / 'profile.json'}")
     return rc
