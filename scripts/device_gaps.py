@@ -92,8 +92,9 @@ _MARKS = (
 )
 
 
-def handoffs(out_dir: Path, trace: Path) -> dict[str, float]:
-    """Seconds of device idle time in the burst by what it waited for (see the module's doc)."""
+def handoffs(out_dir: Path, trace: Path) -> tuple[dict[str, float], dict[int, float]]:
+    """Seconds of device idle time in the burst by what it waited for (see the module's doc), and
+    the wait for the device thread by the batches the device stage held at the claim."""
     (log,) = sorted(out_dir.glob("device-*.log"))
     forwards = sorted(read_device_log(log), key=lambda f: f.start)
     marks: dict[str, dict[str, float]] = {}
@@ -111,6 +112,7 @@ def handoffs(out_dir: Path, trace: Path) -> dict[str, float]:
     count = min(len(forwards), len(launched))  # the warm-up batch runs outside run(): not traced
     forwards, launched = forwards[-count:], launched[-count:]
     waited = {what: 0.0 for _, what in _MARKS} | {"the device to start it once launched": 0.0}
+    by_held: dict[int, float] = {}
     for (before, after), batch_id in zip(pairwise(forwards), launched[1:], strict=True):
         if not 0 < after.start - before.end < WARM_UP_GAP_S:
             continue
@@ -119,19 +121,10 @@ def handoffs(out_dir: Path, trace: Path) -> dict[str, float]:
             at = marks[batch_id].get(kind, cut)
             waited[what] += max(0.0, at - cut)
             if kind == "P" and batch_id in held:
-                split = f"  of which with {held[batch_id]} held at the claim"
-                waited[split] = waited.get(split, 0.0) + max(0.0, at - cut)
+                by_held[held[batch_id]] = by_held.get(held[batch_id], 0.0) + max(0.0, at - cut)
             cut = max(cut, at)
         waited["the device to start it once launched"] += max(0.0, after.start - cut)
-    return waited
-
-
-def _order(what: str) -> tuple[int, str]:
-    """Pieces in the order of the marks; the split of the device thread's piece right after it."""
-    names = [w for _, w in _MARKS] + ["the device to start it once launched"]
-    if what.startswith(" "):
-        return names.index("the device thread to pick it up"), what
-    return names.index(what), ""
+    return waited, by_held
 
 
 def main() -> None:
@@ -143,10 +136,13 @@ def main() -> None:
     for out_dir in args.out_dirs:
         print(phases(out_dir) if args.phases else summary(out_dir))
         if args.trace is not None:
-            waited = handoffs(out_dir, args.trace)
-            for what, seconds in sorted(waited.items(), key=lambda kv: _order(kv[0])):
-                print(f"  {'' if what.startswith(' ') else 'waited for '}{what}: {seconds:.3f} s")
-            print(f"  all gaps: {sum(s for what, s in waited.items() if not what.startswith(' ')):.3f} s")
+            waited, by_held = handoffs(out_dir, args.trace)
+            for what, seconds in waited.items():
+                print(f"  waited for {what}: {seconds:.3f} s")
+                if what == "the device thread to pick it up":
+                    for count, part in sorted(by_held.items()):
+                        print(f"    of which with {count} held at the claim: {part:.3f} s")
+            print(f"  all gaps: {sum(waited.values()):.3f} s")
 
 
 if __name__ == "__main__":

@@ -211,11 +211,12 @@ class WorkerRuntime:
                 # Nothing to overlap with: a hand-off would only add a thread wake-up to its latency.
                 self._inline_ids = claimed.ack_ids
                 return self._complete(claimed)
-            if stage.may_start_here() and self._launch_function(message) is not None:
+            launch = self._launch_function(message) if stage.may_start_here() else None
+            if launch is not None:
                 # The device thread would start it at once, but it may be waiting on the device to
                 # complete the batch before: launched here, this one is queued on the device now.
                 self._inline_ids = claimed.ack_ids
-                complete, launched = self._start(claimed)
+                complete, launched = self._start(claimed, launch)
                 job = partial(self._reporting, claimed, complete)
                 if launched:
                     stage.add_started(job, claimed.ack_ids)
@@ -266,10 +267,13 @@ class WorkerRuntime:
         complete, _ = self._start(claimed)
         return complete()
 
-    def _start(self, claimed: ClaimedBatch) -> tuple[Callable[[], BatchReport | None], bool]:
+    def _start(
+        self, claimed: ClaimedBatch, launch: LaunchCall | None = None
+    ) -> tuple[Callable[[], BatchReport | None], bool]:
         """Fail the batch's requests past their deadline and start the rest on the device: (what
         completes the batch, whether the rest were launched on an asynchronous device and are
-        still running there)."""
+        still running there). ``launch``: the batch's launch function, where the caller looked it
+        up already."""
         batch, entries = claimed.batch, claimed.entries
         now = time.time()
         live: list[RequestSlot] = []
@@ -281,7 +285,8 @@ class WorkerRuntime:
                 entries.append((r["id"], FAILURE, late))
         if not live:
             return partial(self._hand_over, claimed, live, None, 0), False
-        launch = self._launch_function(batch)
+        if launch is None:
+            launch = self._launch_function(batch)
         started = False
         if launch is not None:
             self._started(batch, live, claimed.events)
