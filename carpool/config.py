@@ -122,6 +122,14 @@ class Settings(BaseSettings):
             "(false: claim, run and store one batch at a time on the Celery thread)."
         ),
     )
+    claim_takes_next: bool = Field(
+        True,
+        description=(
+            "A batch's claim also takes the next batch message off the batch queue, which the worker then "
+            "runs without returning to Celery's consumer for it (false: every batch message is fetched "
+            "by Celery's consumer, one BRPOP each)."
+        ),
+    )
 
     # --- batching policy ---------------------------------------------------------------------
     policy: PolicyName = Field("binned", description="Queueing strategy of the coordinator.")

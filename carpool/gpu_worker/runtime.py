@@ -33,7 +33,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import redis
 from celery import Celery
@@ -43,6 +43,7 @@ from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.received import marker, read_task
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import storable
 from carpool.errors import DeadlineExceeded, ModelError, WireError
@@ -67,6 +68,15 @@ BATCH_REPR_LIMIT = 1024  # characters of a batch report in its task-succeeded ev
 HEARTBEAT_S = 1.0
 LIVE_STARTED_S = 0.5  # batches longer than this publish their STARTED events before running
 DEVICE_SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a worker with a device stage
+# A Celery task that runs the batches its claims take keeps the worker's Celery thread from Celery's
+# event loop (remote control, revokes, heartbeats) for at most about this long, plus one batch.
+TAKE_FOR_S = 0.25
+
+
+class Claim(NamedTuple):
+    flags: list[int]  # per request: 0 another batch's now, 1 claimed and to run, 2 answered already
+    batches_queued: int | None  # batch messages queued when claimed (None: not counted)
+    taken: tuple[str, bytes] | None  # the next batch message, taken off its list: (list, raw)
 
 
 class WorkerRuntime:
@@ -104,6 +114,9 @@ class WorkerRuntime:
         self._finisher: Finisher | None = None  # set by start(): results stored beside the next batch
         self._last_run_s: dict[str, float] = {}
         self._collected_at = 0.0  # perf_counter time the last launched batch's outputs came back
+        self._take = self.settings.claim_takes_next  # off once the worker is shutting down
+        self.batches_taken = 0  # batch messages that claims took and this process ran
+        self._take_marker = marker(RUN_BATCH_TASK)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.settings.torch_threads:
@@ -138,6 +151,10 @@ class WorkerRuntime:
             for spec in self.specs.values()
             for key in spec.keys(self.settings)
         )
+
+    def shutting_down(self) -> None:
+        """Take no more batch messages in claims: Celery's consumer, which is stopping, fetches none."""
+        self._take = False
 
     def stop(self) -> None:
         """Let the batches claimed run and their results be stored, then leave."""
@@ -178,8 +195,57 @@ class WorkerRuntime:
         :class:`~carpool.errors.WireError` before anything is claimed: its requests stay owned by
         the batch and leased by their coordinator, and lease recovery returns them to the request
         queue, where a coordinator of this release can batch them again.
+
+        The batch's claim may take the next batch message off the batch queue (see
+        :meth:`_run_taken`); that batch, and any its own claim takes, run here before this returns.
         """
         t0 = time.perf_counter()
+        report, taken = self._run_one(batch, request, t0, t0 + TAKE_FOR_S)
+        if taken is not None:
+            self._run_taken(taken, t0 + TAKE_FOR_S)
+        return report
+
+    def _run_taken(self, taken: tuple[str, bytes], until: float) -> None:
+        """Run the batch messages that claims took off the batch queue, one after another, each as
+        Celery would have delivered it (its task's events included): the Celery thread goes on to
+        the next batch without returning to Celery's consumer, and the batch without the round trip
+        that would fetch it. A message that is not a batch task to run now goes back to the front of
+        its list for Celery's consumer; a batch that fails is logged and ends the run of them."""
+        next_taken: tuple[str, bytes] | None = taken
+        while next_taken is not None:
+            queue_list, raw = next_taken
+            task = read_task(raw, RUN_BATCH_TASK, self.app.conf.accept_content)
+            if task is None or len(task.args) != 1 or task.kwargs:
+                self._give_back(next_taken)
+                return
+            self.batches_taken += 1
+            try:
+                _, next_taken = self._run_one(task.args[0], task.request, time.perf_counter(), until)
+            except WireError:  # logged where it was refused; its requests return through recovery
+                return
+            except Exception:
+                log.exception("batch task %s (taken from %s by a claim) failed", task.request.id, queue_list)
+                return
+
+    def _give_back(self, taken: tuple[str, bytes]) -> None:
+        """Put a taken batch message back where BRPOP takes the next one from."""
+        queue_list, raw = taken
+        try:
+            self.client.rpush(queue_list, raw)
+        except redis.RedisError as exc:
+            log.warning(
+                "a batch message taken from %s could not go back (%s); its requests return through "
+                "lease recovery",
+                queue_list,
+                exc,
+            )
+
+    def _run_one(
+        self, batch: object, request: Any, t0: float, take_until: float
+    ) -> tuple[BatchReport | None, tuple[str, bytes] | None]:
+        """:meth:`run` for one batch message: (its report, or None when handed to the device stage;
+        the next batch message, where its claim took one). Its claim takes the next one while
+        ``take_until`` (perf_counter) is ahead and the worker is not shutting down."""
         task_id = getattr(request, "id", None)
         events = self.events.fork()  # the batch may finish on another thread, with its own events
         if task_id:
@@ -193,6 +259,7 @@ class WorkerRuntime:
                 retries=int(getattr(request, "retries", 0) or 0),
             )
             events.started([task_id])
+        taken: tuple[str, bytes] | None = None
         try:
             try:
                 message = read_batch(batch)
@@ -206,11 +273,12 @@ class WorkerRuntime:
             stage = self._stage
             if stage is not None:  # claim only what the device can take soon: the leases stay short
                 stage.wait_for_room()
-            claimed = self._claimed(message, events, task_id, t0)
+            take = self._take and time.perf_counter() < take_until
+            claimed, taken = self._claimed(message, events, task_id, t0, take)
             if stage is None or (claimed.batches_queued == 0 and stage.idle()):
                 # Nothing to overlap with: a hand-off would only add a thread wake-up to its latency.
                 self._inline_ids = claimed.ack_ids
-                return self._complete(claimed)
+                return self._complete(claimed), taken
             launch = self._launch_function(message) if stage.may_start_here() else None
             if launch is not None:
                 # The device thread would start it at once, but it may be waiting on the device to
@@ -222,10 +290,12 @@ class WorkerRuntime:
                     stage.add_started(job, claimed.ack_ids)
                 else:  # nothing launched: stored in its turn, after the batches before it
                     stage.submit(job, claimed.ack_ids)
-                return None
+                return None, taken
             stage.submit(partial(self._complete_or_report, claimed), claimed.ack_ids)
-            return None
+            return None, taken
         except BaseException as exc:
+            if taken is not None:
+                self._give_back(taken)
             if task_id and not isinstance(exc, KeyboardInterrupt | SystemExit):
                 _send_failure(events, task_id, exc, t0)
             raise
@@ -235,11 +305,12 @@ class WorkerRuntime:
             self._inline_ids = []
 
     def _claimed(
-        self, batch: BatchMessage, events: TaskEvents, task_id: str | None, t0: float
-    ) -> ClaimedBatch:
-        """Claim the batch's requests and sort them: not this batch's, answered already, revoked, to run."""
-        flags, batches_queued = self._claim(batch["id"], [r["id"] for r in batch["requests"]])
-        return claimed_batch(batch, flags, batches_queued, task_id, t0, events)
+        self, batch: BatchMessage, events: TaskEvents, task_id: str | None, t0: float, take: bool
+    ) -> tuple[ClaimedBatch, tuple[str, bytes] | None]:
+        """Claim the batch's requests and sort them: not this batch's, answered already, revoked, to
+        run; with ``take``, the claim also takes the next batch message, which comes back beside."""
+        claim = self._claim(batch["id"], [r["id"] for r in batch["requests"]], take)
+        return claimed_batch(batch, claim.flags, claim.batches_queued, task_id, t0, events), claim.taken
 
     def _complete_or_report(self, claimed: ClaimedBatch) -> Callable[[], object] | None:
         """:meth:`_start` on the device stage's thread, sending the batch task's failure if it fails;
@@ -358,18 +429,22 @@ class WorkerRuntime:
             apply_links(self.app, self.backend, batch["task"], entries, stored, linked)
         return report
 
-    def _claim(self, batch_id: str, ids: list[str]) -> tuple[list[int], int | None]:
+    def _claim(self, batch_id: str, ids: list[str], take: bool) -> Claim:
         """Per id: 0 (no longer this batch's), 1 (claimed, to run) or 2 (claimed, answered already);
-        and the batch messages queued for this worker's queues (None: not counted)."""
+        the batch messages queued for this worker's queues (None: not counted); and, with ``take``,
+        the next of them where it is a batch task's (only when the results live on the broker's
+        server: the claim is then one script)."""
         if self.dbs is not None:
             result_keys = [self.backend.get_key_for_task(i) for i in ids]
-            claimed = self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1], self.batch_lists)
-            return claimed.flags, claimed.batches_queued
+            marked = self._take_marker if take else ""
+            lists = self.batch_lists
+            claimed = self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1], lists, marked)
+            return Claim(claimed.flags, claimed.batches_queued, claimed.taken)
         # Results on another server: claim, then look for stored results there.
         owned = self.store.claim(batch_id, ids)
         answered = self.backend.existing([i for i, ok in zip(ids, owned, strict=True) if ok])
         flags = [(2 if i in answered else 1) if ok else 0 for i, ok in zip(ids, owned, strict=True)]
-        return flags, None
+        return Claim(flags, None, None)
 
     def _started(self, batch: BatchMessage, live: list[RequestSlot], events: TaskEvents) -> None:
         # Published before running only when someone could watch the batch as STARTED; otherwise

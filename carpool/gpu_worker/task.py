@@ -31,13 +31,25 @@ def run_batch(self: Any, batch: Any) -> str:
     # the runtime sends the same ones inside the single publish that carries its requests' events.
     # The report goes back as text: Celery's saferepr of a returned dict, for its log line, is slow.
     # A batch handed to the device stage has no report yet: its task-succeeded event carries it later.
-    report = runtime().run(batch, self.request)
-    return "handed to the device stage" if report is None else repr(report)
+    # Batches that its claims took off the batch queue ran in this task too: said in its log line.
+    worker = runtime()
+    taken_before = worker.batches_taken
+    report = worker.run(batch, self.request)
+    outcome = "handed to the device stage" if report is None else repr(report)
+    taken = worker.batches_taken - taken_before
+    return f"{outcome}; batches its claims took: {taken}" if taken else outcome
 
 
 @signals.worker_ready.connect  # type: ignore[untyped-decorator]
 def _on_worker_ready(**_: Any) -> None:
     runtime().start()
+
+
+@signals.worker_shutting_down.connect  # type: ignore[untyped-decorator]
+def _on_worker_shutting_down(**_: Any) -> None:
+    # Sent from the signal handler, on the thread that may be running batches taken by claims.
+    if _runtime is not None:
+        _runtime.shutting_down()
 
 
 @signals.worker_shutdown.connect  # type: ignore[untyped-decorator]

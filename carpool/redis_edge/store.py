@@ -82,10 +82,12 @@ def finish_call(
 @dataclass(frozen=True, slots=True)
 class Claimed:
     """What a claim found: per request 0 (not this batch's), 1 (claimed, to run) or 2 (claimed,
-    answered already), and how many batch messages wait on the batch queues named."""
+    answered already); how many batch messages waited on the batch queues named; and the next of
+    them, as (its list, the raw message), where the claim was asked to take it and did."""
 
     flags: list[int]
     batches_queued: int
+    taken: tuple[str, bytes] | None = None
 
 
 class RequestStore:
@@ -226,7 +228,7 @@ class RequestStore:
         """Which of ``ids`` this batch still owns; marks them claimed so only the worker renews them."""
         if not ids:
             return []
-        *flags, _ = self._claim(keys=self._claim_keys(), args=[batch_id, self.lease_ms, "", *ids])
+        *flags, _ = self._claim(keys=self._claim_keys(), args=[batch_id, self.lease_ms, "", "", *ids])
         return [bool(int(f)) for f in flags]
 
     def claim_fresh(
@@ -236,18 +238,25 @@ class RequestStore:
         result_keys: Sequence[str],
         results_db: int,
         batch_lists: Sequence[str] = (),
+        take: str = "",
     ) -> Claimed:
         """:meth:`claim` and a check for stored results in one round trip: per id 0 (not this
         batch's), 1 (claimed, to run) or 2 (claimed, already answered). ``result_keys[i]`` is the
         result key of ``ids[i]`` in database ``results_db`` of this same Redis server. Also counts the
-        messages waiting on ``batch_lists`` (the batch queues' lists)."""
+        messages waiting on ``batch_lists`` (the batch queues' lists) and, with ``take``, takes the
+        next of them (the one BRPOP would deliver from the first list holding any) if it contains
+        that text; another message is left where it is."""
         if not ids:
             return Claimed([], 0)
-        *flags, queued = self._claim_held(
+        reply = self._claim_held(
             keys=[*self._claim_keys(), *result_keys, *batch_lists],
-            args=[batch_id, self.lease_ms, results_db, *ids],
+            args=[batch_id, self.lease_ms, results_db, take, *ids],
         )
-        return Claimed([int(f) for f in flags], int(queued))
+        flags, (queued, *taken) = [int(f) for f in reply[: len(ids)]], reply[len(ids) :]
+        if taken:  # its list's position among those named, then the message
+            position, raw = taken
+            return Claimed(flags, int(queued), (batch_lists[int(position) - 1], raw))
+        return Claimed(flags, int(queued))
 
     def _claim_keys(self) -> list[str]:
         return [self.keys.inflight_lease, self.keys.inflight_owner, self.keys.inflight_claimed]

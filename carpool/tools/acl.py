@@ -233,7 +233,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             ),
             Grant(
                 "the in-flight scripts (claim, finish, renew, heartbeat) and the write-once result store; "
-                "claim counts the batches queued",
+                "claim counts the batches queued and takes the next",
                 _SCRIPTS,
                 (*_exact([*inflight, keys.workers, *batches]), f"~{reports}", f"~{results}"),
             ),
@@ -245,8 +245,8 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 (results,),
             ),
             Grant(
-                "consume the batch queue",
-                ("brpop", "llen", "sadd"),
+                "consume the batch queue (its claim script takes the next message with LINDEX and RPOP)",
+                ("brpop", "llen", "sadd", "lindex", "rpop"),
                 _exact(batches)
                 + _exact([BINDING_TABLE % settings.batch_queue, BINDING_PERMANENT % settings.batch_queue]),
             ),

@@ -273,6 +273,37 @@ def test_a_kept_builder_renders_every_message_of_later_builds(
     assert (b", " not in body) is plain
 
 
+def test_a_batch_message_taken_by_a_claim_reads_as_celery_delivers_it(clean_redis: EmbeddedRedis) -> None:
+    """What a worker's claim takes off the batch queue (:mod:`carpool.celery_edge.received`): the
+    coordinator's batch messages, Celery-built and rendered alike, carry the text the claim script
+    looks for and read back to the batch and the task fields Celery's request would give; one
+    sent with an expiry is left to Celery."""
+    from carpool.celery_edge import task_messages as bulk
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.received import marker, read_task
+
+    options = {"app": app, "queue": "carpool.batches", "sent_events": False, "ignore_result": True}
+    builder = bulk.TaskMessageBuilder("carpool.run_batch", **options)
+    batches = [
+        {"id": f"b{i}", "requests": [{"id": f"r{i}", "len": 3, "item": [101, i, 102]}]} for i in range(4)
+    ]
+    raws = []
+    for i, one in enumerate(batches):  # the first two built by Celery, the rest rendered
+        built = builder.build([([one], {})], task_ids=[f"t{i}"], argsreprs=[f"size=1 bin={i}"], plain=True)
+        raws += built.pushes["carpool.batches"]
+    for i, raw in enumerate(raws):
+        assert marker("carpool.run_batch") in raw
+        task = read_task(raw, "carpool.run_batch", app.conf.accept_content)
+        assert task is not None and task.args == [batches[i]] and task.kwargs == {}
+        assert (task.request.id, task.request.argsrepr, task.request.retries) == (
+            f"t{i}",
+            f"size=1 bin={i}",
+            0,
+        )
+    later = _build("carpool.run_batch", [([batches[0]], {})], task_ids=["t9"], **{**options, "expires": 60})
+    assert read_task(later.pushes["carpool.batches"][0], "carpool.run_batch", app.conf.accept_content) is None
+
+
 def test_the_coordinators_batch_messages_keep_a_nan_in_a_requests_links(clean_redis: EmbeddedRedis) -> None:
     """A batch message is written by orjson, except when a request's links (signatures as a client
     sent them; Python's json writes a nan as NaN) hold a float JSON lacks: orjson would make it null,

@@ -310,3 +310,41 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
         assert broker.zcard(lease) == 0
     finally:
         results_server.cleanup()
+
+
+def test_a_worker_runs_the_batches_its_claims_take_and_a_warm_restart_mid_burst_loses_none(
+    processes: Processes,
+) -> None:
+    """Under a burst, a batch's claim takes the next batch message and the worker runs it in the same
+    Celery task (its log line says how many); every result is the model's. A worker restarted
+    warm in the middle of a burst finishes what it took: nothing goes to lease recovery."""
+    import re
+
+    from carpool.celery_edge.app import create_app
+    from carpool.models.simdevice import output_table
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
+    from carpool.redis_edge.keys import Keys
+    from carpool.tools.harness import release_result_consumer
+
+    sim = {"CARPOOL_MODEL": "sim-v100", "CARPOOL_MODELS": "sim-v100", "CARPOOL_MAX_BATCH": "8"}
+    start_stack(processes, **sim)
+    app = create_app(processes.settings().model_copy(update={"model": "sim-v100", "models": ("sim-v100",)}))
+    rows = {row.tobytes() for row in output_table()}
+    try:
+        got = gather(submit_many(mixed_texts(800, seed=21), app=app), timeout=120)
+        assert all(np.array(g, dtype=np.float32).tobytes() in rows for g in got)
+        taken = [int(n) for n in re.findall(r"batches its claims took: (\d+)", processes.log("worker0"))]
+        assert taken and sum(taken) > 0, "no batch was taken by a claim"
+        results = submit_many(mixed_texts(3000, seed=22), app=app)
+        client, claimed = processes.redis_client(), Keys("carpool.requests").inflight_claimed
+        wait_for("batches claimed", lambda: client.hlen(claimed) > 0)
+        processes.restart("worker0")
+        got = gather(results, timeout=120)
+    finally:
+        release_result_consumer(app)
+        app.close()
+    assert all(np.array(g, dtype=np.float32).tobytes() in rows for g in got)
+    _, restarted = processes.log("worker0").rsplit(" ready.", 1)
+    assert "succeeded" in restarted, "the restarted worker ran the rest of the burst"
+    assert not re.search(r"recovered \d+ requests", processes.log("coordinator")), "left to recovery"

@@ -377,6 +377,28 @@ def test_claim_fresh_counts_the_batches_queued_on_the_lists_named(
     assert store.claim_fresh("b2", ["b"], ["result:b"], RESULTS_DB, ["q", "other"]) == Claimed([1], 2)
 
 
+def test_claim_fresh_takes_the_next_batch_message_where_brpop_would_and_only_a_marked_one(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    in_flight(store, "a", "b")
+    store.dispatch("q", [("b1", ["a"], b"m1 carpool.run_batch"), ("b2", ["b"], b"m2 carpool.run_batch")])
+    client.rpush("q", b"m0 carpool.run_batch")  # at the end BRPOP takes from: the next delivered
+    client.rpush("other", b"other task")
+    claimed = store.claim_fresh("b1", ["a"], ["result:a"], RESULTS_DB, ["empty", "q"], "carpool.run_batch")
+    assert claimed == Claimed([1], 3, ("q", b"m0 carpool.run_batch")), "counted before the take"
+    assert client.lrange("q", 0, -1) == [b"m2 carpool.run_batch", b"m1 carpool.run_batch"]
+    # Not asked to take, or the next message not marked: nothing moves.
+    assert store.claim_fresh("b1", ["a"], ["result:a"], RESULTS_DB, ["q"]).taken is None
+    assert store.claim_fresh(
+        "b1", ["a"], ["result:a"], RESULTS_DB, ["other", "q"], "carpool.run_batch"
+    ) == Claimed([1], 3), "the first list holding any decides, as BRPOP's order would"
+    assert client.llen("q") == 2 and client.lrange("other", 0, -1) == [b"other task"]
+    assert store.claim_fresh("b2", ["b"], ["result:b"], RESULTS_DB, ["q"], "carpool.run_batch").taken == (
+        "q",
+        b"m1 carpool.run_batch",
+    )
+
+
 # --- finish ----------------------------------------------------------------------------------
 
 

@@ -142,7 +142,13 @@ class FakeStore:
         self.finished: list[dict[str, Any]] = []
 
     def claim_fresh(
-        self, batch_id: str, ids: Sequence[str], result_keys: Sequence[str], db: int, lists: Sequence[str]
+        self,
+        batch_id: str,
+        ids: Sequence[str],
+        result_keys: Sequence[str],
+        db: int,
+        lists: Sequence[str],
+        take: str = "",
     ) -> Claimed:
         self.claimed.append((batch_id, list(ids)))
         return Claimed([1] * len(ids), 0)

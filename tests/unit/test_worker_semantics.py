@@ -30,7 +30,13 @@ class FakeStore:
         self.counted: list[list[str]] = []  # the lists each claim counted
 
     def claim_fresh(
-        self, batch_id: str, ids: Sequence[str], keys: Sequence[str], db: int, lists: Sequence[str]
+        self,
+        batch_id: str,
+        ids: Sequence[str],
+        keys: Sequence[str],
+        db: int,
+        lists: Sequence[str],
+        take: str = "",
     ) -> Claimed:
         self.counted.append(list(lists))
         return Claimed([1] * len(ids), self.queued)

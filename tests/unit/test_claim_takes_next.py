@@ -1,0 +1,201 @@
+"""A batch's claim may take the next batch message off the batch queue; the worker then runs it in
+the same Celery task, as Celery would have delivered it. Here the worker's Redis edge is faked: the
+claim hands out the messages of ``FakeStore.queue``; the message reading is the real one."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from carpool.celery_edge.received import marker, read_task
+from carpool.codec import loads
+from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.store import Claimed
+from carpool.wire import RequestSlot, batch_message
+from tests.unit.messages import message
+
+RUN_BATCH = "carpool.run_batch"
+QUEUE = "carpool.batches"
+
+
+class FakeStore:
+    """Claims everything; each claim asked to take gets the next message of ``queue``, if any."""
+
+    keys = Keys("carpool.requests")
+
+    def __init__(self) -> None:
+        self.queue: list[bytes] = []
+        self.takes: list[str] = []  # what each claim was asked to take ('' = nothing)
+        self.claimed: list[str] = []  # batch ids, in claim order
+        self.stored: list[str] = []  # request ids whose results were stored, in order
+
+    def claim_fresh(
+        self,
+        batch_id: str,
+        ids: Sequence[str],
+        keys: Sequence[str],
+        db: int,
+        lists: Sequence[str],
+        take: str = "",
+    ) -> Claimed:
+        self.takes.append(take)
+        self.claimed.append(batch_id)
+        taken = (QUEUE, self.queue.pop(0)) if take and self.queue and take.encode() in self.queue[0] else None
+        return Claimed([1] * len(ids), len(self.queue) + (taken is not None), taken)
+
+    def finish(self, **kwargs: Any) -> list[int]:
+        payloads = kwargs["writes"].payloads
+        self.stored += [loads(p)["task_id"] for p in payloads]
+        return list(range(1, len(payloads) + 1))
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.pushed: list[tuple[str, bytes]] = []
+
+    def rpush(self, key: str, value: bytes) -> None:
+        self.pushed.append((key, value))
+
+
+@pytest.fixture
+def runtime() -> Any:
+    from carpool.celery_edge.app import app
+    from carpool.gpu_worker.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(app)
+    rt.device, rt.dbs, rt.events.mode = "cpu", (0, 1), False
+    rt.store = FakeStore()  # type: ignore[assignment]
+    rt.client = FakeClient()  # type: ignore[assignment]
+    return rt
+
+
+def batch(batch_id: str, *request_ids: str) -> Any:
+    slots: list[RequestSlot] = [
+        {"id": r, "item": [101, 7, 102], "len": 3, "sent_at": 1.7e9, "deadline": 2e9} for r in request_ids
+    ]
+    return batch_message(
+        batch_id=batch_id,
+        task="carpool.infer",
+        model="toy",
+        bin_label="1-16",
+        flush="full",
+        padded_len=8,
+        dispatched_at=1.7e9,
+        coordinator="c",
+        requests=slots,
+    )
+
+
+def batch_task(task_id: str, batch_id: str, *request_ids: str, **options: Any) -> bytes:
+    """A ``carpool.run_batch`` message as it waits on the batch queue's list."""
+    return message(task_id, batch(batch_id, *request_ids), task=RUN_BATCH, **options)
+
+
+def test_a_batch_taken_by_a_claim_runs_in_the_same_task_then_the_one_its_own_claim_took(
+    runtime: Any,
+) -> None:
+    store = runtime.store
+    store.queue = [batch_task("t2", "b2", "c", "d"), batch_task("t3", "b3", "e")]
+    report = runtime.run(batch("b1", "a", "b"))
+    assert report is not None and report["batch_id"] == "b1", "the task's own batch's report"
+    assert store.claimed == ["b1", "b2", "b3"]
+    assert store.stored == ["a", "b", "c", "d", "e"]
+    assert store.queue == []
+    assert store.takes == [marker(RUN_BATCH)] * 3, "each claim may take the next"
+
+
+def test_a_message_not_to_run_now_goes_back_to_the_front_of_its_list(runtime: Any) -> None:
+    later = batch_task("t2", "b2", "c", eta="2099-01-01T00:00:00+00:00")
+    runtime.store.queue = [later]
+    runtime.run(batch("b1", "a"))
+    assert runtime.store.stored == ["a"], "the countdown's batch did not run"
+    assert runtime.client.pushed == [(QUEUE, later)], "pushed back where BRPOP takes the next from"
+
+
+def test_a_taken_batch_the_worker_cannot_read_is_left_to_recovery_and_the_task_still_succeeds(
+    runtime: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    unreadable = message("t2", {"version": 999, "id": "b2"}, task=RUN_BATCH)
+    runtime.store.queue = [unreadable, batch_task("t3", "b3", "e")]
+    with caplog.at_level(logging.ERROR):
+        report = runtime.run(batch("b1", "a"))
+    assert report is not None and runtime.store.stored == ["a"]
+    assert "refusing batch t2" in caplog.text
+    assert runtime.store.queue == [batch_task("t3", "b3", "e")], "the run of taken batches ended there"
+
+
+def test_no_batch_is_taken_once_the_worker_is_shutting_down(runtime: Any) -> None:
+    runtime.store.queue = [batch_task("t2", "b2", "c")]
+    runtime.shutting_down()
+    runtime.run(batch("b1", "a"))
+    assert runtime.store.takes == [""] and len(runtime.store.queue) == 1
+
+
+def test_a_task_takes_batches_for_a_bounded_time_then_returns_to_celery(
+    runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from carpool.gpu_worker import runtime as module
+
+    monkeypatch.setattr(module, "TAKE_FOR_S", 0.0)
+    runtime.store.queue = [batch_task("t2", "b2", "c")]
+    runtime.run(batch("b1", "a"))
+    assert runtime.store.takes == [""] and len(runtime.store.queue) == 1
+
+
+def test_with_claim_takes_next_off_every_batch_comes_through_celery(runtime: Any) -> None:
+    from carpool.celery_edge.app import app
+    from carpool.gpu_worker.runtime import WorkerRuntime
+
+    saved = app.carpool.settings
+    app.carpool.settings = saved.model_copy(update={"claim_takes_next": False})
+    try:
+        off: Any = WorkerRuntime(app)
+    finally:
+        app.carpool.settings = saved
+    off.device, off.dbs, off.events.mode = "cpu", (0, 1), False
+    off.store, off.client = FakeStore(), FakeClient()
+    off.store.queue = [batch_task("t2", "b2", "c")]
+    off.run(batch("b1", "a"))
+    assert off.store.takes == [""] and off.store.stored == ["a"] and len(off.store.queue) == 1
+
+
+# --- reading a taken message ----------------------------------------------------------------
+
+
+def test_read_task_gives_the_arguments_and_the_request_fields_the_runtime_reads() -> None:
+    raw = message(
+        "t1",
+        {"id": "b1"},
+        task=RUN_BATCH,
+        extra_headers={"argsrepr": "size=1", "root_id": "r", "parent_id": "p", "retries": 2},
+    )
+    task = read_task(raw, RUN_BATCH, ["json"])
+    assert task is not None
+    assert task.args == [{"id": "b1"}] and task.kwargs == {}
+    request = task.request
+    assert (request.id, request.argsrepr, request.kwargsrepr) == ("t1", "size=1", "{}")
+    assert (request.root_id, request.parent_id, request.retries) == ("r", "p", 2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (message("t", 1, task="other.task"), "another task's"),
+        (message("t", 1, task=RUN_BATCH, eta="2099-01-01T00:00:00+00:00"), "to run later"),
+        (message("t", 1, task=RUN_BATCH, expires="2099-01-01T00:00:00+00:00"), "expires"),
+        (message("t", 1, task=RUN_BATCH, extra_headers={"compression": "zlib"}), "compressed"),
+        (b"not json", "not an envelope"),
+        (b'{"headers": {"task": "carpool.run_batch"}}', "no body"),
+    ],
+)
+def test_read_task_leaves_what_celery_must_deliver_itself(raw: bytes, why: str) -> None:
+    assert read_task(raw, RUN_BATCH, ["json"]) is None, why
+
+
+def test_read_task_refuses_a_content_type_the_app_does_not_accept() -> None:
+    raw = message("t", 1, task=RUN_BATCH)
+    assert read_task(raw, RUN_BATCH, ["json"]) is not None
+    assert read_task(raw, RUN_BATCH, ["pickle"]) is None
