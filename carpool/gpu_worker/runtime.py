@@ -18,7 +18,10 @@ start to end on the Celery thread, with no hand-off. Where the task's device run
 (a model with ``launch``), the device thread launches the next batch before it collects this one's
 outputs, so the device has the next batch queued while the thread hands this one over; a batch
 claimed while that thread waits to collect the one before, with nothing else waiting, is launched
-by the Celery thread itself, so it does not wait for that collection to start.
+by the Celery thread itself, so it does not wait for that collection to start. And under load a
+batch's claim also takes the next batch message off the batch queue, which the same Celery task
+then runs (:meth:`WorkerRuntime._run_taken`): the Celery thread does not go back to Celery's
+consumer, and its round trip, for every batch.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -128,6 +129,9 @@ class SimulatedDevice:
         self._next = 0  # the first of the next forward's rows
         self._free_at = 0.0  # wall-clock time the device finishes the batches queued on it
         self._log: DeviceLog | None = None
+        # Launches from two threads (a rerun after a device failure beside the next launch) queue
+        # one behind the other, as on a device's stream.
+        self._queue_lock = threading.Lock()
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         return self._tokenizer_model.encode(texts)
@@ -154,11 +158,12 @@ class SimulatedDevice:
         import numpy as np
 
         rows, width = attention_mask.shape
-        start = max(time.time(), self._free_at)  # behind whatever the device still runs
-        end = self._free_at = start + self.profile.batch_s(rows * width)
-        if self._log is not None:
-            self._log.record(start, end, rows, width)
-        first, self._next = self._next, (self._next + rows) % OUTPUT_ROWS
+        with self._queue_lock:
+            start = max(time.time(), self._free_at)  # behind whatever the device still runs
+            end = self._free_at = start + self.profile.batch_s(rows * width)
+            if self._log is not None:
+                self._log.record(start, end, rows, width)
+            first, self._next = self._next, (self._next + rows) % OUTPUT_ROWS
         out: npt.NDArray[np.float32] = self._rows.take(np.arange(first, first + rows) % OUTPUT_ROWS, axis=0)
 
         def collect() -> npt.NDArray[np.float32]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -106,3 +107,47 @@ def test_launch_queues_each_batch_behind_the_one_running_and_returns_at_once(
     # The log keeps microseconds: start and end are each rounded to 1e-6 s.
     assert b.start == pytest.approx(a.end, abs=3e-6), "queued: the device starts it as the first ends"
     assert a.end - a.start == pytest.approx(BATCH_S, abs=3e-6) == b.end - b.start
+
+
+def test_launches_from_several_threads_queue_one_behind_another(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A rerun after a device failure may launch beside the next batch: each launch still queues
+    behind the others, never beside them, and takes rows of its own."""
+    import threading
+
+    from carpool.models.simdevice import DEVICE_LOG_ENV
+    from carpool.tools.bench.device import read_device_log
+
+    log = tmp_path / "device.log"
+    monkeypatch.setenv("CARPOOL_SIM_DEVICE", "0.001,0.0")
+    monkeypatch.setenv(DEVICE_LOG_ENV, str(log))
+    model = SimulatedDevice()
+    model.load("cpu")
+    rule = model.profile
+
+    class Yielding:
+        """The profile's time rule, letting another thread run while a launch computes it."""
+
+        def batch_s(self, tokens: int) -> float:
+            time.sleep(0.002)
+            return float(rule.batch_s(tokens))
+
+    model.profile = Yielding()  # type: ignore[assignment]
+    mask = np.ones((1, 8), dtype=np.int64)
+    outputs: list[np.ndarray] = []
+
+    def launch() -> None:
+        outputs.append(model.launch(mask, mask)())
+
+    threads = [threading.Thread(target=launch) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert model._log is not None
+    model._log.close()
+    runs = sorted(read_device_log(log), key=lambda r: r.start)
+    assert len(runs) == 6
+    assert all(b.start >= a.end - 3e-6 for a, b in itertools.pairwise(runs)), "no two batches side by side"
+    assert len({o.tobytes() for o in outputs}) == 6, "each launch took rows of its own"
