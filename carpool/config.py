@@ -127,7 +127,7 @@ class Settings(BaseSettings):
         description=(
             "A batch's claim also takes the next batch message off the batch queue, which the worker then "
             "runs without returning to Celery's consumer for it (false: every batch message is fetched "
-            "by Celery's consumer, one BRPOP each)."
+            "by Celery's consumer, one BRPOP each). Only with overlap_device on."
         ),
     )
 

@@ -5,7 +5,8 @@ without a round trip to fetch it, see :mod:`carpool.gpu_worker.runtime`); this m
 message: kombu's envelope (JSON, the body base64-encoded), then the body with kombu's serializer for
 its content type, as Celery's protocol 2 lays it out (``[args, kwargs, embed]``). Only a message
 the worker can run exactly as Celery would is read; anything else (another task, a countdown or an
-expiry, a compressed body, another protocol) is None, to go back to the list for Celery's consumer.
+expiry, callbacks, a compressed body, another protocol) is None, to go back to the list for
+Celery's consumer.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def read_task(raw: bytes | str, task_name: str, accept: Collection[str]) -> Rece
             envelope["content-encoding"],
             accept=prepare_accept_content(accept),  # type: ignore[no-untyped-call]
         )
-        args, kwargs, _embed = body
+        args, kwargs, embed = body
         request = TaskRequest(
             id=str(headers["id"]),
             argsrepr=str(headers.get("argsrepr") or ""),
@@ -78,6 +79,14 @@ def read_task(raw: bytes | str, task_name: str, accept: Collection[str]) -> Rece
         )
     except Exception:  # not a protocol-2 message this reader understands: Celery's consumer will say
         return None
-    if not isinstance(args, list) or not isinstance(kwargs, dict):
+    if not isinstance(args, list) or not isinstance(kwargs, dict) or _links(embed):
         return None
     return ReceivedTask(request, args, kwargs)
+
+
+def _links(embed: object) -> bool:
+    """Whether a message's embed holds callbacks, error callbacks, a chain or a chord (Celery
+    applies them after the task: left to it)."""
+    if not isinstance(embed, dict):
+        return embed is not None
+    return any(embed.get(k) for k in ("callbacks", "errbacks", "chain", "chord"))

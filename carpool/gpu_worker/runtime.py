@@ -44,6 +44,7 @@ from celery import Celery
 from carpool import collector
 from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
+from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.received import marker, read_task
@@ -120,6 +121,7 @@ class WorkerRuntime:
         self._take = self.settings.claim_takes_next  # off once the worker is shutting down
         self.batches_taken = 0  # batch messages that claims took and this process ran
         self._take_marker = marker(RUN_BATCH_TASK)
+        self._take_first = 0  # the batch list a claim takes from first: the one after the last taken from
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.settings.torch_threads:
@@ -218,12 +220,14 @@ class WorkerRuntime:
         while next_taken is not None:
             queue_list, raw = next_taken
             task = read_task(raw, RUN_BATCH_TASK, self.app.conf.accept_content)
-            if task is None or len(task.args) != 1 or task.kwargs:
-                self._give_back(next_taken)
+            if task is None or len(task.args) != 1 or task.kwargs or task.request.id in compat.revoked_ids():
+                self._give_back(next_taken)  # Celery's consumer runs it, or drops it as revoked
                 return
             self.batches_taken += 1
             try:
-                _, next_taken = self._run_one(task.args[0], task.request, time.perf_counter(), until)
+                _, next_taken = self._run_one(
+                    task.args[0], task.request, time.perf_counter(), until, own=next_taken
+                )
             except WireError:  # logged where it was refused; its requests return through recovery
                 return
             except Exception:
@@ -244,11 +248,20 @@ class WorkerRuntime:
             )
 
     def _run_one(
-        self, batch: object, request: Any, t0: float, take_until: float
+        self,
+        batch: object,
+        request: Any,
+        t0: float,
+        take_until: float,
+        own: tuple[str, bytes] | None = None,
     ) -> tuple[BatchReport | None, tuple[str, bytes] | None]:
         """:meth:`run` for one batch message: (its report, or None when handed to the device stage;
         the next batch message, where its claim took one). Its claim takes the next one while
-        ``take_until`` (perf_counter) is ahead and the worker is not shutting down."""
+        ``take_until`` (perf_counter) is ahead, the worker is not shutting down and a device stage
+        runs batches beside the claims (without one, a taken batch would wait for this one to run
+        while another worker could take it). ``own``: this batch's message, where a claim took it:
+        it goes back to its list if this fails before its claim (a message this release cannot
+        read excepted: its requests return through recovery)."""
         task_id = getattr(request, "id", None)
         events = self.events.fork()  # the batch may finish on another thread, with its own events
         if task_id:
@@ -263,6 +276,7 @@ class WorkerRuntime:
             )
             events.started([task_id])
         taken: tuple[str, bytes] | None = None
+        claimed_yet = False
         try:
             try:
                 message = read_batch(batch)
@@ -276,7 +290,8 @@ class WorkerRuntime:
             stage = self._stage
             if stage is not None:  # claim only what the device can take soon: the leases stay short
                 stage.wait_for_room()
-            take = self._take and time.perf_counter() < take_until
+            take = stage is not None and self._take and time.perf_counter() < take_until
+            claimed_yet = True  # from here its requests may be claimed by this worker: never given back
             claimed, taken = self._claimed(message, events, task_id, t0, take)
             if stage is None or (claimed.batches_queued == 0 and stage.idle()):
                 # Nothing to overlap with: a hand-off would only add a thread wake-up to its latency.
@@ -299,6 +314,8 @@ class WorkerRuntime:
         except BaseException as exc:
             if taken is not None:
                 self._give_back(taken)
+            if own is not None and not claimed_yet and not isinstance(exc, WireError):
+                self._give_back(own)
             if task_id and not isinstance(exc, KeyboardInterrupt | SystemExit):
                 _send_failure(events, task_id, exc, t0)
             raise
@@ -313,7 +330,12 @@ class WorkerRuntime:
         """Claim the batch's requests and sort them: not this batch's, answered already, revoked, to
         run; with ``take``, the claim also takes the next batch message, which comes back beside."""
         claim = self._claim(batch["id"], [r["id"] for r in batch["requests"]], take)
-        return claimed_batch(batch, claim.flags, claim.batches_queued, task_id, t0, events), claim.taken
+        try:
+            return claimed_batch(batch, claim.flags, claim.batches_queued, task_id, t0, events), claim.taken
+        except BaseException:
+            if claim.taken is not None:
+                self._give_back(claim.taken)
+            raise
 
     def _complete_or_report(self, claimed: ClaimedBatch) -> Callable[[], object] | None:
         """:meth:`_start` on the device stage's thread, sending the batch task's failure if it fails;
@@ -440,8 +462,11 @@ class WorkerRuntime:
         if self.dbs is not None:
             result_keys = [self.backend.get_key_for_task(i) for i in ids]
             marked = self._take_marker if take else ""
-            lists = self.batch_lists
+            # Takes go round the batch queues, as kombu's consumer goes round them for its BRPOP.
+            lists = self.batch_lists[self._take_first :] + self.batch_lists[: self._take_first]
             claimed = self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1], lists, marked)
+            if claimed.taken is not None:
+                self._take_first = (self.batch_lists.index(claimed.taken[0]) + 1) % len(self.batch_lists)
             return Claim(claimed.flags, claimed.batches_queued, claimed.taken)
         # Results on another server: claim, then look for stored results there.
         owned = self.store.claim(batch_id, ids)

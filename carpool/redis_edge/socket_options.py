@@ -39,7 +39,9 @@ def client_options(settings: Settings) -> dict[str, Any]:
     from redis.retry import Retry
 
     # One retry on a fresh connection: what a reset or dead connection needs; carpool's scripts
-    # are safe to run twice (write-once results, leases), and callers retry longer outages.
+    # are safe to run twice (write-once results, leases; a claim run twice takes a second batch
+    # message, and the first one's requests return through their leases), and callers retry longer
+    # outages.
     return {**_common(settings), "retry": Retry(NoBackoff(), 1)}
 
 

@@ -245,8 +245,9 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 (results,),
             ),
             Grant(
-                "consume the batch queue (its claim script takes the next message with LINDEX and RPOP)",
-                ("brpop", "llen", "sadd", "lindex", "rpop"),
+                "consume the batch queue (its claim script takes the next message with LINDEX and RPOP;"
+                " one it cannot run now goes back with RPUSH)",
+                ("brpop", "llen", "sadd", "lindex", "rpop", "rpush"),
                 _exact(batches)
                 + _exact([BINDING_TABLE % settings.batch_queue, BINDING_PERMANENT % settings.batch_queue]),
             ),

@@ -182,9 +182,10 @@ def test_worker_is_a_celery_consumer_and_flower_reads(roles: dict[acl.Role, Role
     worker, flower = roles["worker"], roles["flower"]
     batches = acl.priority_lists("carpool.batches")
     assert allowed(worker, "brpop", tuple(batches))
-    for command in ("lindex", "rpop"):  # its claim script takes the next batch message
+    for command in ("lindex", "rpop", "rpush"):  # its claim takes the next batch message, or gives it back
         assert allowed(worker, command, ("carpool.batches",))
     assert not allowed(worker, "rpop", ("carpool.requests",))
+    assert not allowed(worker, "rpush", ("carpool.requests",))
     assert allowed(worker, "psubscribe", channels=("/0.celery.pidbox",))
     assert allowed(worker, "publish", channels=("/0.celeryev/worker.heartbeat",))
     assert allowed(worker, "lpush", ("0b1c.reply.celery.pidbox",))

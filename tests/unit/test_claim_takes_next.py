@@ -1,11 +1,12 @@
 """A batch's claim may take the next batch message off the batch queue; the worker then runs it in
 the same Celery task, as Celery would have delivered it. Here the worker's Redis edge is faked: the
-claim hands out the messages of ``FakeStore.queue``; the message reading is the real one."""
+claim hands out the messages of ``FakeStore.queues`` (the first of the lists it names holding one);
+the message reading, the device stage and the finisher are the real ones."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -22,15 +23,24 @@ QUEUE = "carpool.batches"
 
 
 class FakeStore:
-    """Claims everything; each claim asked to take gets the next message of ``queue``, if any."""
+    """Claims everything; each claim asked to take gets the next message of the first of its lists
+    holding one in ``queues``, if it holds the text asked for."""
 
     keys = Keys("carpool.requests")
 
     def __init__(self) -> None:
-        self.queue: list[bytes] = []
+        self.queues: dict[str, list[bytes]] = {QUEUE: []}
         self.takes: list[str] = []  # what each claim was asked to take ('' = nothing)
         self.claimed: list[str] = []  # batch ids, in claim order
         self.stored: list[str] = []  # request ids whose results were stored, in order
+
+    @property
+    def queue(self) -> list[bytes]:
+        return self.queues[QUEUE]
+
+    @queue.setter
+    def queue(self, messages: list[bytes]) -> None:
+        self.queues[QUEUE] = messages
 
     def claim_fresh(
         self,
@@ -43,8 +53,17 @@ class FakeStore:
     ) -> Claimed:
         self.takes.append(take)
         self.claimed.append(batch_id)
-        taken = (QUEUE, self.queue.pop(0)) if take and self.queue and take.encode() in self.queue[0] else None
-        return Claimed([1] * len(ids), len(self.queue) + (taken is not None), taken)
+        queued = sum(len(self.queues.get(name, [])) for name in lists)
+        first = next((name for name in lists if self.queues.get(name)), None)
+        if not take or first is None or take.encode() not in self.queues[first][0]:
+            return Claimed([1] * len(ids), queued)
+        return Claimed([1] * len(ids), queued, (first, self.queues[first].pop(0)))
+
+    def heartbeat(self, hostname: str, ttl_s: float) -> None:
+        pass
+
+    def renew_running(self, ids: list[str]) -> None:
+        pass
 
     def finish(self, **kwargs: Any) -> list[int]:
         payloads = kwargs["writes"].payloads
@@ -60,15 +79,35 @@ class FakeClient:
         self.pushed.append((key, value))
 
 
-@pytest.fixture
-def runtime() -> Any:
+HANG_S = 5.0  # a bound on waits that only a hang exceeds
+
+
+def bare_runtime() -> Any:
+    """A worker runtime on the fake Redis edge, without a device stage or a finisher."""
     from carpool.celery_edge.app import app
     from carpool.gpu_worker.runtime import WorkerRuntime
 
-    rt = WorkerRuntime(app)
+    rt: Any = WorkerRuntime(app)
     rt.device, rt.dbs, rt.events.mode = "cpu", (0, 1), False
-    rt.store = FakeStore()  # type: ignore[assignment]
-    rt.client = FakeClient()  # type: ignore[assignment]
+    rt.store = FakeStore()
+    rt.client = FakeClient()
+    return rt
+
+
+@pytest.fixture
+def runtime() -> Iterator[Any]:
+    """:func:`bare_runtime` with a device stage and a finisher, as a started worker has them."""
+    from carpool.gpu_worker.stage import DeviceStage, Finisher
+
+    rt = bare_runtime()
+    rt._stage, rt._finisher = DeviceStage(), Finisher()
+    yield rt
+    settled(rt)
+
+
+def settled(rt: Any) -> Any:
+    """``rt`` once every batch handed to its device stage ran and had its results stored."""
+    assert rt._stage.drain(HANG_S) and rt._finisher.drain(HANG_S)
     return rt
 
 
@@ -99,10 +138,9 @@ def test_a_batch_taken_by_a_claim_runs_in_the_same_task_then_the_one_its_own_cla
 ) -> None:
     store = runtime.store
     store.queue = [batch_task("t2", "b2", "c", "d"), batch_task("t3", "b3", "e")]
-    report = runtime.run(batch("b1", "a", "b"))
-    assert report is not None and report["batch_id"] == "b1", "the task's own batch's report"
+    runtime.run(batch("b1", "a", "b"))
     assert store.claimed == ["b1", "b2", "b3"]
-    assert store.stored == ["a", "b", "c", "d", "e"]
+    assert settled(runtime).store.stored == ["a", "b", "c", "d", "e"]
     assert store.queue == []
     assert store.takes == [marker(RUN_BATCH)] * 3, "each claim may take the next"
 
@@ -111,7 +149,7 @@ def test_a_message_not_to_run_now_goes_back_to_the_front_of_its_list(runtime: An
     later = batch_task("t2", "b2", "c", eta="2099-01-01T00:00:00+00:00")
     runtime.store.queue = [later]
     runtime.run(batch("b1", "a"))
-    assert runtime.store.stored == ["a"], "the countdown's batch did not run"
+    assert settled(runtime).store.stored == ["a"], "the countdown's batch did not run"
     assert runtime.client.pushed == [(QUEUE, later)], "pushed back where BRPOP takes the next from"
 
 
@@ -121,9 +159,10 @@ def test_a_taken_batch_the_worker_cannot_read_is_left_to_recovery_and_the_task_s
     unreadable = message("t2", {"version": 999, "id": "b2"}, task=RUN_BATCH)
     runtime.store.queue = [unreadable, batch_task("t3", "b3", "e")]
     with caplog.at_level(logging.ERROR):
-        report = runtime.run(batch("b1", "a"))
-    assert report is not None and runtime.store.stored == ["a"]
+        runtime.run(batch("b1", "a"))
+    assert settled(runtime).store.stored == ["a"]
     assert "refusing batch t2" in caplog.text
+    assert runtime.client.pushed == [], "a message this release cannot read is left to recovery"
     assert runtime.store.queue == [batch_task("t3", "b3", "e")], "the run of taken batches ended there"
 
 
@@ -145,9 +184,10 @@ def test_a_task_takes_batches_for_a_bounded_time_then_returns_to_celery(
     assert runtime.store.takes == [""] and len(runtime.store.queue) == 1
 
 
-def test_with_claim_takes_next_off_every_batch_comes_through_celery(runtime: Any) -> None:
+def test_with_claim_takes_next_off_every_batch_comes_through_celery() -> None:
     from carpool.celery_edge.app import app
     from carpool.gpu_worker.runtime import WorkerRuntime
+    from carpool.gpu_worker.stage import DeviceStage, Finisher
 
     saved = app.carpool.settings
     app.carpool.settings = saved.model_copy(update={"claim_takes_next": False})
@@ -157,9 +197,80 @@ def test_with_claim_takes_next_off_every_batch_comes_through_celery(runtime: Any
         app.carpool.settings = saved
     off.device, off.dbs, off.events.mode = "cpu", (0, 1), False
     off.store, off.client = FakeStore(), FakeClient()
+    off._stage, off._finisher = DeviceStage(), Finisher()
     off.store.queue = [batch_task("t2", "b2", "c")]
     off.run(batch("b1", "a"))
-    assert off.store.takes == [""] and off.store.stored == ["a"] and len(off.store.queue) == 1
+    assert settled(off).store.takes == [""] and off.store.stored == ["a"] and len(off.store.queue) == 1
+
+
+def test_without_a_device_stage_nothing_is_taken() -> None:
+    """Batches run one at a time on the Celery thread: a batch taken would wait for this one to run
+    while another worker could have it."""
+    rt = bare_runtime()
+    rt.store.queue = [batch_task("t2", "b2", "c")]
+    rt.run(batch("b1", "a"))
+    assert rt.store.takes == [""] and rt.store.stored == ["a"] and len(rt.store.queue) == 1
+
+
+def test_takes_go_round_the_batch_queues_as_kombus_consumer_does(runtime: Any) -> None:
+    runtime.batch_lists = ["q1", "q2"]
+    runtime.store.queues = {
+        "q1": [batch_task(f"t1{i}", f"b1{i}", f"x{i}") for i in range(3)],
+        "q2": [batch_task(f"t2{i}", f"b2{i}", f"y{i}") for i in range(3)],
+    }
+    runtime.run(batch("b0", "a"))
+    assert runtime.store.claimed == ["b0", "b10", "b20", "b11", "b21", "b12", "b22"]
+
+
+def test_a_taken_message_goes_back_when_its_batch_fails_before_its_claim(
+    runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A taken message whose batch never reached its claim (here the worker told to stop at once
+    while it waited for the device stage) goes back for another worker; the exception goes on."""
+    taken = batch_task("t2", "b2", "c")
+    runtime.store.queue = [taken]
+    waits = iter([None])
+
+    def wait_for_room(timeout: float | None = None) -> None:
+        if next(waits, "stop") == "stop":
+            raise SystemExit(1)
+
+    monkeypatch.setattr(runtime._stage, "wait_for_room", wait_for_room)
+    with pytest.raises(SystemExit):
+        runtime.run(batch("b1", "a"))
+    assert runtime.store.claimed == ["b1"]
+    assert runtime.client.pushed == [(QUEUE, taken)]
+
+
+def test_a_taken_message_goes_back_when_its_claims_answer_cannot_be_sorted(
+    runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from carpool.gpu_worker import runtime as module
+
+    taken = batch_task("t2", "b2", "c")
+    runtime.store.queue = [taken]
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("cannot sort the claim")
+
+    monkeypatch.setattr(module, "claimed_batch", broken)
+    with pytest.raises(RuntimeError):
+        runtime.run(batch("b1", "a"))
+    assert runtime.client.pushed == [(QUEUE, taken)]
+
+
+def test_a_revoked_batch_task_goes_back_for_celery_to_drop(runtime: Any) -> None:
+    from celery.worker import state
+
+    revoked = batch_task("t2", "b2", "c")
+    runtime.store.queue = [revoked]
+    state.revoked.add("t2")
+    try:
+        runtime.run(batch("b1", "a"))
+    finally:
+        state.revoked.discard("t2")
+    assert settled(runtime).store.stored == ["a"]
+    assert runtime.client.pushed == [(QUEUE, revoked)]
 
 
 # --- reading a taken message ----------------------------------------------------------------
@@ -187,6 +298,7 @@ def test_read_task_gives_the_arguments_and_the_request_fields_the_runtime_reads(
         (message("t", 1, task=RUN_BATCH, eta="2099-01-01T00:00:00+00:00"), "to run later"),
         (message("t", 1, task=RUN_BATCH, expires="2099-01-01T00:00:00+00:00"), "expires"),
         (message("t", 1, task=RUN_BATCH, extra_headers={"compression": "zlib"}), "compressed"),
+        (message("t", 1, task=RUN_BATCH, embed={"callbacks": [{"task": "x"}]}), "with callbacks"),
         (b"not json", "not an envelope"),
         (b'{"headers": {"task": "carpool.run_batch"}}', "no body"),
     ],
