@@ -36,7 +36,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import redis
 from celery import Celery
@@ -60,7 +60,7 @@ from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
-from carpool.redis_edge.store import RequestStore
+from carpool.redis_edge.store import Claimed, RequestStore
 from carpool.registry import LaunchCall, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
 
@@ -75,12 +75,6 @@ DEVICE_SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a worker with 
 # A Celery task that runs the batches its claims take keeps the worker's Celery thread from Celery's
 # event loop (remote control, revokes, heartbeats) for at most about this long, plus one batch.
 TAKE_FOR_S = 0.25
-
-
-class Claim(NamedTuple):
-    flags: list[int]  # per request: 0 another batch's now, 1 claimed and to run, 2 answered already
-    batches_queued: int | None  # batch messages queued when claimed (None: not counted)
-    taken: tuple[str, bytes] | None  # the next batch message, taken off its list: (list, raw)
 
 
 class WorkerRuntime:
@@ -454,7 +448,7 @@ class WorkerRuntime:
             apply_links(self.app, self.backend, batch["task"], entries, stored, linked)
         return report
 
-    def _claim(self, batch_id: str, ids: list[str], take: bool) -> Claim:
+    def _claim(self, batch_id: str, ids: list[str], take: bool) -> Claimed:
         """Per id: 0 (no longer this batch's), 1 (claimed, to run) or 2 (claimed, answered already);
         the batch messages queued for this worker's queues (None: not counted); and, with ``take``,
         the next of them where it is a batch task's (only when the results live on the broker's
@@ -467,12 +461,12 @@ class WorkerRuntime:
             claimed = self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1], lists, marked)
             if claimed.taken is not None:
                 self._take_first = (self.batch_lists.index(claimed.taken[0]) + 1) % len(self.batch_lists)
-            return Claim(claimed.flags, claimed.batches_queued, claimed.taken)
+            return claimed
         # Results on another server: claim, then look for stored results there.
         owned = self.store.claim(batch_id, ids)
         answered = self.backend.existing([i for i, ok in zip(ids, owned, strict=True) if ok])
         flags = [(2 if i in answered else 1) if ok else 0 for i, ok in zip(ids, owned, strict=True)]
-        return Claim(flags, None, None)
+        return Claimed(flags, None)
 
     def _started(self, batch: BatchMessage, live: list[RequestSlot], events: TaskEvents) -> None:
         # Published before running only when someone could watch the batch as STARTED; otherwise

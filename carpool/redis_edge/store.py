@@ -82,11 +82,12 @@ def finish_call(
 @dataclass(frozen=True, slots=True)
 class Claimed:
     """What a claim found: per request 0 (not this batch's), 1 (claimed, to run) or 2 (claimed,
-    answered already); how many batch messages waited on the batch queues named; and the next of
-    them, as (its list, the raw message), where the claim was asked to take it and did."""
+    answered already); how many batch messages waited on the batch queues named (None: not
+    counted); and the next of them, as (its list, the raw message), where the claim was asked to
+    take it and did."""
 
     flags: list[int]
-    batches_queued: int
+    batches_queued: int | None
     taken: tuple[str, bytes] | None = None
 
 
