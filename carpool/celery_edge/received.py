@@ -17,6 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from kombu.serialization import loads as deserialize
 from kombu.serialization import prepare_accept_content
 
@@ -46,12 +47,19 @@ def marker(task_name: str) -> str:
     return json.dumps({"task": task_name})[1:-1]
 
 
-def read_task(raw: bytes | str, task_name: str, accept: Collection[str]) -> ReceivedTask | None:
+def accepted(content: Collection[str]) -> set[str]:
+    """The content types that an app's ``accept_content`` (serializer names or content types)
+    admits, as :func:`read_task` takes them."""
+    types: set[str] = prepare_accept_content(content)  # type: ignore[no-untyped-call]
+    return types
+
+
+def read_task(raw: bytes | str, task_name: str, accept: set[str]) -> ReceivedTask | None:
     """``raw`` (an envelope off a Redis list) as a ``task_name`` task to run now; None where it is
     another task's, or is to run later, expires, or is not encoded as this reader expects.
-    ``accept``: the app's ``accept_content`` (serializer names or content types)."""
+    ``accept``: the content types to decode (:func:`accepted`)."""
     try:
-        envelope = json.loads(raw)
+        envelope = orjson.loads(raw)
         headers = envelope["headers"]
         properties = envelope["properties"]
         if (
@@ -66,7 +74,7 @@ def read_task(raw: bytes | str, task_name: str, accept: Collection[str]) -> Rece
             base64.b64decode(envelope["body"]),
             envelope["content-type"],
             envelope["content-encoding"],
-            accept=prepare_accept_content(accept),  # type: ignore[no-untyped-call]
+            accept=accept,
         )
         args, kwargs, embed = body
         request = TaskRequest(

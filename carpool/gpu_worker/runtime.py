@@ -47,7 +47,7 @@ from carpool.batching.capacity import may_start
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
-from carpool.celery_edge.received import marker, read_task
+from carpool.celery_edge.received import accepted, marker, read_task
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import storable
 from carpool.errors import DeadlineExceeded, ModelError, WireError
@@ -115,6 +115,7 @@ class WorkerRuntime:
         self._take = self.settings.claim_takes_next  # off once the worker is shutting down
         self.batches_taken = 0  # batch messages that claims took and this process ran
         self._take_marker = marker(RUN_BATCH_TASK)
+        self._accept = accepted(app.conf.accept_content)  # what a taken message's body may be
         self._take_first = 0  # the batch list a claim takes from first: the one after the last taken from
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -213,7 +214,7 @@ class WorkerRuntime:
         next_taken: tuple[str, bytes] | None = taken
         while next_taken is not None:
             queue_list, raw = next_taken
-            task = read_task(raw, RUN_BATCH_TASK, self.app.conf.accept_content)
+            task = read_task(raw, RUN_BATCH_TASK, self._accept)
             if task is None or len(task.args) != 1 or task.kwargs or task.request.id in compat.revoked_ids():
                 self._give_back(next_taken)  # Celery's consumer runs it, or drops it as revoked
                 return

@@ -280,10 +280,11 @@ def test_a_batch_message_taken_by_a_claim_reads_as_celery_delivers_it(clean_redi
     sent with an expiry is left to Celery."""
     from carpool.celery_edge import task_messages as bulk
     from carpool.celery_edge.app import app
-    from carpool.celery_edge.received import marker, read_task
+    from carpool.celery_edge.received import accepted, marker, read_task
 
     options = {"app": app, "queue": "carpool.batches", "sent_events": False, "ignore_result": True}
     builder = bulk.TaskMessageBuilder("carpool.run_batch", **options)
+    accept = accepted(app.conf.accept_content)
     batches = [
         {"id": f"b{i}", "requests": [{"id": f"r{i}", "len": 3, "item": [101, i, 102]}]} for i in range(4)
     ]
@@ -293,7 +294,7 @@ def test_a_batch_message_taken_by_a_claim_reads_as_celery_delivers_it(clean_redi
         raws += built.pushes["carpool.batches"]
     for i, raw in enumerate(raws):
         assert marker("carpool.run_batch") in raw
-        task = read_task(raw, "carpool.run_batch", app.conf.accept_content)
+        task = read_task(raw, "carpool.run_batch", accept)
         assert task is not None and task.args == [batches[i]] and task.kwargs == {}
         assert (task.request.id, task.request.argsrepr, task.request.retries) == (
             f"t{i}",
@@ -301,7 +302,10 @@ def test_a_batch_message_taken_by_a_claim_reads_as_celery_delivers_it(clean_redi
             0,
         )
     later = _build("carpool.run_batch", [([batches[0]], {})], task_ids=["t9"], **{**options, "expires": 60})
-    assert read_task(later.pushes["carpool.batches"][0], "carpool.run_batch", app.conf.accept_content) is None
+    assert (
+        read_task(later.pushes["carpool.batches"][0], "carpool.run_batch", accepted(app.conf.accept_content))
+        is None
+    )
 
 
 def test_the_coordinators_batch_messages_keep_a_nan_in_a_requests_links(clean_redis: EmbeddedRedis) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from carpool.celery_edge.received import marker, read_task
+from carpool.celery_edge.received import accepted, marker, read_task
 from carpool.codec import loads
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import Claimed
@@ -283,7 +283,7 @@ def test_read_task_gives_the_arguments_and_the_request_fields_the_runtime_reads(
         task=RUN_BATCH,
         extra_headers={"argsrepr": "size=1", "root_id": "r", "parent_id": "p", "retries": 2},
     )
-    task = read_task(raw, RUN_BATCH, ["json"])
+    task = read_task(raw, RUN_BATCH, accepted(["json"]))
     assert task is not None
     assert task.args == [{"id": "b1"}] and task.kwargs == {}
     request = task.request
@@ -304,10 +304,10 @@ def test_read_task_gives_the_arguments_and_the_request_fields_the_runtime_reads(
     ],
 )
 def test_read_task_leaves_what_celery_must_deliver_itself(raw: bytes, why: str) -> None:
-    assert read_task(raw, RUN_BATCH, ["json"]) is None, why
+    assert read_task(raw, RUN_BATCH, accepted(["json"])) is None, why
 
 
 def test_read_task_refuses_a_content_type_the_app_does_not_accept() -> None:
     raw = message("t", 1, task=RUN_BATCH)
-    assert read_task(raw, RUN_BATCH, ["json"]) is not None
-    assert read_task(raw, RUN_BATCH, ["pickle"]) is None
+    assert read_task(raw, RUN_BATCH, accepted(["json"])) is not None
+    assert read_task(raw, RUN_BATCH, accepted(["pickle"])) is None
