@@ -327,6 +327,9 @@ def test_a_worker_runs_the_batches_its_claims_take_and_a_warm_restart_mid_burst_
     from carpool.redis_edge.keys import Keys
     from carpool.tools.harness import release_result_consumer
 
+    def whole_log(name: str) -> str:  # processes.log() keeps only the end, for error messages
+        return (processes.log_dir / f"{name}.log").read_text(errors="replace")
+
     sim = {"CARPOOL_MODEL": "sim-v100", "CARPOOL_MODELS": "sim-v100", "CARPOOL_MAX_BATCH": "8"}
     start_stack(processes, **sim)
     app = create_app(processes.settings().model_copy(update={"model": "sim-v100", "models": ("sim-v100",)}))
@@ -334,7 +337,7 @@ def test_a_worker_runs_the_batches_its_claims_take_and_a_warm_restart_mid_burst_
     try:
         got = gather(submit_many(mixed_texts(800, seed=21), app=app), timeout=120)
         assert all(np.array(g, dtype=np.float32).tobytes() in rows for g in got)
-        taken = [int(n) for n in re.findall(r"batches its claims took: (\d+)", processes.log("worker0"))]
+        taken = [int(n) for n in re.findall(r"batches its claims took: (\d+)", whole_log("worker0"))]
         assert taken and sum(taken) > 0, "no batch was taken by a claim"
         results = submit_many(mixed_texts(3000, seed=22), app=app)
         client, claimed = processes.redis_client(), Keys("carpool.requests").inflight_claimed
@@ -345,6 +348,6 @@ def test_a_worker_runs_the_batches_its_claims_take_and_a_warm_restart_mid_burst_
         release_result_consumer(app)
         app.close()
     assert all(np.array(g, dtype=np.float32).tobytes() in rows for g in got)
-    _, restarted = processes.log("worker0").rsplit(" ready.", 1)
+    _, restarted = whole_log("worker0").rsplit(" ready.", 1)
     assert "succeeded" in restarted, "the restarted worker ran the rest of the burst"
-    assert not re.search(r"recovered \d+ requests", processes.log("coordinator")), "left to recovery"
+    assert not re.search(r"recovered \d+ requests", whole_log("coordinator")), "left to recovery"
