@@ -1,5 +1,5 @@
-"""Python's cyclic garbage collector: paused around bulk work whose objects all live on, and kept off
-what a service process built to start.
+"""Python's cyclic garbage collector: paused around bulk work whose objects all live on (and across a
+stream of results being gathered), and kept off what a service process built to start.
 
 A producer builds thousands of messages in one call and decodes thousands of results in another.
 Every object made there is kept (by the caller, or until the call returns), yet each few hundred
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
 
 
 @contextlib.contextmanager
@@ -33,6 +35,53 @@ def paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+class Stream:
+    """The collector paused across the reads of a stream of results that are all kept, for as long as
+    they keep coming: :meth:`hold` when a read brought some, :meth:`release` when one came back empty.
+
+    A pause per read still left a collection after each read, and every tenth of those walked the
+    results of the reads before again (a full one, all of them): in a gather of thousands of
+    embeddings, more CPU than decoding them. Held across the stream, the results are walked once,
+    by the collection the first allocation after the release sets off. A pause never lasts beyond
+    ``longest_s``: the read after that runs with the collector on, so other threads' garbage still
+    gets collected during a stream that does not end. Left as it is if the collector is already off
+    when a hold begins. Used as a context manager, it releases on the way out.
+    """
+
+    def __init__(self, longest_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.longest_s = longest_s
+        self.clock = clock
+        self._since: float | None = None  # when this pause began; None: not held
+
+    @property
+    def held(self) -> bool:
+        return self._since is not None
+
+    def hold(self) -> None:
+        """Pause the collector until :meth:`release`, unless this pause has lasted ``longest_s``:
+        then release it instead, for the next read's work (the hold after that pauses again)."""
+        if self._since is not None:
+            if self.clock() - self._since >= self.longest_s:
+                self.release()
+            return
+        if gc.isenabled():
+            gc.disable()
+            self._since = self.clock()
+
+    def release(self) -> None:
+        if self._since is not None:
+            self._since = None
+            gc.enable()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(
+        self, _type: type[BaseException] | None, _exc: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self.release()
 
 
 def freeze_startup() -> None:

@@ -47,6 +47,10 @@ _READ_LIMIT = 10_000  # messages settled between two checks of the deadline
 _LONGEST_WAIT_S = 1.0  # a wait for messages without a deadline still returns this often
 _LONGEST_RECHECK_S = 10.0  # gather_async re-reads stored results after this long without a message
 _QUIET_RECHECK_S = 1.0  # gather re-reads stored results after this long without one of its own
+# The collector stays paused while results keep coming (a gap this long ends the stream), for at
+# most this long at a time: see collector.Stream.
+_STREAM_GAP_S = 0.05
+_LONGEST_PAUSE_S = 1.0
 _READY = states.READY_STATES
 _FAILED = states.PROPAGATE_STATES
 
@@ -175,11 +179,21 @@ def gather(
     command at the end. A result stored without a message gather hears (a coordinator of an older
     release or a plain Celery worker answering, without the inbox; one published while its
     SUBSCRIBE was on its way) is read from the store after a second without one of ours.
+    The garbage collector stays paused while results keep coming (:class:`carpool.collector.Stream`:
+    no gap over 50 ms, at most a second at a time), so it walks them once, after gather.
     Not thread-safe, like Celery's result consumer it uses.
     """
     results = list(results)
     if not results:
         return []
+    with collector.Stream(_LONGEST_PAUSE_S) as stream:
+        stream.hold()  # what gather builds to wait and the stored results it reads all live on
+        return _gather(results, timeout, return_exceptions, stream)
+
+
+def _gather(
+    results: list[AsyncResult], timeout: float | None, return_exceptions: bool, stream: collector.Stream
+) -> list[Any]:
     backend = _one_backend(results)
     state = Gathering(results, timeout, return_exceptions)
     consumer = getattr(backend, "result_consumer", None)
@@ -199,7 +213,7 @@ def gather(
                 fresh = subscribe_results(backend, plain)
                 if fresh:  # subscribed only now: what was stored in between is read, not missed
                     _settle_stored(backend, consumer, state, fresh)
-                _wait_on_celery(backend, consumer, state, plain)
+                _wait_on_celery(backend, consumer, state, plain, stream)
             _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
     finally:
         if fresh_inboxes:  # with nobody reading it, its messages would pile up in the socket
@@ -221,11 +235,14 @@ def _by_channel(state: Gathering) -> tuple[dict[str, None], list[str] | None]:
     return inboxes, (None if not inboxes else plain)
 
 
-def _wait_on_celery(backend: Any, consumer: Any, state: Gathering, plain: Sequence[str]) -> None:
+def _wait_on_celery(
+    backend: Any, consumer: Any, state: Gathering, plain: Sequence[str], stream: collector.Stream
+) -> None:
     """Settle ``state`` from the messages on Celery's result pub/sub connection; ``plain``: the
     waited-for tasks with a subscription of their own, not an inbox. After a quiet second the
     stored results are read again: a result stored without a message of ours (see :func:`gather`),
-    or published while a SUBSCRIBE was still on its way (redis-py does not wait for its answer)."""
+    or published while a SUBSCRIBE was still on its way (redis-py does not wait for its answer).
+    ``stream`` keeps the collector paused while results keep coming."""
     if plain:
         for task_id in plain:
             for r in state.waiting.get(task_id, ()):
@@ -236,17 +253,33 @@ def _wait_on_celery(backend: Any, consumer: Any, state: Gathering, plain: Sequen
     ours = {r.id for r in state.results}  # a message for one no longer waited for: a duplicate
     heard_s = time.monotonic()
     while not state.done:
-        messages, intact = read_result_messages(backend, consumer, state.wait_s(), _READ_LIMIT)
-        before = len(state.waiting)
-        with collector.paused():  # decoded results, all kept (settle's own pause then does nothing)
-            state.settle(_route(backend, consumer, messages, want=state.waiting, ignore=ours))
-        if not intact:  # the connection was replaced: what was published meanwhile is stored
-            _settle_stored(backend, consumer, state, state.pending())
-        elif len(state.waiting) < before:
-            heard_s = time.monotonic()
-        elif time.monotonic() - heard_s >= _QUIET_RECHECK_S:
-            heard_s = time.monotonic()
-            _settle_stored(backend, consumer, state, state.pending())
+        heard_s = _read_and_settle(backend, consumer, state, ours, stream, heard_s)
+
+
+def _read_and_settle(
+    backend: Any, consumer: Any, state: Gathering, ours: set[str], stream: collector.Stream, heard_s: float
+) -> float:
+    """One read of result messages and what follows from it; returns when gather last heard one of
+    its own results."""
+    wait = state.wait_s()
+    if stream.held:  # a stream of results, and the collector paused for it: a short gap ends both
+        wait = min(wait, _STREAM_GAP_S)
+    messages, intact = read_result_messages(backend, consumer, wait, _READ_LIMIT)
+    if messages:
+        stream.hold()
+    else:
+        stream.release()
+    before = len(state.waiting)
+    with collector.paused():  # decoded results, all kept (settle's own pause then does nothing)
+        state.settle(_route(backend, consumer, messages, want=state.waiting, ignore=ours))
+    if not intact:  # the connection was replaced: what was published meanwhile is stored
+        _settle_stored(backend, consumer, state, state.pending())
+    elif len(state.waiting) < before:
+        heard_s = time.monotonic()
+    elif time.monotonic() - heard_s >= _QUIET_RECHECK_S:
+        heard_s = time.monotonic()
+        _settle_stored(backend, consumer, state, state.pending())
+    return heard_s
 
 
 def _settle_stored(backend: Any, consumer: Any, state: Gathering, task_ids: Sequence[str]) -> None:
@@ -327,6 +360,7 @@ async def gather_async(
         return state.values()
     unsubscribe_results(backend, state.pending())
     client, recheck_s = _async_client(backend)
+    stream = collector.Stream(_LONGEST_PAUSE_S)
     try:
         async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
             keys = [backend.get_key_for_task(t) for t in state.pending()]
@@ -339,16 +373,19 @@ async def gather_async(
                 pubsub.connection.register_connect_callback(connections.made)
                 reread = 0
                 while not state.done:
+                    wait = min(state.wait_s(), recheck_s, _STREAM_GAP_S if stream.held else recheck_s)
                     try:
-                        message = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=min(state.wait_s(), recheck_s)
-                        )
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
                     except backend.connection_errors:  # redis-py reconnects on the next read
+                        stream.release()
                         await asyncio.sleep(min(state.wait_s(), _LONGEST_WAIT_S))
                         continue
                     if message and message.get("type") == "message":
+                        stream.hold()
                         state.settle([backend.decode_result(message["data"])])
                         heard_s = time.monotonic()
+                    else:
+                        stream.release()
                     if connections.count > reread:  # resubscribed: what was published meanwhile is stored
                         with contextlib.suppress(*backend.connection_errors):
                             seen = connections.count
@@ -359,6 +396,7 @@ async def gather_async(
                         with contextlib.suppress(*backend.connection_errors):
                             await _settle_stored_async(backend, client, state)
     finally:
+        stream.release()
         await client.aclose()
     return state.values()
 

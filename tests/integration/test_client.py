@@ -848,6 +848,7 @@ def test_gather_collects_large_results_published_in_bursts(clean_redis: Embedded
     dropping it, and a single long gather then waited forever for results already stored."""
     import json
 
+    from carpool.celery_edge.inbox import inbox_of
     from carpool.producer.gather import gather
     from carpool.producer.submit import submit_many
 
@@ -860,15 +861,69 @@ def test_gather_collects_large_results_published_in_bursts(clean_redis: Embedded
         "for start in range(0, len(ids), 32):\n"
         "    time.sleep(0.005)\n"
         "    app.backend.store_many([(t, 'SUCCESS', [i / 7.0 + k for k in range(384)])\n"
-        "                            for i, t in enumerate(ids[start:start + 32], start)])\n"
+        "                            for i, t in enumerate(ids[start:start + 32], start)],\n"
+        "                           inboxes={t: sys.argv[2] for t in ids})\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", store, json.dumps([r.id for r in results])])
+    inbox = inbox_of(results[0])
+    assert inbox is not None, "published to gather's inbox, as a worker does"
+    proc = subprocess.Popen([sys.executable, "-c", store, json.dumps([r.id for r in results]), inbox])
     try:
         got = gather(results, timeout=60)
     finally:
         proc.wait(timeout=60)
     assert got == [[i / 7.0 + k for k in range(384)] for i in range(n)]
-    assert gc.isenabled(), "the collector is paused only while a read's messages are decoded"
+    assert gc.isenabled(), "the collector is paused only while results keep coming"
+
+
+def test_gather_keeps_the_collector_paused_while_results_keep_coming(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collection after each read of results, and every tenth of those walking the results already
+    gathered again, cost more than decoding them: while results keep coming (here a chunk every
+    15 ms, each read on its own) the collector stays paused from one read to the next, and it is
+    back on once gather returns."""
+    import json
+
+    import carpool.producer.gather as gathering
+    from carpool.celery_edge.inbox import inbox_of
+    from carpool.producer.submit import submit_many
+
+    n, chunk = 600, 30
+    results = submit_many([f"streamed {i}" for i in range(n)], model="toy")
+    store = (
+        "import json, sys, time\n"
+        "from carpool.celery_edge.app import app\n"
+        "ids = json.loads(sys.argv[1])\n"
+        f"for start in range(0, len(ids), {chunk}):\n"
+        "    time.sleep(0.015)\n"
+        "    app.backend.store_many([(t, 'SUCCESS', [i, [i] * 8, {'i': i}])\n"
+        f"                            for i, t in enumerate(ids[start:start + {chunk}], start)],\n"
+        "                           inboxes={t: sys.argv[2] for t in ids})\n"
+    )
+    reads: list[tuple[bool, int]] = []  # (collector on as the read began, messages it brought)
+    from carpool.celery_edge.result_consumer import read_result_messages as read
+
+    def recorded(*args: Any) -> tuple[list[tuple[str, Any]], bool]:
+        on = gc.isenabled()
+        messages, intact = read(*args)
+        reads.append((on, len(messages)))
+        return messages, intact
+
+    monkeypatch.setattr(gathering, "read_result_messages", recorded)
+    ids, inbox = json.dumps([r.id for r in results]), inbox_of(results[0])
+    assert inbox is not None
+    proc = subprocess.Popen([sys.executable, "-c", store, ids, inbox])
+    try:
+        got = gathering.gather(results, timeout=60)
+    finally:
+        proc.wait(timeout=60)
+    assert got == [[i, [i] * 8, {"i": i}] for i in range(n)]
+    assert gc.isenabled()
+    after_results = [on for (on, _), (_, brought) in zip(reads[1:], reads, strict=False) if brought]
+    print(f"reads (collector on, messages): {reads}")
+    assert len(after_results) >= 5, reads
+    # A busy host may stretch a gap past the 50 ms that ends a stream: most reads, not every one.
+    assert sum(not on for on in after_results) >= len(after_results) / 2, reads
 
 
 def test_submit_many_results_equal_delay_results(processes: Processes) -> None:
