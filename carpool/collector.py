@@ -19,35 +19,83 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
 
+class _Pauses:
+    """The pauses carpool holds, counted across threads: the collector goes off with the first and
+    back on with the last, and only if carpool turned it off (a collector the application turned off
+    stays off). Without the count, a gather's pause ending in one thread would turn the collector
+    back on in the middle of a ``submit_many`` in another.
+
+    Each step is ordered so that an exception arriving between two of them (a KeyboardInterrupt)
+    leaves the collector on rather than off for good."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0  # pauses held now
+        self._ours = False  # whether the collector is off because of them
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._count += 1
+            if self._count == 1 and gc.isenabled():
+                self._ours = True
+                gc.disable()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._count == 0:  # an acquire that an exception cut short
+                return
+            if self._count == 1 and self._ours:
+                gc.enable()
+                self._ours = False
+            self._count -= 1
+
+    def reset(self) -> None:
+        """In a forked child, where the parent's other threads and their pauses do not exist: no
+        pause held, a lock no thread holds, and the collector on if only a pause had turned it off."""
+        self._lock = threading.Lock()
+        self._count = 0
+        if self._ours:
+            self._ours = False
+            gc.enable()
+
+
+_pauses = _Pauses()
+os.register_at_fork(after_in_child=_pauses.reset)
+
+
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """No automatic collections inside the block (left as it is if the collector is already off)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
+    _pauses.acquire()
     try:
         yield
     finally:
-        gc.enable()
+        _pauses.release()
 
 
 class Stream:
     """The collector paused across the reads of a stream of results that are all kept, for as long as
-    they keep coming: :meth:`hold` when a read brought some, :meth:`release` when one came back empty.
+    they keep coming: :meth:`hold` when a read brought some, :meth:`release` when the stream went
+    quiet (a read came back empty, or brought none of the results waited for).
 
     A pause per read still left a collection after each read, and every tenth of those walked the
     results of the reads before again (a full one, all of them): in a gather of thousands of
     embeddings, more CPU than decoding them. Held across the stream, the results are walked once,
     by the collection the first allocation after the release sets off. A pause never lasts beyond
-    ``longest_s``: the read after that runs with the collector on, so other threads' garbage still
-    gets collected during a stream that does not end. Left as it is if the collector is already off
-    when a hold begins. Used as a context manager, it releases on the way out.
+    ``longest_s`` once reads go on: the hold after that lets the collector run (the allocations of
+    the read's work set off the collection that is due) and the next hold pauses it again, so other
+    threads' garbage still gets collected during a stream that does not end. Work that is not a
+    read of the stream (waiting on something else, re-reading the store) is for the caller to do
+    after a :meth:`release`. As with :func:`paused`, a collector the application turned off stays
+    off, but one it turns off during a pause is turned back on when the pause ends. Used as a
+    context manager, it releases on the way out.
     """
 
     def __init__(self, longest_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -66,14 +114,13 @@ class Stream:
             if self.clock() - self._since >= self.longest_s:
                 self.release()
             return
-        if gc.isenabled():
-            gc.disable()
-            self._since = self.clock()
+        self._since = self.clock()  # first: cut short here, the release that follows does no harm
+        _pauses.acquire()
 
     def release(self) -> None:
         if self._since is not None:
+            _pauses.release()
             self._since = None
-            gc.enable()
 
     def __enter__(self) -> Stream:
         return self

@@ -179,8 +179,8 @@ def gather(
     command at the end. A result stored without a message gather hears (a coordinator of an older
     release or a plain Celery worker answering, without the inbox; one published while its
     SUBSCRIBE was on its way) is read from the store after a second without one of ours.
-    The garbage collector stays paused while results keep coming (:class:`carpool.collector.Stream`:
-    no gap over 50 ms, at most a second at a time), so it walks them once, after gather.
+    The garbage collector stays paused while its results keep coming (:class:`carpool.collector.Stream`:
+    no gap over 50 ms; once they flow, a second at a time), so it walks them once, after gather.
     Not thread-safe, like Celery's result consumer it uses.
     """
     results = list(results)
@@ -204,6 +204,7 @@ def _gather(
         with deferring_cancels(consumer):
             _settle_stored(backend, consumer, state, state.pending())
             if consumer is None:  # not a pub/sub backend: Celery's own wait, per result
+                stream.release()  # no stream of results here, only waits
                 for rs in list(state.waiting.values()):
                     for r in rs:
                         r.get(timeout=state.remaining_s(), propagate=False)
@@ -267,15 +268,16 @@ def _read_and_settle(
     messages, intact = read_result_messages(backend, consumer, wait, _READ_LIMIT)
     if messages:
         stream.hold()
-    else:
-        stream.release()
     before = len(state.waiting)
     with collector.paused():  # decoded results, all kept (settle's own pause then does nothing)
         state.settle(_route(backend, consumer, messages, want=state.waiting, ignore=ours))
-    if not intact:  # the connection was replaced: what was published meanwhile is stored
-        _settle_stored(backend, consumer, state, state.pending())
-    elif len(state.waiting) < before:
+    if len(state.waiting) < before:
         heard_s = time.monotonic()
+    else:  # quiet, or only other waiters' messages: not a stream of ours
+        stream.release()
+    if not intact:  # the connection was replaced: what was published meanwhile is stored
+        stream.release()
+        _settle_stored(backend, consumer, state, state.pending())
     elif time.monotonic() - heard_s >= _QUIET_RECHECK_S:
         heard_s = time.monotonic()
         _settle_stored(backend, consumer, state, state.pending())
@@ -387,6 +389,7 @@ async def gather_async(
                     else:
                         stream.release()
                     if connections.count > reread:  # resubscribed: what was published meanwhile is stored
+                        stream.release()  # not across a round trip, while other coroutines run
                         with contextlib.suppress(*backend.connection_errors):
                             seen = connections.count
                             await _settle_stored_async(backend, client, state)

@@ -976,10 +976,12 @@ def test_gather_async(processes: Processes) -> None:
         doomed = submit_many(["expires"], model="toy", expires=0.0005, subscribe=False)
         with pytest.raises(DeadlineExceeded):
             await gather_async(first[:3] + doomed, timeout=60)
+        assert gc.isenabled(), "a gather that raised left the collector paused"
         mixed = await gather_async(first[:3] + doomed, timeout=60, return_exceptions=True)
         (never,) = submit_many(["x"], model="toy", queue="carpool.nobody", subscribe=False)
         with pytest.raises(CeleryTimeout):
             await gather_async([never], timeout=0.3)
+        assert gc.isenabled()
         return a, b, mixed
 
     a, b, mixed = asyncio.run(main())
