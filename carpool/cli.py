@@ -35,7 +35,54 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+# Celery worker options that carpool's worker sets itself, and why another value cannot work.
+_ONE_PROCESS = (
+    "carpool worker runs Celery's solo pool: one process owns the accelerator and overlaps it with "
+    "its own threads (a pool of children would load the models once per child and share the device "
+    "between them); for more throughput run one `carpool worker` per GPU"
+)
+_FIXED_WORKER_OPTIONS: dict[tuple[str, ...], tuple[str | None, str]] = {
+    # flags: (the one value allowed, why)
+    ("-P", "--pool"): ("solo", _ONE_PROCESS),
+    ("-c", "--concurrency"): ("1", _ONE_PROCESS),
+    ("--autoscale",): (None, _ONE_PROCESS),
+    ("--max-tasks-per-child",): (None, "it applies to a prefork pool's children; " + _ONE_PROCESS),
+    ("--max-memory-per-child",): (None, "it applies to a prefork pool's children; " + _ONE_PROCESS),
+    ("-Q", "--queues"): (
+        None,
+        "a worker's batch queues follow CARPOOL_BATCH_QUEUE and the tasks it serves: set those, or "
+        "`carpool worker --tasks` (CARPOOL_SERVE_TASKS)",
+    ),
+    ("-X", "--exclude-queues"): (
+        None,
+        "a worker's batch queues follow the tasks it serves: `carpool worker --tasks` "
+        "(CARPOOL_SERVE_TASKS) chooses them",
+    ),
+    ("-n", "--hostname"): (
+        None,
+        "carpool names its worker carpool-gpu-<pid>@<host>, the name its task events and "
+        "heartbeats carry, so that Flower and `carpool status` put them together",
+    ),
+}
+
+
+def celery_worker_options(extra: Sequence[str]) -> list[str]:
+    """The ``celery worker`` options given to ``carpool worker`` after its own, checked: one that
+    carpool's worker sets itself, with another value, raises :class:`ConfigError` naming it and what
+    to do instead (rather than being overridden or ignored); the rest go on to Celery as given."""
+    fixed = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flags in _FIXED_WORKER_OPTIONS:
+        fixed.add_argument(*flags, dest=flags[-1], action="append")
+    found, rest = fixed.parse_known_args(list(extra))
+    for flags, (allowed, why) in _FIXED_WORKER_OPTIONS.items():
+        for value in getattr(found, flags[-1]) or ():
+            if allowed is None or value != allowed:
+                raise ConfigError(f"celery worker option {flags[-1]} {value} refused: {why}")
+    return rest
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
+    extra = celery_worker_options(args.celery_args)
     _task_flags(args)
     from carpool.celery_edge.app import app, decode_json_fast, settings_of
     from carpool.gpu_worker import task  # noqa: F401  (registers carpool.run_batch)
@@ -56,7 +103,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--without-gossip",
         "--without-mingle",
         "--task-events",
-        *args.celery_args,
+        *extra,
     ]
     app.worker_main(argv)
     return 0
@@ -76,15 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglevel", default="info")
     p.add_argument("--imports", help=imports_help)
     p.set_defaults(func=cmd_coordinator)
-    p = sub.add_parser("worker", help="run batches on this machine's accelerator (a Celery worker)")
+    p = sub.add_parser(
+        "worker",
+        help="run batches on this machine's accelerator (a Celery worker)",
+        usage="carpool worker [--loglevel L] [--imports M] [--tasks T] [celery worker options...]",
+        epilog="Other options go to `celery worker` as given (-O fair, --pidfile, --without-heartbeat...), "
+        "except those carpool sets itself: --pool, --concurrency, --autoscale, --queues, --exclude-queues, "
+        "--hostname, --max-tasks/memory-per-child (refused, with what to do instead).",
+    )
     p.add_argument("--loglevel", default="info")
     p.add_argument("--imports", help=imports_help)
     p.add_argument(
         "--tasks",
         help="run only these tasks, comma separated (carpool.infer for the models); default: every task",
     )
-    p.add_argument("celery_args", nargs=argparse.REMAINDER, help="extra arguments for celery worker")
-    p.set_defaults(func=cmd_worker)
+    p.set_defaults(func=cmd_worker, celery_args=[])
     p = sub.add_parser("demo", help="embedded Redis + coordinator + worker, a burst of mixed texts, a report")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
@@ -106,7 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if args.func is not cmd_worker:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.celery_args = unknown  # celery worker's own options
     try:
         return int(args.func(args))
     except ConfigError as exc:

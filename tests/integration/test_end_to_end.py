@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -220,6 +221,23 @@ def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
 def _commands(client: redis.Redis, *names: str) -> int:
     stats = client.info("commandstats")
     return sum(int(stats.get(f"cmdstat_{n}", {}).get("calls", 0)) for n in names)
+
+
+def test_a_worker_passes_celery_options_on_and_serves(processes: Processes, tmp_path: Path) -> None:
+    """``carpool worker`` hands the Celery worker options it does not set itself to Celery (here
+    ``--pidfile`` and ``-O fair``), and the worker serves as ever."""
+    from carpool.tasks import infer
+
+    pidfile = tmp_path / "worker.pid"
+    processes.start("coordinator", "coordinator", CARPOOL_MODEL="toy")
+    worker = processes.spawn(
+        "worker0",
+        ["carpool", "worker", "--loglevel", "info", "--pidfile", str(pidfile), "-O", "fair"],
+        CARPOOL_MODEL="toy",
+    )
+    processes.wait_workers(1, timeout_s=60)
+    assert infer.delay("through a worker with options").get(timeout=30) is not None
+    assert pidfile.read_text().strip() == str(worker.pid), "Celery did not get --pidfile"
 
 
 def test_an_idle_coordinator_waits_in_redis_and_a_request_wakes_it(processes: Processes) -> None:
