@@ -219,6 +219,7 @@ class WorkerRuntime:
                 self._give_back(next_taken)  # Celery's consumer runs it, or drops it as revoked
                 return
             self.batches_taken += 1
+            compat.count_task_run(RUN_BATCH_TASK)
             try:
                 _, next_taken = self._run_one(
                     task.args[0], task.request, time.perf_counter(), until, own=next_taken

@@ -357,6 +357,18 @@ def test_a_worker_runs_the_batches_its_claims_take_and_a_warm_restart_mid_burst_
         assert all(np.array(g, dtype=np.float32).tobytes() in rows for g in got)
         taken = [int(n) for n in re.findall(r"batches its claims took: (\d+)", whole_log("worker0"))]
         assert taken and sum(taken) > 0, "no batch was taken by a claim"
+
+        def run_by_worker() -> int:  # the tasks Celery delivered, and the batches their claims took
+            log = whole_log("worker0")
+            delivered = len(re.findall(r"Task carpool\.run_batch\[[^\]]+\] succeeded", log))
+            return delivered + sum(int(n) for n in re.findall(r"batches its claims took: (\d+)", log))
+
+        def celery_total() -> int:
+            stats = app.control.inspect(timeout=2.0).stats() or {}
+            return sum(s.get("total", {}).get("carpool.run_batch", 0) for s in stats.values())
+
+        # Celery's own totals (`celery inspect stats`) count the batches its claims took too.
+        wait_for("Celery's totals to count every batch", lambda: celery_total() == run_by_worker() > 0)
         results = submit_many(mixed_texts(3000, seed=22), app=app)
         client, claimed = processes.redis_client(), Keys("carpool.requests").inflight_claimed
         wait_for("batches claimed", lambda: client.hlen(claimed) > 0)
