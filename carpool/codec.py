@@ -22,6 +22,13 @@ straight from it, with no Python floats in between. A float32 value is written i
 that reads back as the same float32 (about half the characters of the float64 it would become as a
 Python float): the float a reader parses from it equals the model's value once cast to float32,
 exactly. float64 values are written as Python writes them, so they read back unchanged.
+
+Results are msgpack by default (``CARPOOL_RESULT_SERIALIZER``): :func:`packb_result` writes a float
+row as msgpack floats of the array's own width, straight from the array (ormsgpack), so a reader
+gets the model's float32 values exactly (what ``row.tolist()`` gives) for a tenth of the CPU that
+formatting decimals costs and about 40% of the bytes. Anything else goes through ``msgpack.packb``
+as kombu's msgpack serializer would write it. A non-finite float becomes ``None`` there too, so a
+row reads the same under either serializer but for the digits of its floats.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import math
 import sys
 from typing import Any
 
+import msgpack
 import orjson
+import ormsgpack
 
 _PLAIN = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
 
@@ -81,6 +90,56 @@ def dumps_result(value: Any) -> bytes | None:
     return dumps_plain(value)
 
 
+def packb_result(value: Any) -> bytes | None:
+    """msgpack of a task's result, as kombu's msgpack serializer would decode it: a 1-D numpy array
+    of finite floats in this machine's byte order written by ormsgpack from the array itself
+    (float32 as msgpack float32), any other array as the values :func:`stored_form` gives, anything
+    else as :func:`packb_plain` writes it."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(value) is numpy.ndarray:
+        dtype = value.dtype
+        if (
+            value.ndim == 1
+            and dtype.kind == "f"
+            and dtype.itemsize in (4, 8)
+            and dtype.isnative
+            and numpy.isfinite(value).all()
+        ):
+            if not value.flags.c_contiguous:
+                value = numpy.ascontiguousarray(value)
+            packed: bytes = ormsgpack.packb(value, option=ormsgpack.OPT_SERIALIZE_NUMPY)
+            return packed
+        return packb_plain(stored_form(value, "msgpack"))
+    return packb_plain(value)
+
+
+def packb_plain(value: Any) -> bytes | None:
+    """msgpack of ``value`` as kombu's msgpack serializer writes it, if a reader gets the same value
+    back (lists for tuples, as JSON gives too), else None: a type msgpack has no form for (a
+    datetime, say), or a map key other than a string, which kombu's reader refuses."""
+    try:
+        encoded: bytes = msgpack.packb(value, use_bin_type=True)
+        if type(value) is not list or (value and type(value[0]) in _CONTAINERS):
+            msgpack.unpackb(encoded, raw=False)  # strict map keys: what a reader would refuse
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return encoded
+
+
+_CONTAINERS = frozenset({list, tuple, dict})
+
+
+def unpackb(data: bytes) -> Any:
+    """A msgpack result meta, as kombu's msgpack serializer decodes it."""
+    return msgpack.unpackb(data, raw=False)
+
+
+def loads_result(data: bytes) -> Any:
+    """A result meta as carpool writes it under either serializer (a JSON one starts with "{", a
+    msgpack one with a map's type byte), without kombu's type tags."""
+    return loads(data) if data[:1] == b"{" else unpackb(data)
+
+
 def native_numpy(array: Any) -> bool:
     """Whether :func:`dumps_result` writes numpy ``array`` straight from its values (orjson's numpy
     types: integers, bools, float32 and float64, in this machine's byte order), not from the Python
@@ -121,14 +180,25 @@ _F32_EXACT_FROM = 1e-3  # magnitudes from here ...
 _F32_EXACT_BELOW = 1e10  # ... to here read back exactly in their shortest float32 form
 
 
-def stored_form(value: Any) -> Any:
-    """``value`` as a reader of its stored result gets it back: a numpy array becomes the lists of
-    Python numbers that :func:`dumps_result` writes; anything else is returned as it is."""
+def stored_form(value: Any, serializer: str = "json") -> Any:
+    """``value`` as a reader of its result stored with ``serializer`` gets it back: a numpy array
+    becomes the lists of Python numbers that :func:`dumps_result` writes (json), or its values with
+    each non-finite float as None (msgpack); anything else is returned as it is."""
     numpy = sys.modules.get("numpy")
     if numpy is not None and type(value) is numpy.ndarray:
+        if serializer == "msgpack":
+            if value.dtype.kind not in "fc" or numpy.isfinite(value).all():
+                return value.tolist()
+            return _finite_or_none(value.tolist())
         encoded = dumps_result(value)
         return value.tolist() if encoded is None else orjson.loads(encoded)
     return value
+
+
+def _finite_or_none(values: Any) -> Any:
+    if type(values) is list:
+        return [_finite_or_none(v) for v in values]
+    return values if type(values) is not float or math.isfinite(values) else None
 
 
 def flat_plain(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> bool:
@@ -171,9 +241,10 @@ def finite(value: Any) -> bool:
     return True
 
 
-def storable(task: str, outcomes: list[tuple[bool, Any]]) -> list[tuple[bool, Any]]:
+def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "json") -> list[tuple[bool, Any]]:
     """Each successful output that JSON cannot carry to ``.get()`` unchanged becomes that request's
-    failure (Celery's own tagged types, such as datetimes, are carried as Celery carries them)."""
+    failure (Celery's own tagged types, such as datetimes, are carried as Celery carries them with
+    the json ``serializer``; with msgpack, which has no tags, those msgpack cannot carry fail too)."""
     out: list[tuple[bool, Any]] = []
     for ok, value in outcomes:
         if ok:
@@ -182,7 +253,19 @@ def storable(task: str, outcomes: list[tuple[bool, Any]]) -> list[tuple[bool, An
             except ValueError as exc:
                 ok, value = False, ValueError(f"{task} returned {value!r:.80}: {exc}; return finite numbers")
             except TypeError as exc:
-                if "64-bit" in str(exc) or not _kombu_json(value):
+                if serializer == "msgpack" and "64-bit" not in str(exc) and _kombu_json(value):
+                    if packb_plain(value) is None:  # what only Celery's JSON tags carry
+                        ok, value = (
+                            False,
+                            TypeError(
+                                f"{task} returned {type(value).__name__} {value!r:.80}, which msgpack "
+                                "results cannot carry unchanged; return lists, dicts with string keys, "
+                                "strings and numbers, or store results as JSON "
+                                "(CARPOOL_RESULT_SERIALIZER=json), where Celery tags datetimes, UUIDs "
+                                "and decimals"
+                            ),
+                        )
+                elif "64-bit" in str(exc) or not _kombu_json(value):
                     ok, value = (
                         False,
                         TypeError(

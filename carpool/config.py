@@ -187,6 +187,14 @@ class Settings(BaseSettings):
     max_input_bytes: int = Field(65536, ge=1, description="Largest accepted text, UTF-8 bytes.")
     max_pending: int = Field(100_000, ge=1, description="Past this many waiting requests, reject new ones.")
     result_expires_s: int = Field(86400, ge=1, description="How long results stay in the backend.")
+    result_serializer: Literal["msgpack", "json"] = Field(
+        "msgpack",
+        description=(
+            "How results are stored (Celery's result_serializer; both are always readable). msgpack: an "
+            "embedding's floats as the model's float32 values, exactly, at a fraction of JSON's cost; json: "
+            "each float as its shortest decimal form, as before."
+        ),
+    )
 
     # --- coordinator internals ---------------------------------------------------------------
     take_max: int = Field(

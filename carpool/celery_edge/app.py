@@ -133,10 +133,11 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.conf.update(
         sockets,
         task_serializer="json",
-        result_serializer="json",
+        result_serializer=settings.result_serializer,
         event_serializer="json",
         accept_content=["json"],
-        result_accept_content=["json"],
+        # Both, whichever this process writes: results stored under the other setting stay readable.
+        result_accept_content=["json", "msgpack"],
         task_routes=(
             {
                 INFER_TASK: {"queue": settings.request_queue},

@@ -48,16 +48,17 @@ EventsMode = bool | Literal["auto"]
 _start_lock = threading.Lock()  # one probe thread per process, whichever thread asks first
 
 
-def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
+def short_repr(value: Any, limit: int = REPR_LIMIT, serializer: str = "json") -> str:
     """A repr of ``value`` cut to ``limit`` characters, without building the whole repr of a long list.
 
     An embedding is a list of hundreds of floats: a ``repr`` of all of it, to show 200 characters,
     would be the largest per-request cost of a worker on a fast model, and even ``repr`` of the 16
     floats shown costs more than the rest of the event, so numbers are written by orjson where its
-    text is ``repr``'s. A model's numpy row is shown as the list a reader of its result gets back.
+    text is ``repr``'s. A model's numpy row is shown as the list a reader of its result stored with
+    ``serializer`` gets back.
     """
     if getattr(value, "ndim", None) and hasattr(value, "tolist"):  # a model's row (numpy, torch)
-        text = _list_text(value, _array_text(value[:SHOWN_ITEMS]))
+        text = _list_text(value, _array_text(value[:SHOWN_ITEMS], serializer))
     elif isinstance(value, list) or (isinstance(value, tuple) and len(value) > SHOWN_ITEMS):
         head = value[:SHOWN_ITEMS]
         shown = _numbers_text(head) if set(map(type, head)) <= _NUMBERS else None
@@ -72,14 +73,18 @@ def _list_text(value: Any, shown: str) -> str:
     return f"[{shown}, ... ({size} items)]" if size > SHOWN_ITEMS else f"[{shown}]"
 
 
-def _array_text(head: Any) -> str:
+def _array_text(head: Any, serializer: str = "json") -> str:
     """The items of an array as :func:`short_repr` shows them; a numpy array's as a reader of its
-    stored result gets them back."""
+    result stored with ``serializer`` gets them back."""
     numpy = sys.modules.get("numpy")
     if numpy is None or type(head) is not numpy.ndarray:
         return ", ".join(map(repr, head.tolist()))
-    shown = _numbers_text(head, orjson.OPT_SERIALIZE_NUMPY) if native_numpy(head) else None
-    return ", ".join(map(repr, stored_form(head))) if shown is None else shown
+    if serializer == "json":
+        shown = _numbers_text(head, orjson.OPT_SERIALIZE_NUMPY) if native_numpy(head) else None
+    else:  # msgpack: the values themselves, as Python floats
+        values = stored_form(head, serializer)
+        shown = _numbers_text(values) if head.ndim == 1 and set(map(type, values)) <= _NUMBERS else None
+    return ", ".join(map(repr, stored_form(head, serializer))) if shown is None else shown
 
 
 _NUMBERS = frozenset({float, int})
@@ -167,6 +172,7 @@ class TaskEvents:
         self.mode = mode
         self.hostname = hostname
         self._app = app
+        self._serializer = str(app.conf.result_serializer)  # results are shown as their readers get them
         self._client = client  # a redis.Redis on the broker, for flush() and the listener probe
         self._encoder: Any = None
         self._listeners: Listeners | None = None
@@ -284,7 +290,8 @@ class TaskEvents:
 
     def succeeded(self, task_id: str, result: Any, runtime_s: float, limit: int = REPR_LIMIT) -> None:
         self._event(
-            "task-succeeded", {"uuid": task_id, "result": short_repr(result, limit), "runtime": runtime_s}
+            "task-succeeded",
+            {"uuid": task_id, "result": short_repr(result, limit, self._serializer), "runtime": runtime_s},
         )
 
     def outcomes(self, entries: Iterable[tuple[str, str, Any]], runtime_s: float) -> None:
@@ -296,7 +303,8 @@ class TaskEvents:
         forward, buffer = self._app.clock.forward, self._buffer
         for task_id, state, value in entries:
             if state == SUCCESS:
-                buffer.append({**header, "uuid": task_id, "result": short_repr(value), "clock": forward()})
+                shown = short_repr(value, serializer=self._serializer)
+                buffer.append({**header, "uuid": task_id, "result": shown, "clock": forward()})
             elif state == FAILURE:
                 self.failed(task_id, value, runtime_s)
             else:

@@ -17,10 +17,11 @@ from typing import Any
 
 from celery import states
 from celery.backends.redis import RedisBackend, SentinelBackend
+from kombu.serialization import loads
 
 from carpool.celery_edge.compat import result_meta
 from carpool.celery_edge.result_consumer import PromptResultConsumer
-from carpool.codec import dumps_plain, dumps_result
+from carpool.codec import dumps_plain, dumps_result, packb_plain, packb_result, unpackb
 from carpool.codec import loads as json_loads
 from carpool.names import INBOX_CHANNEL
 from carpool.redis_edge import lua
@@ -49,19 +50,25 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         return super().get_key_for_task(task_id, key)
 
     def decode(self, payload: Any) -> Any:
-        """A stored or published result meta, decoded. Plain JSON (what carpool stores) goes through
-        orjson; anything with kombu's type tags, or another serializer, through kombu."""
-        if (
-            self.content_type == "application/json"
-            and type(payload) is bytes
-            and payload
+        """A stored or published result meta, decoded, whichever of json and msgpack wrote it (a
+        JSON meta starts with "{", a msgpack one with a map's type byte, never "{"): a process
+        reads results stored under either ``CARPOOL_RESULT_SERIALIZER``. Plain JSON goes through
+        orjson, msgpack through msgpack's C reader; JSON with kombu's type tags through kombu."""
+        if type(payload) is bytes and payload:
+            if payload[0] != 0x7B:  # "{"
+                if payload[0] in _MSGPACK_MAPS:
+                    try:
+                        return unpackb(payload)
+                    except ValueError:
+                        pass  # not msgpack after all: kombu decides, as before
             # A tag is an object inside the meta: with no second "{" (a vector's meta) there is none.
-            and (payload.find(b"{", 1) == -1 or b'"__type__"' not in payload)
-        ):
-            try:
-                return json_loads(payload)
-            except ValueError:
-                pass  # not JSON after all: kombu raises its DecodeError, as before
+            elif payload.find(b"{", 1) == -1 or b'"__type__"' not in payload:
+                try:
+                    return json_loads(payload)
+                except ValueError:
+                    pass  # not JSON after all: kombu raises its DecodeError, as before
+            elif self.content_type != "application/json":
+                return loads(payload, "application/json", "utf-8", accept=self.accept)  # type: ignore[no-untyped-call]  # kombu is untyped
         return super().decode(payload)
 
     def meta_for(self, task_id: str, state: str, result: Any, date_done: str | None = None) -> bytes:
@@ -73,10 +80,15 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         Celery's general path costs several times the encoding itself. Failures (rare) take Celery's
         path, which knows how to serialise exceptions.
         """
-        if state == SUCCESS and date_done is not None and self.serializer == "json":
-            encoded = dumps_result(result)
-            if encoded is not None:  # else not plain JSON: Celery's encoder decides
-                return success_meta(encoded, dumps_plain(date_done) or b"null", task_id)
+        if state == SUCCESS and date_done is not None and self.serializer in _DIRECT:
+            if self.serializer == "msgpack":
+                encoded = packb_result(result)
+                if encoded is not None:  # else not plain msgpack: Celery's encoder decides
+                    return success_msgpack(encoded, packb_plain(date_done) or b"\xc0", task_id)
+            else:
+                encoded = dumps_result(result)
+                if encoded is not None:  # else not plain JSON: Celery's encoder decides
+                    return success_meta(encoded, dumps_plain(date_done) or b"null", task_id)
         meta = result_meta(self, self.encode_result(result, state), state)
         meta["task_id"] = task_id
         encoded = self.encode(meta)
@@ -97,16 +109,19 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         if not entries:
             return ResultWrites((), (), expiry_s)
         date_done = self.app.now().isoformat()
-        date_done_json = dumps_plain(date_done) or b"null"
-        direct = self.serializer == "json"
+        if self.serializer == "msgpack":
+            encode, meta, done = packb_result, success_msgpack, packb_plain(date_done) or b"\xc0"
+        else:
+            encode, meta, done = dumps_result, success_meta, dumps_plain(date_done) or b"null"
+        direct = self.serializer in _DIRECT
         keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
         payloads = []
         for task_id, state, result in entries:  # meta_for's direct path inlined: it runs per request
-            encoded = dumps_result(result) if direct and state == SUCCESS else None
+            encoded = encode(result) if direct and state == SUCCESS else None
             if encoded is None:
                 payloads.append(self.meta_for(task_id, state, result, date_done))
             else:
-                payloads.append(success_meta(encoded, date_done_json, task_id))
+                payloads.append(meta(encoded, done, task_id))
         if not inboxes:
             return ResultWrites(keys, payloads, expiry_s)
         boxes = [inboxes.get(task_id, "") for task_id, _, _ in entries]
@@ -142,19 +157,36 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         return {t for t, v in zip(task_ids, found, strict=True) if v is not None}
 
 
-def success_meta(result_json: bytes, date_done_json: bytes, task_id: str) -> bytes:
+def success_meta(result: bytes, date_done: bytes, task_id: str) -> bytes:
     """Celery's result meta of a success, encoded: the bytes ``orjson.dumps`` gives for the dict
     ``{"status": "SUCCESS", "result": ..., "traceback": None, "children": None, "date_done": ...,
     "task_id": ...}``, joined around the encoded result instead of encoding a dict holding it."""
     task_id_json = dumps_plain(task_id) or b"null"
-    return b"".join(
-        (_SUCCESS_HEAD, result_json, _SUCCESS_MIDDLE, date_done_json, _SUCCESS_TAIL, task_id_json, b"}")
-    )
+    return b"".join((_SUCCESS_HEAD, result, _SUCCESS_MIDDLE, date_done, _SUCCESS_TAIL, task_id_json, b"}"))
 
 
 _SUCCESS_HEAD = b'{"status":"SUCCESS","result":'
 _SUCCESS_MIDDLE = b',"traceback":null,"children":null,"date_done":'
 _SUCCESS_TAIL = b',"task_id":'
+
+
+def success_msgpack(result: bytes, date_done: bytes, task_id: str) -> bytes:
+    """:func:`success_meta` in msgpack: the bytes ``msgpack.packb`` gives for the same dict, joined
+    around the packed result (and the packed ``date_done``)."""
+    return b"".join(
+        (_PACKED_HEAD, result, _PACKED_MIDDLE, date_done, _PACKED_TAIL, packb_plain(task_id) or b"\xc0")
+    )
+
+
+def _packed(*items: Any) -> bytes:
+    return b"".join(packb_plain(item) or b"\xc0" for item in items)
+
+
+_PACKED_HEAD = b"\x86" + _packed("status", "SUCCESS", "result")  # a map of six
+_PACKED_MIDDLE = _packed("traceback", None, "children", None, "date_done")
+_PACKED_TAIL = _packed("task_id")
+_MSGPACK_MAPS = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})  # fixmap, map 16, map 32
+_DIRECT = frozenset({"json", "msgpack"})  # the serializers carpool writes metas for itself
 
 
 class CarpoolSentinelBackend(CarpoolRedisBackend, SentinelBackend):  # type: ignore[misc]

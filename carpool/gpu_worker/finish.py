@@ -95,7 +95,7 @@ def apply_links(
         if request_links is None:
             continue
         if state == SUCCESS:  # the next steps get the result as .get() returns it
-            unsent += links.on_success(app, task_id, request_links, stored_form(value))
+            unsent += links.on_success(app, task_id, request_links, stored_form(value, backend.serializer))
         elif state == FAILURE:
             links.on_failure(app, task_id, task, request_links, value)
     if unsent:

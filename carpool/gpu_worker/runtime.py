@@ -524,7 +524,7 @@ class WorkerRuntime:
             outcomes = [(True, out) for out in outputs]
             spec = served_spec(self.specs, self.served, batch["task"])
             if spec.checks_outputs:
-                outcomes = storable(spec.name, outcomes)
+                outcomes = storable(spec.name, outcomes, self.settings.result_serializer)
                 if not all(ok for ok, _ in outcomes):
                     run_s = None
         self._record(live, outcomes, entries)
@@ -562,7 +562,7 @@ class WorkerRuntime:
             call = spec.batch_function(batch["model"], self.device, self.settings)
             outcomes = run_call_isolating(call, [r["item"] for r in live], lengths)
             if spec.checks_outputs:
-                outcomes = storable(spec.name, outcomes)
+                outcomes = storable(spec.name, outcomes, self.settings.result_serializer)
             elapsed = time.perf_counter() - t0
             self._last_run_s[batch["model"]] = elapsed
             if all(ok for ok, _ in outcomes):

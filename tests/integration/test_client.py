@@ -989,10 +989,14 @@ def test_gather_async(processes: Processes) -> None:
     assert isinstance(mixed[3], DeadlineExceeded) and mixed[:3] == a[:3]
 
 
-def test_a_plain_celery_client_reads_the_results_gather_returns(processes: Processes) -> None:
+@pytest.mark.parametrize("serializer", ["msgpack", "json"])
+def test_a_plain_celery_client_reads_the_results_gather_returns(
+    processes: Processes, serializer: str
+) -> None:
     """Results written from a model's float32 rows are standard Celery result metas: a Celery app that
-    knows nothing of carpool (only the URLs, JSON) reads each one equal to what gather returns, and
-    equal to the model's float32 row once cast to float32."""
+    knows nothing of carpool (only the URLs and the result serializer) reads each one equal to what
+    gather returns; under msgpack each value is the model's float32 value exactly, under json equal
+    to it once cast to float32."""
     import numpy as np
     from celery import Celery
 
@@ -1002,11 +1006,17 @@ def test_a_plain_celery_client_reads_the_results_gather_returns(processes: Proce
     from carpool.producer.submit import submit_many
     from carpool.tools.harness import release_result_consumer
 
-    sim = {"CARPOOL_MODEL": "sim-h100", "CARPOOL_MODELS": "sim-h100"}
+    sim = {"CARPOOL_MODEL": "sim-h100", "CARPOOL_MODELS": "sim-h100", "CARPOOL_RESULT_SERIALIZER": serializer}
     start_stack(processes, **sim)
-    app = create_app(processes.settings().model_copy(update={"model": "sim-h100", "models": ("sim-h100",)}))
+    app = create_app(
+        processes.settings().model_copy(
+            update={"model": "sim-h100", "models": ("sim-h100",), "result_serializer": serializer}
+        )
+    )
     plain = Celery("plain", broker=processes.broker_url, backend=processes.result_backend)
-    plain.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"])
+    plain.conf.update(
+        result_serializer=serializer, accept_content=["json"], result_accept_content=[serializer]
+    )
     try:
         results = submit_many(mixed_texts(40, seed=5), app=app)
         got = gather(results, timeout=60)
@@ -1019,6 +1029,9 @@ def test_a_plain_celery_client_reads_the_results_gather_returns(processes: Proce
     rows = {row.tobytes() for row in output_table()}  # what the model returns, a row per request
     assert all(isinstance(v, float) for v in got[0])
     assert all(np.array(g, dtype=np.float64).astype(np.float32).tobytes() in rows for g in got)
+    if serializer == "msgpack":  # the float32 values themselves, widened: row.tolist() exactly
+        exact = {tuple(row.tolist()) for row in output_table()}
+        assert all(tuple(g) in exact for g in got)
 
 
 def test_closing_the_app_closes_every_connection_carpool_opened(processes: Processes) -> None:

@@ -172,7 +172,8 @@ def test_gather_over_the_inbox_with_failures_and_other_readers(processes: Proces
     )
     assert inbox_of(inboxed[0]) == inbox_of(refused) and inbox_of(plain[0]) is None
     other = Celery("plain", broker=processes.broker_url, backend=processes.result_backend)
-    other.conf.update(result_serializer="json", accept_content=["json"], result_accept_content=["json"])
+    # A plain Celery client of the same app: carpool's result serializer, nothing else of carpool.
+    other.conf.update(result_serializer="msgpack", accept_content=["json"], result_accept_content=["msgpack"])
     try:
         # Another client waits on the result's own channel, as ever.
         watched = other.AsyncResult(inboxed[-1].id).get(timeout=60)

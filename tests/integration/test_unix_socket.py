@@ -45,6 +45,7 @@ def test_a_stack_on_a_unix_socket_serves_every_path_and_a_plain_celery_client(tm
         assert settings.broker_url == broker_url
         app = create_app(settings.model_copy(update=TOY))
         plain = Celery("plain", broker=broker_url, backend=backend_url)
+        plain.conf.update(result_serializer="msgpack", result_accept_content=["msgpack"])  # as carpool's app
         with Harness(server, tmp_path) as processes:
             processes.start_stack(1, wait=True, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
             try:

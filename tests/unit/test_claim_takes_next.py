@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from carpool.celery_edge.received import accepted, marker, read_task
-from carpool.codec import loads
+from carpool.codec import loads_result as loads
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import Claimed
 from carpool.wire import RequestSlot, batch_message

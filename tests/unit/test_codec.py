@@ -107,7 +107,8 @@ def test_result_backend_keys_and_decoding_match_celery() -> None:
     """The backend's direct key and orjson decoding give what Celery's own code gives."""
     from celery.backends.redis import RedisBackend
 
-    from carpool.celery_edge.app import app
+    from carpool.celery_edge.app import app, create_app
+    from carpool.config import Settings
 
     backend = app.backend
     for task_id in (str(uuid.uuid4()), "plain-id", "Ünïcödé"):
@@ -115,6 +116,9 @@ def test_result_backend_keys_and_decoding_match_celery() -> None:
     assert backend.get_key_for_task("x", "suffix") == RedisBackend.get_key_for_task(backend, "x", "suffix")
     with pytest.raises(ValueError):
         backend.get_key_for_task("")
+    meta = backend.meta_for("t1", "SUCCESS", [0.5, -1.25, 3], datetime.now(UTC).isoformat())
+    assert backend.decode(meta) == RedisBackend.decode(backend, meta)  # msgpack, the default
+    backend = create_app(Settings(result_serializer="json")).backend
     meta = backend.meta_for("t1", "SUCCESS", [0.5, -1.25, 3], datetime.now(UTC).isoformat())
     assert backend.decode(meta) == RedisBackend.decode(backend, meta)
     tagged = backend.encode(

@@ -7,19 +7,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgpack
 import numpy as np
 import orjson
 import pytest
+from celery.backends.redis import RedisBackend
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from carpool.celery_edge.app import app
+from carpool.celery_edge.app import app, create_app
 from carpool.celery_edge.events import short_repr
 from carpool.celery_edge.results import SUCCESS, success_meta
-from carpool.codec import dumps_result, float32_rows, stored_form
+from carpool.codec import dumps_result, float32_rows, packb_result, storable, stored_form
+from carpool.config import Settings
 from carpool.gpu_worker.runner import output_rows
 from tests.unit.test_codec import plain
+
+json_app = create_app(Settings(result_serializer="json"))  # results as JSON, as before msgpack
 
 # A float32 whose shortest form, 7.038531e-26, reads back (float64, then float32) as its neighbour:
 # the double rounding float32_rows guards against.
@@ -102,10 +107,16 @@ def test_a_success_meta_is_the_dict_celery_would_encode(value: Any) -> None:
             "date_done": date_done,
             "task_id": task_id,
         }
-        encoded = app.backend.meta_for(task_id, SUCCESS, value, date_done)
+        encoded = json_app.backend.meta_for(task_id, SUCCESS, value, date_done)
         assert encoded == orjson.dumps(meta)
         assert encoded == success_meta(orjson.dumps(value), orjson.dumps(date_done), task_id)
+        assert json_app.backend.decode_result(encoded)["result"] == value
+        packed = app.backend.meta_for(task_id, SUCCESS, value, date_done)  # msgpack, the default
+        assert packed == msgpack.packb(meta, use_bin_type=True)  # as kombu's msgpack writes it
+        assert RedisBackend.decode(app.backend, packed) == meta  # as plain Celery reads it
+        # Either process reads what the other wrote, whatever its own setting.
         assert app.backend.decode_result(encoded)["result"] == value
+        assert json_app.backend.decode_result(packed)["result"] == value
 
 
 def test_a_float_result_stays_the_same_float() -> None:
@@ -163,3 +174,69 @@ def test_stored_form_is_what_a_reader_gets() -> None:
     row = np.array([0.1, DOUBLE_ROUNDED], dtype=np.float32)
     assert stored_form(row) == orjson.loads(_encoded(row))
     assert stored_form([0.1, "x"]) == [0.1, "x"]
+
+
+# --- msgpack results (CARPOOL_RESULT_SERIALIZER=msgpack, the default) ------------------------------
+
+
+@given(
+    f32_batches
+    | hnp.arrays(
+        np.float64, st.integers(0, 70_000), elements=st.floats(allow_nan=False, allow_infinity=False)
+    )
+)
+def test_a_float_row_packs_as_the_exact_values_a_plain_celery_reader_gets(row: np.ndarray) -> None:
+    """What kombu's msgpack reader (a plain Celery client) gets back is the model's values exactly:
+    ``row.tolist()``, each float32 widened, not a decimal near it."""
+    for one in row if row.ndim == 2 else [row]:
+        packed = packb_result(one)
+        assert packed is not None
+        read = msgpack.unpackb(packed, raw=False)
+        assert read == one.tolist() == stored_form(one, "msgpack")
+        assert [v.hex() for v in read] == [v.hex() for v in one.tolist()]
+
+
+def test_a_packed_float32_row_is_about_two_fifths_of_its_json() -> None:
+    row = np.random.default_rng(0).standard_normal(384).astype(np.float32)
+    row /= np.linalg.norm(row)
+    packed = packb_result(row)
+    assert packed is not None and len(packed) == 3 + 5 * 384  # array header, then type byte + 4 bytes each
+    assert len(packed) < 0.45 * len(_encoded(row))
+
+
+def test_non_finite_floats_and_other_arrays_pack_as_json_would_give_them() -> None:
+    """Under either serializer a reader gets None for a non-finite float, and lists of the values
+    for other arrays: only the digits of a float differ between the two."""
+    odd = np.array([1.5, np.nan, -np.inf], dtype=np.float32)
+    assert (
+        msgpack.unpackb(packb_result(odd))
+        == [1.5, None, None]
+        == json_app.backend.decode_result(
+            json_app.backend.meta_for("t", SUCCESS, odd, "2026-11-30T00:00:00")
+        )["result"]
+    )
+    swapped = np.array([0.1, -2.5], dtype=">f4")  # not this machine's byte order
+    strided = np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1]  # not contiguous
+    others = (np.arange(5), np.ones((2, 3), np.float32), np.array([True, False]), np.ones(3, np.float16))
+    for array in (*others, swapped, strided):
+        assert msgpack.unpackb(packb_result(array)) == array.tolist() == stored_form(array, "msgpack")
+
+
+def test_a_result_msgpack_cannot_carry_unchanged_fails_naming_the_json_setting() -> None:
+    from datetime import UTC, datetime
+
+    values = [datetime(2026, 1, 1, tzinfo=UTC), {1: "int key"}, {"fine": [1, 2.5, "x"]}]
+    outcomes = storable("app.tag", [(True, v) for v in values], "msgpack")
+    assert [ok for ok, _ in outcomes] == [False, False, True]
+    for _, error in outcomes[:2]:
+        assert isinstance(error, TypeError)
+        assert "app.tag returned" in str(error) and "CARPOOL_RESULT_SERIALIZER=json" in str(error)
+    # Under json Celery tags the datetime, so it is stored as before.
+    assert storable("app.tag", [(True, values[0])], "json") == [(True, values[0])]
+
+
+def test_a_numpy_row_shows_in_flower_as_the_msgpack_reader_gets_it() -> None:
+    row = np.arange(384, dtype=np.float32) / 384
+    assert short_repr(row, serializer="msgpack") == _repr_of_head(row.tolist())  # 0.0026041667... widened
+    assert short_repr(row, serializer="msgpack") != short_repr(row)
+    assert short_repr(np.array([0.5, np.nan], dtype=np.float32), serializer="msgpack") == "[0.5, None]"

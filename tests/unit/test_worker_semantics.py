@@ -11,7 +11,7 @@ import pytest
 from celery.worker import state
 
 from carpool.celery_edge import links
-from carpool.codec import loads
+from carpool.codec import loads_result as loads
 from carpool.errors import DeadlineExceeded
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import Claimed

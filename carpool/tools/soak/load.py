@@ -12,7 +12,6 @@ A request's latency is from its scheduled arrival to the moment the collector fi
 from __future__ import annotations
 
 import itertools
-import json
 import queue
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import redis
 
 from carpool import errors
+from carpool.codec import loads_result
 from carpool.names import SENT_AT_HEADER
 
 MGET_CHUNK = 1000
@@ -184,7 +184,7 @@ class Collector(threading.Thread):
 
     def _landed(self, r: Request, raw: bytes, now: float) -> None:
         r.seen, r.raw = now, raw
-        meta = json.loads(raw)
+        meta = loads_result(raw)  # JSON or msgpack, as CARPOOL_RESULT_SERIALIZER wrote it
         if meta.get("status") == "SUCCESS":
             r.outcome = "ok" if self.check(r.text, meta.get("result")) else "wrong"
         else:
