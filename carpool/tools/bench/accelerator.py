@@ -280,6 +280,8 @@ def run_accelerator(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "redis": getattr(args, "redis", "tcp"),  # how the processes reach redis-server
             # Task events as the processes build them (auto: only while some client receives them).
             "events": os.environ.get("CARPOOL_EVENTS", "auto"),
+            # How results are stored (json: each float's shortest decimal; msgpack: the float32 itself).
+            "result_serializer": defaults.result_serializer,
         },
         "workload": {
             "requests": n,
