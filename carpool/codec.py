@@ -27,8 +27,8 @@ Results are msgpack by default (``CARPOOL_RESULT_SERIALIZER``): :func:`packb_res
 row as msgpack floats of the array's own width, straight from the array (ormsgpack), so a reader
 gets the model's float32 values exactly (what ``row.tolist()`` gives) for a tenth of the CPU that
 formatting decimals costs and about 40% of the bytes. Anything else goes through ``msgpack.packb``
-as kombu's msgpack serializer would write it. A non-finite float becomes ``None`` there too, so a
-row reads the same under either serializer but for the digits of its floats.
+as kombu's msgpack serializer would write it. A non-finite float in a numpy row becomes ``None``
+there too, so a row reads the same under either serializer but for the digits of its floats.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from typing import Any
 
 import msgpack
 import orjson
-import ormsgpack
 
 _PLAIN = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
 
@@ -107,6 +106,8 @@ def packb_result(value: Any) -> bytes | None:
         ):
             if not value.flags.c_contiguous:
                 value = numpy.ascontiguousarray(value)
+            import ormsgpack  # the worker's: a producer never packs an array
+
             packed: bytes = ormsgpack.packb(value, option=ormsgpack.OPT_SERIALIZE_NUMPY)
             return packed
         return packb_plain(stored_form(value, "msgpack"))
@@ -116,17 +117,15 @@ def packb_result(value: Any) -> bytes | None:
 def packb_plain(value: Any) -> bytes | None:
     """msgpack of ``value`` as kombu's msgpack serializer writes it, if a reader gets the same value
     back (lists for tuples, as JSON gives too), else None: a type msgpack has no form for (a
-    datetime, say), or a map key other than a string, which kombu's reader refuses."""
+    datetime, a UUID, say), or a map key other than a string anywhere in it, which every reader
+    (kombu's included) refuses."""
     try:
         encoded: bytes = msgpack.packb(value, use_bin_type=True)
-        if type(value) is not list or (value and type(value[0]) in _CONTAINERS):
+        if type(value) not in _SCALARS:
             msgpack.unpackb(encoded, raw=False)  # strict map keys: what a reader would refuse
     except (TypeError, ValueError, OverflowError):
         return None
     return encoded
-
-
-_CONTAINERS = frozenset({list, tuple, dict})
 
 
 def unpackb(data: bytes) -> Any:
@@ -253,19 +252,7 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
             except ValueError as exc:
                 ok, value = False, ValueError(f"{task} returned {value!r:.80}: {exc}; return finite numbers")
             except TypeError as exc:
-                if serializer == "msgpack" and "64-bit" not in str(exc) and _kombu_json(value):
-                    if packb_plain(value) is None:  # what only Celery's JSON tags carry
-                        ok, value = (
-                            False,
-                            TypeError(
-                                f"{task} returned {type(value).__name__} {value!r:.80}, which msgpack "
-                                "results cannot carry unchanged; return lists, dicts with string keys, "
-                                "strings and numbers, or store results as JSON "
-                                "(CARPOOL_RESULT_SERIALIZER=json), where Celery tags datetimes, UUIDs "
-                                "and decimals"
-                            ),
-                        )
-                elif "64-bit" in str(exc) or not _kombu_json(value):
+                if "64-bit" in str(exc) or not _kombu_json(value):
                     ok, value = (
                         False,
                         TypeError(
@@ -274,6 +261,18 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
                             "strings, finite numbers and integers within 64 bits (e.g. array.tolist())"
                         ),
                     )
+            # What JSON carries (orjson writes a UUID or an Enum as its value; Celery's JSON tags a
+            # datetime) msgpack may not: that request fails here, not the batch's store.
+            if ok and serializer == "msgpack" and packb_plain(value) is None:
+                ok, value = (
+                    False,
+                    TypeError(
+                        f"{task} returned {type(value).__name__} {value!r:.80}, which msgpack results "
+                        "cannot carry unchanged; return lists, dicts with string keys, strings and "
+                        "numbers, or store results as JSON (CARPOOL_RESULT_SERIALIZER=json), where "
+                        "Celery tags datetimes, UUIDs and decimals"
+                    ),
+                )
         out.append((ok, value))
     return out
 

@@ -18,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from carpool.celery_edge.app import app, create_app
 from carpool.celery_edge.events import short_repr
-from carpool.celery_edge.results import SUCCESS, success_meta
+from carpool.celery_edge.results import FAILURE, SUCCESS, success_meta
 from carpool.codec import dumps_result, float32_rows, packb_result, storable, stored_form
 from carpool.config import Settings
 from carpool.gpu_worker.runner import output_rows
@@ -223,14 +223,31 @@ def test_non_finite_floats_and_other_arrays_pack_as_json_would_give_them() -> No
 
 
 def test_a_result_msgpack_cannot_carry_unchanged_fails_naming_the_json_setting() -> None:
+    """That request fails, with the setting named; the batch's other results are stored."""
+    import enum
+    import uuid
     from datetime import UTC, datetime
 
-    values = [datetime(2026, 1, 1, tzinfo=UTC), {1: "int key"}, {"fine": [1, 2.5, "x"]}]
-    outcomes = storable("app.tag", [(True, v) for v in values], "msgpack")
-    assert [ok for ok, _ in outcomes] == [False, False, True]
-    for _, error in outcomes[:2]:
+    class Colour(enum.Enum):
+        RED = "red"
+
+    values = [
+        datetime(2026, 1, 1, tzinfo=UTC),  # Celery's JSON tags it; msgpack has no form for it
+        {1: "int key"},  # every msgpack reader refuses a non-string map key...
+        ["a", {1: "b"}],  # ...wherever it is
+        uuid.uuid4(),  # orjson writes these two as their values; kombu's msgpack refuses them
+        {"colour": Colour.RED},
+    ]
+    fine = [{"fine": [1, 2.5, "x"]}, "text", 3]
+    outcomes = storable("app.tag", [(True, v) for v in [*values, *fine]], "msgpack")
+    assert [ok for ok, _ in outcomes] == [False] * len(values) + [True] * len(fine)
+    for _, error in outcomes[: len(values)]:
         assert isinstance(error, TypeError)
         assert "app.tag returned" in str(error) and "CARPOOL_RESULT_SERIALIZER=json" in str(error)
+    entries = [(f"t{i}", SUCCESS if ok else FAILURE, v) for i, (ok, v) in enumerate(outcomes)]
+    stored = {task_id: app.backend.decode_result(meta) for task_id, meta in _stored(entries)}
+    assert [stored[f"t{i}"]["status"] for i in range(len(entries))] == [e[1] for e in entries]
+    assert [stored[f"t{i}"]["result"] for i in range(len(values), len(entries))] == fine
     # Under json Celery tags the datetime, so it is stored as before.
     assert storable("app.tag", [(True, values[0])], "json") == [(True, values[0])]
 
@@ -240,3 +257,9 @@ def test_a_numpy_row_shows_in_flower_as_the_msgpack_reader_gets_it() -> None:
     assert short_repr(row, serializer="msgpack") == _repr_of_head(row.tolist())  # 0.0026041667... widened
     assert short_repr(row, serializer="msgpack") != short_repr(row)
     assert short_repr(np.array([0.5, np.nan], dtype=np.float32), serializer="msgpack") == "[0.5, None]"
+
+
+def _stored(entries: list[tuple[str, str, Any]]) -> list[tuple[str, bytes]]:
+    """(task id, encoded meta) as the worker's store would write each of ``entries``."""
+    writes = app.backend.store_args(entries)
+    return [(task_id, meta) for (task_id, _, _), meta in zip(entries, writes.payloads, strict=True)]

@@ -144,7 +144,7 @@ def run_task_batch(requests: list[Any]) -> None:
     if spec is None:
         raise ConfigError(f"{BATCHED_TASK_ITEMS} runs the task named by {TASK_ENV}, which is not set")
     items = [(r.args or [None])[0] for r in requests]
-    outcomes = storable(spec.name, run_items_isolating(spec.fn, items))
+    outcomes = storable(spec.name, run_items_isolating(spec.fn, items), settings.result_serializer)
     entries = [
         (r.id, SUCCESS, out) if ok else (r.id, FAILURE, ModelError(f"{type(out).__name__}: {out}"))
         for r, (ok, out) in zip(requests, outcomes, strict=True)
