@@ -81,10 +81,10 @@ def _array_text(head: Any, serializer: str = "json") -> str:
         return ", ".join(map(repr, head.tolist()))
     if serializer == "json":
         shown = _numbers_text(head, orjson.OPT_SERIALIZE_NUMPY) if native_numpy(head) else None
-    else:  # msgpack: the values themselves, as Python floats
-        values = stored_form(head, serializer)
-        shown = _numbers_text(values) if head.ndim == 1 and set(map(type, values)) <= _NUMBERS else None
-    return ", ".join(map(repr, stored_form(head, serializer))) if shown is None else shown
+        return ", ".join(map(repr, stored_form(head))) if shown is None else shown
+    values = stored_form(head, serializer)  # msgpack: the values themselves, as Python numbers
+    shown = _numbers_text(values) if set(map(type, values)) <= _NUMBERS else None
+    return ", ".join(map(repr, values)) if shown is None else shown
 
 
 _NUMBERS = frozenset({float, int})

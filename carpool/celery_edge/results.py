@@ -12,7 +12,7 @@ too, one message per inbox.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from celery import states
@@ -80,15 +80,12 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         Celery's general path costs several times the encoding itself. Failures (rare) take Celery's
         path, which knows how to serialise exceptions.
         """
-        if state == SUCCESS and date_done is not None and self.serializer in _DIRECT:
-            if self.serializer == "msgpack":
-                encoded = packb_result(result)
-                if encoded is not None:  # else not plain msgpack: Celery's encoder decides
-                    return success_msgpack(encoded, packb_plain(date_done) or b"\xc0", task_id)
-            else:
-                encoded = dumps_result(result)
-                if encoded is not None:  # else not plain JSON: Celery's encoder decides
-                    return success_meta(encoded, dumps_plain(date_done) or b"null", task_id)
+        direct = _DIRECT.get(self.serializer)
+        if state == SUCCESS and date_done is not None and direct is not None:
+            encode, join, encode_plain, null = direct
+            encoded = encode(result)
+            if encoded is not None:  # else not plain JSON or msgpack: Celery's encoder decides
+                return join(encoded, encode_plain(date_done) or null, task_id)
         meta = result_meta(self, self.encode_result(result, state), state)
         meta["task_id"] = task_id
         encoded = self.encode(meta)
@@ -109,19 +106,18 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         if not entries:
             return ResultWrites((), (), expiry_s)
         date_done = self.app.now().isoformat()
-        if self.serializer == "msgpack":
-            encode, meta, done = packb_result, success_msgpack, packb_plain(date_done) or b"\xc0"
-        else:
-            encode, meta, done = dumps_result, success_meta, dumps_plain(date_done) or b"null"
-        direct = self.serializer in _DIRECT
+        direct = _DIRECT.get(self.serializer)
+        if direct is not None:
+            encode, join, encode_plain, null = direct
+            done = encode_plain(date_done) or null
         keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
         payloads = []
         for task_id, state, result in entries:  # meta_for's direct path inlined: it runs per request
-            encoded = encode(result) if direct and state == SUCCESS else None
+            encoded = encode(result) if direct is not None and state == SUCCESS else None
             if encoded is None:
                 payloads.append(self.meta_for(task_id, state, result, date_done))
             else:
-                payloads.append(meta(encoded, done, task_id))
+                payloads.append(join(encoded, done, task_id))
         if not inboxes:
             return ResultWrites(keys, payloads, expiry_s)
         boxes = [inboxes.get(task_id, "") for task_id, _, _ in entries]
@@ -186,7 +182,14 @@ _PACKED_HEAD = b"\x86" + _packed("status", "SUCCESS", "result")  # a map of six
 _PACKED_MIDDLE = _packed("traceback", None, "children", None, "date_done")
 _PACKED_TAIL = _packed("task_id")
 _MSGPACK_MAPS = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})  # fixmap, map 16, map 32
-_DIRECT = frozenset({"json", "msgpack"})  # the serializers carpool writes metas for itself
+
+_Encode = Callable[[Any], bytes | None]
+# The serializers carpool writes success metas for itself: the result's encoder (None: not plain),
+# the meta joined around it, the encoder of date_done, and that encoding's null.
+_DIRECT: dict[str, tuple[_Encode, Callable[[bytes, bytes, str], bytes], _Encode, bytes]] = {
+    "json": (dumps_result, success_meta, dumps_plain, b"null"),
+    "msgpack": (packb_result, success_msgpack, packb_plain, b"\xc0"),
+}
 
 
 class CarpoolSentinelBackend(CarpoolRedisBackend, SentinelBackend):  # type: ignore[misc]
