@@ -33,9 +33,11 @@ there too, so a row reads the same under either serializer but for the digits of
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -96,22 +98,25 @@ def packb_result(value: Any) -> bytes | None:
     else as :func:`packb_plain` writes it."""
     numpy = sys.modules.get("numpy")
     if numpy is not None and type(value) is numpy.ndarray:
-        dtype = value.dtype
-        if (
-            value.ndim == 1
-            and dtype.kind == "f"
-            and dtype.itemsize in (4, 8)
-            and dtype.isnative
-            and numpy.isfinite(value).all()
-        ):
-            if not value.flags.c_contiguous:
-                value = numpy.ascontiguousarray(value)
-            import ormsgpack  # the worker's: a producer never packs an array
-
-            packed: bytes = ormsgpack.packb(value, option=ormsgpack.OPT_SERIALIZE_NUMPY)
+        floats, packb, option = _row_packing(numpy)
+        if value.ndim == 1 and value.dtype in floats and numpy.isfinite(value).all():
+            try:
+                packed: bytes = packb(value, option=option)
+            except TypeError:  # not C-contiguous (a column, say), which ormsgpack refuses
+                packed = packb(numpy.ascontiguousarray(value), option=option)
             return packed
         return packb_plain(stored_form(value, "msgpack"))
     return packb_plain(value)
+
+
+@functools.cache
+def _row_packing(numpy: Any) -> tuple[tuple[Any, Any], Callable[..., bytes], int]:
+    """The dtypes :func:`packb_result` packs straight from a row (float32 and float64 in this
+    machine's byte order) and ormsgpack's packer with its numpy option, set up where a row is first
+    packed: a producer never packs one, so never imports ormsgpack."""
+    import ormsgpack
+
+    return (numpy.dtype("=f4"), numpy.dtype("=f8")), ormsgpack.packb, ormsgpack.OPT_SERIALIZE_NUMPY
 
 
 def packb_plain(value: Any) -> bytes | None:

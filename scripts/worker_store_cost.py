@@ -15,9 +15,11 @@ uses what each has): run it from two trees to compare them.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 BATCH = 32
@@ -36,12 +38,18 @@ def measure(url: str, batches: int, rounds: int, dim: int) -> dict[str, float]:
     from carpool.redis_edge.keys import Keys
     from carpool.redis_edge.store import RequestStore
 
-    app = create_app(load_settings(broker_url=url, result_backend=url))
+    settings = load_settings(broker_url=url, result_backend=url)
+    app = create_app(settings)
     client = redis.Redis.from_url(url)
     store = RequestStore(client, Keys("cost.requests"), 30.0)
     events = TaskEvents(app, "cost@host", client=client)
     outputs = np.random.default_rng(0).standard_normal((BATCH, dim)).astype(np.float32)
     outputs /= np.linalg.norm(outputs, axis=1, keepdims=True)
+    # How the worker splits a forward's array for its result serializer (a checkout from before
+    # output_rows took one splits it the same way whatever the serializer).
+    split = partial(output_rows, serializer=getattr(settings, "result_serializer", "json"))
+    if "serializer" not in inspect.signature(output_rows).parameters:
+        split = output_rows
     report: dict[str, Any] = {"batch_id": "b", "size": BATCH, "run_s": 0.001, "done_at": time.time()}
 
     def one_batch(spent: list[float]) -> None:
@@ -49,7 +57,7 @@ def measure(url: str, batches: int, rounds: int, dim: int) -> dict[str, float]:
         batch_events = events.fork()
         array = outputs.copy()  # a forward's fresh array
         t0 = time.thread_time()
-        entries = [(i, SUCCESS, row) for i, row in zip(ids, output_rows(array), strict=True)]
+        entries = [(i, SUCCESS, row) for i, row in zip(ids, split(array), strict=True)]
         t1 = time.thread_time()
         batch_events.started(ids)
         if hasattr(batch_events, "outcomes"):

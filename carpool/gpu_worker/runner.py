@@ -71,15 +71,16 @@ def pad(
 
 
 def forward_padded(
-    model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]
+    model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int], serializer: str = "json"
 ) -> Sequence[Any]:
-    """``model.forward`` of the rows padded: ``carpool.infer``'s batch function on a worker."""
+    """``model.forward`` of the rows padded: ``carpool.infer``'s batch function on a worker, whose
+    results are stored with ``serializer``."""
     ids, mask = pad(rows, lengths, model.pad_id)
-    return output_rows(model.forward(ids, mask))
+    return output_rows(model.forward(ids, mask), serializer)
 
 
 def launch_padded(
-    model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int]
+    model: BatchModel, rows: Sequence[Sequence[int] | None], lengths: Sequence[int], serializer: str = "json"
 ) -> Callable[[], Sequence[Any]]:
     """``model.launch`` of the rows padded (under ``inference_mode``); the function returned waits
     for the batch and gives what :func:`forward_padded` would have."""
@@ -87,18 +88,19 @@ def launch_padded(
     torch = sys.modules.get("torch")
     with torch.inference_mode() if torch is not None else contextlib.nullcontext():
         collect = model.launch(ids, mask)  # type: ignore[attr-defined]
-    return lambda: output_rows(collect())
+    return lambda: output_rows(collect(), serializer)
 
 
-def output_rows(outputs: Any) -> Sequence[Any]:
+def output_rows(outputs: Any, serializer: str = "json") -> Sequence[Any]:
     """A model's outputs, one per row: a numpy array's rows stay arrays (written straight from them;
-    float32 ones as :func:`carpool.codec.float32_rows` gives them), a 1-D array's values become
-    Python numbers; any other outputs are returned as they are."""
+    float32 ones to be stored as JSON as :func:`carpool.codec.float32_rows` gives them, since only
+    JSON's decimals can read back as another float32), a 1-D array's values become Python numbers;
+    any other outputs are returned as they are."""
     if type(outputs) is not np.ndarray:
         return cast(Sequence[Any], outputs)
     if outputs.ndim < 2:
         return cast(list[Any], outputs.tolist())
-    if outputs.dtype == np.float32:
+    if outputs.dtype == np.float32 and serializer == "json":
         return float32_rows(outputs)
     return list(outputs)
 

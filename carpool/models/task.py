@@ -91,10 +91,13 @@ class InferSpec(TaskSpec):
     def batch_function(self, key: str, device: str, settings: Settings) -> BatchCall:
         from carpool.gpu_worker.runner import forward_padded, loaded_model
 
-        return partial(forward_padded, loaded_model(key, device, settings.autocast_bf16))
+        model = loaded_model(key, device, settings.autocast_bf16)
+        return partial(forward_padded, model, serializer=settings.result_serializer)
 
     def launch_function(self, key: str, device: str, settings: Settings) -> LaunchCall | None:
         from carpool.gpu_worker.runner import launch_padded, loaded_model
 
         model = loaded_model(key, device, settings.autocast_bf16)
-        return partial(launch_padded, model) if getattr(model, "launch", None) is not None else None
+        if getattr(model, "launch", None) is None:
+            return None
+        return partial(launch_padded, model, serializer=settings.result_serializer)

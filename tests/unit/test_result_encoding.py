@@ -5,7 +5,7 @@ exactly as before, inside the same Celery result meta."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import numpy as np
@@ -133,6 +133,53 @@ def test_model_outputs_become_rows() -> None:
     assert output_rows(np.array([0.5, 2.0], dtype=np.float32)) == [0.5, 2.0]  # one number per row
     assert output_rows([[1, 2], [3]]) == [[1, 2], [3]]  # lists as they are
     assert all(isinstance(r, np.ndarray) for r in output_rows(np.zeros((2, 2, 2))))
+
+
+class _Rounding:
+    """A model whose forward gives the double-rounding float32 in its second row."""
+
+    pad_id = 0
+
+    def forward(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        out = np.full((len(ids), 4), 0.25, dtype=np.float32)
+        out[1, 2] = DOUBLE_ROUNDED
+        return out
+
+    def launch(self, ids: np.ndarray, mask: np.ndarray) -> Any:
+        out = self.forward(ids, mask)
+        return lambda: out
+
+
+@pytest.mark.parametrize("serializer", ["json", "msgpack"])
+def test_the_worker_splits_a_float32_forward_for_the_serializer_that_stores_it(
+    serializer: Literal["json", "msgpack"], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only JSON's decimals can read back as another float32: under json the row holding one becomes
+    exact Python floats, under msgpack every row stays an array (packed from it); either way a
+    reader gets the model's values exactly, through carpool.infer's batch and launch functions."""
+    from carpool.gpu_worker import runner
+    from carpool.models import get_model
+    from carpool.models.task import InferSpec
+    from carpool.names import INFER_TASK
+
+    monkeypatch.setitem(runner._loaded, "unit-rounding", _Rounding())
+    settings = Settings(result_serializer=serializer)
+    backend = create_app(settings).backend
+    spec = InferSpec(INFER_TASK, model_of=get_model)  # the worker's functions use the loaded model
+    launch = spec.launch_function("unit-rounding", "cpu", settings)
+    assert launch is not None
+    for rows in (
+        spec.batch_function("unit-rounding", "cpu", settings)([[1], [2], [3]], [1, 1, 1]),
+        launch([[1], [2], [3]], [1, 1, 1])(),
+    ):
+        assert isinstance(rows[0], np.ndarray) and isinstance(rows[2], np.ndarray)
+        assert isinstance(rows[1], list if serializer == "json" else np.ndarray)
+        meta = backend.decode_result(backend.meta_for("t", SUCCESS, rows[1], "2026-11-30T00:00:00"))
+        read = np.array(meta["result"], dtype=np.float64).astype(np.float32)
+        assert (
+            read.view(np.uint32).tolist()
+            == _Rounding().forward(np.zeros((3, 1)), np.zeros((3, 1)))[1].view(np.uint32).tolist()
+        )
 
 
 def _repr_of_head(value: Any, limit: int = 200) -> str:
