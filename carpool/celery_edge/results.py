@@ -12,20 +12,25 @@ too, one message per inbox.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from celery import states
 from celery.backends.redis import RedisBackend, SentinelBackend
+from kombu.exceptions import EncodeError
 from kombu.serialization import loads
 
 from carpool.celery_edge.compat import result_meta
 from carpool.celery_edge.result_consumer import PromptResultConsumer
 from carpool.codec import dumps_plain, dumps_result, packb_plain, packb_result, unpackb
 from carpool.codec import loads as json_loads
+from carpool.errors import ModelError
 from carpool.names import INBOX_CHANNEL
 from carpool.redis_edge import lua
 from carpool.redis_edge.store import ResultWrites, finish_call
+
+log = logging.getLogger(__name__)
 
 
 class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is untyped
@@ -101,7 +106,13 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         self, entries: Sequence[tuple[str, str, Any]], inboxes: Mapping[str, str] | None = None
     ) -> ResultWrites:
         """What to store, write-once, for (task_id, state, result-or-exception) triples; ``inboxes``:
-        the result inbox channel of the task ids whose producer named one."""
+        the result inbox channel of the task ids whose producer named one.
+
+        A success the result serializer cannot encode (a model's output holding a UUID under msgpack,
+        say) is stored as that request's failure, naming the type and what to return instead, and
+        becomes that failure in ``entries`` too when it is a list, so that what the caller does
+        next (task events, links) agrees with what is stored; the batch's other results are stored
+        as they are."""
         expiry_s = int(self.expires or 86400)
         if not entries:
             return ResultWrites((), (), expiry_s)
@@ -112,16 +123,39 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             done = encode_plain(date_done) or null
         keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
         payloads = []
-        for task_id, state, result in entries:  # meta_for's direct path inlined: it runs per request
+        for index, (task_id, state, result) in enumerate(entries):  # meta_for's direct path inlined
             encoded = encode(result) if direct is not None and state == SUCCESS else None
             if encoded is None:
-                payloads.append(self.meta_for(task_id, state, result, date_done))
+                payloads.append(self._meta_or_refusal(entries, index, date_done))
             else:
                 payloads.append(join(encoded, done, task_id))
         if not inboxes:
             return ResultWrites(keys, payloads, expiry_s)
         boxes = [inboxes.get(task_id, "") for task_id, _, _ in entries]
         return ResultWrites(keys, payloads, expiry_s, boxes, self.inbox_prefix)
+
+    def _meta_or_refusal(self, entries: Sequence[tuple[str, str, Any]], index: int, date_done: str) -> bytes:
+        """The meta of ``entries[index]``; a success the serializer cannot encode becomes a failure."""
+        task_id, state, result = entries[index]
+        # Under msgpack a success gets here only when packb_result found no form a reader takes.
+        reason = "no msgpack form, or a map key other than a string" if self.serializer == "msgpack" else None
+        if state != SUCCESS or reason is None:
+            try:
+                return self.meta_for(task_id, state, result, date_done)
+            except (EncodeError, TypeError, ValueError, OverflowError) as exc:
+                if state != SUCCESS:
+                    raise  # Celery encodes exceptions with their arguments made serializable
+                reason = str(exc)
+        instead = "; or store results as JSON (CARPOOL_RESULT_SERIALIZER=json)" if reason[:3] == "no " else ""
+        error = ModelError(
+            f"result {type(result).__name__} {result!r:.80} cannot be stored as {self.serializer} "
+            f"({reason}); a model's forward must return JSON values (lists, dicts with string keys, "
+            f"strings, finite numbers) or a numpy array with one row per request{instead}"
+        )
+        log.warning("request %s: %s", task_id, error)
+        if isinstance(entries, list):
+            entries[index] = (task_id, FAILURE, error)
+        return self.meta_for(task_id, FAILURE, error, date_done)
 
     def store_many(
         self,
@@ -139,11 +173,16 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         entries = list(entries)
         if not entries:
             return [] if client is None else client
-        keys, args = finish_call(self.store_args(entries, inboxes))
+        stored = self.store_encoded(self.store_args(entries, inboxes), client)
+        return stored if client is not None else [entries[i - 1][0] for i in stored]
+
+    def store_encoded(self, writes: ResultWrites, client: Any = None) -> Any:
+        """Store what :meth:`store_args` gave, write-once; the 1-based indexes of the results stored
+        (with ``client`` a pipeline: the script is queued on it and the pipeline returned)."""
+        keys, args = finish_call(writes)
         if client is not None:
             return self._store_once(keys=keys, args=args, client=client)
-        stored = self._store_once(keys=keys, args=args)
-        return [entries[int(i) - 1][0] for i in stored]
+        return [int(i) for i in self._store_once(keys=keys, args=args)]
 
     def existing(self, task_ids: Sequence[str]) -> set[str]:
         """The ids among ``task_ids`` that already have a stored result."""

@@ -60,7 +60,7 @@ from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
-from carpool.redis_edge.store import Claimed, RequestStore
+from carpool.redis_edge.store import Claimed, RequestStore, ResultWrites
 from carpool.registry import LaunchCall, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
 
@@ -415,6 +415,15 @@ class WorkerRuntime:
         """Send a batch's events, store its outcomes and acknowledge it, with its report."""
         batch, entries, events = claimed.batch, claimed.entries, claimed.events
         batch_id = batch["id"]
+        linked, inboxes = claimed.linked, claimed.inboxes
+        # Encoded first: a result the serializer cannot carry becomes its request's failure (in
+        # entries too), so the events, the report and the links below say what is stored.
+        encoded = self.backend.store_args(entries, inboxes)
+        writes = entries
+        chain = batch_chain_failures(entries, linked) if linked else []
+        if chain:  # the steps after a failed request fail with it, stored with the batch's results
+            writes = entries + chain
+            encoded = self.backend.store_args(writes, inboxes)
         events.outcomes(entries, run_s or 0.0)
         report = batch_report(
             batch_id=batch_id,
@@ -434,16 +443,11 @@ class WorkerRuntime:
         if claimed.task_id:  # the batch's own task-succeeded rides with its requests' events
             elapsed = time.perf_counter() - claimed.t0
             events.succeeded(claimed.task_id, report, elapsed, limit=BATCH_REPR_LIMIT)
-        linked = claimed.linked
-        writes = entries + batch_chain_failures(entries, linked) if linked else entries
         ack_ids = claimed.ack_ids
         published = events.take()
         # Redis may be restarting: the results are computed, so keep trying to hand them over
         # for a while before giving the batch up to recovery.
-        inboxes = claimed.inboxes
-        stored = retrying(
-            lambda: self._finish(writes, ack_ids, report, batch["coordinator"], published, inboxes)
-        )
+        stored = retrying(lambda: self._finish(encoded, ack_ids, report, batch["coordinator"], published))
         if len(stored) < len(writes):
             count_rejected(self.client, self.store.keys.stats, batch_id, writes, stored)
         if linked:
@@ -576,29 +580,28 @@ class WorkerRuntime:
 
     def _finish(
         self,
-        entries: list[tuple[str, str, Any]],
+        writes: ResultWrites,
         ack_ids: list[str],
         report: BatchReport,
         coordinator: str,
         events: tuple[str, bytes] | None,
-        inboxes: dict[str, str],
     ) -> list[int]:
         """Results (write-once, each published on its own channel and, for producers that named one,
         in their result inbox's one message), acks, the report and the task events: one round trip
         when the results live on the broker's server, else a store on the backend and one trip for
-        the rest. Returns the 1-based indexes in ``entries`` of the results stored (the others had
+        the rest. Returns the 1-based indexes in ``writes`` of the results stored (the others had
         one)."""
         if self.dbs is not None:
             return self.store.finish(
                 results_db=self.dbs[1],
                 broker_db=self.dbs[0],
-                writes=self.backend.store_args(entries, inboxes),
+                writes=writes,
                 ack_ids=ack_ids,
                 report=cast(dict[str, Any], report),
                 coordinator=coordinator,
                 events=events,
             )
-        stored_ids = set(self.backend.store_many(entries, inboxes=inboxes))
+        stored: list[int] = self.backend.store_encoded(writes)
         with self.client.pipeline(transaction=False) as pipe:
             self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
             if events is not None:
@@ -607,7 +610,7 @@ class WorkerRuntime:
         if self.store.replicas:  # the results' server, then the broker's, each WAITed on
             self.store.replicated("a batch's results", self.backend.client)
             self.store.replicated("a batch's acknowledgements")
-        return [i for i, entry in enumerate(entries, 1) if entry[0] in stored_ids]
+        return stored
 
 
 def stores_behind(batches_queued: int | None, device_held: int, finisher_held: int) -> bool:

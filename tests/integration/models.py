@@ -54,6 +54,18 @@ class Letters:
         return [{"sum": int(s), "len": int(n)} for s, n in zip(sums, attention_mask.sum(axis=1), strict=True)]
 
 
+class Unstorable(Letters):
+    """Letters, except that a text holding "~" gets an output no result serializer stores: a set."""
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Sequence[Any]:
+        outputs = list(super().forward(input_ids, attention_mask))
+        for i, row in enumerate(input_ids):
+            if (row == ord("~")).any():
+                outputs[i] = {"seen": {1, 2}}
+        return outputs
+
+
 SLOW = f"{__name__}:SlowToy"
 EXPLODING = f"{__name__}:Exploding"
 LETTERS = f"{__name__}:Letters"
+UNSTORABLE = f"{__name__}:Unstorable"

@@ -22,7 +22,7 @@ from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack, wait_for
-from tests.integration.models import EXPLODING, SLOW
+from tests.integration.models import EXPLODING, SLOW, UNSTORABLE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -324,6 +324,22 @@ def test_a_model_error_fails_only_the_culprits(processes: Processes) -> None:
                 r.get(timeout=30)
         else:
             assert np.allclose(r.get(timeout=30), want[i], atol=VECTOR_ATOL)
+
+
+def test_a_model_output_the_serializer_cannot_store_fails_only_its_request(processes: Processes) -> None:
+    """Before, one such output made the whole batch's store raise: no result stored, the batch
+    retried through lease recovery for ever, every caller in it waiting."""
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL=UNSTORABLE, CARPOOL_MODELS=UNSTORABLE, CARPOOL_MAX_WAIT_S="0.3")
+    texts = ["ab", "c~d", "efg", "h"]
+    results = [infer.delay(t) for t in texts]  # one batch (they arrive within the wait)
+    with pytest.raises(ModelError, match=r"result dict .* cannot be stored as msgpack .*numpy array"):
+        results[1].get(timeout=30)
+    for i in (0, 2, 3):
+        assert results[i].get(timeout=30) == {"sum": sum(map(ord, texts[i])), "len": len(texts[i])}
+    assert infer.delay("ok").get(timeout=30) == {"sum": ord("o") + ord("k"), "len": 2}
+    wait_for("no in-flight entry left", lambda: in_flight(processes) == 0, 5)
 
 
 def test_overload_is_rejected_fast_with_queue_full(processes: Processes) -> None:

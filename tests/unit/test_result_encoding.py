@@ -310,3 +310,33 @@ def _stored(entries: list[tuple[str, str, Any]]) -> list[tuple[str, bytes]]:
     """(task id, encoded meta) as the worker's store would write each of ``entries``."""
     writes = app.backend.store_args(entries)
     return [(task_id, meta) for (task_id, _, _), meta in zip(entries, writes.payloads, strict=True)]
+
+
+@pytest.mark.parametrize("serializer", ["msgpack", "json"])
+def test_a_model_output_the_serializer_cannot_store_becomes_that_requests_failure(
+    serializer: Literal["json", "msgpack"],
+) -> None:
+    """A model's outputs are not checked before the store (per the protocol they are storable); one
+    that is not fails its own request, in ``entries`` too, and the batch's others are stored."""
+    import uuid
+
+    from carpool.errors import ModelError
+
+    backend = create_app(Settings(result_serializer=serializer)).backend
+    row = np.arange(4, dtype=np.float32)
+    # A set has no form in either; under msgpack a UUID and a non-string key have none a reader takes.
+    odd = [{"seen": {1, 2}}] + ([{"id": uuid.uuid4()}, {"nested": {1: 2}}] if serializer == "msgpack" else [])
+    entries: list[tuple[str, str, Any]] = [
+        ("t0", SUCCESS, row),
+        *((f"odd{i}", SUCCESS, v) for i, v in enumerate(odd)),
+    ]
+    entries.append(("t1", SUCCESS, [1.5, "x"]))
+    metas = [backend.decode_result(p) for p in backend.store_args(entries).payloads]
+    assert [m["status"] for m in metas] == [SUCCESS] + [FAILURE] * len(odd) + [SUCCESS]
+    assert metas[0]["result"] == row.tolist() and metas[-1]["result"] == [1.5, "x"]
+    for (_, state, error), meta in zip(entries[1:-1], metas[1:-1], strict=True):
+        assert state == FAILURE and isinstance(error, ModelError), "the caller's entries say it too"
+        text = str(backend.exception_to_python(meta["result"]))
+        assert f"cannot be stored as {serializer}" in text and "numpy array with one row per request" in text
+        assert ("CARPOOL_RESULT_SERIALIZER=json" in text) == (serializer == "msgpack")
+    assert entries[0][1] == entries[-1][1] == SUCCESS
