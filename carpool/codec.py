@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import reprlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -257,7 +258,7 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
             except ValueError as exc:
                 ok, value = False, ValueError(f"{task} returned {value!r:.80}: {exc}; return finite numbers")
             except TypeError as exc:
-                if "64-bit" in str(exc) or not _kombu_json(value):
+                if "64-bit" in str(exc) or not kombu_json(value):
                     ok, value = (
                         False,
                         TypeError(
@@ -282,7 +283,7 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
     return out
 
 
-def _kombu_json(value: Any) -> bool:
+def kombu_json(value: Any) -> bool:
     """Whether Celery's own JSON encoder (which tags datetimes, UUIDs, decimals...) takes ``value``."""
     from kombu.utils.json import dumps
 
@@ -291,3 +292,17 @@ def _kombu_json(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """A repr of ``value`` for an error message: bounded in size while it is built, and never
+    raising (a value whose ``repr`` raises is named by its type)."""
+    try:
+        text = _BRIEF.repr(value)
+    except Exception:
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 80

@@ -23,7 +23,7 @@ from kombu.serialization import loads
 
 from carpool.celery_edge.compat import result_meta
 from carpool.celery_edge.result_consumer import PromptResultConsumer
-from carpool.codec import dumps_plain, dumps_result, packb_plain, packb_result, unpackb
+from carpool.codec import brief, dumps_plain, dumps_result, kombu_json, packb_plain, packb_result, unpackb
 from carpool.codec import loads as json_loads
 from carpool.errors import ModelError
 from carpool.names import INBOX_CHANNEL
@@ -146,9 +146,10 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
                 if state != SUCCESS:
                     raise  # Celery encodes exceptions with their arguments made serializable
                 reason = str(exc)
-        instead = "; or store results as JSON (CARPOOL_RESULT_SERIALIZER=json)" if reason[:3] == "no " else ""
+        # JSON is worth naming only where Celery's JSON would store the value (it tags a UUID).
+        instead = "; or store results as JSON (CARPOOL_RESULT_SERIALIZER=json)" if kombu_json(result) else ""
         error = ModelError(
-            f"result {type(result).__name__} {result!r:.80} cannot be stored as {self.serializer} "
+            f"result {type(result).__name__} {brief(result)} cannot be stored as {self.serializer} "
             f"({reason}); a model's forward must return JSON values (lists, dicts with string keys, "
             f"strings, finite numbers) or a numpy array with one row per request{instead}"
         )
@@ -168,7 +169,8 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         A task id that already has a result keeps it: at-least-once execution, one answer. With
         ``client`` a pipeline, the script is queued on it and the pipeline is returned instead
         (``execute()`` then gives the 1-based indexes of the entries stored). ``inboxes``: see
-        :meth:`store_args`.
+        :meth:`store_args`, which also says what becomes of a success that cannot be encoded (here
+        the caller's entries stay as they were).
         """
         entries = list(entries)
         if not entries:

@@ -421,7 +421,7 @@ class WorkerRuntime:
         encoded = self.backend.store_args(entries, inboxes)
         writes = entries
         chain = batch_chain_failures(entries, linked) if linked else []
-        if chain:  # the steps after a failed request fail with it, stored with the batch's results
+        if chain:  # the steps after a failed request fail with it, in the same store (rare: encoded again)
             writes = entries + chain
             encoded = self.backend.store_args(writes, inboxes)
         events.outcomes(entries, run_s or 0.0)

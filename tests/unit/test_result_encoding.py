@@ -312,6 +312,11 @@ def _stored(entries: list[tuple[str, str, Any]]) -> list[tuple[str, bytes]]:
     return [(task_id, meta) for (task_id, _, _), meta in zip(entries, writes.payloads, strict=True)]
 
 
+class _NoRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
 @pytest.mark.parametrize("serializer", ["msgpack", "json"])
 def test_a_model_output_the_serializer_cannot_store_becomes_that_requests_failure(
     serializer: Literal["json", "msgpack"],
@@ -324,19 +329,30 @@ def test_a_model_output_the_serializer_cannot_store_becomes_that_requests_failur
 
     backend = create_app(Settings(result_serializer=serializer)).backend
     row = np.arange(4, dtype=np.float32)
-    # A set has no form in either; under msgpack a UUID and a non-string key have none a reader takes.
-    odd = [{"seen": {1, 2}}] + ([{"id": uuid.uuid4()}, {"nested": {1: 2}}] if serializer == "msgpack" else [])
-    entries: list[tuple[str, str, Any]] = [
-        ("t0", SUCCESS, row),
-        *((f"odd{i}", SUCCESS, v) for i, v in enumerate(odd)),
-    ]
+    tagged = {"id": uuid.uuid4()}  # Celery's JSON writes a UUID as its string; msgpack has no form for it
+    # A set has no form in either, nor an object whose repr raises; under msgpack a UUID and a
+    # non-string key have none a reader takes, while Celery's JSON would store them (named then).
+    odd: list[Any] = [{"seen": {1, 2}}, _NoRepr()]
+    json_takes = [False, False]
+    if serializer == "msgpack":
+        odd += [tagged, {"nested": {1: 2}}]
+        json_takes += [True, True]
+    entries: list[tuple[str, str, Any]] = [("t0", SUCCESS, row)]
+    entries += [(f"odd{i}", SUCCESS, v) for i, v in enumerate(odd)]
     entries.append(("t1", SUCCESS, [1.5, "x"]))
+    if serializer == "json":
+        entries.append(("t2", SUCCESS, tagged))
     metas = [backend.decode_result(p) for p in backend.store_args(entries).payloads]
-    assert [m["status"] for m in metas] == [SUCCESS] + [FAILURE] * len(odd) + [SUCCESS]
-    assert metas[0]["result"] == row.tolist() and metas[-1]["result"] == [1.5, "x"]
-    for (_, state, error), meta in zip(entries[1:-1], metas[1:-1], strict=True):
+    refused = slice(1, 1 + len(odd))
+    assert [m["status"] for m in metas] == [SUCCESS] + [FAILURE] * len(odd) + [SUCCESS] * (
+        len(entries) - 1 - len(odd)
+    )
+    assert metas[0]["result"] == row.tolist() and metas[1 + len(odd)]["result"] == [1.5, "x"]
+    if serializer == "json":
+        assert metas[-1]["result"] == {"id": str(tagged["id"])}
+    for (_, state, error), meta, named in zip(entries[refused], metas[refused], json_takes, strict=True):
         assert state == FAILURE and isinstance(error, ModelError), "the caller's entries say it too"
         text = str(backend.exception_to_python(meta["result"]))
         assert f"cannot be stored as {serializer}" in text and "numpy array with one row per request" in text
-        assert ("CARPOOL_RESULT_SERIALIZER=json" in text) == (serializer == "msgpack")
-    assert entries[0][1] == entries[-1][1] == SUCCESS
+        assert ("CARPOOL_RESULT_SERIALIZER=json" in text) == named
+    assert entries[0][1] == entries[1 + len(odd)][1] == SUCCESS

@@ -198,3 +198,44 @@ def test_results_go_to_the_finisher_thread_when_another_batch_is_queued_or_earli
     finisher.holding = 1
     runtime.run(batch(slot("after")))
     assert finisher.handed == [["busy"], ["after"]]
+
+
+class _SetForFirst:
+    """A model whose first row's output is a set, which no result serializer stores."""
+
+    pad_id = 0
+
+    def forward(self, ids: Any, mask: Any) -> list[Any]:
+        return [{"seen": {1}} if i == 0 else [0.5, float(i)] for i in range(len(ids))]
+
+
+def test_an_output_that_cannot_be_stored_fails_its_request_in_the_store_events_report_and_links(
+    runtime: Any, applied: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from carpool.celery_edge.events import TaskEvents
+    from carpool.errors import ModelError
+    from carpool.gpu_worker import runner
+
+    monkeypatch.setitem(runner._loaded, "toy", _SetForFirst())
+    shown: list[tuple[str, str]] = []
+    outcomes = TaskEvents.outcomes
+
+    def recording(self: TaskEvents, entries: list[tuple[str, str, Any]], runtime_s: float) -> None:
+        shown.extend((task_id, state) for task_id, state, _ in entries)
+        outcomes(self, entries, runtime_s)
+
+    monkeypatch.setattr(TaskEvents, "outcomes", recording)
+    step = {"task": "carpool.infer", "args": [], "kwargs": {}, "options": {"task_id": "next"}}
+    linked: Links = {"chain": [step], "errbacks": [{"task": "e", "args": [], "kwargs": {}, "options": {}}]}
+    report = runtime.run(batch(slot("odd", links=linked), slot("fine", links=linked)))
+    metas = dict(runtime.store.writes)
+    assert metas["odd"]["status"] == metas["next"]["status"] == "FAILURE", "its chain fails with it"
+    assert "cannot be stored as msgpack" in metas["odd"]["result"]["exc_message"][0]
+    assert metas["fine"]["status"] == "SUCCESS" and metas["fine"]["result"] == [0.5, 1.0]
+    assert shown == [("odd", "FAILURE"), ("fine", "SUCCESS")], "its task event says what is stored"
+    assert report["failed_model"] == 1
+    assert [(kind, request_id) for kind, request_id, _ in applied] == [
+        ("failure", "odd"),
+        ("success", "fine"),
+    ]
+    assert isinstance(applied[0][2], ModelError)
