@@ -9,7 +9,8 @@ Widen a range only after reading the new release's code behind each function her
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -137,6 +138,23 @@ def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str
 
 
 # --- the worker's state (celery.worker.state) ---------------------------------------------------
+
+
+def revoke_memory() -> tuple[float, int]:
+    """How long (s) and how many revoked ids a Celery worker remembers (``celery.worker.state``)."""
+    from celery.worker import state
+
+    return float(state.REVOKE_EXPIRES), int(state.REVOKES_MAX)
+
+
+def add_revoked(found: Iterable[tuple[str, float]], into: Any, now_s: float) -> None:
+    """Add (task id, when it was revoked by the wall clock) pairs to ``into``, a Celery ``LimitedSet``
+    of revoked ids (as ``celery.worker.state.revoked``), each as old as it is: the set ages its
+    entries on the monotonic clock. An id there already keeps its own age."""
+    monotonic_now = time.monotonic()
+    for task_id, revoked_at in found:
+        if task_id not in into:
+            into.add(task_id, now=monotonic_now - max(0.0, now_s - revoked_at))
 
 
 def revoked_ids() -> Collection[str]:

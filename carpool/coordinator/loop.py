@@ -103,7 +103,8 @@ class Coordinator:
         self.deferred = Deferred()  # requests waiting for their eta, leased like those in the policy
         self.stage = IntakeStage(self.take_chunk, auto_threads(settings.tokenizer_threads))
         self.revokes: revokes.RevokeListener | None = None  # started by run()
-        self.revoked_ids = revokes.Revoked()  # a request revoked before it is taken is never batched
+        # A request revoked before it is taken is never batched; revokes are also recorded in Redis.
+        self.revoked_ids = revokes.Revoked(self.store, wall)
         self.stopping = threading.Event()
         self.hostname = coordinator_hostname(os.getpid(), socket.gethostname())
         self.events = TaskEvents(app, self.hostname, mode=settings.events, client=self.client)
@@ -143,6 +144,7 @@ class Coordinator:
         self.warm_up()
         self.events.start()
         self.revokes = revokes.listen(self.app, self.settings)
+        self.revoked_ids.load()  # after subscribing: a revoke is either recorded already or heard
         collector.freeze_startup()  # full collections mid-burst walked the tokenizers and Celery
         try:
             self._loop()

@@ -4,8 +4,9 @@
 PUB/SUB topic), which every Celery worker hears, carpool's GPU workers among them. A coordinator
 listens too, so that a request it still holds (for its eta, or while no worker is up) is answered
 REVOKED at once, and one it takes later is never batched. Like Celery's workers it remembers
-revoked ids for a while (``celery.worker.state``'s limits), in memory: a revoke broadcast while no
-coordinator and no worker listens is heard by nobody.
+revoked ids for a while (``celery.worker.state``'s limits), and records them in Redis, where a
+coordinator or worker that starts later reads them (:class:`Revoked`, :func:`load_revoked`): a
+revoke broadcast while no coordinator and no worker listens is still heard by nobody.
 
 A broadcast published before a SUBSCRIBE is in effect reaches nobody, so :func:`listen` returns
 once Redis confirmed the subscription (or after :data:`SUBSCRIBED_WITHIN_S`), and the coordinator
@@ -21,12 +22,13 @@ import base64
 import binascii
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery import Celery
 from celery.utils.collections import LimitedSet
-from celery.worker import state as worker_state
 
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import state_of
@@ -34,6 +36,7 @@ from carpool.codec import loads
 from carpool.config import Settings
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.socket_options import client_options, drop, silent
+from carpool.redis_edge.store import RequestStore
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +133,17 @@ class RevokeListener:
 
 
 class Revoked:
-    """The ids revoked lately, remembered as a Celery worker remembers them (same count and age)."""
+    """The ids revoked lately, remembered as a Celery worker remembers them (same count and age).
 
-    def __init__(self) -> None:
-        self._ids = LimitedSet(maxlen=worker_state.REVOKES_MAX, expires=worker_state.REVOKE_EXPIRES)
+    With a ``store``, also recorded in Redis (:meth:`RequestStore.remember_revoked`), and
+    :meth:`load` reads what was recorded there: a coordinator that starts later (a restart, one
+    more) knows the revokes heard before it, as a Celery worker learns its peers' at start (mingle).
+    """
+
+    def __init__(self, store: RequestStore | None = None, wall: Callable[[], float] = time.time) -> None:
+        keep_s, keep = compat.revoke_memory()
+        self._ids = LimitedSet(maxlen=keep, expires=keep_s)
+        self._store, self._wall = store, wall
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -143,6 +153,19 @@ class Revoked:
 
     def remember(self, ids: list[str]) -> None:
         self._ids.update(ids)
+        if self._store is not None and ids:
+            try:
+                self._store.remember_revoked(ids, self._wall(), *compat.revoke_memory())
+            except redis.RedisError as exc:  # heard here all the same; a later process may miss them
+                log.warning("could not record %d revoked ids in redis: %s", len(ids), exc)
+
+    def load(self) -> int:
+        """Add the revokes recorded in Redis within their age; how many were read."""
+        found = recorded_revokes(self._store, self._wall()) if self._store is not None else []
+        compat.add_revoked(found, self._ids, self._wall())
+        if found:
+            log.info("remembering %d revoked ids recorded in redis", len(found))
+        return len(found)
 
     def split(self, taken: list[tuple[str, bytes]]) -> tuple[list[tuple[str, bytes]], list[str]]:
         """(the taken requests not revoked, the ids of those revoked)."""
@@ -151,6 +174,17 @@ class Revoked:
             return taken, []
         gone = set(revoked)
         return [(request_id, raw) for request_id, raw in taken if request_id not in gone], revoked
+
+
+def recorded_revokes(store: RequestStore, now_s: float) -> list[tuple[str, float]]:
+    """(request id, when heard revoked) of the revokes recorded in Redis within a Celery worker's
+    memory of them; none (logged) when Redis does not answer: the process then knows only the
+    revokes it hears itself."""
+    try:
+        return store.revoked_since(now_s - compat.revoke_memory()[0])
+    except redis.RedisError as exc:
+        log.warning("could not read the revoked ids recorded in redis: %s", exc)
+        return []
 
 
 def listen(app: Celery, settings: Settings) -> RevokeListener | None:

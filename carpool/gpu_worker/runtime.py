@@ -139,10 +139,24 @@ class WorkerRuntime:
             # default interval is longer than a fast device's batch).
             sys.setswitchinterval(DEVICE_SWITCH_INTERVAL_S)
         self.events.start()
+        self._learn_revokes()
         collector.freeze_startup()  # the models and Celery's worker, out of every later collection
         self._beat()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()
+
+    def _learn_revokes(self) -> None:
+        """Add the revokes coordinators recorded in Redis to those remote control fills, as a Celery
+        worker learns its peers' at start: a request revoked after its batch was dispatched, run by
+        a worker that started later, is answered REVOKED."""
+        keep_s, _ = compat.revoke_memory()
+        now = time.time()
+        try:
+            found = self.store.revoked_since(now - keep_s)
+        except redis.RedisError as exc:
+            log.warning("could not read the revoked ids recorded in redis: %s", exc)
+            return
+        compat.add_revoked(found, compat.revoked_ids(), now)
 
     def _launches(self) -> bool:
         """Whether any batch this worker serves starts on an asynchronous device."""

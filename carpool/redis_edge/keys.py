@@ -84,6 +84,12 @@ class Keys:
         """LIST of messages that were not carpool requests, with the reason."""
         return f"{self._base}:dead"
 
+    @property
+    def revoked(self) -> str:
+        """ZSET request id -> when a coordinator heard it revoked (wall clock, s), for the revokes'
+        memory of Celery's workers (count and age): a process that starts later learns them here."""
+        return f"{self._base}:revoked"
+
     def reports_for(self, coordinator: str) -> str:
         """LIST of per-batch reports (JSON) from workers to the coordinator that cut the batches."""
         return f"{self._base}:reports:{coordinator}"

@@ -353,6 +353,22 @@ class RequestStore:
     def leave(self, hostname: str) -> None:
         self.client.zrem(self.keys.workers, hostname)
 
+    def remember_revoked(self, ids: Sequence[str], now_s: float, keep_s: float, keep: int) -> None:
+        """Record ``ids`` as revoked at ``now_s`` (wall clock); the set keeps those of the last
+        ``keep_s`` seconds, at most the ``keep`` latest."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.keys.revoked, dict.fromkeys(ids, now_s))
+            pipe.zremrangebyscore(self.keys.revoked, "-inf", f"({now_s - keep_s}")
+            pipe.zremrangebyrank(self.keys.revoked, 0, -keep - 1)
+            pipe.execute()
+
+    def revoked_since(self, since_s: float) -> list[tuple[str, float]]:
+        """(request id, when heard revoked) of the revokes recorded since ``since_s``."""
+        found: list[tuple[bytes, float]] = self.client.zrangebyscore(  # type: ignore[assignment]  # redis-py's union of replies
+            self.keys.revoked, since_s, "+inf", withscores=True
+        )
+        return [(_text(request_id), float(at)) for request_id, at in found]
+
     def pop_reports(self, coordinator: str, count: int = 1000) -> list[dict[str, Any]]:
         raw = self.client.rpop(self.keys.reports_for(coordinator), count)
         return [json.loads(r) for r in raw or () if isinstance(r, bytes | str)]

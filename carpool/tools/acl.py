@@ -179,13 +179,13 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
         "drains the request lists into batches, keeps in-flight state, stores rejections",
         (
             Grant(
-                "take requests into flight, requeue, dead-letter, read reports, write stats",
+                "take requests into flight, requeue, dead-letter, read reports, write stats, record revokes",
                 _CONNECTION
                 + _commands("time rpop rpush lpush ltrim blmove hset hget hmget hdel hincrby")
-                + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
+                + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore zremrangebyrank"),
                 (
                     *_exact(requests),
-                    *_exact([*inflight, keys.dead_letter, keys.workers, keys.stats]),
+                    *_exact([*inflight, keys.dead_letter, keys.workers, keys.stats, keys.revoked]),
                     f"~{reports}",
                 ),
             ),
@@ -225,11 +225,11 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
         "runs batches (a Celery worker on the batch queue) and stores each request's result",
         (
             Grant(
-                "claim, renew and acknowledge requests, report to coordinators, heartbeat",
+                "claim, renew and acknowledge requests, report to coordinators, heartbeat, read revokes",
                 _CONNECTION
                 + _commands("time hset hget hmget hdel lpush ltrim expire")
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
-                (*_exact([*inflight, keys.workers]), f"~{reports}"),
+                (*_exact([*inflight, keys.workers, keys.revoked]), f"~{reports}"),
             ),
             Grant(
                 "the in-flight scripts (claim, finish, renew, heartbeat) and the write-once result store; "

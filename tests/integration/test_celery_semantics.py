@@ -244,6 +244,31 @@ def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -
 TAKEN = re.compile(r"batches its claims took: (\d+)")
 
 
+def test_a_revoke_heard_before_a_restart_is_remembered_by_the_next_coordinator_and_worker(
+    processes: Processes,
+) -> None:
+    """Celery's workers learn the revokes their peers heard when they start (mingle). A coordinator
+    records those it hears in Redis, where a coordinator or worker started later reads them: here
+    both started after the broadcast, which neither could hear."""
+    from tests.integration import batched_tasks as t
+
+    first = processes.start("coordinator", "coordinator", **ENV)
+    processes.wait_coordinator(first.pid)
+    before = t.shout.s("never")
+    before.freeze()
+    carpool_app.AsyncResult(before.id).revoke()
+    client = redis.Redis.from_url(processes.broker_url)
+    revoked = Keys("carpool.requests").revoked
+    wait_for("the revoke recorded", lambda: client.zscore(revoked, before.id) is not None, 10)
+    processes.stop("coordinator")
+    start_stack(processes, prefix="next-", **ENV)
+    before.apply_async()
+    kept = t.shout.delay("kept")
+    assert kept.get(timeout=60)["out"] == "KEPT"
+    with pytest.raises(TaskRevokedError):
+        carpool_app.AsyncResult(before.id).get(timeout=30)
+
+
 def test_a_revoke_heard_while_its_batch_is_on_the_device_answers_it_revoked(processes: Processes) -> None:
     """Celery's revoke handler stores REVOKED at once in every worker that hears it, and carpool's
     write-once results keep that answer: a request revoked while its batch waits for or runs on the

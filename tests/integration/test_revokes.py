@@ -41,3 +41,25 @@ def test_a_broadcast_that_is_no_revoke_or_aimed_elsewhere_is_not_taken(clean_red
         assert first_heard(listener, "the broadcast revoke heard") == ["for-everyone"]
     finally:
         listener.stop()
+
+
+def test_revokes_are_recorded_in_redis_for_processes_that_start_later(clean_redis: EmbeddedRedis) -> None:
+    import redis
+
+    from carpool.redis_edge.keys import Keys
+    from carpool.redis_edge.store import RequestStore
+
+    client = redis.Redis.from_url(clean_redis.url())
+    store = RequestStore(client, Keys("carpool.requests"), 30)
+    store.remember_revoked(["old"], 1000.0, keep_s=100, keep=3)
+    store.remember_revoked(["a", "b"], 1050.0, keep_s=100, keep=3)
+    store.remember_revoked(["c", "d"], 1101.0, keep_s=100, keep=3)  # "old" is past 100 s; 3 kept
+    assert sorted(store.revoked_since(0)) == [("b", 1050.0), ("c", 1101.0), ("d", 1101.0)]
+    assert sorted(store.revoked_since(1100)) == [("c", 1101.0), ("d", 1101.0)]
+
+    client.flushdb()
+    first = revokes.Revoked(store)
+    first.remember(["heard-by-the-first"])
+    later = revokes.Revoked(store)  # a coordinator started afterwards
+    assert "heard-by-the-first" not in later
+    assert later.load() == 1 and "heard-by-the-first" in later

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,19 @@ def test_carpool_subclasses_override_what_they_mean_to() -> None:
 
 def test_join_will_block_outside_a_worker() -> None:
     assert compat.join_will_block() is False
+
+
+def test_revokes_read_from_redis_keep_their_age_in_a_celery_limited_set() -> None:
+    """A LimitedSet ages entries on the monotonic clock; a revoke recorded by the wall clock joins
+    it as old as it is, so it leaves when a worker that heard it itself would have dropped it."""
+    from celery.utils.collections import LimitedSet
+
+    now = time.time()
+    heard = LimitedSet(expires=100)
+    heard.add("heard-here")
+    compat.add_revoked([("old", now - 150.0), ("recent", now - 10.0), ("heard-here", now - 99.0)], heard, now)
+    heard.purge()
+    assert "old" not in heard and "recent" in heard
+    assert "heard-here" in heard, "one heard here keeps its own age"
+    heard.purge(now=time.monotonic() + 95)  # "recent" is 105 s old then
+    assert "recent" not in heard and "heard-here" in heard

@@ -239,3 +239,19 @@ def test_an_output_that_cannot_be_stored_fails_its_request_in_the_store_events_r
         ("success", "fine"),
     ]
     assert isinstance(applied[0][2], ModelError)
+
+
+def test_a_worker_learns_at_start_the_revokes_coordinators_recorded(
+    runtime: Any, applied: list[Any], revoked: set[str]
+) -> None:
+    """Revoked after its batch was dispatched, before this worker started: Celery's remote control
+    never told this worker, the coordinators' record in Redis does."""
+    import time
+
+    revoked.add("recorded")
+    runtime.store.revoked_since = lambda since_s: [("recorded", time.time() - 60.0)]
+    runtime._learn_revokes()
+    report = runtime.run(batch(slot("recorded"), slot("kept")))
+    metas = dict(runtime.store.writes)
+    assert metas["recorded"]["status"] == "REVOKED" and metas["kept"]["status"] == "SUCCESS"
+    assert report["size"] == 1
