@@ -141,7 +141,8 @@ def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str
 
 
 def revoke_memory() -> tuple[float, int]:
-    """How long (s) and how many revoked ids a Celery worker remembers (``celery.worker.state``)."""
+    """How long (s) and how many revoked ids a Celery worker remembers (``celery.worker.state``;
+    0: no limit)."""
     from celery.worker import state
 
     return float(state.REVOKE_EXPIRES), int(state.REVOKES_MAX)
@@ -155,6 +156,12 @@ def add_revoked(found: Iterable[tuple[str, float]], into: Any, now_s: float) -> 
     for task_id, revoked_at in found:
         if task_id not in into:
             into.add(task_id, now=monotonic_now - max(0.0, now_s - revoked_at))
+
+
+def revoked_since(now_s: float) -> float | None:
+    """The wall-clock time from which revokes are still remembered (None: from any time)."""
+    keep_s = revoke_memory()[0]
+    return now_s - keep_s if keep_s > 0 else None
 
 
 def revoked_ids() -> Collection[str]:

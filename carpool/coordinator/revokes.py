@@ -181,7 +181,7 @@ def recorded_revokes(store: RequestStore, now_s: float) -> list[tuple[str, float
     memory of them; none (logged) when Redis does not answer: the process then knows only the
     revokes it hears itself."""
     try:
-        return store.revoked_since(now_s - compat.revoke_memory()[0])
+        return store.revoked_since(compat.revoked_since(now_s))
     except redis.RedisError as exc:
         log.warning("could not read the revoked ids recorded in redis: %s", exc)
         return []

@@ -148,15 +148,18 @@ class WorkerRuntime:
     def _learn_revokes(self) -> None:
         """Add the revokes coordinators recorded in Redis to those remote control fills, as a Celery
         worker learns its peers' at start: a request revoked after its batch was dispatched, run by
-        a worker that started later, is answered REVOKED."""
-        keep_s, _ = compat.revoke_memory()
+        a worker that started later, is answered REVOKED. (As with Celery's own start, a revoke
+        broadcast between this read and the consumer's subscription reaches this worker by
+        neither.)"""
         now = time.time()
         try:
-            found = self.store.revoked_since(now - keep_s)
+            found = self.store.revoked_since(compat.revoked_since(now))
         except redis.RedisError as exc:
             log.warning("could not read the revoked ids recorded in redis: %s", exc)
             return
         compat.add_revoked(found, compat.revoked_ids(), now)
+        if found:
+            log.info("remembering %d revoked ids recorded in redis", len(found))
 
     def _launches(self) -> bool:
         """Whether any batch this worker serves starts on an asynchronous device."""

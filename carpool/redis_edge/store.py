@@ -354,18 +354,22 @@ class RequestStore:
         self.client.zrem(self.keys.workers, hostname)
 
     def remember_revoked(self, ids: Sequence[str], now_s: float, keep_s: float, keep: int) -> None:
-        """Record ``ids`` as revoked at ``now_s`` (wall clock); the set keeps those of the last
-        ``keep_s`` seconds, at most the ``keep`` latest."""
+        """Record ``ids`` as revoked at ``now_s`` (wall clock; an id recorded already keeps its
+        first time, whoever heard it); the set keeps those of the last ``keep_s`` seconds, at most
+        the ``keep`` latest (0: no limit, as Celery reads its own settings)."""
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.zadd(self.keys.revoked, dict.fromkeys(ids, now_s))
-            pipe.zremrangebyscore(self.keys.revoked, "-inf", f"({now_s - keep_s}")
-            pipe.zremrangebyrank(self.keys.revoked, 0, -keep - 1)
+            pipe.zadd(self.keys.revoked, dict.fromkeys(ids, now_s), nx=True)
+            if keep_s > 0:
+                pipe.zremrangebyscore(self.keys.revoked, "-inf", f"({now_s - keep_s}")
+            if keep > 0:
+                pipe.zremrangebyrank(self.keys.revoked, 0, -keep - 1)
             pipe.execute()
 
-    def revoked_since(self, since_s: float) -> list[tuple[str, float]]:
-        """(request id, when heard revoked) of the revokes recorded since ``since_s``."""
+    def revoked_since(self, since_s: float | None) -> list[tuple[str, float]]:
+        """(request id, when heard revoked) of the revokes recorded since ``since_s`` (None: all)."""
+        low = "-inf" if since_s is None else since_s
         found: list[tuple[bytes, float]] = self.client.zrangebyscore(  # type: ignore[assignment]  # redis-py's union of replies
-            self.keys.revoked, since_s, "+inf", withscores=True
+            self.keys.revoked, low, "+inf", withscores=True
         )
         return [(_text(request_id), float(at)) for request_id, at in found]
 

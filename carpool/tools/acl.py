@@ -225,11 +225,16 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
         "runs batches (a Celery worker on the batch queue) and stores each request's result",
         (
             Grant(
-                "claim, renew and acknowledge requests, report to coordinators, heartbeat, read revokes",
+                "claim, renew and acknowledge requests, report to coordinators, heartbeat",
                 _CONNECTION
                 + _commands("time hset hget hmget hdel lpush ltrim expire")
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
-                (*_exact([*inflight, keys.workers, keys.revoked]), f"~{reports}"),
+                (*_exact([*inflight, keys.workers]), f"~{reports}"),
+            ),
+            Grant(
+                "read the revokes coordinators recorded, at start (never change them)",
+                ("zrangebyscore",),
+                _exact([keys.revoked], "%R~"),
             ),
             Grant(
                 "the in-flight scripts (claim, finish, renew, heartbeat) and the write-once result store; "
@@ -239,8 +244,9 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             ),
             Grant(
                 "store results write-once and wake their producers (their result inboxes too); see which"
-                " are stored",
-                ("set", "exists", "mget", "publish"),
+                " are stored; mark a revoked task REVOKED as Celery's revoke handler does (it reads the"
+                " task's meta first, to keep a success)",
+                ("set", "setex", "get", "exists", "mget", "publish"),
                 (f"~{results}",),
                 (results,),
             ),

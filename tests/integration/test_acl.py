@@ -198,6 +198,15 @@ def test_every_role_serves_with_its_own_user(
     connected = {str(c.get("user")) for c in role_users.client_list()}
     assert {user("coordinator"), user("worker"), user("flower")} <= connected
 
+    # A revoke: the coordinator records it on its own user, and the worker's Celery marks it REVOKED
+    # in the results (reading the meta first) on its own (refusals there are only logged).
+    from carpool.celery_edge.app import app as carpool_app
+
+    carpool_app.control.revoke("revoked-under-acl")
+    wait_for(
+        "the revoke recorded", lambda: role_users.zscore(KEYS.revoked, "revoked-under-acl") is not None, 10
+    )
+
     # Nothing was refused anywhere (fallback paths that swallow errors would hide it otherwise).
     assert denials(role_users) == []
 

@@ -56,6 +56,10 @@ def test_revokes_are_recorded_in_redis_for_processes_that_start_later(clean_redi
     store.remember_revoked(["c", "d"], 1101.0, keep_s=100, keep=3)  # "old" is past 100 s; 3 kept
     assert sorted(store.revoked_since(0)) == [("b", 1050.0), ("c", 1101.0), ("d", 1101.0)]
     assert sorted(store.revoked_since(1100)) == [("c", 1101.0), ("d", 1101.0)]
+    store.remember_revoked(["c"], 1102.0, keep_s=100, keep=3)  # heard again: its first time stays
+    assert ("c", 1101.0) in store.revoked_since(None)
+    store.remember_revoked(["e"], 5000.0, keep_s=0, keep=0)  # Celery's 0: no limit, nothing trimmed
+    assert len(store.revoked_since(None)) == 4
 
     client.flushdb()
     first = revokes.Revoked(store)

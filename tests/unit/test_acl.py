@@ -178,6 +178,20 @@ def test_coordinator_writes_its_expiring_gauges_and_only_those(roles: dict[acl.R
     assert not allowed(roles["producer"], "hgetall", (gauges,))
 
 
+def test_coordinators_record_revokes_that_workers_only_read(roles: dict[acl.Role, RoleAcl]) -> None:
+    revoked = Keys("carpool.requests").revoked
+    for command in ("zadd", "zremrangebyscore", "zremrangebyrank", "zrangebyscore"):
+        assert allowed(roles["coordinator"], command, (revoked,))
+    assert allowed(roles["worker"], "zrangebyscore", (revoked,))
+    for command in ("zadd", "zrem", "zremrangebyscore", "del"):  # a worker could un-revoke a request
+        assert not allowed(roles["worker"], command, (revoked,))
+    assert not allowed(roles["producer"], "zrangebyscore", (revoked,))
+    # Celery's revoke handler marks the task REVOKED in every worker that hears it, after reading
+    # its meta (a success stays).
+    for command in ("get", "setex"):
+        assert allowed(roles["worker"], command, (RESULT,))
+
+
 def test_worker_is_a_celery_consumer_and_flower_reads(roles: dict[acl.Role, RoleAcl]) -> None:
     worker, flower = roles["worker"], roles["flower"]
     batches = acl.priority_lists("carpool.batches")
