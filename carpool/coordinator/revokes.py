@@ -5,7 +5,7 @@ PUB/SUB topic), which every Celery worker hears, carpool's GPU workers among the
 listens too, so that a request it still holds (for its eta, or while no worker is up) is answered
 REVOKED at once, and one it takes later is never batched. Like Celery's workers it remembers
 revoked ids for a while (``celery.worker.state``'s limits), and records them in Redis, where a
-coordinator or worker that starts later reads them (:class:`Revoked`, :func:`load_revoked`): a
+coordinator or worker that starts later reads them (:class:`Revoked`, :func:`recorded_revokes`): a
 revoke broadcast while no coordinator and no worker listens is still heard by nobody.
 
 A broadcast published before a SUBSCRIBE is in effect reaches nobody, so :func:`listen` returns
