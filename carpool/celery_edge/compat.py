@@ -9,13 +9,17 @@ Widen a range only after reading the new release's code behind each function her
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+import redis
 from celery import Celery
 from celery._state import task_join_will_block
+
+log = logging.getLogger(__name__)
 
 # (lowest, first unsupported) major.minor of the libraries this module was checked against.
 CELERY_VERSIONS = ((5, 6), (5, 7))
@@ -158,10 +162,20 @@ def add_revoked(found: Iterable[tuple[str, float]], into: Any, now_s: float) -> 
             into.add(task_id, now=monotonic_now - max(0.0, now_s - revoked_at))
 
 
-def revoked_since(now_s: float) -> float | None:
-    """The wall-clock time from which revokes are still remembered (None: from any time)."""
+def learn_revokes(read: Callable[[float | None], list[tuple[str, float]]], into: Any, now_s: float) -> int:
+    """Add to ``into`` (as :func:`add_revoked`) the revokes ``read(since)`` gives (a
+    ``RequestStore.revoked_since``: those recorded in Redis) within a Celery worker's memory of
+    them; how many. A Redis error is logged: the process then knows only the revokes it hears."""
     keep_s = revoke_memory()[0]
-    return now_s - keep_s if keep_s > 0 else None
+    try:
+        found = read(now_s - keep_s if keep_s > 0 else None)
+    except redis.RedisError as exc:
+        log.warning("could not read the revoked ids recorded in redis: %s", exc)
+        return 0
+    add_revoked(found, into, now_s)
+    if found:
+        log.info("remembering %d revoked ids recorded in redis", len(found))
+    return len(found)
 
 
 def revoked_ids() -> Collection[str]:

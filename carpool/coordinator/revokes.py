@@ -5,8 +5,8 @@ PUB/SUB topic), which every Celery worker hears, carpool's GPU workers among the
 listens too, so that a request it still holds (for its eta, or while no worker is up) is answered
 REVOKED at once, and one it takes later is never batched. Like Celery's workers it remembers
 revoked ids for a while (``celery.worker.state``'s limits), and records them in Redis, where a
-coordinator or worker that starts later reads them (:class:`Revoked`, :func:`recorded_revokes`): a
-revoke broadcast while no coordinator and no worker listens is still heard by nobody.
+coordinator or worker that starts later reads them (:class:`Revoked`, ``compat.learn_revokes``):
+a revoke broadcast while no coordinator and no worker listens is still heard by nobody.
 
 A broadcast published before a SUBSCRIBE is in effect reaches nobody, so :func:`listen` returns
 once Redis confirmed the subscription (or after :data:`SUBSCRIBED_WITHIN_S`), and the coordinator
@@ -161,11 +161,9 @@ class Revoked:
 
     def load(self) -> int:
         """Add the revokes recorded in Redis within their age; how many were read."""
-        found = recorded_revokes(self._store, self._wall()) if self._store is not None else []
-        compat.add_revoked(found, self._ids, self._wall())
-        if found:
-            log.info("remembering %d revoked ids recorded in redis", len(found))
-        return len(found)
+        if self._store is None:
+            return 0
+        return compat.learn_revokes(self._store.revoked_since, self._ids, self._wall())
 
     def split(self, taken: list[tuple[str, bytes]]) -> tuple[list[tuple[str, bytes]], list[str]]:
         """(the taken requests not revoked, the ids of those revoked)."""
@@ -174,17 +172,6 @@ class Revoked:
             return taken, []
         gone = set(revoked)
         return [(request_id, raw) for request_id, raw in taken if request_id not in gone], revoked
-
-
-def recorded_revokes(store: RequestStore, now_s: float) -> list[tuple[str, float]]:
-    """(request id, when heard revoked) of the revokes recorded in Redis within a Celery worker's
-    memory of them; none (logged) when Redis does not answer: the process then knows only the
-    revokes it hears itself."""
-    try:
-        return store.revoked_since(compat.revoked_since(now_s))
-    except redis.RedisError as exc:
-        log.warning("could not read the revoked ids recorded in redis: %s", exc)
-        return []
 
 
 def listen(app: Celery, settings: Settings) -> RevokeListener | None:

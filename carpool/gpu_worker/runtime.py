@@ -151,15 +151,7 @@ class WorkerRuntime:
         a worker that started later, is answered REVOKED. (As with Celery's own start, a revoke
         broadcast between this read and the consumer's subscription reaches this worker by
         neither.)"""
-        now = time.time()
-        try:
-            found = self.store.revoked_since(compat.revoked_since(now))
-        except redis.RedisError as exc:
-            log.warning("could not read the revoked ids recorded in redis: %s", exc)
-            return
-        compat.add_revoked(found, compat.revoked_ids(), now)
-        if found:
-            log.info("remembering %d revoked ids recorded in redis", len(found))
+        compat.learn_revokes(self.store.revoked_since, compat.revoked_ids(), time.time())
 
     def _launches(self) -> bool:
         """Whether any batch this worker serves starts on an asynchronous device."""
