@@ -18,7 +18,7 @@ import itertools
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from carpool.batching.bins import padded_length
 from carpool.batching.types import Request
@@ -30,6 +30,15 @@ QueueOrder = Literal["arrival", "length", "tight"]
 
 # A lane: the requests of one (priority, padded width), in arrival order.
 _Lane = deque[Request]
+
+
+class Head(NamedTuple):
+    """A queue's next batch: its members, whether a limit cut it short of the queue, and its
+    padded tokens (members x padded longest), which the policy's run-time prediction reads."""
+
+    members: list[Request]
+    limited: bool
+    padded_tokens: int
 
 
 class BinQueue:
@@ -53,7 +62,7 @@ class BinQueue:
         self._seq = itertools.count()
         # The head batch as select() last chose it, valid until the membership changes (add, remove,
         # expiry): a saturated coordinator polls once per freed slot and must not re-select each time.
-        self._head: tuple[list[Request], bool] | None = None
+        self._head: Head | None = None
 
     def __len__(self) -> int:
         return len(self.live)
@@ -109,10 +118,12 @@ class BinQueue:
             if self._alive(req):
                 yield req
 
-    def head(self, cfg: PolicyConfig) -> tuple[list[Request], bool]:
-        """``select(cfg)``, remembered until the queue's membership changes."""
+    def head(self, cfg: PolicyConfig) -> Head:
+        """``select(cfg)`` and its padded tokens, remembered until the queue's membership changes."""
         if self._head is None:
-            self._head = self.select(cfg)
+            members, limited = self.select(cfg)
+            longest = max((req.length for req in members), default=0)
+            self._head = Head(members, limited, len(members) * padded_length(longest, cfg.pad_multiple))
         return self._head
 
     def select(self, cfg: PolicyConfig, first: Iterable[Request] = ()) -> tuple[list[Request], bool]:
@@ -155,7 +166,13 @@ class BinQueue:
         if len(self.live) <= cfg.max_batch:
             # Everything may fit: then it is one batch whatever the order, served as ``arrival`` does.
             rest = sorted(self.live.values(), key=lambda r: -r.priority)
-            if all(batch.add(req) for req in rest):
+            if not batch.members:
+                # Adding one by one would stop only at the count * widest check, and the last add
+                # makes that check with the widest and the whole count: so it is one check.
+                width = padded_length(max((req.length for req in rest), default=0), cfg.pad_multiple)
+                if len(rest) <= 1 or len(rest) * width <= cfg.max_tokens:
+                    return rest, len(rest) >= cfg.max_batch
+            elif all(batch.add(req) for req in rest):
                 return batch.members, len(batch.members) >= cfg.max_batch
             batch = _Batch(cfg)
             for req in first:

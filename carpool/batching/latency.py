@@ -36,6 +36,8 @@ class LatencyModel:
         self.prior_per_token_s = prior_per_token_s
         self.decay = decay
         self._fits: dict[str, _Fit] = {}
+        # Each model's coefficients until its next observation: the policy predicts per queue per poll.
+        self._coefficients: dict[str, tuple[float, float]] = {}
 
     def observe(self, model: str, padded_tokens: int, run_s: float) -> None:
         if run_s < 0 or padded_tokens < 0:
@@ -49,9 +51,16 @@ class LatencyModel:
         fit.sxx = fit.sxx * d + x * x
         fit.sxy = fit.sxy * d + x * y
         fit.n += 1
+        self._coefficients.pop(model, None)
 
     def coefficients(self, model: str) -> tuple[float, float]:
         """(base seconds, seconds per padded token) currently used for ``model``."""
+        cached = self._coefficients.get(model)
+        if cached is None:
+            cached = self._coefficients[model] = self._fitted(model)
+        return cached
+
+    def _fitted(self, model: str) -> tuple[float, float]:
         fit = self._fits.get(model)
         if fit is None or fit.n == 0:
             return self.prior_base_s, self.prior_per_token_s

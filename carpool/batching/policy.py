@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from carpool.batching.binqueue import BinQueue, QueueOrder
+from carpool.batching.binqueue import BinQueue, Head, QueueOrder
 from carpool.batching.bins import PAD_MULTIPLE, AutoBins, LengthBins, padded_length
 from carpool.batching.latency import LatencyModel
 from carpool.batching.types import Batch, FlushReason, Plan, Request
@@ -253,7 +253,7 @@ class BatchPolicy:
         self,
         key: tuple[str, str],
         queue: BinQueue,
-        selected: tuple[list[Request], bool],
+        selected: Head,
         now_s: float,
         worker_idle: bool,
         free_slots: int,
@@ -262,8 +262,8 @@ class BatchPolicy:
     ) -> tuple[_Candidate | None, float | None]:
         model = key[0]
         cfg = self.config_for(model)
-        head, limited = selected
-        predicted = self.predict_s(model, head)
+        head, limited, padded_tokens = selected
+        predicted = self.latency.predict(model, padded_tokens)
         deadline = queue.earliest_deadline()
         urgent_at = deadline - ahead_s - predicted - DEADLINE_GUARD_S
         oldest = queue.oldest_arrival()
@@ -283,11 +283,11 @@ class BatchPolicy:
             if free_slots > 0 or (queue_room > 0 and ahead_s < cfg.prefetch_s):
                 return _Candidate(key, head, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
             return None, next_deadline_event
-        wait_s = min(cfg.max_wait_s, cfg.wait_factor * predicted)
-        if self.expected_arrivals(model, now_s, wait_s) < 1.0:
-            wait_s = 0.0  # light traffic: no company is coming, waiting would only add latency
-        ready_at = oldest + wait_s
         if worker_idle and free_slots > 0:
+            wait_s = min(cfg.max_wait_s, cfg.wait_factor * predicted)
+            if self.expected_arrivals(model, now_s, wait_s) < 1.0:
+                wait_s = 0.0  # light traffic: no company is coming, waiting would only add latency
+            ready_at = oldest + wait_s
             if now_s >= ready_at:
                 return _Candidate(key, head, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None
             return None, min(ready_at, next_deadline_event)

@@ -40,3 +40,20 @@ def test_one_shape_only_keeps_the_prior_slope() -> None:
         m.observe("m", 256, 0.05)
     assert m.predict("m", 256) == pytest.approx(0.05)
     assert m.predict("m", 512) > m.predict("m", 256)
+
+
+def test_each_observation_moves_the_next_prediction() -> None:
+    # Predictions between observations (as the policy asks, per queue per poll) never lag a report.
+    rng = random.Random(2)
+    m = LatencyModel(decay=0.95)
+    seen: list[tuple[int, float]] = []
+    for _ in range(50):
+        tokens = rng.randint(8, 4096)
+        run_s = 0.003 + rng.uniform(1e-5, 4e-5) * tokens
+        m.observe("m", tokens, run_s)
+        seen.append((tokens, run_s))
+        fresh = LatencyModel(decay=0.95)
+        for t, r in seen:
+            fresh.observe("m", t, r)
+        assert m.coefficients("m") == fresh.coefficients("m")
+        assert m.predict("m", 1000) == fresh.predict("m", 1000)

@@ -92,6 +92,47 @@ def test_a_request_longer_than_the_budget_still_runs_alone() -> None:
     assert [b.requests for b in plan.batches] == [(big,)]
 
 
+def test_a_bin_under_max_batch_is_cut_at_the_token_budget_from_its_oldest_request() -> None:
+    # Four fit by count (max_batch 8) but not by tokens: 4 x 32 padded > 64. The oldest leaves with
+    # the nearest widths that fit, 3 x 16 = 48; the wide one waits for the next batch.
+    p = policy(max_batch=8, max_tokens=64, bin_edges=())
+    rs = [req(16, at=0.0), req(32, at=0.1), req(16, at=0.2), req(16, at=0.3)]
+    for r in rs:
+        p.add(r)
+    plan = p.poll(1.0, free_workers=1, free_slots=1)
+    assert [b.requests for b in plan.batches] == [(rs[0], rs[2], rs[3])]
+    assert plan.batches[0].flush_reason is FlushReason.FULL
+    # Exactly at the budget the whole bin is one batch, in arrival order, still partial by count.
+    p = policy(max_batch=8, max_tokens=64, max_wait_s=0.0, bin_edges=())
+    rs = [req(16, at=0.0), req(9, at=0.1), req(3, at=0.2), req(16, at=0.3)]
+    for r in rs:
+        p.add(r)
+    plan = p.poll(1.0, free_workers=1, free_slots=1)
+    assert [b.requests for b in plan.batches] == [tuple(rs)]
+    assert plan.batches[0].flush_reason is FlushReason.WAIT
+
+
+def test_the_wait_is_a_share_of_the_whole_partial_batch_predicted_run_time() -> None:
+    p = policy(max_batch=32, max_wait_s=1.0, wait_factor=0.3, bin_edges=())
+    p.add(req(8, at=10.0))
+    first = p.poll(10.0, free_workers=1, free_slots=1).wake_at_s
+    assert first == pytest.approx(10.0 + 0.3 * (0.01 + 8 * 1e-4))
+    p.add(req(20, at=10.0))  # the batch is now 2 x 24 padded tokens: a longer predicted run
+    plan = p.poll(10.0, free_workers=1, free_slots=1)
+    assert plan.batches == []
+    assert plan.wake_at_s == pytest.approx(10.0 + 0.3 * (0.01 + 2 * 24 * 1e-4))
+    # A batch report that changes the fit changes the next poll's prediction at once.
+    fresh = LatencyModel(prior_base_s=0.01, prior_per_token_s=1e-4)
+    for model in (p.latency, fresh):
+        model.observe("m", 100, 0.5)
+        model.observe("m", 200, 1.0)
+    base, slope = fresh.coefficients("m")
+    assert slope == pytest.approx(0.005)
+    assert p.poll(10.0, free_workers=1, free_slots=1).wake_at_s == pytest.approx(
+        10.0 + min(1.0, 0.3 * (base + slope * 48))
+    )
+
+
 def test_partial_batch_waits_its_adaptive_share_then_leaves_when_a_worker_is_free() -> None:
     p = policy(max_batch=32, max_wait_s=1.0, wait_factor=0.3, bin_edges=())
     r = req(8, at=10.0)
