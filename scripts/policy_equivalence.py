@@ -67,16 +67,24 @@ def one_sequence(seed: int, modules: tuple[ModuleType, ModuleType]) -> str | Non
     rnd = random.Random(seed)
     config = {
         "kind": rnd.choice(["binned", "binned", "fifo", "shortest"]),
-        "max_batch": rnd.choice([1, 4, 8, 32]),
-        "max_tokens": rnd.choice([256, 2048, 8192]),
+        "max_batch": rnd.choice([1, 2, 3, 4, 8, 32]),
+        "max_tokens": rnd.choice([64, 100, 256, 2048, 8192]),
         "max_wait_s": rnd.choice([0.0, 0.01, 0.05]),
         "wait_factor": rnd.choice([0.0, 0.3, 1.0]),
         "auto_bins": rnd.choice([0, 0, 4]),
         "tight_backlog": rnd.choice([True, False]),
         "prefetch_s": rnd.choice([0.0, 0.005]),
-        "pad_multiple": rnd.choice([1, 8]),
+        "pad_multiple": rnd.choice([1, 3, 8, 16, 64]),
     }
-    per_key = {"m2": {**config, "max_batch": rnd.choice([2, 16])}} if rnd.random() < 0.5 else {}
+    per_key = {}
+    if rnd.random() < 0.5:  # the second model with limits of its own
+        per_key["m2"] = {
+            **config,
+            "kind": rnd.choice(["binned", "fifo", "shortest"]),
+            "max_batch": rnd.choice([2, 16]),
+            "pad_multiple": rnd.choice([1, 8]),
+            "auto_bins": rnd.choice([0, 3]),
+        }
     prior = {"prior_base_s": rnd.choice([0.0003, 0.002]), "prior_per_token_s": rnd.choice([3.8e-6, 1e-4])}
     policies = [
         m.BatchPolicy(
@@ -97,10 +105,10 @@ def one_sequence(seed: int, modules: tuple[ModuleType, ModuleType]) -> str | Non
                 fields = {
                     "id": f"r{ids}",
                     "model": rnd.choice(["m1", "m1", "m2"]),
-                    "length": rnd.choice([rnd.randint(1, 30), rnd.randint(1, 300), 256, 512]),
+                    "length": rnd.choice([rnd.randint(1, 30), rnd.randint(1, 300), 256, 512, 9000]),
                     "arrival_s": now - rnd.choice([0.0, 0.0, 0.002, 0.02]),
                     "deadline_s": now + rnd.choice([0.005, 0.03, 0.5, 60.0]),
-                    "priority": rnd.choice([0, 0, 0, 5]),
+                    "priority": rnd.choice([0, 0, 0, 5, -3]),
                 }
                 for policy, m in zip(policies, modules, strict=True):
                     policy.add(m.Request(**fields))

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from carpool.batching.bins import padded_length
+from carpool.batching.bins import padded_length, padded_width
 from carpool.batching.types import Request
 
 if TYPE_CHECKING:
@@ -33,8 +33,9 @@ _Lane = deque[Request]
 
 
 class Head(NamedTuple):
-    """A queue's next batch: its members, whether a limit cut it short of the queue, and its
-    padded tokens (members x padded longest), which the policy's run-time prediction reads."""
+    """A queue's next batch: its members, whether it is full (it holds ``max_batch``, or one more
+    request would pass ``max_tokens``: it leaves as FULL), and its padded tokens (members x padded
+    width), which the policy's run-time prediction reads."""
 
     members: list[Request]
     limited: bool
@@ -122,13 +123,13 @@ class BinQueue:
         """``select(cfg)`` and its padded tokens, remembered until the queue's membership changes."""
         if self._head is None:
             members, limited = self.select(cfg)
-            longest = max((req.length for req in members), default=0)
-            self._head = Head(members, limited, len(members) * padded_length(longest, cfg.pad_multiple))
+            width = padded_width((req.length for req in members), cfg.pad_multiple)
+            self._head = Head(members, limited, len(members) * width)
         return self._head
 
     def select(self, cfg: PolicyConfig, first: Iterable[Request] = ()) -> tuple[list[Request], bool]:
-        """The next batch (not removed), ``first`` in it before anything else, and whether a limit
-        cut it short of the queue."""
+        """The next batch (not removed), ``first`` in it before anything else, and whether it is full
+        (it holds ``max_batch``, or one more request would pass ``max_tokens``)."""
         batch = _Batch(cfg)
         if self.order == "tight":
             return self._select_tight(batch, first)
@@ -167,9 +168,10 @@ class BinQueue:
             # Everything may fit: then it is one batch whatever the order, served as ``arrival`` does.
             rest = sorted(self.live.values(), key=lambda r: -r.priority)
             if not batch.members:
-                # Adding one by one would stop only at the count * widest check, and the last add
-                # makes that check with the widest and the whole count: so it is one check.
-                width = padded_length(max((req.length for req in rest), default=0), cfg.pad_multiple)
+                # The count cannot bind here and count x widest only grows as members join, so the
+                # whole queue fits exactly when all of it fits: one check. A lone request fits even
+                # past max_tokens (it can run nowhere else).
+                width = padded_width((req.length for req in rest), cfg.pad_multiple)
                 if len(rest) <= 1 or len(rest) * width <= cfg.max_tokens:
                     return rest, len(rest) >= cfg.max_batch
             elif all(batch.add(req) for req in rest):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from carpool.names import DEFAULT_BIN_EDGES
 
@@ -14,6 +14,11 @@ PAD_MULTIPLE = 8  # tensor cores and vectorised CPU kernels like dimensions in m
 def padded_length(length: int, multiple: int = PAD_MULTIPLE) -> int:
     """``length`` rounded up to a multiple of ``multiple`` (at least one multiple)."""
     return max(multiple, -(-length // multiple) * multiple)
+
+
+def padded_width(lengths: Iterable[int], multiple: int = PAD_MULTIPLE) -> int:
+    """The length every member of a batch of ``lengths`` is padded to: its longest, rounded up."""
+    return padded_length(max(lengths, default=0), multiple)
 
 
 class LengthBins:

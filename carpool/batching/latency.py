@@ -32,12 +32,20 @@ class LatencyModel:
     ) -> None:
         if not 0 < decay <= 1:
             raise ValueError("decay must be in (0, 1]")
-        self.prior_base_s = prior_base_s
-        self.prior_per_token_s = prior_per_token_s
+        self._prior = (prior_base_s, prior_per_token_s)
         self.decay = decay
         self._fits: dict[str, _Fit] = {}
-        # Each model's coefficients until its next observation: the policy predicts per queue per poll.
+        # Each model's coefficients until its next observation (the priors are fixed at construction):
+        # the policy predicts once per queue per poll.
         self._coefficients: dict[str, tuple[float, float]] = {}
+
+    @property
+    def prior_base_s(self) -> float:
+        return self._prior[0]
+
+    @property
+    def prior_per_token_s(self) -> float:
+        return self._prior[1]
 
     def observe(self, model: str, padded_tokens: int, run_s: float) -> None:
         if run_s < 0 or padded_tokens < 0:
@@ -63,7 +71,7 @@ class LatencyModel:
     def _fitted(self, model: str) -> tuple[float, float]:
         fit = self._fits.get(model)
         if fit is None or fit.n == 0:
-            return self.prior_base_s, self.prior_per_token_s
+            return self._prior
         mean_x = fit.sx / fit.w
         mean_y = fit.sy / fit.w
         var_x = fit.sxx / fit.w - mean_x * mean_x

@@ -32,7 +32,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from carpool.batching.binqueue import BinQueue, Head, QueueOrder
-from carpool.batching.bins import PAD_MULTIPLE, AutoBins, LengthBins, padded_length
+from carpool.batching.bins import PAD_MULTIPLE, AutoBins, LengthBins, padded_width
 from carpool.batching.latency import LatencyModel
 from carpool.batching.types import Batch, FlushReason, Plan, Request
 from carpool.names import DEFAULT_BIN_EDGES, POLICY_NAMES, PolicyName
@@ -150,9 +150,8 @@ class BatchPolicy:
         return max(len(recent) / span * within_s, just_now - 1.0)
 
     def predict_s(self, model: str, requests: list[Request]) -> float:
-        longest = max(r.length for r in requests)
-        pad_multiple = self.config_for(model).pad_multiple
-        return self.latency.predict(model, len(requests) * padded_length(longest, pad_multiple))
+        width = padded_width((r.length for r in requests), self.config_for(model).pad_multiple)
+        return self.latency.predict(model, len(requests) * width)
 
     def poll(
         self,
@@ -208,13 +207,14 @@ class BatchPolicy:
             wake = None  # recomputed on the next pass over the queues
             queue = self._queues[best.key]
             queue.remove(best.requests)
-            longest = max(r.length for r in best.requests)
             plan.batches.append(
                 Batch(
                     model=best.key[0],
                     bin_label=best.key[1],
                     requests=tuple(best.requests),
-                    padded_len=padded_length(longest, self.config_for(best.key[0]).pad_multiple),
+                    padded_len=padded_width(
+                        (r.length for r in best.requests), self.config_for(best.key[0]).pad_multiple
+                    ),
                     flush_reason=best.reason,
                 )
             )
@@ -253,7 +253,7 @@ class BatchPolicy:
         self,
         key: tuple[str, str],
         queue: BinQueue,
-        selected: Head,
+        head: Head,
         now_s: float,
         worker_idle: bool,
         free_slots: int,
@@ -262,12 +262,12 @@ class BatchPolicy:
     ) -> tuple[_Candidate | None, float | None]:
         model = key[0]
         cfg = self.config_for(model)
-        head, limited, padded_tokens = selected
+        members, limited, padded_tokens = head
         predicted = self.latency.predict(model, padded_tokens)
         deadline = queue.earliest_deadline()
         urgent_at = deadline - ahead_s - predicted - DEADLINE_GUARD_S
         oldest = queue.oldest_arrival()
-        priority = head[0].priority  # served order puts the highest priority first
+        priority = members[0].priority  # served order puts the highest priority first
         # A deadline flush bypasses the slot limit, so only while it can plausibly make it: a batch
         # that would finish late anyway is not worth pushing into a queue of busy workers (under
         # overload that floods the batch queue with doomed work); it waits for a slot or expires here.
@@ -281,7 +281,7 @@ class BatchPolicy:
         next_deadline_event = urgent_at if now_s < urgent_at else deadline
         if limited:
             if free_slots > 0 or (queue_room > 0 and ahead_s < cfg.prefetch_s):
-                return _Candidate(key, head, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
+                return _Candidate(key, members, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
             return None, next_deadline_event
         if worker_idle and free_slots > 0:
             wait_s = min(cfg.max_wait_s, cfg.wait_factor * predicted)
@@ -289,7 +289,7 @@ class BatchPolicy:
                 wait_s = 0.0  # light traffic: no company is coming, waiting would only add latency
             ready_at = oldest + wait_s
             if now_s >= ready_at:
-                return _Candidate(key, head, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None
+                return _Candidate(key, members, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None
             return None, min(ready_at, next_deadline_event)
         return None, next_deadline_event
 

@@ -31,7 +31,7 @@ def req(
 
 
 def policy(**kw: object) -> BatchPolicy:
-    # A latency model with a fixed, known prediction: 10 ms + 0.1 ms per padded token.
+    # A latency model that predicts 10 ms + 0.1 ms per padded token until it is fed a batch's run time.
     latency = LatencyModel(prior_base_s=0.01, prior_per_token_s=1e-4)
     return BatchPolicy(PolicyConfig(**kw), latency)  # type: ignore[arg-type]
 
@@ -90,6 +90,11 @@ def test_a_request_longer_than_the_budget_still_runs_alone() -> None:
     p.add(big)
     plan = p.poll(1.0, free_workers=1, free_slots=1)
     assert [b.requests for b in plan.batches] == [(big,)]
+    # With max_batch 1 it is a full batch: it leaves for a free slot with no worker idle.
+    p = policy(max_batch=1, max_tokens=16, bin_edges=())
+    p.add(big)
+    plan = p.poll(1.0, free_workers=0, free_slots=1)
+    assert [(b.requests, b.flush_reason) for b in plan.batches] == [((big,), FlushReason.FULL)]
 
 
 def test_a_bin_under_max_batch_is_cut_at_the_token_budget_from_its_oldest_request() -> None:
