@@ -168,9 +168,10 @@ class BinQueue:
             # Everything may fit: then it is one batch whatever the order, served as ``arrival`` does.
             rest = sorted(self.live.values(), key=lambda r: -r.priority)
             if not batch.members:
-                # The count cannot bind here and count x widest only grows as members join, so the
-                # whole queue fits exactly when all of it fits: one check. A lone request fits even
-                # past max_tokens (it can run nowhere else).
+                # The count cannot bind here, and count x widest only grows as members join: adding
+                # them one by one succeeds for all exactly when the last add's check (the whole count
+                # x the widest) passes. A lone request fits even past max_tokens (it can run nowhere
+                # else).
                 width = padded_width((req.length for req in rest), cfg.pad_multiple)
                 if len(rest) <= 1 or len(rest) * width <= cfg.max_tokens:
                     return rest, len(rest) >= cfg.max_batch
