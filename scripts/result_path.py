@@ -12,14 +12,16 @@ when there is one); meanwhile this process ``gather``s them. ``--rows numpy`` ha
 float32 rows as a model returns them (``MiniLM.forward``); ``list`` converts each batch with
 ``tolist()`` first, as models did before they returned arrays (that conversion is counted as the
 worker's). Reported per result: the worker's CPU (its process), Redis's (``INFO cpu``), the
-producer's ``gather`` (this process), and the bytes stored. Least and median of the rounds; the
-machine is shared, read CPU, not wall time.
+producer's ``gather`` (this process) with its kernel share and page faults (the results' Python
+floats grow this process's heap, and each new page is a fault), and the bytes stored. Least and
+median of the rounds; the machine is shared, read CPU, not wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import resource
 import statistics
 import time
 import uuid
@@ -77,9 +79,10 @@ def one_round(url: str, n: int, dim: int, rows: str, inbox: bool) -> dict[str, f
         target=_worker, args=(url, ids, dim, rows, queue, channel)
     )
     worker.start()
-    started = time.process_time()
+    started, usage = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
     values = gather(results, timeout=120)
     gather_s = time.process_time() - started
+    after = resource.getrusage(resource.RUSAGE_SELF)
     worker_s = queue.get(timeout=120)
     worker.join()
     redis_s = redis_cpu_s(client) - redis_before
@@ -91,6 +94,8 @@ def one_round(url: str, n: int, dim: int, rows: str, inbox: bool) -> dict[str, f
         "worker_us": worker_s / n * 1e6,
         "redis_us": redis_s / n * 1e6,
         "gather_us": gather_s / n * 1e6,
+        "gather_kernel_us": (after.ru_stime - usage.ru_stime) / n * 1e6,
+        "gather_page_faults": (after.ru_minflt - usage.ru_minflt) / n,
         "bytes_per_result": float(stored),
     }
 
