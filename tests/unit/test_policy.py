@@ -31,7 +31,7 @@ def req(
 
 
 def policy(**kw: object) -> BatchPolicy:
-    # A latency model that predicts 10 ms + 0.1 ms per padded token until it is fed a batch's run time.
+    # A latency model that predicts from the prior set here until it is fed a batch's run time.
     latency = LatencyModel(prior_base_s=0.01, prior_per_token_s=1e-4)
     return BatchPolicy(PolicyConfig(**kw), latency)  # type: ignore[arg-type]
 
