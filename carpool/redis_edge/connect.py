@@ -219,12 +219,11 @@ def client_for(url: str, settings: SentinelSettings | None = None, **options: An
 
     parsed, master = _sentinel_target(url, settings)
     assert settings is not None  # _sentinel_target refused None
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    # Called as Any: some redis-py releases annotate Sentinel and others do not.
+    sentinel: Any = cast("Any", Sentinel)(
         list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs(settings, **options), **options
     )
-    client = sentinel.master_for(  # type: ignore[no-untyped-call]
-        master, db=parsed.db, username=parsed.username, password=parsed.password
-    )
+    client = sentinel.master_for(master, db=parsed.db, username=parsed.username, password=parsed.password)
     return cast("redis.Redis", client)
 
 
@@ -242,7 +241,7 @@ def async_client_for(
 
     parsed, master = _sentinel_target(url, settings)
     assert settings is not None
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel: Any = cast("Any", Sentinel)(  # as in client_for
         list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs(settings, **options), **options
     )
     client = sentinel.master_for(master, db=parsed.db, username=parsed.username, password=parsed.password)
