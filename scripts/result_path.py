@@ -1,7 +1,7 @@
 """CPU per result of carpool's result path alone: the worker storing, Redis, the producer gathering.
 
     python scripts/result_path.py [--requests 6000] [--dim 384] [--rows numpy|list] [--rounds 3]
-                                  [--inbox on|off|both]
+                                  [--inbox on|off|both] [--gather list|array|both]
 
 Each round: N task ids, marked for this process's result inbox as ``submit_many`` marks them
 (``--inbox off``: each subscribed on its own, as with ``CARPOOL_RESULT_INBOX=false``; ``both``:
@@ -13,13 +13,17 @@ float32 rows as a model returns them (``MiniLM.forward``); ``list`` converts eac
 ``tolist()`` first, as models did before they returned arrays (that conversion is counted as the
 worker's). Reported per result: the worker's CPU (its process), Redis's (``INFO cpu``), the
 producer's ``gather`` (this process) with its kernel share and page faults (the results' Python
-floats grow this process's heap, and each new page is a fault), and the bytes stored. Least and
-median of the rounds; the machine is shared, read CPU, not wall time.
+floats grow this process's heap, and each new page is a fault), one full garbage collection right
+after it (what the next one costs with the results held: Python lists of floats are walked, arrays
+are not), and the bytes stored. ``--gather array``: ``gather(..., as_array=True)``; ``both``: rounds
+alternate between it and the list. Least and median of the rounds; the machine is shared, read CPU,
+not wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import resource
 import statistics
@@ -54,7 +58,7 @@ def _worker(url: str, ids: list[str], dim: int, rows: str, out: Any, inbox: str 
     out.put(time.process_time() - started)
 
 
-def one_round(url: str, n: int, dim: int, rows: str, inbox: bool) -> dict[str, float]:
+def one_round(url: str, n: int, dim: int, rows: str, inbox: bool, as_array: bool) -> dict[str, float]:
     import redis
     from celery.result import AsyncResult
 
@@ -74,20 +78,25 @@ def one_round(url: str, n: int, dim: int, rows: str, inbox: bool) -> dict[str, f
     else:
         subscribe_results(app.backend, ids)
     queue: Any = multiprocessing.get_context("fork").Queue()
+    gc.collect()  # the round before left garbage in cycles (its AsyncResults): not this round's cost
     redis_before = redis_cpu_s(client)
     worker = multiprocessing.get_context("fork").Process(
         target=_worker, args=(url, ids, dim, rows, queue, channel)
     )
     worker.start()
     started, usage = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
-    values = gather(results, timeout=120)
+    values: Any = gather(results, timeout=120, as_array=True) if as_array else gather(results, timeout=120)
     gather_s = time.process_time() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
+    collected = time.process_time()
+    gc.collect()
+    collect_s = time.process_time() - collected
     worker_s = queue.get(timeout=120)
     worker.join()
     redis_s = redis_cpu_s(client) - redis_before
     stored = client.strlen(app.backend.get_key_for_task(ids[0]))
     assert len(values) == n and len(values[0]) == dim
+    del values  # the next round starts without them
     client.flushdb()
     app.backend.result_consumer.stop()
     return {
@@ -96,6 +105,7 @@ def one_round(url: str, n: int, dim: int, rows: str, inbox: bool) -> dict[str, f
         "gather_us": gather_s / n * 1e6,
         "gather_kernel_us": (after.ru_stime - usage.ru_stime) / n * 1e6,
         "gather_page_faults": (after.ru_minflt - usage.ru_minflt) / n,
+        "collect_after_us": collect_s / n * 1e6,
         "bytes_per_result": float(stored),
     }
 
@@ -109,27 +119,35 @@ def main() -> int:
     parser.add_argument("--rows", choices=("numpy", "list"), default="numpy")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--inbox", choices=("on", "off", "both"), default="on")
+    parser.add_argument("--gather", choices=("list", "array", "both"), default="list")
     opts = parser.parse_args()
-    modes = {"on": [True], "off": [False], "both": [False, True]}[opts.inbox]
+    inboxes = {"on": [True], "off": [False], "both": [False, True]}[opts.inbox]
+    arrays = {"list": [False], "array": [True], "both": [False, True]}[opts.gather]
+    modes = [(inbox, as_array) for inbox in inboxes for as_array in arrays]
 
     from carpool.tools.embedded import EmbeddedRedis
 
     server = EmbeddedRedis().start()
-    rounds: dict[bool, list[dict[str, float]]] = {m: [] for m in modes}
+    rounds: dict[tuple[bool, bool], list[dict[str, float]]] = {m: [] for m in modes}
     try:
         for _ in range(opts.rounds):
             for mode in modes:  # alternating, so that a shared machine's swings hit both alike
-                r = one_round(server.url(1), opts.requests, opts.dim, opts.rows, mode)
-                print(f"round, inbox {'on' if mode else 'off'}:", {k: round(v, 1) for k, v in r.items()})
+                r = one_round(server.url(1), opts.requests, opts.dim, opts.rows, *mode)
+                print(f"round, {_label(mode)}:", {k: round(v, 1) for k, v in r.items()})
                 rounds[mode].append(r)
     finally:
         server.stop()
     for mode, got in rounds.items():
-        print(f"inbox {'on' if mode else 'off'}: {'per result':20s} {'min':>8s} {'median':>8s}")
+        print(f"{_label(mode)}: {'per result':20s} {'min':>8s} {'median':>8s}")
         for key in got[0]:
             values = [r[key] for r in got]
             print(f"{'':11s}{key:20s} {min(values):8.1f} {statistics.median(values):8.1f}")
     return 0
+
+
+def _label(mode: tuple[bool, bool]) -> str:
+    inbox, as_array = mode
+    return f"inbox {'on' if inbox else 'off'}, gather {'as_array' if as_array else 'list'}"
 
 
 if __name__ == "__main__":

@@ -215,6 +215,50 @@ def success_msgpack(result: bytes, date_done: bytes, task_id: str) -> bytes:
     )
 
 
+def success_row(payload: bytes) -> dict[str, Any] | None:
+    """The meta :func:`success_msgpack` wrote around a packed numeric row (a model's float32 or
+    float64 vector), with its ``result`` a numpy array of the row's exact values, read from the bytes
+    without making a Python float of each; None for any other payload (decode it as usual)."""
+    head = len(_PACKED_HEAD)
+    if not payload.startswith(_PACKED_HEAD) or len(payload) < head + 6:
+        return None
+    tag = payload[head]
+    if 0x91 <= tag <= 0x9F:  # fixarray
+        count, at = tag & 0x0F, head + 1
+    elif tag in _ARRAY_LENGTH_BYTES:  # array 16, array 32
+        size = _ARRAY_LENGTH_BYTES[tag]
+        count, at = int.from_bytes(payload[head + 1 : head + 1 + size], "big"), head + 1 + size
+    else:
+        return None
+    cell = _ROW_CELLS.get(payload[at])  # within the payload: it holds at least head + 6 bytes
+    if cell is None or count == 0:
+        return None
+    width, stored, native = cell
+    end = at + count * width
+    # Every element the same msgpack float type (a bytes comparison, in C), then the meta around it.
+    if not payload.startswith(_PACKED_MIDDLE, end) or payload[at:end:width] != payload[at : at + 1] * count:
+        return None
+    try:
+        meta: dict[str, Any] = unpackb(b"".join((_PACKED_HEAD, b"\xc0", payload[end:])))
+    except ValueError:
+        return None
+    values = _numpy().ndarray((count,), dtype=stored, buffer=payload, offset=at + 1, strides=(width,))
+    meta["result"] = values.astype(native)
+    return meta
+
+
+def _numpy() -> Any:
+    import numpy  # only the readers of rows need it: a producer install may lack it
+
+    return numpy
+
+
+# msgpack's float32 and float64 type bytes -> (bytes per array element, the value's dtype as stored:
+# big-endian, the dtype it is read into: this machine's order), as numpy type names.
+_ROW_CELLS = {0xCA: (5, ">f4", "=f4"), 0xCB: (9, ">f8", "=f8")}
+_ARRAY_LENGTH_BYTES = {0xDC: 2, 0xDD: 4}  # msgpack array 16 and array 32: bytes of their length
+
+
 def _packed(*items: Any) -> bytes:
     return b"".join(packb_plain(item) or b"\xc0" for item in items)
 

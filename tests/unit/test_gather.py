@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from carpool.celery_edge.app import app
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.errors import DeadlineExceeded, ModelError
-from carpool.producer.gather import Gathering
+from carpool.producer.gather import Gathering, Rows, gather
 
 
 def _meta(task_id: str, state: str, result: Any) -> dict[str, Any]:
@@ -96,3 +97,56 @@ def test_results_celery_settled_itself_are_taken_with_their_twins() -> None:
     assert state.pending() == [second.id]
     state.settle([_meta(second.id, SUCCESS, 2)])
     assert state.values() == ["from Celery's buffer", 2, "from Celery's buffer"]
+
+
+def _stored_row_meta(task_id: str, row: Any, rows: Rows) -> dict[str, Any]:
+    """A success meta as gather's as_array decodes it from the stored bytes."""
+    meta: dict[str, Any] = rows.decode(app.backend.meta_for(task_id, SUCCESS, row, "2026-01-01T00:00:00"))
+    return meta
+
+
+def test_as_array_stacks_the_rows_and_leaves_the_async_results_unsettled() -> None:
+    from carpool.celery_edge.compat import cached_meta
+
+    first, second, third = _results(3)
+    twin = app.AsyncResult(first.id)
+    rows = Rows(app.backend, None)
+    state = Gathering([first, second, third, twin], timeout=None, return_exceptions=False, rows=rows)
+    row = np.array([0.1, -2.5, 3e-8], dtype=np.float32)
+    state.settle([_stored_row_meta(first.id, row, rows), _stored_row_meta(third.id, row * 2, rows)])
+    state.settle([_meta(second.id, SUCCESS, [1.0, 2.0, 3.0])])  # a list, as Celery's own decoding gives
+    got = state.values()
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (4, 3)
+    assert got.tolist() == [row.tolist(), [1.0, 2.0, 3.0], (row * 2).tolist(), row.tolist()]
+    # A later .get() must return what it always returns (a list), not an array gather held.
+    assert all(cached_meta(r) is None for r in (first, second, third, twin))
+
+
+def test_as_array_raises_the_earliest_failure_as_gather_does() -> None:
+    results = _results(2)
+    rows = Rows(app.backend, None)
+    state = Gathering(results, timeout=None, return_exceptions=False, rows=rows)
+    state.settle([_stored_row_meta(results[0].id, np.ones(4, dtype=np.float32), rows)])
+    with pytest.raises(ModelError, match="broken"):
+        state.settle([_meta(results[1].id, FAILURE, ModelError("broken"))])
+
+
+def test_as_array_names_a_result_that_does_not_fit_the_array() -> None:
+    rows = Rows(app.backend, None)
+    with pytest.raises(ValueError, match=r"result 1 has shape \(2,\), result 0 has \(3,\)"):
+        rows.stack([[1.0, 2.0, 3.0], [1.0, 2.0]])
+    with pytest.raises(ValueError, match="result 1 is not numbers of float32"):
+        rows.stack([[1.0], ["one"]])
+    assert rows.stack([]).shape == (0,)
+    wide = Rows(app.backend, "float64").stack([np.array([0.1], dtype=np.float32), [0.1]])
+    assert wide.dtype == np.float64 and wide.tolist() == [[float(np.float32(0.1))], [0.1]]
+
+
+def test_gather_refuses_what_as_array_cannot_do_before_waiting() -> None:
+    results = _results(1)
+    with pytest.raises(ValueError, match="cannot hold a failed request's exception"):
+        gather(results, as_array=True, return_exceptions=True)  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="dtype applies to as_array=True only"):
+        gather(results, dtype="float64")  # type: ignore[call-overload]
+    empty = gather([], as_array=True)
+    assert isinstance(empty, np.ndarray) and empty.shape == (0,)

@@ -18,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from carpool.celery_edge.app import app, create_app
 from carpool.celery_edge.events import short_repr
-from carpool.celery_edge.results import FAILURE, SUCCESS, success_meta
+from carpool.celery_edge.results import FAILURE, SUCCESS, success_meta, success_row
 from carpool.codec import dumps_result, float32_rows, packb_result, storable, stored_form
 from carpool.config import Settings
 from carpool.gpu_worker.runner import output_rows
@@ -356,3 +356,53 @@ def test_a_model_output_the_serializer_cannot_store_becomes_that_requests_failur
         assert f"cannot be stored as {serializer}" in text and "numpy array with one row per request" in text
         assert ("CARPOOL_RESULT_SERIALIZER=json" in text) == named
     assert entries[0][1] == entries[1 + len(odd)][1] == SUCCESS
+
+
+@given(
+    f32_batches
+    | hnp.arrays(
+        np.float64, st.integers(1, 70_000), elements=st.floats(allow_nan=False, allow_infinity=False)
+    )
+)
+def test_a_stored_row_reads_into_an_array_of_the_values_get_returns(row: np.ndarray) -> None:
+    """``success_row`` (gather's as_array) reads a model's row from the stored meta's bytes: the same
+    values kombu's reader gives as floats, in the row's own dtype, and the rest of the meta alike."""
+    for one in row if row.ndim == 2 else [row]:
+        stored = app.backend.meta_for("row-task", SUCCESS, one, "2026-12-04T00:00:00")
+        read = success_row(stored)
+        assert read is not None
+        assert read["result"].dtype == one.dtype and read["result"].dtype.isnative
+        assert read["result"].flags.c_contiguous and read["result"].flags.writeable
+        plain_meta = app.backend.decode_result(stored)
+        assert [v.hex() for v in read["result"].tolist()] == [v.hex() for v in plain_meta["result"]]
+        assert {k: v for k, v in read.items() if k != "result"} == {
+            k: v for k, v in plain_meta.items() if k != "result"
+        }
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        [1, 2, 3],  # integers
+        [1.5, 2],  # a float and an integer
+        [[1.0, 2.0], [3.0, 4.0]],  # nested
+        [],
+        "text",
+        None,
+        {"vector": [1.0]},
+        np.array([1.5, np.nan], dtype=np.float32),  # non-finite: stored as the values JSON gives
+    ],
+)
+def test_any_other_success_is_left_to_the_usual_decoding(result: Any) -> None:
+    stored = app.backend.meta_for("other-task", SUCCESS, result, "2026-12-04T00:00:00")
+    assert success_row(stored) is None
+
+
+def test_failures_json_metas_and_damaged_rows_are_left_to_the_usual_decoding() -> None:
+    row = np.arange(1, 40, dtype=np.float32)
+    assert success_row(app.backend.meta_for("failed", FAILURE, ValueError("no"))) is None
+    assert success_row(json_app.backend.meta_for("as-json", SUCCESS, row, "2026-12-04T00:00:00")) is None
+    stored = app.backend.meta_for("cut", SUCCESS, row, "2026-12-04T00:00:00")
+    assert success_row(stored) is not None
+    for damaged in (stored[:40], stored[:-3], stored.replace(b"\xca", b"\xcb", 1), stored[:-1] + b"\xc1"):
+        assert success_row(damaged) is None
