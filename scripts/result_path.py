@@ -85,7 +85,7 @@ def one_round(url: str, n: int, dim: int, rows: str, inbox: bool, as_array: bool
     )
     worker.start()
     started, usage = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
-    values: Any = gather(results, timeout=120, as_array=True) if as_array else gather(results, timeout=120)
+    values = gather(results, timeout=120, as_array=as_array)
     gather_s = time.process_time() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
     collected = time.process_time()

@@ -242,6 +242,8 @@ def success_row(payload: bytes) -> dict[str, Any] | None:
         meta: dict[str, Any] = unpackb(b"".join((_PACKED_HEAD, b"\xc0", payload[end:])))
     except ValueError:
         return None
+    if len(meta) != 6:  # a key repeated after the row would replace what it read
+        return None
     values = _numpy().ndarray((count,), dtype=stored, buffer=payload, offset=at + 1, strides=(width,))
     meta["result"] = values.astype(native)
     return meta

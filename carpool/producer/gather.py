@@ -55,6 +55,7 @@ _QUIET_RECHECK_S = 1.0  # gather re-reads stored results after this long without
 _STREAM_GAP_S = 0.05
 _LONGEST_PAUSE_S = 1.0
 _READY = states.READY_STATES
+_NUMBER_KINDS = "biuf"  # numpy's kinds of bools, integers and floats: what as_array stacks
 _Decode = Callable[[Any], Any] | None  # a result meta's decoder; None: the result backend's own
 _FAILED = states.PROPAGATE_STATES
 
@@ -106,6 +107,8 @@ class Gathering:
                     continue
                 if self.rows is not None and meta["status"] == states.SUCCESS:
                     self._kept[task_id] = meta["result"]
+                    for r in rs:  # done waiting, as a settled result is: Celery lets it go, unsubscribed
+                        r.backend.remove_pending_result(r)
                     continue
                 for r in rs:
                     set_cached_meta(r, dict(meta))
@@ -178,6 +181,8 @@ class Rows:
             raise ImportError("gather(..., as_array=True) needs numpy: pip install numpy") from None
         self.numpy = numpy
         self.dtype = numpy.dtype("float32" if dtype is None else dtype)
+        if self.dtype.kind not in _NUMBER_KINDS:
+            raise ValueError(f"as_array needs a numeric dtype, not {self.dtype}")
         self.backend = backend  # None when there are no results to decode
 
     def decode(self, payload: Any) -> Any:
@@ -192,12 +197,15 @@ class Rows:
         rows = []
         for index, value in enumerate(values):
             try:
-                rows.append(numpy.asarray(value, dtype=self.dtype))
-            except (TypeError, ValueError) as exc:
+                row = numpy.asarray(value)
+            except ValueError:  # ragged nesting
+                row = None
+            if row is None or row.dtype.kind not in _NUMBER_KINDS:
                 raise ValueError(
-                    f"gather(..., as_array=True): result {index} is not numbers of {self.dtype} "
-                    f"({brief(value)}: {exc}); gather it with as_array=False"
-                ) from None
+                    f"gather(..., as_array=True): result {index} is not numbers ({brief(value)}; a "
+                    "non-finite float is stored as None): gather it with as_array=False"
+                )
+            rows.append(row.astype(self.dtype, copy=False))
             if rows[index].shape != rows[0].shape:
                 raise ValueError(
                     f"gather(..., as_array=True): result {index} has shape {rows[index].shape}, result "
@@ -241,6 +249,15 @@ def gather(
     as_array: Literal[True],
     dtype: Any = None,
 ) -> NDArray[Any]: ...
+@overload
+def gather(
+    results: Iterable[AsyncResult],
+    timeout: float | None = None,
+    *,
+    return_exceptions: bool = False,
+    as_array: bool,
+    dtype: Any = None,
+) -> list[Any] | NDArray[Any]: ...
 def gather(
     results: Iterable[AsyncResult],
     timeout: float | None = None,
@@ -278,15 +295,16 @@ def gather(
     shape differs from the first's raises ValueError naming it. Needs numpy in the producer.
     """
     results = list(results)
-    rows = _rows(results, as_array, dtype, return_exceptions)
+    backend: Any = _one_backend(results) if results else None
+    rows = _rows(backend, as_array, dtype, return_exceptions)
     if not results:
         return [] if rows is None else rows.stack([])
     with collector.Stream(_LONGEST_PAUSE_S) as stream:
         stream.hold()  # what gather builds to wait and the stored results it reads all live on
-        return _gather(results, timeout, return_exceptions, stream, rows)
+        return _gather(results, backend, timeout, return_exceptions, stream, rows)
 
 
-def _rows(results: list[AsyncResult], as_array: bool, dtype: Any, return_exceptions: bool) -> Rows | None:
+def _rows(backend: Any, as_array: bool, dtype: Any, return_exceptions: bool) -> Rows | None:
     """``as_array``'s decoding and stacking, or None without it; refuses arguments that contradict it."""
     if not as_array:
         if dtype is not None:
@@ -297,18 +315,17 @@ def _rows(results: list[AsyncResult], as_array: bool, dtype: Any, return_excepti
             "as_array=True cannot hold a failed request's exception: use return_exceptions=False (the "
             "first failure raises) or as_array=False"
         )
-    backend = _one_backend(results) if results else None
     return Rows(backend, dtype)
 
 
 def _gather(
     results: list[AsyncResult],
+    backend: Any,
     timeout: float | None,
     return_exceptions: bool,
     stream: collector.Stream,
     rows: Rows | None,
 ) -> list[Any] | NDArray[Any]:
-    backend = _one_backend(results)
     state = Gathering(results, timeout, return_exceptions, rows)
     decode = None if rows is None else rows.decode  # None: the backend's own
     consumer = getattr(backend, "result_consumer", None)
@@ -487,6 +504,15 @@ async def gather_async(
     as_array: Literal[True],
     dtype: Any = None,
 ) -> NDArray[Any]: ...
+@overload
+async def gather_async(
+    results: Iterable[AsyncResult],
+    timeout: float | None = None,
+    *,
+    return_exceptions: bool = False,
+    as_array: bool,
+    dtype: Any = None,
+) -> list[Any] | NDArray[Any]: ...
 async def gather_async(
     results: Iterable[AsyncResult],
     timeout: float | None = None,
@@ -514,12 +540,12 @@ async def gather_async(
     again at once, since what was published meanwhile reached nobody.
     """
     results = list(results)
-    rows = _rows(results, as_array, dtype, return_exceptions)
+    backend: Any = _one_backend(results) if results else None
+    rows = _rows(backend, as_array, dtype, return_exceptions)
     if not results:
         return [] if rows is None else rows.stack([])
-    backend = _one_backend(results)
     state = Gathering(results, timeout, return_exceptions, rows)
-    decode = backend.decode_result if rows is None else rows.decode
+    decode = backend.decode_result if rows is None else rows.decode  # no other waiters read here
     if state.done:
         return state.values()
     unsubscribe_results(backend, state.pending())

@@ -84,6 +84,9 @@ def test_per_result_channels_gather_async_and_a_failure(clean_redis: EmbeddedRed
         finally:
             worker.join()
         assert got.dtype == np.float64 and np.array_equal(got, rows)
+        # Done waiting for them, as after a gather of lists: nothing left subscribed or pending.
+        assert not app.backend.result_consumer.subscribed_to
+        assert not any(r.id in pending for pending in app.backend._pending_results for r in results)
 
         fresh = submit_many([f"again {i}" for i in range(12)], model="toy", app=app, subscribe=False)
         entries: list[Any] = [(r.id, SUCCESS, rows[i]) for i, r in enumerate(fresh)]

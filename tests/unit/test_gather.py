@@ -135,8 +135,11 @@ def test_as_array_names_a_result_that_does_not_fit_the_array() -> None:
     rows = Rows(app.backend, None)
     with pytest.raises(ValueError, match=r"result 1 has shape \(2,\), result 0 has \(3,\)"):
         rows.stack([[1.0, 2.0, 3.0], [1.0, 2.0]])
-    with pytest.raises(ValueError, match="result 1 is not numbers of float32"):
-        rows.stack([[1.0], ["one"]])
+    for odd in (["one"], [None], None, ["1.5"], [[1.0], [2.0, 3.0]]):
+        with pytest.raises(ValueError, match="result 1 is not numbers"):
+            rows.stack([[1.0], odd])
+    with pytest.raises(ValueError, match="needs a numeric dtype"):
+        Rows(app.backend, "U8")
     assert rows.stack([]).shape == (0,)
     wide = Rows(app.backend, "float64").stack([np.array([0.1], dtype=np.float32), [0.1]])
     assert wide.dtype == np.float64 and wide.tolist() == [[float(np.float32(0.1))], [0.1]]
@@ -145,7 +148,7 @@ def test_as_array_names_a_result_that_does_not_fit_the_array() -> None:
 def test_gather_refuses_what_as_array_cannot_do_before_waiting() -> None:
     results = _results(1)
     with pytest.raises(ValueError, match="cannot hold a failed request's exception"):
-        gather(results, as_array=True, return_exceptions=True)  # type: ignore[call-overload]
+        gather(results, as_array=True, return_exceptions=True)
     with pytest.raises(ValueError, match="dtype applies to as_array=True only"):
         gather(results, dtype="float64")  # type: ignore[call-overload]
     empty = gather([], as_array=True)

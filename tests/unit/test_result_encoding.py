@@ -406,3 +406,6 @@ def test_failures_json_metas_and_damaged_rows_are_left_to_the_usual_decoding() -
     assert success_row(stored) is not None
     for damaged in (stored[:40], stored[:-3], stored.replace(b"\xca", b"\xcb", 1), stored[:-1] + b"\xc1"):
         assert success_row(damaged) is None
+    # A writer other than carpool's repeating "result" after the row: kombu's reader takes the last.
+    repeated = stored[:-12] + msgpack.packb("result") + msgpack.packb("other")  # for "task_id": "cut"
+    assert msgpack.unpackb(repeated)["result"] == "other" and success_row(repeated) is None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shlex
@@ -97,19 +98,23 @@ def _background_cores(before: dict[str, float], after: dict[str, float]) -> floa
     return round(max(0.0, (after["_busy"] - before["_busy"]) - ours) / wall, 3) if wall > 0 else None
 
 
-def burst(env: BenchEnv, texts: Sequence[str], timeout_s: float, timeline: bool = False) -> dict[str, Any]:
+def burst(
+    env: BenchEnv, texts: Sequence[str], timeout_s: float, timeline: bool = False, as_array: bool = False
+) -> dict[str, Any]:
     """Every text through ``submit_many`` then ``gather``, as an application calls them; the wall
     time from the submit call to gather's return, and CPU per request of each component.
     ``timeline``: each component's CPU is also sampled over the run (``cpu_samples``, for
     :mod:`~carpool.tools.bench.cpu_timeline`).
 
-    ``gather`` gets the bench's hang bound as its timeout; nothing else is passed but the bench's app.
+    ``gather`` gets the bench's hang bound as its timeout; nothing else is passed but the bench's app
+    (and ``as_array=True`` with ``as_array``).
     """
     from carpool.producer.gather import gather
     from carpool.producer.submit import submit_many
     from carpool.tools.bench.cpu_timeline import CpuSampler
 
     pids = {**env.harness.pids(), "producer": os.getpid()}
+    gc.collect()  # what the bench built before (a burst's results among it) is not this burst's cost
     sampler = CpuSampler(_by_role(pids)) if timeline else None
     cpu_before = cpu_snapshot(pids)
     redis_before = _commandstats(env)
@@ -119,7 +124,10 @@ def burst(env: BenchEnv, texts: Sequence[str], timeout_s: float, timeline: bool 
     t0, p0 = time.perf_counter(), time.process_time()
     results = submit_many(texts, app=env.app)
     t1, p1 = time.perf_counter(), time.process_time()
-    gather(results, timeout=timeout_s)
+    if as_array:
+        gather(results, timeout=timeout_s, as_array=True)
+    else:
+        gather(results, timeout=timeout_s)
     t2, p2 = time.perf_counter(), time.process_time()
     samples = sampler.stop() if sampler is not None else None
     cpu_after = cpu_snapshot(pids)
@@ -360,6 +368,11 @@ def _simulated_device(
         run = burst(env, texts, args.timeout, timeline=True)
         time.sleep(0.6)  # batch counters reach Redis a moment after the last result
         sizes, padded, real = system.batches_since(before, ())
+        phase = "burst, gather(as_array=True)"
+        # The same burst again, gathered as one array: what the producer's opt-in saves.
+        array_run = burst(env, texts, args.timeout, as_array=True)
+        array_run["ratio_to_capacity"] = array_run["throughput_rps"] / capacity["texts_per_s"]
+        report["carpool_as_array"] = array_run
     except Exception as exc:
         _error(report, f"carpool {phase}", exc)
         return
@@ -373,8 +386,8 @@ def _simulated_device(
     run["batches"] = sum(sizes.values())
     run["mean_batch"] = (sum(k * v for k, v in sizes.items()) / run["batches"]) if run["batches"] else None
     run["padding_ratio"] = padded / real if padded and real else None
-    forwards = [f for f in read_device_log(device_log) if f.start >= run["wall_start"]]
     end = run["wall_start"] + run["wall_s"]
+    forwards = [f for f in read_device_log(device_log) if run["wall_start"] <= f.start < end]
     busy = busy_summary(forwards, run["wall_start"], end)
     profile = report["device"]
     busy["device_s_logged"] = sum(f.end - f.start for f in forwards)
