@@ -161,13 +161,6 @@ def test_report_schema() -> None:
     assert any(">= 0" in p for p in validate_report(_report(cpu_over_run=negative)))
     longer = {"components": {"worker": [0.5, 0.2, 0.1]}, "total": [0.5, 0.2, 0.1]}
     assert any("more buckets" in p for p in validate_report(_report(cpu_over_run=longer)))
-    arrays = {
-        "ratio_to_capacity": 0.9,
-        "cpu_us_per_request": {"producer_submit": 15.0, "producer_gather": 12.0},
-    }
-    assert validate_report(_report(carpool_as_array=arrays)) == []
-    no_gather = {"ratio_to_capacity": 0.9, "cpu_us_per_request": {"producer_submit": 15.0}}
-    assert any("carpool_as_array" in p for p in validate_report(_report(carpool_as_array=no_gather)))
 
 
 def test_accelerator_mix_reaches_past_the_window_and_the_default_mix_is_kept() -> None:

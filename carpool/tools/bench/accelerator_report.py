@@ -148,13 +148,7 @@ def validate_report(report: Any) -> list[str]:
         missing = [k for k, _ in COMPONENTS if not isinstance(cpu.get(k), int | float)]
         if missing:
             problems.append(f"carpool.cpu_us_per_request lacks {', '.join(missing)}")
-    arrays = report.get("carpool_as_array")
-    if arrays is not None:
-        cpu = arrays.get("cpu_us_per_request") or {}
-        if not all(isinstance(cpu.get(k), int | float) for k in ("producer_submit", "producer_gather")):
-            problems.append("carpool_as_array.cpu_us_per_request lacks the producer's figures")
-        if not isinstance(arrays.get("ratio_to_capacity"), int | float):
-            problems.append("carpool_as_array.ratio_to_capacity missing")
+
     busy = report.get("device_busy")
     if busy is not None:
         values = [busy.get("overall"), *busy.get("buckets", [])]
@@ -241,19 +235,6 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         )
         total = sum(cpu[k] for k in ("producer_submit", "producer_gather", "redis", "coordinator", "worker"))
         table.add_row("[bold]all[/bold]", f"[bold]{total:.1f}[/bold]", "")
-    arrays = report.get("carpool_as_array")
-    if arrays:
-        array_cpu = arrays["cpu_us_per_request"]
-        table.add_row(
-            f"the burst again, gather(as_array=True): {arrays['ratio_to_capacity']:.3f} x capacity",
-            "",
-            "",
-        )
-        table.add_row(
-            "  producer submit + gather",
-            f"{array_cpu['producer_submit']:.1f} + {array_cpu['producer_gather']:.1f}",
-            "40",
-        )
     console.print(table)
 
     over = report.get("cpu_over_run")

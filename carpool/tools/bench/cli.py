@@ -135,6 +135,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(--requests defaults to 6000, --pipeline to 20000, --light to 200)",
     )
     parser.add_argument(
+        "--as-array",
+        action="store_true",
+        help="with --accelerator: gather the burst with gather(..., as_array=True), one numpy array, "
+        "instead of lists (compare alternating runs with and without it)",
+    )
+    parser.add_argument(
         "--task",
         metavar="MODULE:NAME",
         default=None,
