@@ -1,9 +1,9 @@
 """Redis CPU per result of storing 384-float results: the finish script against plain commands.
 
-    python scripts/finish_variants.py [--batches 200] [--rounds 5]
+    python scripts/finish_variants.py [--batches 200] [--rounds 5] [--serializer json|msgpack]
 
-Per batch of 32 Celery result metas of 384 float32 values (~4.8 KB each, as ``sim-v100`` and MiniLM
-give them), with one subscriber reading a result inbox as a producer does, four ways, alternating:
+Per batch of 32 Celery result metas of 384 float32 values (as ``sim-v100`` and MiniLM give them:
+~4.8 KB each as JSON, 2,057 bytes as msgpack, the worker's default), with one subscriber reading a result inbox as a producer does, four ways, alternating:
 
 - ``finish.lua``: carpool's finish script with results and inboxes only (each result SET write-once
   and PUBLISHed on its own channel and its inbox);
@@ -40,10 +40,16 @@ INBOX_PREFIX = "carpool-inbox."
 INBOX = INBOX_PREFIX + "finish-variants"
 
 
-def _metas() -> list[bytes]:
+def _metas(serializer: str) -> list[bytes]:
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((BATCH, 384)).astype(np.float32)
     rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    if serializer == "msgpack":  # as the worker writes them by default (2,057 bytes each)
+        from carpool.celery_edge.results import success_msgpack
+        from carpool.codec import packb_plain, packb_result
+
+        date = packb_plain("2026-12-02T00:00:00.000000+00:00") or b""
+        return [success_msgpack(packb_result(row) or b"", date, str(uuid.uuid4())) for row in rows]
     return [
         b'{"status":"SUCCESS","result":'
         + orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -60,8 +66,11 @@ def main() -> int:
     )
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--serializer", choices=("json", "msgpack"), default="json", help="the metas' encoding"
+    )
     args = parser.parse_args()
-    metas = _metas()
+    metas = _metas(args.serializer)
     with EmbeddedRedis() as server:
         client = redis.Redis(port=server.port)
         subscriber = redis.Redis(port=server.port).pubsub()
