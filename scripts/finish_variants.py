@@ -3,7 +3,8 @@
     python scripts/finish_variants.py [--batches 200] [--rounds 5] [--serializer json|msgpack]
 
 Per batch of 32 Celery result metas of 384 float32 values (as ``sim-v100`` and MiniLM give them:
-~4.8 KB each as JSON, 2,057 bytes as msgpack, the worker's default), with one subscriber reading a result inbox as a producer does, four ways, alternating:
+~4.8 KB each as JSON, 2,057 bytes as msgpack, the worker's default), with one subscriber reading a
+result inbox as a producer does, four ways, alternating:
 
 - ``finish.lua``: carpool's finish script with results and inboxes only (each result SET write-once
   and PUBLISHed on its own channel and its inbox);
