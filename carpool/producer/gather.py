@@ -291,9 +291,9 @@ def gather(
     result than the lists, and about half the garbage collector's walk afterwards. The values are the
     ones ``.get()`` returns (exactly, for float32 rows into float32). The AsyncResults of the
     successes are not filled with the arrays: their ``.get()`` reads the stored result and returns
-    its list. A failure raises as above;
-    ``return_exceptions=True`` cannot be combined with it, and a result that is not numbers or whose
-    shape differs from the first's raises ValueError naming it. Needs numpy in the producer.
+    its list. A failure raises as above; ``return_exceptions=True`` cannot be combined with it, and a
+    result that is not numbers or whose shape differs from the first's raises ValueError naming it.
+    Needs numpy in the producer.
     """
     results = list(results)
     backend: Any = _one_backend(results) if results else None
