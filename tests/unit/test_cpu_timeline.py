@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.tools.bench.accelerator import _by_role, cpu_over_run
+from carpool.tools.bench.accelerator import _by_role, cpu_over_run, without_sampler
 from carpool.tools.bench.cpu_timeline import CpuSampler, cores_per_bucket, starved_and_saturated
 
 
@@ -59,6 +59,14 @@ def test_the_sampler_thread_reads_until_stopped() -> None:
     assert len(samples) >= 3
     values = [s[1]["me"] for s in samples]
     assert values == sorted(values)
+    assert sampler.own_cpu_s > 0.0  # its thread's own CPU, for the bench to take off the producer's
+
+
+def test_the_samplers_cpu_comes_off_the_producers_by_wall_time() -> None:
+    # 0.4 s of sampling over a run of 1 s submitting and 3 s gathering: a quarter of it in submit.
+    assert without_sampler(0.5, 2.0, 1.0, 3.0, 0.4) == pytest.approx((0.4, 1.7))
+    assert without_sampler(0.05, 2.0, 1.0, 3.0, 0.4) == pytest.approx((0.0, 1.7)), "never below zero"
+    assert without_sampler(0.5, 2.0, 0.0, 0.0, 0.4) == pytest.approx((0.5, 1.6))
 
 
 def test_waiting_and_saturated_buckets_are_split_by_the_device_busy_fraction() -> None:

@@ -133,8 +133,12 @@ def burst(
     cpu_after = cpu_snapshot(pids)
     n = len(texts)
     cpu = _per_request_us(cpu_before, cpu_after, n)
-    cpu["producer_submit"] = (p1 - p0) / n * 1e6
-    cpu["producer_gather"] = (p2 - p1) / n * 1e6
+    # The sampler thread runs in this process: its CPU is the bench's, not the producer's.
+    submit_s, gather_s = without_sampler(
+        p1 - p0, p2 - p1, t1 - t0, t2 - t1, sampler.own_cpu_s if sampler is not None else 0.0
+    )
+    cpu["producer_submit"] = submit_s / n * 1e6
+    cpu["producer_gather"] = gather_s / n * 1e6
     commands = {k: v - redis_before.get(k, 0) for k, v in _commandstats(env).items()}
     commands = {k: v for k, v in commands.items() if v and k != "info"}
     return {
@@ -147,6 +151,8 @@ def burst(
         "cpu_us_per_request": {k: round(v, 1) for k, v in cpu.items()},
         "background_cpu_cores": _background_cores(cpu_before, cpu_after),
         "redis_commands_per_request": round(sum(commands.values()) / n, 3),
+        # Taken off the producer's figures above (the bench's own sampling thread).
+        "sampler_cpu_us_per_request": round((sampler.own_cpu_s if sampler is not None else 0.0) / n * 1e6, 1),
         **({"cpu_samples": samples} if samples is not None else {}),
     }
 
@@ -156,6 +162,19 @@ def _role(name: str) -> str | None:
     if name == "producer":
         return name
     return _ROLES.get(name) or next((r for r in ("coordinator", "worker") if r in name), None)
+
+
+def without_sampler(
+    submit_cpu_s: float, gather_cpu_s: float, submit_wall_s: float, gather_wall_s: float, sampler_cpu_s: float
+) -> tuple[float, float]:
+    """The producer's submit and gather CPU without the CPU sampler's, which runs in the same process
+    at a steady pace: shared out by wall time, never below zero."""
+    wall = submit_wall_s + gather_wall_s
+    share = submit_wall_s / wall if wall > 0 else 0.0
+    return (
+        max(0.0, submit_cpu_s - sampler_cpu_s * share),
+        max(0.0, gather_cpu_s - sampler_cpu_s * (1.0 - share)),
+    )
 
 
 def _by_role(pids: dict[str, int]) -> dict[str, list[int]]:

@@ -46,6 +46,7 @@ class CpuSampler:
         self.read = read
         self.clock = clock
         self.samples: list[Sample] = []
+        self.own_cpu_s = 0.0  # the sampling thread's own CPU: the bench's, not the process's it reads
         self._last: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
@@ -74,8 +75,10 @@ class CpuSampler:
         self.samples.append((self.clock(), reading))
 
     def _run(self) -> None:
+        started = time.thread_time()
         while not self._stop.wait(self.interval_s):
             self.sample()
+        self.own_cpu_s = time.thread_time() - started
 
 
 def cores_per_bucket(
