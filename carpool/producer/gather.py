@@ -287,7 +287,7 @@ def gather(
     ``as_array=True`` returns one numpy array instead of a list: a row per result, of ``dtype``
     (default float32), for results that are numbers of one shape (embeddings). A model's float32 or
     float64 row stored as msgpack (the default ``CARPOOL_RESULT_SERIALIZER``) is read from its bytes
-    straight into the array, without a Python float per value: a quarter to a third less CPU per
+    straight into the array, without a Python float per value: a third to two fifths less CPU per
     result than the lists, and about half the garbage collector's walk afterwards. The values are the
     ones ``.get()`` returns (exactly, for float32 rows into float32). The AsyncResults of the
     successes are not filled with the arrays: their ``.get()`` reads the stored result and returns
