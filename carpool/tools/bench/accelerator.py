@@ -124,19 +124,15 @@ def burst(
     t0, p0 = time.perf_counter(), time.process_time()
     results = submit_many(texts, app=env.app)
     t1, p1 = time.perf_counter(), time.process_time()
-    if as_array:
-        gather(results, timeout=timeout_s, as_array=True)
-    else:
-        gather(results, timeout=timeout_s)
+    gather(results, timeout=timeout_s, as_array=as_array)
     t2, p2 = time.perf_counter(), time.process_time()
     samples = sampler.stop() if sampler is not None else None
     cpu_after = cpu_snapshot(pids)
     n = len(texts)
     cpu = _per_request_us(cpu_before, cpu_after, n)
     # The sampler thread runs in this process: its CPU is the bench's, not the producer's.
-    submit_s, gather_s = without_sampler(
-        p1 - p0, p2 - p1, t1 - t0, t2 - t1, sampler.own_cpu_s if sampler is not None else 0.0
-    )
+    sampler_s = sampler.own_cpu_s if sampler is not None else 0.0
+    submit_s, gather_s = without_sampler(p1 - p0, p2 - p1, t1 - t0, t2 - t1, sampler_s)
     cpu["producer_submit"] = submit_s / n * 1e6
     cpu["producer_gather"] = gather_s / n * 1e6
     commands = {k: v - redis_before.get(k, 0) for k, v in _commandstats(env).items()}
@@ -152,7 +148,7 @@ def burst(
         "background_cpu_cores": _background_cores(cpu_before, cpu_after),
         "redis_commands_per_request": round(sum(commands.values()) / n, 3),
         # Taken off the producer's figures above (the bench's own sampling thread).
-        "sampler_cpu_us_per_request": round((sampler.own_cpu_s if sampler is not None else 0.0) / n * 1e6, 1),
+        "sampler_cpu_us_per_request": round(sampler_s / n * 1e6, 1),
         **({"cpu_samples": samples} if samples is not None else {}),
     }
 

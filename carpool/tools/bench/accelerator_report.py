@@ -148,7 +148,6 @@ def validate_report(report: Any) -> list[str]:
         missing = [k for k, _ in COMPONENTS if not isinstance(cpu.get(k), int | float)]
         if missing:
             problems.append(f"carpool.cpu_us_per_request lacks {', '.join(missing)}")
-
     busy = report.get("device_busy")
     if busy is not None:
         values = [busy.get("overall"), *busy.get("buckets", [])]
