@@ -58,11 +58,12 @@ class ThreadConnections(threading.local):
 class HeldScript:
     """A script that each calling thread runs on its own connection (:class:`ThreadConnections`).
 
-    For the scripts a worker runs once per batch with a batch's results in their arguments: redis-py's
-    command path (a pool checkout that probes the socket, a retry wrapper, instrumentation, and the
-    arguments converted and packed once more) costs a worker more CPU per batch than sending the
-    results does. Here the call is packed into one buffer by hiredis and written to the thread's
-    connection. It behaves as calling the :class:`~redis.commands.core.Script`: NOSCRIPT loads the
+    For the scripts on the hot path: a worker's two per batch (a batch's results in their
+    arguments), and the coordinator's take, wait and dispatch, which it runs several times per batch.
+    redis-py's command path (a pool checkout that probes the socket, a retry wrapper,
+    instrumentation, and the arguments converted and packed once more) costs more CPU per call than
+    the round trip itself. Here the call is packed into one buffer by hiredis and written to the
+    thread's connection. It behaves as calling the :class:`~redis.commands.core.Script`: NOSCRIPT loads the
     script (on that same connection, so on the server that lacked it) and sends the call again, and a
     connection that fails is reconnected and the call sent once more (the one retry carpool's clients
     make); the connection's own health check, and under Sentinel its reconnection to a new master
@@ -75,8 +76,7 @@ class HeldScript:
 
     def __call__(self, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> Any:
         conn = self._connections.get()
-        call = ("EVALSHA", self.script.sha, len(keys), *keys, *args)
-        packed = hiredis.pack_command(call)  # type: ignore[arg-type]  # its stub says a 1-tuple
+        packed = self._packed(keys, args)
         reconnected = False
         for attempt in range(4):  # at most: a reconnection, and a load on each of two servers
             try:
@@ -96,3 +96,43 @@ class HeldScript:
                 # connection asks for the master's address in connect() only.
                 conn.connect()
         raise AssertionError("unreachable")
+
+    def after(
+        self,
+        command: Sequence[str | bytes | int | float],
+        keys: Sequence[str | bytes],
+        args: Sequence[str | bytes | int],
+    ) -> tuple[Any, Any]:
+        """Send ``command`` and then this script's call in one write, as a pipeline without a
+        transaction does (Redis runs the call the moment ``command`` is answered, a blocking one
+        too), and return both replies; a reply that is an error comes back as its exception,
+        NOSCRIPT too (a later call of the script loads it). A connection that fails is reconnected
+        and both are sent once more, as :meth:`__call__` does."""
+        conn = self._connections.get()
+        packed = _pack(command) + self._packed(keys, args)
+        for attempt in range(2):
+            try:
+                conn.send_packed_command((packed,))
+                return _reply(conn), _reply(conn)
+            except (redis.ConnectionError, redis.TimeoutError):
+                conn.disconnect()
+                if attempt:
+                    raise
+                conn.connect()
+        raise AssertionError("unreachable")
+
+    def _packed(self, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> bytes:
+        return _pack(("EVALSHA", self.script.sha, len(keys), *keys, *args))
+
+
+def _pack(command: Sequence[str | bytes | int | float]) -> bytes:
+    packed: bytes = hiredis.pack_command(tuple(command))  # type: ignore[arg-type]  # its stub: a 1-tuple
+    return packed
+
+
+def _reply(conn: Any) -> Any:
+    """The next reply on ``conn``, an error reply as its exception (connection errors raise)."""
+    try:
+        return conn.read_response()
+    except redis.ResponseError as exc:
+        return exc

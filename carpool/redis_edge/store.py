@@ -110,8 +110,11 @@ class RequestStore:
         self._renew_held = lua.register(client, "renew_held")
         self._claim = lua.register(client, "claim")
         self._finish = lua.register(client, "finish")
-        # A worker's two scripts per batch, on a connection each calling thread holds.
+        # The scripts run per batch or per step (a worker's two, the coordinator's take and
+        # dispatch), on a connection each calling thread holds.
         held = lua.ThreadConnections(client)
+        self._take_held = lua.HeldScript(self._take, held)
+        self._dispatch_held = lua.HeldScript(self._dispatch, held)
         self._claim_held = lua.HeldScript(self._claim, held)
         self._finish_held = lua.HeldScript(self._finish, held)
         self._renew = lua.register(client, "renew")
@@ -123,7 +126,7 @@ class RequestStore:
         """Atomically move up to ``count`` requests (highest priority list first) into flight, and pop
         the batch reports waiting for coordinator ``reports_of`` (none if None): one round trip."""
         keys, args = self._take_call(count, reports_of, max_reports)
-        return _taken(self._take(keys=keys, args=args))
+        return _taken(self._take_held(keys, args))
 
     def wait_then_take(
         self,
@@ -133,8 +136,8 @@ class RequestStore:
         reports_of: str | None = None,
         max_reports: int = 1000,
     ) -> tuple[redis.ResponseError | None, Taken | None]:
-        """Wait up to ``timeout_s`` for ``wait_list`` to hold an element, then :meth:`take`, sent as
-        one pipeline: Redis runs a blocked client's next command the moment its wait ends, so the
+        """Wait up to ``timeout_s`` for ``wait_list`` to hold an element, then :meth:`take`, sent in
+        one write: Redis runs a blocked client's next command the moment its wait ends, so the
         take needs no round trip back to this process.
 
         The wait is ``BLMOVE wait_list wait_list RIGHT RIGHT``, an atomic rotation onto the list's own
@@ -144,12 +147,9 @@ class RequestStore:
         Connection errors raise.
         """
         keys, args = self._take_call(count, reports_of, max_reports)
-        with self.client.pipeline(transaction=False) as pipe:
-            # Redis >= 6 takes a fractional timeout; redis-py's stub says int.
-            pipe.blmove(wait_list, wait_list, round(timeout_s, 3), "RIGHT", "RIGHT")  # type: ignore[arg-type]
-            # EVALSHA itself: a pipeline running a Script first asks SCRIPT EXISTS, one more trip.
-            pipe.evalsha(self._take.sha, len(keys), *keys, *args)
-            waited, took = pipe.execute(raise_on_error=False)
+        # Redis >= 6 takes a fractional timeout.
+        wait = ("BLMOVE", wait_list, wait_list, "RIGHT", "RIGHT", round(timeout_s, 3))
+        waited, took = self._take_held.after(wait, keys, args)
         error = waited if isinstance(waited, redis.ResponseError) else None
         return error, None if isinstance(took, Exception) else _taken(took)
 
@@ -176,9 +176,8 @@ class RequestStore:
         args: list[Any] = [self.lease_ms, topic, raw]
         for batch_id, ids, message in batches:
             args += [batch_id, len(ids), *ids, message]
-        return int(
-            self._dispatch(keys=[self.keys.inflight_lease, self.keys.inflight_owner, queue_list], args=args)
-        )
+        keys = [self.keys.inflight_lease, self.keys.inflight_owner, queue_list]
+        return int(self._dispatch_held(keys, args))
 
     def renew_held(self, ids: Sequence[str]) -> int:
         """Renew leases of requests the coordinator holds or dispatched and no worker claimed yet.

@@ -170,6 +170,35 @@ def test_a_held_script_reloads_after_a_flush_and_reconnects_after_a_kill(client:
     assert held([KEYS.workers], ["w4", 30_000]) == 4
 
 
+def test_a_held_scripts_call_after_a_command_answers_both_and_reconnects(client: redis.Redis) -> None:
+    """``after`` sends a command and the script's call in one write, as the coordinator's wait and
+    take go: both replies come back, an error reply as a value (the call behind it still runs), a
+    NOSCRIPT too (the next plain call loads the script), and a killed connection is reconnected."""
+    held = lua.HeldScript(lua.register(client, "heartbeat"), lua.ThreadConnections(client))
+    client.rpush("waited", "x")
+    waited, beat = held.after(
+        ("BLMOVE", "waited", "waited", "RIGHT", "RIGHT", 1), [KEYS.workers], ["w1", 30_000]
+    )
+    assert waited == b"x" and beat == 1
+    t0 = time.monotonic()
+    waited, beat = held.after(
+        ("BLMOVE", "empty", "empty", "RIGHT", "RIGHT", 0.05), [KEYS.workers], ["w2", 30_000]
+    )
+    assert waited is None and beat == 2, "a wait that timed out, then the call"
+    assert time.monotonic() - t0 < 4.0
+    client.script_flush()
+    waited, beat = held.after(("LLEN", "waited"), [KEYS.workers], ["w3", 30_000])
+    assert waited == 1 and isinstance(beat, redis.exceptions.NoScriptError)
+    assert held([KEYS.workers], ["w3", 30_000]) == 3  # loaded by the plain call
+    waited, beat = held.after(
+        ("BLMOVE", "waited", "waited", "UP", "RIGHT", 1), [KEYS.workers], ["w4", 30_000]
+    )
+    assert isinstance(waited, redis.ResponseError) and beat == 4
+    assert client.client_kill_filter(_type="normal", skipme=True) >= 1  # the held connection too
+    waited, beat = held.after(("LLEN", "waited"), [KEYS.workers], ["w5", 30_000])
+    assert waited == 1 and beat == 5
+
+
 # --- take ------------------------------------------------------------------------------------
 
 
