@@ -8,9 +8,16 @@ vs real tokens, queue depth per bin, waiting and run times, why batches left, wh
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from carpool.names import INFER_TASK
 
@@ -54,10 +61,10 @@ class CoordinatorMetrics:
             ["task", "model", "bin"],
             registry=r,
         )
-        self.wait_seconds = Histogram(
+        self.wait_seconds = BatchHistogram(
             "carpool_wait_seconds",
             "Time from send to dispatch, per request.",
-            ["task", "model"],
+            ("task", "model"),
             buckets=TIME_BUCKETS,
             registry=r,
         )
@@ -98,9 +105,7 @@ class CoordinatorMetrics:
         self.flushes.labels(reason).inc()
         # A bin whose requests all left between two depth writes still gets its (zero) depth series.
         self._depth_keys.add((model, bin_label))
-        hist = self.wait_seconds.labels(task, model)
-        for w in waits_s:
-            hist.observe(w)
+        self.wait_seconds.observe_all((task, model), waits_s)
 
     def batch_ran(self, model: str, device: str, run_s: float) -> None:
         self.batch_run_seconds.labels(self.task_of(model), model, device).observe(run_s)
@@ -114,3 +119,68 @@ class CoordinatorMetrics:
         for (model, bin_label), depth in depths.items():
             self.queue_depth.labels(self.task_of(model), model, bin_label).set(depth)
         self._depth_keys |= set(depths)
+
+
+class BatchHistogram(Collector):
+    """A histogram exposed as prometheus_client's :class:`~prometheus_client.Histogram` exposes one
+    (``_bucket``, ``_count``, ``_sum`` and ``_created`` series), observed many values at a time:
+    the coordinator observes every request of a batch, and prometheus_client takes a lock per
+    value and series (about 0.9 µs a value) where this takes one per batch."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = sorted(float(b) for b in buckets if b != float("inf"))
+        self._series: dict[tuple[str, ...], _Series] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_all(self, labels: tuple[str, ...], values: Iterable[float]) -> None:
+        """Observe each of ``values`` in the series of ``labels`` (one value per label name)."""
+        if len(labels) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {labels!r}")
+        bounds = self.bounds
+        with self._lock:
+            series = self._series.get(labels)
+            if series is None:
+                series = self._series[labels] = _Series(len(bounds) + 1)
+            counts = series.counts  # the last: above every bound (+Inf only)
+            total = series.sum
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1  # the first bucket whose bound is >= value
+                total += value  # one value at a time, as a Histogram adds them
+            series.sum = total
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with self._lock:
+            snapshot = [(labels, list(s.counts), s.sum, s.created) for labels, s in self._series.items()]
+        go_string = cast("Callable[[float], str]", floatToGoString)  # untyped: how le values are written
+        les = [go_string(b) for b in self.bounds] + ["+Inf"]
+        for labels, counts, total, created in snapshot:
+            cumulative, running = [], 0
+            for le, count in zip(les, counts, strict=True):
+                running += count
+                cumulative.append((le, float(running)))
+            family.add_metric(list(labels), cumulative, total)
+            family.add_sample(
+                f"{self.name}_created", dict(zip(self.labelnames, labels, strict=True)), created
+            )
+        yield family
+
+
+class _Series:
+    __slots__ = ("counts", "created", "sum")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets
+        self.sum = 0.0
+        self.created = time.time()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from carpool.coordinator.metrics import CoordinatorMetrics
+from carpool.coordinator.metrics import TIME_BUCKETS, BatchHistogram, CoordinatorMetrics
 
 
 def depth(registry: CollectorRegistry, model: str, bin_label: str) -> float | None:
@@ -30,3 +33,53 @@ def test_a_bin_emptied_after_a_write_goes_back_to_zero() -> None:
     metrics.set_depths({})
     assert depth(registry, "toy", "17-32") == 0
     assert depth(registry, "toy", "1-16") is None  # no series for a bin nothing went through
+
+
+def _exposition(registry: CollectorRegistry) -> tuple[list[str], list[str]]:
+    """The registry's text exposition: its lines bar the ``_created`` ones, and those."""
+    lines = generate_latest(registry).decode().splitlines()
+    return [x for x in lines if "_created" not in x], [x for x in lines if "_created" in x]
+
+
+values = st.floats(min_value=-1.0, max_value=100.0, allow_nan=False) | st.sampled_from(TIME_BUCKETS)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.lists(values, max_size=40)), max_size=6))
+def test_a_batch_histogram_exposes_what_prometheus_clients_histogram_does(
+    batches: list[tuple[str, list[float]]],
+) -> None:
+    """Values observed a batch at a time come out as the same series, bucket counts, counts and sums
+    as prometheus_client's Histogram fed them one by one (bounds inclusive, negatives in the first
+    bucket, values past the last bound only in +Inf); only the creation times differ."""
+    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
+    ours = BatchHistogram("w_seconds", "Waits.", ("task", "model"), TIME_BUCKETS, ours_registry)
+    theirs = Histogram(
+        "w_seconds", "Waits.", ["task", "model"], buckets=TIME_BUCKETS, registry=theirs_registry
+    )
+    for model, batch in batches:
+        ours.observe_all(("t", model), batch)
+        series = theirs.labels("t", model)  # as the coordinator did: the series exists from its first batch
+        for value in batch:
+            series.observe(value)
+    ours_lines, ours_created = _exposition(ours_registry)
+    their_lines, their_created = _exposition(theirs_registry)
+    assert ours_lines == their_lines
+    assert [x.rsplit(" ", 1)[0] for x in ours_created] == [x.rsplit(" ", 1)[0] for x in their_created]
+
+
+def test_a_batch_histogram_refuses_the_wrong_number_of_labels() -> None:
+    histogram = BatchHistogram("w_seconds", "Waits.", ("task", "model"), TIME_BUCKETS, CollectorRegistry())
+    with pytest.raises(ValueError, match="takes labels"):
+        histogram.observe_all(("t",), [0.1])
+
+
+def test_the_coordinators_wait_histogram_counts_every_request_of_a_batch() -> None:
+    registry = CollectorRegistry()
+    metrics = CoordinatorMetrics(registry)
+    metrics.batch_dispatched("toy", "1-16", 3, 48, 40, "full", [0.002, 0.02, 7.0])
+    labels = {"task": "carpool.infer", "model": "toy"}
+    assert registry.get_sample_value("carpool_wait_seconds_count", labels) == 3
+    assert registry.get_sample_value("carpool_wait_seconds_sum", labels) == pytest.approx(7.022)
+    assert registry.get_sample_value("carpool_wait_seconds_bucket", {**labels, "le": "0.0025"}) == 1
+    assert registry.get_sample_value("carpool_wait_seconds_bucket", {**labels, "le": "5.0"}) == 2
+    assert registry.get_sample_value("carpool_wait_seconds_bucket", {**labels, "le": "+Inf"}) == 3
