@@ -58,6 +58,8 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
     for bad in intake.malformed:
         dead_letter(c, bad)
     refused = intake.refused
+    # Asked once per chunk, not per request: a monitor that comes or goes is seen from the next one.
+    events = c.events.enabled
     for msg, request in intake.admitted:
         c.held.add(request.id)
         if msg.eta_at is not None and request.arrival_s > now:
@@ -66,6 +68,8 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
                 refused.append(refusal)
             continue
         c.policy.add(request)
+        if not events:
+            continue
         if msg.links is None:
             c.events.received(request.id, msg.argsrepr, msg.kwargsrepr, name=msg.task)
         else:

@@ -303,6 +303,7 @@ class RecordingEvents:
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, str, dict[str, Any]]] = []
+        self.enabled = True  # as TaskEvents says while a monitor listens
 
     def received(self, task_id: str, argsrepr: str, kwargsrepr: str = "{}", **fields: Any) -> None:
         self.sent.append(("received", task_id, {"args": argsrepr, "kwargs": kwargsrepr, **fields}))
@@ -348,6 +349,19 @@ def test_a_request_refused_at_intake_is_received_before_it_fails(clocks: Clocks)
     clocks.advance(1.01)
     c.step()  # expired in the coordinator's queue: received once, at admission, then failed
     assert events.of("ok") == ["received", "failed"]
+
+
+def test_with_nobody_listening_requests_are_admitted_without_received_events(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0)
+    events = c.events = RecordingEvents()
+    events.enabled = False  # no monitor: TaskEvents builds no events, so none are asked for
+    c.store.queue += [(i, message(i, "hello there")) for i in ("a", "b")]
+    c.step()
+    assert len(c.policy) == 2 and events.sent == []
+    events.enabled = True  # a monitor came: the next chunk's requests are received
+    c.store.queue += [("c", message("c", "hello again"))]
+    c.step()
+    assert len(c.policy) == 3 and events.of("c") == ["received"] and events.of("a") == []
 
 
 # --- countdown / eta -------------------------------------------------------------------------------
