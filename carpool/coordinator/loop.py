@@ -256,6 +256,7 @@ class Coordinator:
         # After the dispatch: a request that woke this step does not wait behind the bookkeeping.
         self._bookkeeping(now)
         busy = self.workers > 0 and free_workers(self.workers, len(self.outstanding)) == 0
+        queued_s = sum(o.predicted_s for o in self.outstanding.values()) / self.workers if busy else 0.0
         return self.pacer.next_wait(
             now,
             full_take=take_n > 0 and len(taken) >= take_n,
@@ -263,6 +264,7 @@ class Coordinator:
             all_workers_busy=busy,
             next_eta_s=next_eta_s,
             intake_busy=self.stage.busy,
+            queued_s=queued_s,
         )
 
     def _ahead_ids(self) -> list[str]:

@@ -84,6 +84,7 @@ class Pacer:
         all_workers_busy: bool,
         next_eta_s: float | None = None,
         intake_busy: bool = False,
+        queued_s: float = 0.0,
     ) -> Wait:
         """How to wait after a step whose take came back ``full_take`` (as many requests as it may
         take at once) or not, with ``held`` requests in the policy and, at ``next_eta_s``, the soonest
@@ -98,6 +99,11 @@ class Pacer:
           take it, and the take that a request wakes reads the reports too.
         - Every worker busy: wait for the next batch report. Arrivals are looked at when the wait
           times out: with no worker free they change at most which batch waits in a prefetch slot.
+          With work queued on every worker (``queued_s`` predicted per worker, at least
+          ``2 * BUSY_POLL_S``), sleep half of it instead (at most the idle poll): the take after it
+          reads every report that came meanwhile and their slots are refilled together, one wake
+          and two round trips for several batches rather than for each, while the workers run the
+          other half.
         - Otherwise a worker is idle and requests wait for a partial batch to fill: poll briefly.
 
         While the intake stage prepares chunks (``intake_busy``), a wait ends when a chunk finishes
@@ -125,6 +131,9 @@ class Pacer:
             if until_wake is not None:
                 seconds = min(seconds, until_wake)
             return Wait(seconds, WaitFor.INTAKE)
+        if block_on is WaitFor.REPORTS and queued_s >= 2 * BUSY_POLL_S:
+            seconds = min(self.idle_poll_s, queued_s / 2)
+            return Wait(seconds if until_wake is None else min(seconds, until_wake))
         seconds = self.idle_poll_s if block_on is not None else min(self.idle_poll_s, BUSY_POLL_S)
         if until_wake is not None:
             seconds = min(seconds, until_wake)

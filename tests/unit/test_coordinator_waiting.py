@@ -70,6 +70,23 @@ def test_with_every_worker_busy_and_requests_held_it_blocks_on_the_report_list()
     assert wait == Wait(IDLE_POLL_S, WaitFor.REPORTS)
 
 
+def test_with_work_queued_on_every_worker_it_sleeps_half_of_it_and_reads_the_reports_together() -> None:
+    def wait(queued_s: float, held: int = 5, wake_at_s: float | None = None) -> Wait:
+        return polled_at(100.0, wake_at_s=wake_at_s).next_wait(
+            100.0, full_take=False, held=held, all_workers_busy=True, queued_s=queued_s
+        )
+
+    assert wait(0.012) == Wait(0.006)  # a local sleep: the next report does not end it
+    assert wait(2 * BUSY_POLL_S) == Wait(BUSY_POLL_S)
+    assert wait(1.0) == Wait(IDLE_POLL_S)  # never longer than the idle poll
+    # Too little queued to sleep on: the next report ends the wait, as without queued work.
+    assert wait(2 * BUSY_POLL_S - 0.0001) == Wait(IDLE_POLL_S, WaitFor.REPORTS)
+    assert wait(0.012, held=0) == Wait(IDLE_POLL_S, WaitFor.REQUESTS)  # nothing a slot could take
+    assert wait(0.012, wake_at_s=100.05) == Wait(BUSY_POLL_S)  # the plan's time near: polled, as before
+    free = polled_at(100.0).next_wait(100.0, full_take=False, held=5, all_workers_busy=False, queued_s=0.012)
+    assert free == Wait(BUSY_POLL_S)  # a free worker: unchanged
+
+
 def test_with_every_worker_busy_and_nothing_held_it_blocks_on_the_request_list() -> None:
     # A report would free a slot that nothing held could take; the next request's take reads it.
     wait = polled_at(100.0).next_wait(100.0, full_take=False, held=0, all_workers_busy=True)
