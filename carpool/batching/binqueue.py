@@ -64,6 +64,7 @@ class BinQueue:
         # The head batch as select() last chose it, valid until the membership changes (add, remove,
         # expiry): a saturated coordinator polls once per freed slot and must not re-select each time.
         self._head: Head | None = None
+        self._widest = 0  # the widest padded length added since the last drain: no batch is wider
 
     def __len__(self) -> int:
         return len(self.live)
@@ -72,11 +73,13 @@ class BinQueue:
         seq = next(self._seq)
         self.live[req.id] = req
         self._head = None
+        width = -(-req.length // self.pad_multiple) * self.pad_multiple  # padded_length, inlined
+        if width > self._widest:
+            self._widest = width
         if self._tight:
             lanes = self._lanes.get(req.priority)
             if lanes is None:
                 lanes = self._lanes[req.priority] = {}
-            width = -(-req.length // self.pad_multiple) * self.pad_multiple  # padded_length, inlined
             lane = lanes.get(width)
             if lane is None:
                 lane = lanes[width] = deque()
@@ -126,6 +129,15 @@ class BinQueue:
             width = padded_width((req.length for req in members), cfg.pad_multiple)
             self._head = Head(members, limited, len(members) * width)
         return self._head
+
+    def head_tokens_bound(self, cfg: PolicyConfig) -> int:
+        """The head batch's padded tokens when it is known, else a number no smaller, without
+        selecting it: at most ``max_batch`` members (and no more than the queue holds), none wider
+        than the widest ever added, and no more than ``max_tokens`` unless it is a lone request."""
+        if self._head is not None:
+            return self._head.padded_tokens
+        widest = self._widest
+        return min(min(len(self.live), cfg.max_batch) * widest, max(cfg.max_tokens, widest))
 
     def select(self, cfg: PolicyConfig, first: Iterable[Request] = ()) -> tuple[list[Request], bool]:
         """The next batch (not removed), ``first`` in it before anything else, and whether it is full
@@ -222,6 +234,7 @@ class BinQueue:
     def drain(self) -> list[Request]:
         out = list(self.live.values())
         self._head = None
+        self._widest = 0
         self.live.clear()
         self._by_length.clear()
         self._fifo.clear()

@@ -227,6 +227,33 @@ class BatchPolicy:
         plan.wake_at_s = wake
         return plan
 
+    def quiet_until(
+        self, now_s: float, free_slots: int, ahead_s: float = 0.0, queue_room: int = 0
+    ) -> float | None:
+        """Whether a :meth:`poll` with these capacities could let nothing leave, told without
+        selecting any queue's next batch: no slot a batch may take (``free_slots``, or
+        ``queue_room`` while ``ahead_s`` is under a key's ``prefetch_s``), and no queue whose
+        deadline flush or expiry could be due, with its next batch's run time bounded from above
+        (:meth:`BinQueue.head_tokens_bound`). Then returns a time at or before the wake time that
+        poll would answer, to ask again then; else None: poll. A saturated coordinator asks after
+        each chunk of requests it admits, when every slot is taken."""
+        if free_slots > 0:
+            return None
+        quiet: float | None = None
+        for (model, _), queue in self._queues.items():
+            if not queue:
+                continue
+            cfg = self.config_for(model)
+            if queue_room > 0 and ahead_s < cfg.prefetch_s:
+                return None
+            longest_s = self.latency.predict(model, queue.head_tokens_bound(cfg))
+            urgent_from = queue.earliest_deadline() - ahead_s - longest_s - DEADLINE_GUARD_S
+            if urgent_from <= now_s:
+                return None
+            if quiet is None or urgent_from < quiet:
+                quiet = urgent_from
+        return quiet
+
     def discard(self, ids: Collection[str]) -> list[Request]:
         """Remove and return the queued requests whose id is in ``ids`` (they were revoked)."""
         out: list[Request] = []

@@ -34,9 +34,13 @@ def dispatch(c: Coordinator, now: float) -> float | None:
         plan = Plan(expired=c.policy.expire(now), wake_at_s=c.policy.next_deadline())
     else:
         cap = _capacity(c)
-        plan = c.policy.poll(
-            now, cap.free_workers, cap.free_slots, cap.ahead_s, cap.queue_room, incoming=c.incoming
-        )
+        quiet = c.policy.quiet_until(now, cap.free_slots, cap.ahead_s, cap.queue_room)
+        if quiet is not None:  # nothing could leave: the same empty plan, without selecting batches
+            plan = Plan(wake_at_s=quiet)
+        else:
+            plan = c.policy.poll(
+                now, cap.free_workers, cap.free_slots, cap.ahead_s, cap.queue_room, incoming=c.incoming
+            )
     if plan.expired:
         where = "in the coordinator's queue"
         c.held.difference_update(r.id for r in plan.expired)

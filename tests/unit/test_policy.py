@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -383,6 +384,72 @@ def test_simulated_runs_keep_every_invariant(
     assert len(emitted) == len(set(emitted))
     assert set(emitted) | set(expired) == all_ids
     assert not set(emitted) & set(expired)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    arrivals=st.lists(arrival, min_size=1, max_size=60),
+    kind=st.sampled_from(["binned", "fifo", "shortest"]),
+    max_batch=st.integers(1, 16),
+    max_tokens=st.integers(8, 2048),
+    tight=st.booleans(),
+    prefetch_s=st.sampled_from([0.0, 0.02, 1.0]),
+    data=st.data(),
+)
+def test_quiet_until_is_said_only_when_a_poll_would_let_nothing_leave(
+    arrivals: list[tuple[float, int, float, int, str]],
+    kind: PolicyName,
+    max_batch: int,
+    max_tokens: int,
+    tight: bool,
+    prefetch_s: float,
+    data: st.DataObject,
+) -> None:
+    """Whenever quiet_until answers a time, a poll with the same capacities (on a copy) dispatches
+    nothing, expires nothing and wakes no earlier than that time; the policy's own polls go on."""
+    cfg = PolicyConfig(
+        kind=kind,
+        max_batch=max_batch,
+        max_tokens=max_tokens,
+        bin_edges=(16, 64),
+        tight_backlog=tight,
+        prefetch_s=prefetch_s,
+    )
+    latency = LatencyModel(prior_base_s=0.005, prior_per_token_s=1e-5)
+    p = BatchPolicy(cfg, latency)
+    pending = sorted(
+        (req(n, at=t, deadline=t + d, priority=pr, model=m) for t, n, d, pr, m in arrivals),
+        key=lambda r: r.arrival_s,
+    )
+    now, quiet_seen = 0.0, 0
+    while pending or len(p):
+        while pending and pending[0].arrival_s <= now:
+            p.add(pending.pop(0))
+        free_slots = data.draw(st.sampled_from([0, 0, 0, 1, 2]))
+        queue_room = data.draw(st.sampled_from([0, 0, 3]))
+        ahead_s = data.draw(st.floats(0, 0.5))
+        quiet = p.quiet_until(now, free_slots, ahead_s, queue_room)
+        if quiet is not None:
+            quiet_seen += 1
+            plan = copy.deepcopy(p).poll(now, 0, free_slots, ahead_s, queue_room)
+            assert plan.batches == [] and plan.expired == []
+            assert plan.wake_at_s is not None and quiet <= plan.wake_at_s
+        p.poll(now, min(free_slots, 1), free_slots, ahead_s, queue_room)
+        if data.draw(st.booleans()):
+            latency.observe(arrivals[0][4], data.draw(st.integers(8, 4096)), data.draw(st.floats(0.0, 0.05)))
+        now += data.draw(st.floats(0.001, 0.3))
+
+
+def test_a_deep_queue_with_every_slot_taken_is_quiet_until_its_deadline_nears() -> None:
+    p = policy(max_batch=4, bin_edges=(16, 64), prefetch_s=0.02)
+    for i in range(40):
+        p.add(req(8 + i % 50, at=0.0, deadline=60.0))
+    quiet = p.quiet_until(1.0, free_slots=0, ahead_s=0.05)
+    assert quiet is not None and 59.0 < quiet < 60.0
+    assert p.quiet_until(1.0, free_slots=1, ahead_s=0.05) is None  # a slot: a batch leaves
+    assert p.quiet_until(1.0, free_slots=0, ahead_s=0.01, queue_room=2) is None  # room under prefetch_s
+    assert p.quiet_until(59.99, free_slots=0, ahead_s=0.05) is None  # a deadline flush may be due
+    assert p.poll(1.0, 0, 0, 0.05).batches == []
 
 
 @settings(max_examples=100, deadline=None)
