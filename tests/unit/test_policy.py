@@ -316,6 +316,19 @@ arrival = st.tuples(
 )
 
 
+def simulated(
+    cfg: PolicyConfig, arrivals: list[tuple[float, int, float, int, str]]
+) -> tuple[BatchPolicy, LatencyModel, list[Request]]:
+    """A policy under ``cfg`` with a latency prior of its own, and ``arrivals`` (arrival, length,
+    time to deadline, priority, model) as requests in arrival order, to add as the clock reaches them."""
+    latency = LatencyModel(prior_base_s=0.005, prior_per_token_s=1e-5)
+    pending = sorted(
+        (req(n, at=t, deadline=t + d, priority=pr, model=m) for t, n, d, pr, m in arrivals),
+        key=lambda r: r.arrival_s,
+    )
+    return BatchPolicy(cfg, latency), latency, pending
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     arrivals=st.lists(arrival, min_size=1, max_size=80),
@@ -347,12 +360,7 @@ def test_simulated_runs_keep_every_invariant(
         tight_backlog=tight,
         prefetch_s=prefetch_s,
     )
-    latency = LatencyModel(prior_base_s=0.005, prior_per_token_s=1e-5)
-    p = BatchPolicy(cfg, latency)
-    pending = sorted(
-        (req(n, at=t, deadline=t + d, priority=pr, model=m) for t, n, d, pr, m in arrivals),
-        key=lambda r: r.arrival_s,
-    )
+    p, latency, pending = simulated(cfg, arrivals)
     all_ids = {r.id for r in pending}
     emitted: list[str] = []
     expired: list[str] = []
@@ -415,13 +423,8 @@ def test_quiet_until_is_said_only_when_a_poll_would_let_nothing_leave(
         tight_backlog=tight,
         prefetch_s=prefetch_s,
     )
-    latency = LatencyModel(prior_base_s=0.005, prior_per_token_s=1e-5)
-    p = BatchPolicy(cfg, latency)
-    pending = sorted(
-        (req(n, at=t, deadline=t + d, priority=pr, model=m) for t, n, d, pr, m in arrivals),
-        key=lambda r: r.arrival_s,
-    )
-    now, quiet_seen = 0.0, 0
+    p, latency, pending = simulated(cfg, arrivals)
+    now = 0.0
     while pending or len(p):
         while pending and pending[0].arrival_s <= now:
             p.add(pending.pop(0))
@@ -430,7 +433,6 @@ def test_quiet_until_is_said_only_when_a_poll_would_let_nothing_leave(
         ahead_s = data.draw(st.floats(0, 0.5))
         quiet = p.quiet_until(now, free_slots, ahead_s, queue_room)
         if quiet is not None:
-            quiet_seen += 1
             plan = copy.deepcopy(p).poll(now, 0, free_slots, ahead_s, queue_room)
             assert plan.batches == [] and plan.expired == []
             assert plan.wake_at_s is not None and quiet <= plan.wake_at_s
