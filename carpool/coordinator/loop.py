@@ -255,13 +255,16 @@ class Coordinator:
         self.events.flush()
         # After the dispatch: a request that woke this step does not wait behind the bookkeeping.
         self._bookkeeping(now)
-        busy = self.workers > 0 and free_workers(self.workers, len(self.outstanding)) == 0
-        queued_s = sum(o.predicted_s for o in self.outstanding.values()) / self.workers if busy else 0.0
+        # With no worker alive none is free either: one comes with housekeeping, not with a poll.
+        none_free = self.workers == 0 or free_workers(self.workers, len(self.outstanding)) == 0
+        queued_s = 0.0
+        if none_free and self.workers:
+            queued_s = sum(o.predicted_s for o in self.outstanding.values()) / self.workers
         return self.pacer.next_wait(
             now,
             full_take=take_n > 0 and len(taken) >= take_n,
             held=len(self.policy),
-            all_workers_busy=busy,
+            all_workers_busy=none_free,
             next_eta_s=next_eta_s,
             intake_busy=self.stage.busy,
             queued_s=queued_s,

@@ -174,6 +174,15 @@ def iso(wall_s: float) -> str:
     return datetime.fromtimestamp(wall_s, UTC).isoformat()
 
 
+def test_with_no_worker_alive_held_requests_do_not_set_the_loop_polling(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0)
+    c.store.queue.append(("a", message("a", "hello there")))
+    wait = c.step()
+    assert len(c.policy) == 1 and c.workers == 0
+    # Nothing can leave until housekeeping counts a worker: a wait in Redis, not a 2 ms poll.
+    assert wait == Wait(c.settings.idle_poll_s, WaitFor.REPORTS)
+
+
 def test_a_request_expires_on_the_coordinators_clock(clocks: Clocks) -> None:
     c = coordinator(clocks, workers=0)  # nobody to run it: it is held until it expires
     c.store.queue.append(
