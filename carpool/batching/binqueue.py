@@ -76,6 +76,8 @@ class BinQueue:
         width = -(-req.length // self.pad_multiple) * self.pad_multiple  # padded_length, inlined
         if width > self._widest:
             self._widest = width
+        elif not self._widest:
+            self._widest = self.pad_multiple  # padded_length's floor: one multiple, for length 0
         if self._tight:
             lanes = self._lanes.get(req.priority)
             if lanes is None:

@@ -18,6 +18,7 @@ until then (``deferred``); one revoked while held here, or before it is taken, i
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -259,7 +260,10 @@ class Coordinator:
         none_free = self.workers == 0 or free_workers(self.workers, len(self.outstanding)) == 0
         queued_s = 0.0
         if none_free and self.workers:
-            queued_s = sum(o.predicted_s for o in self.outstanding.values()) / self.workers
+            # Work not started yet: each worker runs one of the oldest batches out (or stores its
+            # results), and what runs may end any moment.
+            waiting = itertools.islice(self.outstanding.values(), self.workers, None)
+            queued_s = sum(o.predicted_s for o in waiting) / self.workers
         return self.pacer.next_wait(
             now,
             full_take=take_n > 0 and len(taken) >= take_n,

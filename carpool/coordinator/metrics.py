@@ -154,10 +154,17 @@ class BatchHistogram(Collector):
                 series = self._series[labels] = _Series(len(bounds) + 1)
             counts = series.counts  # the last: above every bound (+Inf only)
             total = series.sum
-            for value in values:
-                counts[bisect_left(bounds, value)] += 1  # the first bucket whose bound is >= value
-                total += value  # one value at a time, as a Histogram adds them
-            series.sum = total
+            try:
+                for value in values:
+                    counts[bisect_left(bounds, value)] += 1  # the first bucket whose bound is >= value
+                    total += value  # one value at a time, as a Histogram adds them
+            finally:  # what was counted is summed, whatever ``values`` raised
+                series.sum = total
+
+    def describe(self) -> Iterator[Metric]:
+        """Its name, for the registry: a second one of the name is refused, and a scrape of it by
+        name finds it, as for prometheus_client's own metrics."""
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -171,6 +178,8 @@ class BatchHistogram(Collector):
                 running += count
                 cumulative.append((le, float(running)))
             family.add_metric(list(labels), cumulative, total)
+            if not _created_series():
+                continue
             family.add_sample(
                 f"{self.name}_created", dict(zip(self.labelnames, labels, strict=True)), created
             )
@@ -184,3 +193,11 @@ class _Series:
         self.counts = [0] * buckets
         self.sum = 0.0
         self.created = time.time()
+
+
+def _created_series() -> bool:
+    """Whether ``_created`` series are written: prometheus_client's setting
+    (``disable_created_metrics()``, ``PROMETHEUS_DISABLE_CREATED_SERIES``), read as its metrics read it."""
+    from prometheus_client import metrics
+
+    return bool(getattr(metrics, "_use_created", True))

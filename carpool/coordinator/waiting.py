@@ -99,11 +99,11 @@ class Pacer:
           take it, and the take that a request wakes reads the reports too.
         - Every worker busy: wait for the next batch report. Arrivals are looked at when the wait
           times out: with no worker free they change at most which batch waits in a prefetch slot.
-          With work queued on every worker (``queued_s`` predicted per worker, at least
-          ``2 * BUSY_POLL_S``), sleep half of it instead (at most the idle poll): the take after it
-          reads every report that came meanwhile and their slots are refilled together, one wake
-          and two round trips for several batches rather than for each, while the workers run the
-          other half.
+          With work queued behind what every worker runs (``queued_s``: predicted per worker, not
+          started yet, at least ``2 * BUSY_POLL_S``), sleep half of it instead (at most the idle
+          poll): the take after it reads every report that came meanwhile and their slots are
+          refilled together, one wake and two round trips for several batches rather than for
+          each, while the workers run the other half.
         - Otherwise a worker is idle and requests wait for a partial batch to fill: poll briefly.
 
         While the intake stage prepares chunks (``intake_busy``), a wait ends when a chunk finishes

@@ -17,6 +17,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from carpool.celery_edge import links
 from carpool.codec import loads
 from carpool.config import Settings
+from carpool.coordinator.dispatch import OutstandingBatch
 from carpool.coordinator.loop import Coordinator
 from carpool.coordinator.waiting import FORCED_POLL_S, Wait, WaitFor
 from carpool.errors import ConfigError, DeadlineExceeded, QueueFull
@@ -181,6 +182,22 @@ def test_with_no_worker_alive_held_requests_do_not_set_the_loop_polling(clocks: 
     assert len(c.policy) == 1 and c.workers == 0
     # Nothing can leave until housekeeping counts a worker: a wait in Redis, not a 2 ms poll.
     assert wait == Wait(c.settings.idle_poll_s, WaitFor.REPORTS)
+
+
+def test_the_loop_sleeps_on_work_queued_behind_the_running_batches_only(clocks: Clocks) -> None:
+    """With every slot taken and a request held, the loop sleeps half of the work queued behind
+    what each worker runs, and blocks on the report list when nothing waits behind it: what runs may
+    end any moment, and a sleep would then leave its worker idle."""
+    c = coordinator(clocks, workers=1, prefetch_batches=0, prefetch_s=0.0)
+    now = clocks.mono()
+    c.outstanding["running"] = OutstandingBatch(["x"], "toy", 0.010, now)
+    c.store.queue.append(("a", message("a", "hello there")))
+    wait = c.step()
+    assert len(c.policy) == 1 and list(c.outstanding) == ["running"]
+    assert wait == Wait(c.settings.idle_poll_s, WaitFor.REPORTS)
+    c.outstanding["queued-1"] = OutstandingBatch(["y"], "toy", 0.006, now)
+    c.outstanding["queued-2"] = OutstandingBatch(["z"], "toy", 0.006, now)
+    assert c.step() == Wait(0.006)  # half of the 12 ms queued behind the running batch
 
 
 def test_a_request_expires_on_the_coordinators_clock(clocks: Clocks) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any, cast
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 
 from carpool.coordinator.metrics import TIME_BUCKETS, BatchHistogram, CoordinatorMetrics
 
@@ -83,3 +87,32 @@ def test_the_coordinators_wait_histogram_counts_every_request_of_a_batch() -> No
     assert registry.get_sample_value("carpool_wait_seconds_bucket", {**labels, "le": "0.0025"}) == 1
     assert registry.get_sample_value("carpool_wait_seconds_bucket", {**labels, "le": "5.0"}) == 2
     assert registry.get_sample_value("carpool_wait_seconds_bucket", {**labels, "le": "+Inf"}) == 3
+
+
+def test_a_batch_histogram_is_registered_by_name_and_follows_the_created_series_setting() -> None:
+    registry = CollectorRegistry()
+    BatchHistogram("w_seconds", "Waits.", ("task",), TIME_BUCKETS, registry).observe_all(("t",), [0.2])
+    with pytest.raises(ValueError, match="Duplicated"):
+        BatchHistogram("w_seconds", "Waits.", ("task",), TIME_BUCKETS, registry)
+    scraped = generate_latest(registry.restricted_registry(["w_seconds_bucket"])).decode()
+    assert 'w_seconds_bucket{le="0.25",task="t"} 1.0' in scraped
+    cast("Any", prometheus_metrics).disable_created_metrics()  # untyped
+    try:
+        assert "_created" not in generate_latest(registry).decode()
+    finally:
+        cast("Any", prometheus_metrics).enable_created_metrics()
+    assert "w_seconds_created" in generate_latest(registry).decode()
+
+
+def test_values_that_fail_partway_leave_the_count_and_the_sum_agreeing() -> None:
+    registry = CollectorRegistry()
+    histogram = BatchHistogram("w_seconds", "Waits.", ("task",), TIME_BUCKETS, registry)
+
+    def values() -> Iterator[float]:
+        yield 0.5
+        raise RuntimeError("a broken iterable")
+
+    with pytest.raises(RuntimeError):
+        histogram.observe_all(("t",), values())
+    assert registry.get_sample_value("w_seconds_count", {"task": "t"}) == 1
+    assert registry.get_sample_value("w_seconds_sum", {"task": "t"}) == 0.5
