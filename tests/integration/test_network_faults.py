@@ -28,7 +28,7 @@ from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import VECTOR_ATOL, wait_for
 from tests.integration.models import SLOW
 from tests.integration.tcpproxy import TcpProxy
 from tests.integration.test_reliability import expected, record
@@ -158,7 +158,9 @@ def test_a_network_fault_loses_nothing_and_restarts_nothing(stack: Stack, role: 
     got = collect(stack, results)
     answered_s = time.monotonic() - t_lifted
     want = expected(texts)
-    wrong = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not np.allclose(g, w, atol=1e-5)]
+    wrong = [
+        i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not np.allclose(g, w, atol=VECTOR_ATOL)
+    ]
     assert not wrong, f"requests {wrong} have wrong results"
     # One answer each, and nothing left behind to be answered again.
     admin = stack.admin()
