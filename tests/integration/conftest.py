@@ -23,6 +23,21 @@ from carpool.tools.harness import Harness, release_result_consumer
 VECTOR_ATOL = 1e-4
 
 
+def assert_same_vectors(got: Any, want: Any) -> None:
+    """``got`` and ``want`` are the same vector, or lists of vectors of the same shape, within
+    ``VECTOR_ATOL``; two runs of one text may sit in batches of different shapes."""
+    import numpy as np
+
+    g, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert g.shape == w.shape, f"shapes differ: {g.shape} != {w.shape}"
+    far = np.abs(g - w) > VECTOR_ATOL
+    if g.ndim > 1:
+        wrong = np.flatnonzero(far.reshape(len(g), -1).any(axis=1)).tolist()
+        assert not wrong, f"vectors {wrong} differ by more than {VECTOR_ATOL}"
+    else:
+        assert not far.any(), f"the vectors differ by {np.abs(g - w).max()} > {VECTOR_ATOL}"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test in this folder is an integration test (``-m "not integration"`` leaves them out);
     a ``pytestmark`` in a conftest would mark nothing."""

@@ -16,7 +16,15 @@ import pytest
 
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack, wait_for
+from tests.integration.conftest import (
+    VECTOR_ATOL,
+    Processes,
+    as_bytes,
+    assert_same_vectors,
+    server_of,
+    start_stack,
+    wait_for,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -50,14 +58,6 @@ def reference_encoder() -> SentenceTransformer:
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(get_model_path()), device="cpu")
-
-
-def assert_same_vectors(got: list[list[float]], want: list[list[float]]) -> None:
-    """Each request got its own text's vector. Two processes may round float32 sums differently
-    (the math library's kernels depend on more than the inputs), so equal within 1e-4."""
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert g == pytest.approx(w, abs=VECTOR_ATOL)
 
 
 @pytest.mark.slow

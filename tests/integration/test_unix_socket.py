@@ -28,8 +28,7 @@ from carpool.producer.submit import submit_many
 from carpool.tools.embedded import EmbeddedRedis, free_port
 from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import wait_for
-from tests.integration.test_end_to_end import assert_same_vectors
+from tests.integration.conftest import assert_same_vectors, wait_for
 
 TOY: dict[str, Any] = {"model": "toy", "models": ("toy",)}
 
