@@ -17,10 +17,7 @@ import pytest
 
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.harness import Harness, release_result_consumer
-
-# A worker's vectors equal the model run alone in the test process within this: batch shapes and the
-# math library's kernels change float32 rounding, by ~1e-5 at times.
-VECTOR_ATOL = 1e-4
+from tests.tolerances import VECTOR_ATOL
 
 
 def assert_same_vectors(got: Any, want: Any) -> None:

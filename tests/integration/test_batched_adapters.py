@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import Processes, start_stack
+from tests.tolerances import VECTOR_ATOL
 from tests.unit.test_adapters import PAIRS, TEXTS, save_classifier
 
 
@@ -39,10 +40,10 @@ def test_reranker_and_classifier_served_side_by_side(processes: Processes, model
     labels = carpool.gather(carpool.submit_many(TEXTS, task=tasks.classify), timeout=120)
 
     expected_scores = reranker(models / "reranker")(pairs)
-    assert scores == pytest.approx(expected_scores, abs=1e-5)
+    assert scores == pytest.approx(expected_scores, abs=VECTOR_ATOL)
     expected_labels = classifier(models / "classifier")(TEXTS)
     assert [x["label"] for x in labels] == [x["label"] for x in expected_labels]
     for got, want in zip(labels, expected_labels, strict=True):
-        assert got["scores"] == pytest.approx(want["scores"], abs=1e-5)
+        assert got["scores"] == pytest.approx(want["scores"], abs=VECTOR_ATOL)
     # The producer built the task objects but never loaded their models: the worker did.
     assert tasks.rerank.spec.fn._model is None and tasks.classify.spec.fn._model is None

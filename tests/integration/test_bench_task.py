@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.tolerances import VECTOR_ATOL
 from tests.unit.test_adapters import PAIRS, save_classifier
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -71,7 +72,7 @@ def test_builtin_reranker_in_every_system(tmp_path: Path) -> None:
     assert samples["items"] == rerank_pairs(n, 0)[: len(samples["items"])]
     expected = reranker(model_dir)(samples["items"])
     for system in ("carpool", "celery-batches", "celery"):
-        assert samples["outputs"][system] == pytest.approx(expected, abs=1e-5), system
+        assert samples["outputs"][system] == pytest.approx(expected, abs=VECTOR_ATOL), system
     assert "carpool / celery-batches" in proc.stdout and "celery-batches agrees" in proc.stdout
 
 

@@ -17,7 +17,6 @@ import pytest
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
 from tests.integration.conftest import (
-    VECTOR_ATOL,
     Processes,
     as_bytes,
     assert_same_vectors,
@@ -25,6 +24,7 @@ from tests.integration.conftest import (
     start_stack,
     wait_for,
 )
+from tests.tolerances import VECTOR_ATOL
 
 if TYPE_CHECKING:
     import redis

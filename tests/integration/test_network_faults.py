@@ -28,10 +28,11 @@ from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.harness import Harness, release_result_consumer
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import VECTOR_ATOL, wait_for
+from tests.integration.conftest import wait_for
 from tests.integration.models import SLOW
 from tests.integration.tcpproxy import TcpProxy
 from tests.integration.test_reliability import expected, record
+from tests.tolerances import VECTOR_ATOL
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import VECTOR_ATOL, Processes, start_stack
+from tests.integration.conftest import Processes, start_stack
 from tests.integration.test_reliability import expected
+from tests.tolerances import VECTOR_ATOL
 
 pytestmark = pytest.mark.integration
 

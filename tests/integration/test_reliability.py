@@ -21,8 +21,9 @@ from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, ModelEr
 from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import VECTOR_ATOL, Processes, as_bytes, server_of, start_stack, wait_for
+from tests.integration.conftest import Processes, as_bytes, server_of, start_stack, wait_for
 from tests.integration.models import EXPLODING, SLOW, UNSTORABLE
+from tests.tolerances import VECTOR_ATOL
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

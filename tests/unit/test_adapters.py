@@ -16,6 +16,7 @@ import pytest
 
 from carpool.adapters import classifier, embedding, reranker
 from carpool.errors import ConfigError, InvalidInput
+from tests.tolerances import VECTOR_ATOL
 
 WORDS = [
     *("the", "a", "cat", "dog", "sat", "on", "mat", "what", "is", "who", "where"),
@@ -175,13 +176,13 @@ def test_classifier_takes_texts_and_pairs_in_one_batch(classifier_dir: Path) -> 
     together = adapter(items)
     for a, b in zip(alone, together, strict=True):
         assert a["label"] == b["label"]
-        assert np.allclose(list(a["scores"].values()), list(b["scores"].values()), atol=1e-5)
+        assert np.allclose(list(a["scores"].values()), list(b["scores"].values()), atol=VECTOR_ATOL)
 
 
 def test_outputs_do_not_depend_on_the_batch(reranker_dir: Path) -> None:
     adapter = reranker(reranker_dir, device="cpu")
     alone = [adapter([pair])[0] for pair in PAIRS]
-    assert np.allclose(adapter(PAIRS), alone, atol=1e-5)
+    assert np.allclose(adapter(PAIRS), alone, atol=VECTOR_ATOL)
 
 
 def test_lengths_count_tokens_like_the_tokenizer_and_cap_at_the_window(

@@ -10,6 +10,7 @@ import pytest
 from carpool.errors import UnknownModel
 from carpool.gpu_worker.runner import loaded_model, pad, run_isolating, run_padded
 from carpool.models import get_model
+from tests.tolerances import VECTOR_ATOL
 
 
 def test_pad_to_multiple_of_8_with_mask() -> None:
@@ -25,7 +26,7 @@ def test_toy_output_does_not_depend_on_batch_or_padding() -> None:
     ids = model.encode(texts)
     alone = run_padded(model, [ids[0]], [len(ids[0])])[0]
     together = run_padded(model, ids, [len(i) for i in ids])[0]
-    assert np.allclose(alone, together, atol=1e-5)
+    assert np.allclose(alone, together, atol=VECTOR_ATOL)
 
 
 def test_minilm_truncates_to_its_window_like_sentence_transformers() -> None:
