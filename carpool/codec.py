@@ -38,7 +38,7 @@ import json
 import math
 import reprlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -92,6 +92,11 @@ def dumps_result(value: Any) -> bytes | None:
     return dumps_plain(value)
 
 
+def dumps_results(values: Sequence[Any]) -> list[bytes | None]:
+    """:func:`dumps_result` of each value."""
+    return [dumps_result(value) for value in values]
+
+
 def packb_result(value: Any) -> bytes | None:
     """msgpack of a task's result, as kombu's msgpack serializer would decode it: a 1-D numpy array
     of finite floats in this machine's byte order written by ormsgpack from the array itself
@@ -108,6 +113,36 @@ def packb_result(value: Any) -> bytes | None:
             return packed
         return packb_plain(stored_form(value, "msgpack"))
     return packb_plain(value)
+
+
+def packb_results(values: Sequence[Any]) -> list[bytes | None]:
+    """:func:`packb_result` of each value. Rows that are views of one array (a model's batch, as
+    :func:`carpool.gpu_worker.runner.output_rows` splits it) have their finiteness checked once for
+    that whole array: a check per row costs more than packing the row."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return [packb_result(value) for value in values]
+    floats, packb, option = _row_packing(numpy)
+    finite: dict[int, bool] = {}  # id of a base array, which the rows holding it keep alive
+    out: list[bytes | None] = []
+    for value in values:
+        base: Any = value.base if type(value) is numpy.ndarray else None
+        # The base's check tells of the row's values only when both read its bytes as one dtype.
+        row = type(base) is numpy.ndarray and base.dtype == value.dtype and value.ndim == 1
+        if not row or value.dtype not in floats:
+            out.append(packb_result(value))
+            continue
+        whole = finite.get(id(base))
+        if whole is None:
+            whole = finite[id(base)] = bool(numpy.isfinite(base).all())
+        if not whole:  # a NaN somewhere in the batch: whether it is in this row
+            out.append(packb_result(value))
+            continue
+        try:
+            out.append(packb(value, option=option))
+        except TypeError:  # not C-contiguous (a column, say), which ormsgpack refuses
+            out.append(packb(numpy.ascontiguousarray(value), option=option))
+    return out
 
 
 @functools.cache

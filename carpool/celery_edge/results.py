@@ -23,7 +23,17 @@ from kombu.serialization import loads
 
 from carpool.celery_edge.compat import result_meta
 from carpool.celery_edge.result_consumer import PromptResultConsumer
-from carpool.codec import brief, dumps_plain, dumps_result, kombu_json, packb_plain, packb_result, unpackb
+from carpool.codec import (
+    brief,
+    dumps_plain,
+    dumps_result,
+    dumps_results,
+    kombu_json,
+    packb_plain,
+    packb_result,
+    packb_results,
+    unpackb,
+)
 from carpool.codec import loads as json_loads
 from carpool.errors import ModelError
 from carpool.names import INBOX_CHANNEL
@@ -87,7 +97,7 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         """
         direct = _DIRECT.get(self.serializer)
         if state == SUCCESS and date_done is not None and direct is not None:
-            encode, join, encode_plain, null = direct
+            encode, _, join, encode_plain, null = direct
             encoded = encode(result)
             if encoded is not None:  # else not plain JSON or msgpack: Celery's encoder decides
                 return join(encoded, encode_plain(date_done) or null, task_id)
@@ -118,13 +128,15 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             return ResultWrites((), (), expiry_s)
         date_done = self.app.now().isoformat()
         direct = _DIRECT.get(self.serializer)
+        encodings: Sequence[bytes | None] = ()
         if direct is not None:
-            encode, join, encode_plain, null = direct
+            _, encode_many, join, encode_plain, null = direct
             done = encode_plain(date_done) or null
+            encodings = encode_many([result if state == SUCCESS else None for _, state, result in entries])
         keys = [self.get_key_for_task(task_id) for task_id, _, _ in entries]
         payloads = []
-        for index, (task_id, state, result) in enumerate(entries):  # meta_for's direct path inlined
-            encoded = encode(result) if direct is not None and state == SUCCESS else None
+        for index, (task_id, state, _) in enumerate(entries):  # meta_for's direct path inlined
+            encoded = encodings[index] if direct is not None and state == SUCCESS else None
             if encoded is None:
                 payloads.append(self._meta_or_refusal(entries, index, date_done))
             else:
@@ -271,11 +283,13 @@ _PACKED_TAIL = _packed("task_id")
 _MSGPACK_MAPS = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})  # fixmap, map 16, map 32
 
 _Encode = Callable[[Any], bytes | None]
+_EncodeMany = Callable[[Sequence[Any]], Sequence[bytes | None]]
 # The serializers carpool writes success metas for itself: the result's encoder (None: not plain),
-# the meta joined around it, the encoder of date_done, and that encoding's null.
-_DIRECT: dict[str, tuple[_Encode, Callable[[bytes, bytes, str], bytes], _Encode, bytes]] = {
-    "json": (dumps_result, success_meta, dumps_plain, b"null"),
-    "msgpack": (packb_result, success_msgpack, packb_plain, b"\xc0"),
+# the same for a batch's results, the meta joined around it, the encoder of date_done, and that
+# encoding's null.
+_DIRECT: dict[str, tuple[_Encode, _EncodeMany, Callable[[bytes, bytes, str], bytes], _Encode, bytes]] = {
+    "json": (dumps_result, dumps_results, success_meta, dumps_plain, b"null"),
+    "msgpack": (packb_result, packb_results, success_msgpack, packb_plain, b"\xc0"),
 }
 
 

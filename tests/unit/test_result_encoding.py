@@ -19,7 +19,7 @@ from hypothesis.extra import numpy as hnp
 from carpool.celery_edge.app import app, create_app
 from carpool.celery_edge.events import short_repr
 from carpool.celery_edge.results import FAILURE, SUCCESS, success_meta, success_row
-from carpool.codec import dumps_result, float32_rows, packb_result, storable, stored_form
+from carpool.codec import dumps_result, float32_rows, packb_result, packb_results, storable, stored_form
 from carpool.config import Settings
 from carpool.gpu_worker.runner import output_rows
 from tests.unit.test_codec import plain
@@ -267,6 +267,38 @@ def test_non_finite_floats_and_other_arrays_pack_as_json_would_give_them() -> No
     others = (np.arange(5), np.ones((2, 3), np.float32), np.array([True, False]), np.ones(3, np.float16))
     for array in (*others, swapped, strided):
         assert msgpack.unpackb(packb_result(array)) == array.tolist() == stored_form(array, "msgpack")
+
+
+@given(
+    hnp.arrays(
+        st.sampled_from([np.float32, np.float64]),
+        st.tuples(st.integers(1, 5), st.integers(1, 12)),
+        elements=st.floats(width=32) | st.sampled_from([np.nan, np.inf, 0.5]),
+    ),
+    st.sampled_from(["rows", "columns", "reinterpreted", "mixed"]),
+)
+def test_packing_a_batchs_results_together_packs_each_as_alone(batch: np.ndarray, split: str) -> None:
+    """The finiteness check done once for the array the rows share gives every row the bytes it gets
+    alone: a row of a batch with a NaN elsewhere still packs as a row, the row holding it as JSON
+    would give it, and a view reading the array's bytes as another dtype is checked on its own."""
+    if split == "rows":
+        values: list[Any] = list(batch)
+    elif split == "columns":
+        values = list(batch.T)  # views, not contiguous
+    elif split == "reinterpreted":  # rows of an array of bytes, which its own check finds finite
+        owner = np.frombuffer(batch.tobytes(), dtype=np.uint8).copy()
+        values = list(owner.view(batch.dtype).reshape(batch.shape))
+    else:
+        values = [*list(batch), batch[0].tolist(), "text", batch, None, np.ones(3, np.float16)]
+    assert packb_results(values) == [packb_result(v) for v in values]
+
+
+def test_a_nan_hidden_in_another_dtypes_array_is_not_packed_as_a_float_row() -> None:
+    bits = np.array([[0x7FC00000, 0x3F800000]], dtype=np.uint32)  # NaN and 1.0 as float32 bits
+    (row,) = list(bits.view(np.float32))
+    assert row.base is not None and np.isfinite(row.base).all() is np.True_ and np.isnan(row[0])
+    assert packb_results([row]) == [packb_result(row)]
+    assert msgpack.unpackb(packb_results([row])[0]) == [None, 1.0]
 
 
 def test_a_result_msgpack_cannot_carry_unchanged_fails_naming_the_json_setting() -> None:
