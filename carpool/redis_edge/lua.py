@@ -6,6 +6,7 @@ only Python that knows those layouts.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from functools import cache
@@ -37,22 +38,39 @@ def _read(name: str) -> str:
 
 
 class ThreadConnections(threading.local):
-    """One connection of ``client``'s pool per thread, taken on the thread's first call and kept."""
+    """One connection of ``client``'s pool per thread, taken on the thread's first call and kept
+    until the thread ends (or this object goes), then given back to the pool."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
-        self._conn: Any = None
+        self._held: _Held | None = None
 
     def get(self) -> Any:
-        """This thread's connection (never released to the pool: the thread keeps it), dropped first
-        if the pool would drop it on release: under Sentinel, one to a master that was replaced."""
-        pool = self.client.connection_pool
-        if self._conn is None:
-            self._conn = pool.get_connection()
-        elif not pool.owns_connection(self._conn):
-            self._conn.disconnect()
-            self._conn.connect()  # as the pool's checkout does: under Sentinel, to the master named now
-        return self._conn
+        """This thread's connection, dropped first if the pool would drop it on release: under
+        Sentinel, one to a master that was replaced."""
+        held = self._held
+        if held is None:
+            pool = self.client.connection_pool
+            held = self._held = _Held(pool, pool.get_connection())
+        elif not held.pool.owns_connection(held.conn):
+            held.conn.disconnect()
+            held.conn.connect()  # as the pool's checkout does: under Sentinel, to the master named now
+        return held.conn
+
+
+class _Held:
+    """A thread's connection: Python drops a thread's ``threading.local`` values when the thread ends,
+    and this gives the connection back to its pool then, so threads that come and go (a coordinator
+    run in a thread of an application, restarted) do not use up the pool."""
+
+    __slots__ = ("conn", "pool")
+
+    def __init__(self, pool: Any, conn: Any) -> None:
+        self.pool, self.conn = pool, conn
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit, say: nothing left to give back to
+            self.pool.release(self.conn)
 
 
 class HeldScript:

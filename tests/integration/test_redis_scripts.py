@@ -7,6 +7,7 @@ expiry is tested with a tiny lease and a short sleep.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -168,6 +169,67 @@ def test_a_held_script_reloads_after_a_flush_and_reconnects_after_a_kill(client:
     with pytest.raises(redis.ResponseError):  # a script's error is raised, the connection stays usable
         held([KEYS.workers], ["w4", "not a number"])
     assert held([KEYS.workers], ["w4", 30_000]) == 4
+
+
+def test_a_held_connection_goes_back_to_the_pool_when_its_thread_ends(clean_redis: EmbeddedRedis) -> None:
+    """Threads that come and go (a coordinator run in an application's thread, restarted) each
+    hold a connection while they live; a pool of two serves any number of them one after another,
+    and dropping the held scripts gives back what living threads held."""
+    small = redis.Redis(port=clean_redis.port, max_connections=2)
+    held = lua.HeldScript(lua.register(small, "heartbeat"), lua.ThreadConnections(small))
+    beats: list[Any] = []
+    for i in range(6):
+        thread = threading.Thread(target=lambda i=i: beats.append(held([KEYS.workers], [f"w{i}", 30_000])))
+        thread.start()
+        thread.join()
+    assert beats == [1, 2, 3, 4, 5, 6], "a thread found the pool used up"
+    pool = small.connection_pool
+    assert len(pool._in_use_connections) == 0 and len(pool._available_connections) == 1
+    # Two threads alive at once hold both connections: a third finds the pool used up.
+    started, release = threading.Barrier(3), threading.Event()
+
+    def hold() -> None:
+        held([KEYS.workers], ["holder", 30_000])
+        started.wait()
+        release.wait()
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in holders:
+        thread.start()
+    started.wait()
+    assert len(pool._in_use_connections) == 2
+    with pytest.raises(redis.ConnectionError, match="Too many connections"):
+        threading_call(lambda: held([KEYS.workers], ["third", 30_000]))
+    release.set()
+    for thread in holders:
+        thread.join()
+    # This thread's own, from the pool again; given back when what holds it goes.
+    mine = [lua.HeldScript(lua.register(small, "heartbeat"), lua.ThreadConnections(small))]
+    assert mine[0]([KEYS.workers], ["after", 30_000]) >= 7
+    assert len(pool._in_use_connections) == 1
+    mine.clear()
+    gc.collect()
+    assert len(pool._in_use_connections) == 0
+    small.close()
+
+
+def threading_call(call: Any) -> Any:
+    """``call()`` on a thread of its own; its exception raised here."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except Exception as exc:
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def test_a_held_scripts_call_after_a_command_answers_both_and_reconnects(client: redis.Redis) -> None:
