@@ -4,6 +4,7 @@ targets and the report's schema; the workload's accelerator mix; process-tree CP
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,23 @@ def test_tree_cpu_covers_at_least_the_process_itself() -> None:
     assert tree_cpu_s(me, children) >= own
     # This process's own figure leaves out its children (the processes a bench measures separately).
     assert cpu_snapshot({"me": me})["me"] == pytest.approx(process_cpu_s(me), abs=0.05)
+
+
+def test_process_cpu_is_read_finer_than_procs_10_ms_ticks() -> None:
+    """A 3 ms stretch of CPU shows as about 3 ms (ticks would give 0 or 10), and the figure agrees
+    with /proc's utime + stime to within its ticks."""
+    from carpool.tools.bench.procstat import _TICKS_PER_S, _stat, process_cpu_s
+
+    me = os.getpid()
+    before = process_cpu_s(me)
+    spun = time.thread_time()
+    while time.thread_time() - spun < 0.003:
+        pass
+    grew = process_cpu_s(me) - before
+    assert 0.003 <= grew < 0.0099, grew  # ticks would give 0 or 0.01
+    fields = _stat(me)
+    ticks = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+    assert abs(process_cpu_s(me) - ticks) < 0.05
 
 
 def test_profiles_name_the_model_and_custom_coefficients_go_to_the_worker() -> None:

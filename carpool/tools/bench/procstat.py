@@ -22,10 +22,26 @@ def _stat(pid: int) -> list[str]:
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds ``pid`` (all its threads) has used; OSError when it is gone or there
-    is no /proc."""
+    """User + system CPU seconds ``pid`` (all its threads, ended ones too) has used; OSError when it
+    is gone or there is no /proc."""
+    precise = _clock_cpu_s(pid)
+    if precise is not None:
+        return precise
     fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
+
+
+def _clock_cpu_s(pid: int) -> float | None:
+    """``pid``'s CPU seconds from the kernel's CPU-time clock of that process (Linux's
+    ``clock_getcpuclockid``: nanoseconds of run time, where /proc's utime and stime count 10 ms
+    ticks, which is 1.7 µs per request of a 6,000-request burst); None where it cannot be read."""
+    try:
+        return time.clock_gettime_ns((~pid << 3) | _CPUCLOCK_SCHED) / 1e9
+    except (OSError, OverflowError, AttributeError):  # gone, not Linux, no such clock
+        return None
+
+
+_CPUCLOCK_SCHED = 2  # the clock id of a process's run time (include/linux/posix-timers.h)
 
 
 def children_by_parent() -> dict[int, list[int]]:
@@ -45,7 +61,10 @@ def children_by_parent() -> dict[int, list[int]]:
 def tree_cpu_s(pid: int, children: dict[int, list[int]]) -> float:
     """CPU seconds of ``pid``'s tree: its threads, its exited (reaped) children, its live descendants."""
     fields = _stat(pid)
-    total = sum(int(v) for v in fields[11:15]) / _TICKS_PER_S  # utime, stime, cutime, cstime
+    own = _clock_cpu_s(pid)
+    if own is None:
+        own = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
+    total = own + (int(fields[13]) + int(fields[14])) / _TICKS_PER_S  # cutime, cstime: reaped children
     for child in children.get(pid, ()):
         try:
             total += tree_cpu_s(child, children)
