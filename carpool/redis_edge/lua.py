@@ -6,7 +6,9 @@ only Python that knows those layouts.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 import threading
 from collections.abc import Sequence
 from functools import cache
@@ -47,9 +49,14 @@ class ThreadConnections(threading.local):
 
     def get(self) -> Any:
         """This thread's connection, dropped first if the pool would drop it on release: under
-        Sentinel, one to a master that was replaced."""
+        Sentinel, one to a master that was replaced. A process forked from one that held it takes
+        a connection of its own."""
+        if _ENDED:
+            _give_back_ended()
         held = self._held
-        if held is None:
+        if held is None or held.pid != os.getpid():
+            if held is not None:
+                held.pool = None  # the parent's: not this process's to give back
             pool = self.client.connection_pool
             held = self._held = _Held(pool, pool.get_connection())
         elif not held.pool.owns_connection(held.conn):
@@ -59,18 +66,34 @@ class ThreadConnections(threading.local):
 
 
 class _Held:
-    """A thread's connection: Python drops a thread's ``threading.local`` values when the thread ends,
-    and this gives the connection back to its pool then, so threads that come and go (a coordinator
-    run in a thread of an application, restarted) do not use up the pool."""
+    """A thread's connection. Python drops a thread's ``threading.local`` values when the thread
+    ends (all of them when the ``ThreadConnections`` goes), and then this connection is queued to go
+    back to its pool, so that threads that come and go (a coordinator run in an application's
+    thread, restarted) do not use up the pool. Queued, not released here: the garbage collector may
+    run this while the same thread is inside the pool's code, holding its lock."""
 
-    __slots__ = ("conn", "pool")
+    __slots__ = ("conn", "pid", "pool")
 
     def __init__(self, pool: Any, conn: Any) -> None:
-        self.pool, self.conn = pool, conn
+        self.pool, self.conn, self.pid = pool, conn, os.getpid()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter exit, say: nothing left to give back to
-            self.pool.release(self.conn)
+        if self.pool is not None and self.pid == os.getpid():
+            _ENDED.append((self.pool, self.conn))
+
+
+# Connections of threads that ended, given back to their pools by the next get() on any thread.
+_ENDED: collections.deque[tuple[Any, Any]] = collections.deque()
+
+
+def _give_back_ended() -> None:
+    while True:
+        try:
+            pool, conn = _ENDED.popleft()
+        except IndexError:  # another thread emptied it meanwhile
+            return
+        with contextlib.suppress(Exception):  # a pool closed meanwhile: nothing to give back to
+            pool.release(conn)
 
 
 class HeldScript:

@@ -25,7 +25,9 @@ def assert_same_vectors(got: Any, want: Any) -> None:
     ``VECTOR_ATOL``; two runs of one text may sit in batches of different shapes."""
     import numpy as np
 
-    g, w = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    g, w = np.asarray(got), np.asarray(want)
+    assert g.dtype.kind == "f" and w.dtype.kind == "f", f"not all numbers: {g.dtype}, {w.dtype}"
+    assert np.isfinite(g).all() and np.isfinite(w).all(), "a NaN or an infinity"
     assert g.shape == w.shape, f"shapes differ: {g.shape} != {w.shape}"
     far = np.abs(g - w) > VECTOR_ATOL
     if g.ndim > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -176,41 +177,102 @@ def test_a_held_connection_goes_back_to_the_pool_when_its_thread_ends(clean_redi
     hold a connection while they live; a pool of two serves any number of them one after another,
     and dropping the held scripts gives back what living threads held."""
     small = redis.Redis(port=clean_redis.port, max_connections=2)
-    held = lua.HeldScript(lua.register(small, "heartbeat"), lua.ThreadConnections(small))
-    beats: list[Any] = []
-    for i in range(6):
-        thread = threading.Thread(target=lambda i=i: beats.append(held([KEYS.workers], [f"w{i}", 30_000])))
-        thread.start()
-        thread.join()
-    assert beats == [1, 2, 3, 4, 5, 6], "a thread found the pool used up"
     pool = small.connection_pool
-    assert len(pool._in_use_connections) == 0 and len(pool._available_connections) == 1
+    held = lua.HeldScript(lua.register(small, "heartbeat"), lua.ThreadConnections(small))
+    beats = [threading_call(lambda i=i: held([KEYS.workers], [f"w{i}", 30_000])) for i in range(6)]
+    assert beats == [1, 2, 3, 4, 5, 6]
     # Two threads alive at once hold both connections: a third finds the pool used up.
-    started, release = threading.Barrier(3), threading.Event()
+    started, release = threading.Barrier(3, timeout=30), threading.Event()
 
     def hold() -> None:
         held([KEYS.workers], ["holder", 30_000])
         started.wait()
-        release.wait()
+        release.wait(30)
 
-    holders = [threading.Thread(target=hold) for _ in range(2)]
+    holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
+    try:
+        for thread in holders:
+            thread.start()
+        started.wait()
+        assert len(pool._in_use_connections) == 2
+        with pytest.raises(redis.ConnectionError, match="Too many connections"):
+            threading_call(lambda: held([KEYS.workers], ["third", 30_000]))
+    finally:
+        release.set()
     for thread in holders:
-        thread.start()
-    started.wait()
-    assert len(pool._in_use_connections) == 2
-    with pytest.raises(redis.ConnectionError, match="Too many connections"):
-        threading_call(lambda: held([KEYS.workers], ["third", 30_000]))
-    release.set()
-    for thread in holders:
-        thread.join()
+        thread.join(30)
     # This thread's own, from the pool again; given back when what holds it goes.
     mine = [lua.HeldScript(lua.register(small, "heartbeat"), lua.ThreadConnections(small))]
     assert mine[0]([KEYS.workers], ["after", 30_000]) >= 7
     assert len(pool._in_use_connections) == 1
     mine.clear()
     gc.collect()
+    lua._give_back_ended()  # what the next call on any thread does first
     assert len(pool._in_use_connections) == 0
     small.close()
+
+
+def test_a_held_connection_dropped_by_the_collector_inside_the_pools_lock_does_not_deadlock(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    """The collector may free the connections of living threads (a cycle holding the held scripts)
+    while some thread is inside the pool's code with its lock held: giving them back right then
+    would wait on that lock for good. They are given back by the next call instead."""
+    pool: Any = cast("Any", redis.BlockingConnectionPool)(port=clean_redis.port, max_connections=2, timeout=1)
+    blocking = redis.Redis(connection_pool=pool)
+    cycle: list[Any] = [lua.HeldScript(lua.register(blocking, "heartbeat"), lua.ThreadConnections(blocking))]
+    cycle.append(cycle)  # freed only by the collector
+    box, ready, done = [cycle], threading.Event(), threading.Event()
+
+    def hold() -> None:
+        box[0][0]([KEYS.workers], ["holder", 30_000])
+        ready.set()
+        done.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert ready.wait(10)
+        box.clear()
+        del cycle
+        collected = threading.Event()
+
+        def collect_under_the_lock() -> None:
+            with pool.pool.mutex:  # the queue's own lock, as inside get_connection or release
+                gc.collect()
+            collected.set()
+
+        threading.Thread(target=collect_under_the_lock, daemon=True).start()
+        assert collected.wait(10), "the collector's release waited on the pool's lock"
+        assert blocking.ping()
+        lua._give_back_ended()
+        assert pool.pool.qsize() == 2, "the holder's connection is back in the pool"
+    finally:
+        done.set()
+    holder.join(30)
+    blocking.close()
+
+
+def test_a_forked_process_takes_a_held_connection_of_its_own(client: redis.Redis) -> None:
+    """A child forked from a process that holds a connection does not write to the parent's socket."""
+    connections = lua.ThreadConnections(client)
+    held = lua.HeldScript(lua.register(client, "heartbeat"), connections)
+    assert held([KEYS.workers], ["parent", 30_000]) == 1
+    parents = connections.get()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanup
+        try:
+            beat = held([KEYS.workers], ["child", 30_000])
+            own = connections.get() is not parents
+            os.write(write, b"%d %d" % (own, beat))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 32) == b"1 2", "the child used the parent's connection"
+    os.close(read)
+    os.close(write)
+    assert connections.get() is parents and held([KEYS.workers], ["parent", 30_000]) == 2
 
 
 def threading_call(call: Any) -> Any:
@@ -223,9 +285,9 @@ def threading_call(call: Any) -> Any:
         except Exception as exc:
             box.append((False, exc))
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join()
+    thread.join(30)
     ok, value = box[0]
     if not ok:
         raise value

@@ -165,7 +165,7 @@ def test_classifier_labels_with_probabilities_from_id2label(classifier_dir: Path
             features = tokenizer(text, truncation=True, max_length=WINDOW, return_tensors="pt")
             probs = torch.softmax(model(**features).logits[0], dim=-1).tolist()
             assert list(out["scores"]) == ["negative", "neutral", "positive"]
-            assert np.allclose(list(out["scores"].values()), probs, atol=1e-5)
+            assert np.allclose(list(out["scores"].values()), probs, atol=VECTOR_ATOL)
             assert out["label"] == ["negative", "neutral", "positive"][int(np.argmax(probs))]
 
 

@@ -77,8 +77,8 @@ def test_on_cuda_minilm_launches_asynchronously_and_collects_what_forward_gives(
     launch = model.launch  # type: ignore[attr-defined]
     first, second = launch(ids, mask), launch(ids[:1], mask[:1])  # two queued on the stream
     expected = model.forward(ids, mask)
-    assert np.allclose(first(), expected, atol=1e-5)
-    assert np.allclose(second(), expected[:1], atol=1e-5)
+    assert np.allclose(first(), expected, atol=VECTOR_ATOL)
+    assert np.allclose(second(), expected[:1], atol=VECTOR_ATOL)
 
 
 class Exploding:

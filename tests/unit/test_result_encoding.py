@@ -272,33 +272,38 @@ def test_non_finite_floats_and_other_arrays_pack_as_json_would_give_them() -> No
 @given(
     hnp.arrays(
         st.sampled_from([np.float32, np.float64]),
-        st.tuples(st.integers(1, 5), st.integers(1, 12)),
+        st.tuples(st.integers(1, 5), st.integers(2, 12)),
         elements=st.floats(width=32) | st.sampled_from([np.nan, np.inf, 0.5]),
     ),
-    st.sampled_from(["rows", "columns", "reinterpreted", "mixed"]),
+    st.sampled_from(["rows", "columns", "straddling", "mixed"]),
 )
 def test_packing_a_batchs_results_together_packs_each_as_alone(batch: np.ndarray, split: str) -> None:
-    """The finiteness check done once for the array the rows share gives every row the bytes it gets
-    alone: a row of a batch with a NaN elsewhere still packs as a row, the row holding it as JSON
-    would give it, and a view reading the array's bytes as another dtype is checked on its own."""
+    """Rows checked finite together get the bytes each gets alone: a row of a batch with a NaN
+    elsewhere still packs as a row, the row holding it as JSON would give it."""
     if split == "rows":
         values: list[Any] = list(batch)
     elif split == "columns":
         values = list(batch.T)  # views, not contiguous
-    elif split == "reinterpreted":  # rows of an array of bytes, which its own check finds finite
-        owner = np.frombuffer(batch.tobytes(), dtype=np.uint8).copy()
-        values = list(owner.view(batch.dtype).reshape(batch.shape))
+    elif split == "straddling":  # rows read half an element off the grid: other values than the batch's
+        half = batch.itemsize // 2
+        flat = batch.reshape(-1).view(np.uint8)[half : half + (batch.size - 1) * batch.itemsize]
+        values = [*list(batch), flat.view(batch.dtype)]
     else:
         values = [*list(batch), batch[0].tolist(), "text", batch, None, np.ones(3, np.float16)]
     assert packb_results(values) == [packb_result(v) for v in values]
 
 
-def test_a_nan_hidden_in_another_dtypes_array_is_not_packed_as_a_float_row() -> None:
-    bits = np.array([[0x7FC00000, 0x3F800000]], dtype=np.uint32)  # NaN and 1.0 as float32 bits
-    (row,) = list(bits.view(np.float32))
-    assert row.base is not None and np.isfinite(row.base).all() is np.True_ and np.isnan(row[0])
-    assert packb_results([row]) == [packb_result(row)]
-    assert msgpack.unpackb(packb_results([row])[0]) == [None, 1.0]
+def test_a_nan_read_across_two_finite_numbers_is_packed_as_alone() -> None:
+    """A view half an element off its array's grid may read a NaN out of two finite numbers: the
+    check is on the values the rows hold, not on the array they view."""
+    halves = np.array([0, 0x3FF00000, 0x7FF80000, 0x3FF00000], dtype=np.uint32)  # low word first
+    owner = halves.view(np.float64).copy()
+    assert np.isfinite(owner).all()
+    straddling = owner.view(np.uint8)[4:12].view(np.float64)
+    assert np.isnan(straddling).all() and np.shares_memory(straddling, owner)
+    values = [*list(owner.reshape(2, 1)), straddling]
+    assert packb_results(values) == [packb_result(v) for v in values]
+    assert msgpack.unpackb(packb_results(values)[2]) == [None]
 
 
 def test_a_result_msgpack_cannot_carry_unchanged_fails_naming_the_json_setting() -> None:
