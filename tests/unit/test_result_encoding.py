@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from carpool.celery_edge.app import app, create_app
-from carpool.celery_edge.events import short_repr
+from carpool.celery_edge.events import short_repr, short_reprs
 from carpool.celery_edge.results import FAILURE, SUCCESS, success_meta, success_row
 from carpool.codec import dumps_result, float32_rows, packb_result, packb_results, storable, stored_form
 from carpool.config import Settings
@@ -215,6 +215,28 @@ def test_a_list_shows_as_repr_shows_it(value: Any) -> None:
 @given(f32_batches | hnp.arrays(hnp.floating_dtypes() | hnp.integer_dtypes(), st.integers(0, 40)))
 def test_an_array_shows_as_repr_shows_what_its_reader_gets(array: np.ndarray) -> None:
     assert short_repr(array) == _repr_of_head(stored_form(array))
+
+
+@given(
+    st.lists(
+        hnp.arrays(
+            st.sampled_from([np.float32, np.float64]),
+            st.integers(0, 40),
+            elements=st.floats(width=32) | st.sampled_from([1e-5, 3e20, 0.5, -0.0]),
+        )
+        | hnp.arrays(np.float16, st.integers(0, 20), elements=st.floats(width=16))
+        | hnp.arrays(np.int32, st.integers(0, 20))
+        | hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 20)), elements=finite_f32)
+        | lists,
+        max_size=8,
+    ),
+    st.sampled_from(["msgpack", "json"]),
+    st.sampled_from([200, 1024, 40]),
+)
+def test_a_batchs_results_show_as_each_shows_alone(values: list[Any], serializer: str, limit: int) -> None:
+    """Rows of float32 and float64 beside each other, a NaN in one of them, rows shorter than the
+    items shown, 2-D arrays, lists: what Flower shows of each is what short_repr shows of it alone."""
+    assert short_reprs(values, limit, serializer) == [short_repr(v, limit, serializer) for v in values]
 
 
 def test_stored_form_is_what_a_reader_gets() -> None:
