@@ -4,7 +4,9 @@ Deployments that share a Redis db but use different request queues never touch e
 Every request id below is a Celery task id; an in-flight request has an entry in ``inflight_lease``
 and ``inflight_raw``, one in ``inflight_origin`` if it came from a priority list, once dispatched one
 in ``inflight_owner``, once claimed one in ``inflight_claimed``; every step that forgets a request
-(ack, requeue, reap) deletes it from all of them (:attr:`Keys.inflight`).
+(ack, requeue, reap) deletes it from all of them (:attr:`Keys.inflight`). The owner and claimed
+hashes also keep one field, ``''`` (never a request id), whose long value keeps Redis storing them
+as hash tables (``_chunked.lua``); so they outlive their last request.
 """
 
 from __future__ import annotations

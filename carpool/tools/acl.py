@@ -181,7 +181,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             Grant(
                 "take requests into flight, requeue, dead-letter, read reports, write stats, record revokes",
                 _CONNECTION
-                + _commands("time rpop rpush lpush ltrim blmove hset hget hmget hdel hincrby")
+                + _commands("time rpop rpush lpush ltrim blmove hset hsetnx hget hmget hdel hincrby")
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore zremrangebyrank"),
                 (
                     *_exact(requests),
@@ -227,7 +227,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             Grant(
                 "claim, renew and acknowledge requests, report to coordinators, heartbeat",
                 _CONNECTION
-                + _commands("time hset hget hmget hdel lpush ltrim expire")
+                + _commands("time hset hsetnx hget hmget hdel lpush ltrim expire")
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
                 (*_exact([*inflight, keys.workers]), f"~{reports}"),
             ),

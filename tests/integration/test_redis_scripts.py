@@ -104,6 +104,13 @@ def assert_lease_about(client: redis.Redis, task_id: str, lease_s: float) -> Non
     assert lease_s * 1000 - 5_000 < remaining_ms <= lease_s * 1000, remaining_ms
 
 
+def requests_in(client: redis.Redis, key: str) -> dict[bytes, bytes]:
+    """The request ids a hash of them holds (without the field that keeps it a hash table)."""
+    held = client.hgetall(key)
+    held.pop(b"", None)
+    return held
+
+
 def forgotten(client: redis.Redis, task_id: str) -> bool:
     """True when ``task_id`` is in none of the in-flight keys."""
     return (
@@ -358,14 +365,15 @@ def test_take_finds_ids_in_unusual_messages_and_names_garbage(
     decoy = message("real-id", id="decoy")  # two '"id": "' keys: decoded, headers.id wins
     no_id = b'{"headers": {"task": "carpool.infer"}}'
     not_json = b"\x00\xffnot json"
-    for raw in (decoy, no_id, not_json):
+    empty_id = message("")  # never a field name: '' is the field that keeps a hash a hash table
+    for raw in (decoy, no_id, not_json, empty_id):
         client.lpush(KEYS.request_queue, raw)
     taken, _ = store.take(10)
     ids = [i for i, _ in taken]
     assert ids[0] == "real-id"
-    assert ids[1].startswith("carpool-garbage-") and ids[2].startswith("carpool-garbage-")
-    assert ids[1] != ids[2]  # named by the message's hash, so distinct messages stay distinct
-    assert [client.hget(KEYS.inflight_raw, i) for i in ids] == [decoy, no_id, not_json]
+    assert all(i.startswith("carpool-garbage-") for i in ids[1:])
+    assert len(set(ids)) == 4  # named by the message's hash, so distinct messages stay distinct
+    assert [client.hget(KEYS.inflight_raw, i) for i in ids] == [decoy, no_id, not_json, empty_id]
     assert all(lease(client, i) is not None for i in ids)
 
 
@@ -443,13 +451,34 @@ def test_dispatch_records_owners_of_requests_still_in_flight(
         events=("events", b"the events"),
     )
     assert assigned == 3
-    assert client.hgetall(KEYS.inflight_owner) == {b"x": b"b1", b"y": b"b1", b"z": b"b2"}
+    assert requests_in(client, KEYS.inflight_owner) == {b"x": b"b1", b"y": b"b1", b"z": b"b2"}
     assert not forgotten(client, "x") and forgotten(client, "gone")  # not in flight: not recorded
     for task_id in ("x", "y", "z"):
         assert_lease_about(client, task_id, LEASE_S)  # renewed with the dispatching store's lease
     assert client.rpop("batches", 2) == [b"batch-1 message", b"batch-2 message"]
     assert published(events, 1) == [(b"events", b"the events")]
     events.close()
+
+
+def test_the_owner_and_claimed_hashes_stay_hash_tables_however_few_requests_they_hold(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    # A hash of a few short fields would be one flat list searched end to end on every access.
+    for round_ in range(2):
+        in_flight(store, "x", "y")
+        store.dispatch("batches", [(f"b{round_}", ["x", "y"], b"m")])
+        store.claim(f"b{round_}", ["x"])
+        for key in (KEYS.inflight_owner, KEYS.inflight_claimed):
+            assert client.object("encoding", key) == b"hashtable", key
+        assert requests_in(client, KEYS.inflight_owner) == {
+            b"x": f"b{round_}".encode(),
+            b"y": f"b{round_}".encode(),
+        }
+        assert requests_in(client, KEYS.inflight_claimed) == {b"x": f"b{round_}".encode()}
+        finish(store, ack_ids=["x", "y"])
+        assert forgotten(client, "x") and forgotten(client, "y")
+        for key in (KEYS.inflight_owner, KEYS.inflight_claimed):
+            assert requests_in(client, key) == {} and client.object("encoding", key) == b"hashtable", key
 
 
 def test_dispatch_without_events_publishes_nothing(client: redis.Redis, store: RequestStore) -> None:
@@ -490,7 +519,7 @@ def test_claim_takes_only_what_the_batch_still_owns(client: redis.Redis) -> None
     short.dispatch("q", [("old", ["stale"], b"m0"), ("b1", ["mine", "theirs"], b"m1")])
     short.dispatch("q", [("b2", ["theirs"], b"m2")])  # moved to another batch
     assert worker.claim("b1", ["mine", "theirs", "stale", "unknown"]) == [True, False, False, False]
-    assert client.hgetall(KEYS.inflight_claimed) == {b"mine": b"b1"}
+    assert requests_in(client, KEYS.inflight_claimed) == {b"mine": b"b1"}
     assert_lease_about(client, "mine", LEASE_S)
     assert worker.claim("b1", ["mine"]) == [True]  # the same batch claiming again still owns it
     assert worker.claim("b1", []) == []
@@ -514,7 +543,7 @@ def test_claim_fresh_also_says_which_are_answered(
     ids = ["fresh", "answered", "elsewhere"]
     claimed = store.claim_fresh("b1", ids, [f"result:{i}" for i in ids], RESULTS_DB)
     assert claimed == Claimed([1, 2, 0], 0)
-    assert client.hgetall(KEYS.inflight_claimed) == {b"fresh": b"b1", b"answered": b"b1"}
+    assert requests_in(client, KEYS.inflight_claimed) == {b"fresh": b"b1", b"answered": b"b1"}
     assert client.get("result:answered") is None  # the caller's database is still the broker's
     assert store.claim_fresh("b1", [], [], RESULTS_DB) == Claimed([], 0)
 
@@ -644,8 +673,10 @@ def test_finish_acks_more_ids_than_one_unpack_holds(client: redis.Redis, store: 
     store.dispatch("q", [("b1", ids, b"m")])
     store.claim("b1", ids)
     finish(store, ack_ids=ids)
-    for key in (KEYS.inflight_lease, KEYS.inflight_raw, KEYS.inflight_owner, KEYS.inflight_claimed):
+    for key in (KEYS.inflight_lease, KEYS.inflight_raw):
         assert client.exists(key) == 0, key
+    for key in (KEYS.inflight_owner, KEYS.inflight_claimed):
+        assert requests_in(client, key) == {}, key
 
 
 def test_every_in_flight_script_handles_more_ids_than_one_unpack_holds(
@@ -665,12 +696,15 @@ def test_every_in_flight_script_handles_more_ids_than_one_unpack_holds(
     results.set(f"result:{ids[1_500]}", b"done")
     claimed = store.claim_fresh("b1", ids, [f"result:{i}" for i in ids], RESULTS_DB)
     assert claimed.flags == [1] * 1_500 + [2] + [1] * 199 + [0] * 800
-    assert client.hlen(KEYS.inflight_claimed) == 1_700
+    assert len(requests_in(client, KEYS.inflight_claimed)) == 1_700
     assert store.renew_held(ids) == 800
     store.renew_running(ids[:1_700])
     assert_lease_about(client, ids[0], LEASE_S)
     assert store.requeue([*ids, ids[0]]) == 2_500
-    assert all(client.exists(key) == 0 for key in KEYS.inflight)
+    assert all(requests_in(client, key) == {} for key in (KEYS.inflight_owner, KEYS.inflight_claimed))
+    assert all(
+        client.exists(key) == 0 for key in (KEYS.inflight_lease, KEYS.inflight_raw, KEYS.inflight_origin)
+    )
     assert client.llen(request_list(9)) == 2_500
 
 

@@ -10,11 +10,9 @@
 -- Returns per id: 0 = not this batch's, 1 = claimed, 2 = claimed but answered already; then the
 -- number of messages on the batch queue lists (the one taken included); then, if one was taken,
 -- the position of its list among those named (1-based) and the message.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local batch = ARGV[1]
-local expiry = now + tonumber(ARGV[2])
+local expiry = lease_expiry(ARGV[2])
 -- A missing field or member reads as false.
 local owners = chunked('HMGET', KEYS[2], ARGV, 5)
 local scores = chunked('ZMSCORE', KEYS[1], ARGV, 5)
@@ -32,6 +30,7 @@ for i = 5, #ARGV do
     out[k] = 0
   end
 end
+if #claimed_pairs > 0 then keep_as_table(KEYS[3]) end
 chunked('HSET', KEYS[3], claimed_pairs, 1, 2 * CHUNK)
 chunked('ZADD', KEYS[1], lease_pairs, 1, 2 * CHUNK, 'XX')
 local ids = #ARGV - 4

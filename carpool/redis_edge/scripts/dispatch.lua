@@ -7,10 +7,8 @@
 -- ARGV[1] lease ms, ARGV[2] events topic ('' = none), ARGV[3] events message,
 -- then per batch: batch id, count n, n request ids, the batch's task message.
 -- Returns how many requests were assigned.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local expiry = now + tonumber(ARGV[1])
+local expiry = lease_expiry(ARGV[1])
 if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
 local ids, owners, messages = {}, {}, {}
 local i = 4
@@ -37,6 +35,7 @@ for k = 1, #ids do
     n = n + 1
   end
 end
+if n > 0 then keep_as_table(KEYS[2]) end
 chunked('HSET', KEYS[2], owner_pairs, 1, 2 * CHUNK)
 chunked('ZADD', KEYS[1], lease_pairs, 1, 2 * CHUNK, 'XX')
 chunked('LPUSH', KEYS[3], messages)

@@ -1,10 +1,8 @@
 -- renew: renew the leases of a running batch's requests that are still in flight.
 -- KEYS[1] lease ZSET. ARGV[1] lease ms, ARGV[2..] request ids.
 -- Returns how many ids were given.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local expiry = now + tonumber(ARGV[1])
+local expiry = lease_expiry(ARGV[1])
 -- One variadic ZADD per chunk (Lua's stack limit for unpack), not one command per request.
 local pairs_ = {}
 for i = 2, #ARGV do

@@ -3,13 +3,11 @@
 -- KEYS[1] lease ZSET, KEYS[2] owner HASH, KEYS[3] claimed HASH.
 -- ARGV[1] lease ms, ARGV[2..] request ids.
 -- Returns how many leases were renewed.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 -- Reads and writes go as one variadic command per key, a chunk at a time (Lua's stack limit for
 -- unpack): a command per request costs Redis more than a member more in one command.
 
-local expiry = now + tonumber(ARGV[1])
+local expiry = lease_expiry(ARGV[1])
 -- A missing field or member reads as false.
 local scores = chunked('ZMSCORE', KEYS[1], ARGV, 2)
 local owners = chunked('HMGET', KEYS[2], ARGV, 2)

@@ -6,10 +6,8 @@
 -- KEYS[5..] request lists in drain order, the base list last.
 -- ARGV[1] max requests, ARGV[2] lease ms, ARGV[3] max reports (0 = none).
 -- Returns {{id1, raw1, id2, raw2, ...}, {reports, oldest first}}.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local expiry = now + tonumber(ARGV[2])
+local expiry = lease_expiry(ARGV[2])
 local want = tonumber(ARGV[1])
 local SPACE, QUOTE = string.byte(' '), string.byte('"')
 local out = {}
