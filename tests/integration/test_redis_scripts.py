@@ -481,6 +481,18 @@ def test_the_owner_and_claimed_hashes_stay_hash_tables_however_few_requests_they
             assert requests_in(client, key) == {} and client.object("encoding", key) == b"hashtable", key
 
 
+def test_dispatch_and_claim_keep_a_lease_renewed_lately(client: redis.Redis, store: RequestStore) -> None:
+    # Moving a lease costs Redis a skiplist move: one with seven eighths of its length left stays.
+    in_flight(store, "r")
+    taken = lease(client, "r")
+    time.sleep(0.01)
+    assert store.dispatch("q", [("b1", ["r"], b"m")]) == 1
+    assert lease(client, "r") == taken
+    time.sleep(0.01)
+    assert store.claim("b1", ["r"]) == [True]
+    assert lease(client, "r") == taken
+
+
 def test_dispatch_without_events_publishes_nothing(client: redis.Redis, store: RequestStore) -> None:
     in_flight(store, "x")
     events = subscribed(client, "events")

@@ -1,7 +1,8 @@
--- claim: a worker marks the requests its batch still owns as claimed and renews their leases; with a
--- results db, also says which of them already have a stored result (a rerun after recovery); and
--- counts the batch messages queued behind this one; and may take the next of them off its list, so
--- the worker runs it without another round trip to fetch it.
+-- claim: a worker marks the requests its batch still owns as claimed and renews their leases (those
+-- not renewed lately: lease_expiry); with a results db, also says which of them already have a
+-- stored result (a rerun after recovery); and counts the batch messages queued behind this one; and
+-- may take the next of them off its list, so the worker runs it without another round trip to
+-- fetch it.
 -- KEYS[1] lease ZSET, KEYS[2] owner HASH, KEYS[3] claimed HASH,
 -- then, with a results db, KEYS[3 + i] the result key of the i-th id,
 -- then the batch queue LISTs to count (none: the count is 0).
@@ -12,7 +13,7 @@
 -- the position of its list among those named (1-based) and the message.
 
 local batch = ARGV[1]
-local expiry = lease_expiry(ARGV[2])
+local expiry, renew_below = lease_expiry(ARGV[2])
 -- A missing field or member reads as false.
 local owners = chunked('HMGET', KEYS[2], ARGV, 5)
 local scores = chunked('ZMSCORE', KEYS[1], ARGV, 5)
@@ -23,8 +24,10 @@ for i = 5, #ARGV do
   if owners[k] == batch and scores[k] then
     claimed_pairs[#claimed_pairs + 1] = ARGV[i]
     claimed_pairs[#claimed_pairs + 1] = batch
-    lease_pairs[#lease_pairs + 1] = expiry
-    lease_pairs[#lease_pairs + 1] = ARGV[i]
+    if tonumber(scores[k]) < renew_below then
+      lease_pairs[#lease_pairs + 1] = expiry
+      lease_pairs[#lease_pairs + 1] = ARGV[i]
+    end
     out[k] = 1
   else
     out[k] = 0
