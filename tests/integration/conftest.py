@@ -104,6 +104,14 @@ def server_of(processes: Processes) -> EmbeddedRedis:
     return processes.server
 
 
+def requests_in(client: Any, key: str) -> dict[bytes, bytes]:
+    """The request ids an in-flight hash (owner, claimed) holds, without the field ``''`` that keeps
+    it a hash table."""
+    held = dict(client.hgetall(key))
+    held.pop(b"", None)
+    return held
+
+
 def as_bytes(reply: object) -> bytes:
     """``reply`` from a client without ``decode_responses``: bytes, though redis-py's types allow more."""
     assert isinstance(reply, bytes), reply

@@ -20,6 +20,7 @@ from tests.integration.conftest import (
     Processes,
     as_bytes,
     assert_same_vectors,
+    requests_in,
     server_of,
     start_stack,
     wait_for,
@@ -371,7 +372,7 @@ def test_a_worker_runs_the_batches_its_claims_take_and_a_warm_restart_mid_burst_
         wait_for("Celery's totals to count every batch", lambda: celery_total() == run_by_worker() > 0)
         results = submit_many(mixed_texts(3000, seed=22), app=app)
         client, claimed = processes.redis_client(), Keys("carpool.requests").inflight_claimed
-        wait_for("batches claimed", lambda: client.hlen(claimed) > 0)
+        wait_for("batches claimed", lambda: len(requests_in(client, claimed)) > 0)
         processes.restart("worker0")
         got = gather(results, timeout=120)
     finally:

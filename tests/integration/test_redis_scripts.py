@@ -29,7 +29,7 @@ from carpool.redis_edge.store import (
     finish_call,
 )
 from carpool.tools.embedded import EmbeddedRedis
-from tests.integration.conftest import as_bytes
+from tests.integration.conftest import as_bytes, requests_in
 
 pytestmark = pytest.mark.integration
 
@@ -102,13 +102,6 @@ def assert_lease_about(client: redis.Redis, task_id: str, lease_s: float) -> Non
     assert expiry is not None, f"{task_id} has no lease"
     remaining_ms = expiry - now_ms(client)
     assert lease_s * 1000 - 5_000 < remaining_ms <= lease_s * 1000, remaining_ms
-
-
-def requests_in(client: redis.Redis, key: str) -> dict[bytes, bytes]:
-    """The request ids a hash of them holds (without the field that keeps it a hash table)."""
-    held = client.hgetall(key)
-    held.pop(b"", None)
-    return held
 
 
 def forgotten(client: redis.Redis, task_id: str) -> bool:

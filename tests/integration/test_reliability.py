@@ -21,7 +21,7 @@ from carpool.errors import DeadlineExceeded, InputTooLong, InvalidInput, ModelEr
 from carpool.redis_edge.keys import Keys
 from carpool.tools.embedded import EmbeddedRedis
 from carpool.tools.workload import mixed_texts
-from tests.integration.conftest import Processes, as_bytes, server_of, start_stack, wait_for
+from tests.integration.conftest import Processes, as_bytes, requests_in, server_of, start_stack, wait_for
 from tests.integration.models import EXPLODING, SLOW, UNSTORABLE
 from tests.tolerances import VECTOR_ATOL
 
@@ -379,7 +379,7 @@ def test_sigterm_worker_finishes_its_batch(processes: Processes) -> None:
     results = send(texts)
     client = redis.Redis(port=server_of(processes).port)
     # wait until a worker has claimed the batch, then ask it to stop
-    wait_for("a claim", lambda: client.hlen(KEYS.inflight_claimed) > 0, 30)
+    wait_for("a claim", lambda: len(requests_in(client, KEYS.inflight_claimed)) > 0, 30)
     assert processes.stop("worker0", sig=signal.SIGTERM, timeout_s=30) == 0
     done = [r for r in results if r.ready()]
     assert done, "the batch that was running should have finished before the worker exited"

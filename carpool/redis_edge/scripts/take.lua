@@ -10,7 +10,6 @@
 local expiry = lease_expiry(ARGV[2])
 local want = tonumber(ARGV[1])
 local SPACE, QUOTE = string.byte(' '), string.byte('"')
-local out = {}
 -- Writes are gathered and sent as one variadic command per key (a chunk at a time, within Lua's
 -- stack limit for unpack): a command per request costs Redis more than a member more in one command.
 local raw_pairs, lease_pairs, origin_pairs = {}, {}, {}
@@ -18,7 +17,7 @@ local reports = {}
 if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or {} end
 local base = KEYS[#KEYS]
 for i = 5, #KEYS do
-  local left = want - #out / 2
+  local left = want - #raw_pairs / 2
   if left <= 0 then break end
   local got = redis.call('RPOP', KEYS[i], left)
   if got then
@@ -64,12 +63,11 @@ for i = 5, #KEYS do
         origin_pairs[#origin_pairs + 1] = id
         origin_pairs[#origin_pairs + 1] = KEYS[i]
       end
-      out[#out + 1] = id
-      out[#out + 1] = raw
     end
   end
 end
 chunked('HSET', KEYS[2], raw_pairs, 1, 2 * CHUNK)
 chunked('ZADD', KEYS[1], lease_pairs, 1, 2 * CHUNK)
 chunked('HSET', KEYS[4], origin_pairs, 1, 2 * CHUNK)
-return {out, reports}
+-- The reply's pairs are the raw hash's: {id1, raw1, id2, raw2, ...}.
+return {raw_pairs, reports}
