@@ -486,6 +486,21 @@ def test_dispatch_and_claim_keep_a_lease_renewed_lately(client: redis.Redis, sto
     assert lease(client, "r") == taken
 
 
+def test_dispatch_and_claim_renew_a_short_lease_even_when_fresh(client: redis.Redis) -> None:
+    # A worker renews once a second: a lease kept must also have two seconds left.
+    short = RequestStore(client, KEYS, 1.5)
+    in_flight(short, "r")
+    taken = lease(client, "r")
+    time.sleep(0.01)
+    assert short.dispatch("q", [("b1", ["r"], b"m")]) == 1
+    dispatched = lease(client, "r")
+    assert taken is not None and dispatched is not None and dispatched > taken
+    time.sleep(0.01)
+    assert short.claim("b1", ["r"]) == [True]
+    claimed = lease(client, "r")
+    assert claimed is not None and claimed > dispatched
+
+
 def test_dispatch_without_events_publishes_nothing(client: redis.Redis, store: RequestStore) -> None:
     in_flight(store, "x")
     events = subscribed(client, "events")

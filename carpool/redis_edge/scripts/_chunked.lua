@@ -25,14 +25,15 @@ end
 
 -- When a lease taken now for `ms` milliseconds runs out (Redis's clock, ms): as the text ZADD is
 -- given (a Lua number passed to redis.call is formatted again, by printf's "%.17g", for every
--- member), and the score below which a held lease is worth renewing: one with seven eighths of its
--- length left is kept as it is. Moving a lease costs Redis a skiplist move per request, and whoever
--- holds a request renews its lease often enough for that (the coordinator every quarter lease, a
--- worker every second).
+-- member; '%.0f', since Lua's '%d' goes through a C long, 32 bits on some builds), and the score
+-- below which a held lease is worth renewing: one with seven eighths of its length and two seconds
+-- left is kept as it is. Moving a lease costs Redis a skiplist move per request, and whoever holds
+-- a request renews its lease well within that (the coordinator every quarter lease, a worker every
+-- second).
 local function lease_expiry(ms)
   local t = redis.call('TIME')
-  local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ms)
-  return string.format('%d', until_ms), until_ms - tonumber(ms) / 8
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return string.format('%.0f', now + tonumber(ms)), now + math.max(tonumber(ms) * 7 / 8, 2000)
 end
 
 -- Keeps a hash of request ids stored as a hash table however few ids it holds. Redis stores a hash
