@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import re
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from collections import defaultdict
 import redis
 
 from carpool.redis_edge.lua import PRELUDE, source
+from carpool.tools.bench.procstat import child_redis_port
 
 
 def script_names() -> dict[str, str]:
@@ -36,15 +36,6 @@ def script_names() -> dict[str, str]:
         if entry.name.endswith(".lua") and name != PRELUDE:
             names[hashlib.sha1(source(name).encode()).hexdigest()[:8]] = name
     return names
-
-
-def bench_redis_port(bench_pid: int) -> int | None:
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        m = re.search(r"^\s*(\d+)\s+(\d+)\s+.*redis-server \S*:(\d+)", line)
-        if m and int(m.group(2)) == bench_pid:
-            return int(m.group(3))
-    return None
 
 
 def main() -> int:
@@ -64,7 +55,7 @@ def main() -> int:
     while bench.poll() is None:
         time.sleep(0.2)
         if client is None:
-            port = bench_redis_port(bench.pid)
+            port = child_redis_port(bench.pid)
             if port is None:
                 continue
             try:

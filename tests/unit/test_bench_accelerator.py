@@ -4,6 +4,7 @@ targets and the report's schema; the workload's accelerator mix; process-tree CP
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,24 @@ def test_tree_cpu_covers_at_least_the_process_itself() -> None:
     assert tree_cpu_s(me, children) >= own
     # This process's own figure leaves out its children (the processes a bench measures separately).
     assert cpu_snapshot({"me": me})["me"] == pytest.approx(process_cpu_s(me), abs=0.05)
+
+
+def test_a_bench_s_redis_port_is_read_from_its_servers_title() -> None:
+    # redis-server titles itself "redis-server <host>:<port>"; a child of another name is not it.
+    from carpool.tools.bench.procstat import child_redis_port
+
+    other = subprocess.Popen(["sleep", "5"])
+    server = subprocess.Popen(["bash", "-c", "exec -a 'redis-server 127.0.0.1:6543' sleep 5"])
+    try:
+        deadline = time.monotonic() + 5
+        while child_redis_port(os.getpid()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # until bash has exec'd under the new title
+        assert child_redis_port(os.getpid()) == 6543
+    finally:
+        for child in (other, server):
+            child.kill()
+            child.wait()
+    assert child_redis_port(os.getpid()) is None
 
 
 def test_process_cpu_is_read_finer_than_procs_10_ms_ticks() -> None:

@@ -9,6 +9,7 @@ work a process hands to a helper process still counts as its own.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -119,3 +120,18 @@ def redis_cpu_s(client: Any) -> float:
     """User + system CPU seconds the Redis server behind ``client`` has used (its INFO cpu)."""
     info = client.info("cpu")
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def child_redis_port(parent: int) -> int | None:
+    """The TCP port of a redis-server that process ``parent`` started (a bench's own server), read
+    from the title redis-server gives itself ("redis-server 127.0.0.1:<port>"), for scripts that
+    watch a bench's Redis from outside; None while there is none."""
+    for pid in children_by_parent().get(parent, []):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        found = re.search(r"redis-server \S*:(\d+)", title)
+        if found:
+            return int(found.group(1))
+    return None
