@@ -53,7 +53,7 @@ from carpool.names import coordinator_hostname
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
-from carpool.redis_edge.store import RequestStore, Taken
+from carpool.redis_edge.store import RequestStore, Taken, acl_refusal, refused_by_acl
 from carpool.registry import import_task_modules, registered, routing_keys
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,9 @@ class Coordinator:
                 continue
             except ConfigError:
                 raise  # a deployment error: retrying cannot mend it, and run() hands back what we hold
-            except Exception:
+            except Exception as exc:
+                if refused_by_acl(exc):  # a deployment error too, whichever step met it
+                    raise acl_refusal("coordinator", self.client, exc) from exc
                 # A bug or a surprise must not take the queue down with it: what we hold stays
                 # leased (and is recovered if this repeats until the process is replaced).
                 log.exception("coordinator step failed; retrying in %.1fs", backoff)

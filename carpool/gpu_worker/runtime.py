@@ -60,7 +60,7 @@ from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
-from carpool.redis_edge.store import Claimed, RequestStore, ResultWrites
+from carpool.redis_edge.store import Claimed, RequestStore, ResultWrites, acl_refusal, refused_by_acl
 from carpool.registry import LaunchCall, import_task_modules, registered
 from carpool.wire import BatchMessage, BatchReport, RequestSlot, batch_report, read_batch
 
@@ -468,6 +468,14 @@ class WorkerRuntime:
         the batch messages queued for this worker's queues (None: not counted); and, with ``take``,
         the next of them where it is a batch task's (only when the results live on the broker's
         server: the claim is then one script)."""
+        try:
+            return self._claim_in_redis(batch_id, ids, take)
+        except redis.ResponseError as exc:
+            if refused_by_acl(exc):  # fails this batch with what to change, not Redis's bare words
+                raise acl_refusal("worker", self.store.client, exc) from exc
+            raise
+
+    def _claim_in_redis(self, batch_id: str, ids: list[str], take: bool) -> Claimed:
         if self.dbs is not None:
             result_keys = [self.backend.get_key_for_task(i) for i in ids]
             marked = self._take_marker if take else ""

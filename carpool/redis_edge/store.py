@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 import redis
 
+from carpool.errors import ConfigError
 from carpool.redis_edge import lua
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.replication import fence, script_then_wait
@@ -385,6 +386,25 @@ class RequestStore:
 
     def in_flight(self) -> int:
         return int(self.client.zcard(self.keys.inflight_lease))
+
+
+def refused_by_acl(error: BaseException) -> bool:
+    """Whether Redis refused a command, or a command one of carpool's scripts called, under the
+    calling user's ACL rules (Redis 6.2 and 7 word the script case alike)."""
+    return isinstance(error, redis.exceptions.NoPermissionError) or (
+        isinstance(error, redis.ResponseError) and "can't run this command" in str(error)
+    )
+
+
+def acl_refusal(role: str, client: Any, error: BaseException) -> ConfigError:
+    """The deployment error a refusal under the ACL rules of ``role``'s Redis user is: what Redis
+    said and how to mend it (a release's scripts may call commands an older release's rules lack)."""
+    username = client.connection_pool.connection_kwargs.get("username") or "default"
+    return ConfigError(
+        f"the {role}'s Redis user {username!r} may not run a command carpool calls ({error}); "
+        f"regenerate its rules with `carpool acl --role {role}` (after an upgrade too: a release may "
+        "call commands an older one did not) and load them into Redis"
+    )
 
 
 def _taken(reply: Any) -> Taken:

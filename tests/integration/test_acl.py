@@ -395,6 +395,61 @@ def test_a_coordinator_user_without_blmove_stops_the_coordinator_saying_so(
     assert "may not BLMOVE" in log and "carpool-coordinator" in log and "'blmove'" in log, log
 
 
+def send_one(server: EmbeddedRedis) -> None:
+    """One toy request, sent on the default user."""
+    from carpool.celery_edge.app import create_app
+    from carpool.producer.submit import submit_many
+
+    settings = load_settings(
+        broker_url=server.url(0), result_backend=server.url(1), model="toy", models=("toy",)
+    )
+    app = create_app(settings)
+    try:
+        submit_many(["hello acl"], app=app, subscribe=False)
+    finally:
+        app.close()
+
+
+def without(role_users: redis.Redis, role: acl.Role, command: str) -> None:
+    """``role``'s rules less ``command``: a user an older release's rules would give."""
+    rules = acl.user_rules(acl.role_acls(load_settings())[role], PASSWORDS[role])
+    role_users.execute_command("ACL", "SETUSER", user(role), *rules, f"-{command}")  # type: ignore[no-untyped-call]
+
+
+def test_a_coordinator_user_missing_a_command_its_scripts_call_stops_it_saying_what_to_do(
+    role_users: redis.Redis, processes: Processes
+) -> None:
+    without(role_users, "coordinator", "hsetnx")  # dispatch's, since 2026-12-04
+    server = server_of(processes)
+    proc = processes.start("coordinator", "coordinator", **TOY, **role_env(server, "coordinator"))
+    processes.start("worker0", "worker", **TOY, **role_env(server, "worker"))
+    processes.wait_workers(1)
+    send_one(server)
+    assert proc.wait(timeout=60) == 2, "a ConfigError, not a coordinator retrying the step for ever"
+    log = processes.log("coordinator")
+    assert "may not run a command carpool calls" in log and "carpool acl --role coordinator" in log, log
+    assert repr(user("coordinator")) in log, log
+    # What it held went back to the request list on its way out.
+    assert role_users.llen(KEYS.request_queue) == 1
+
+
+def test_a_worker_user_missing_a_command_its_scripts_call_fails_the_batch_saying_what_to_do(
+    role_users: redis.Redis, processes: Processes
+) -> None:
+    without(role_users, "worker", "hsetnx")  # claim's, since 2026-12-04
+    server = server_of(processes)
+    processes.start("coordinator", "coordinator", **TOY, **role_env(server, "coordinator"))
+    processes.start("worker0", "worker", **TOY, **role_env(server, "worker"))
+    processes.wait_workers(1)
+    send_one(server)
+    log = wait_for(
+        "the worker to say what to do",
+        lambda: "carpool acl --role worker" in (text := processes.log("worker0")) and text,
+        60,
+    )
+    assert "may not run a command carpool calls" in log and repr(user("worker")) in log, log
+
+
 def test_the_demo_measures_on_a_producers_user_without_the_batch_figures(role_users: redis.Redis) -> None:
     from carpool.tools.demo import coordinator_stats
 

@@ -334,3 +334,27 @@ def test_celery_and_kombu_names_are_the_installed_ones() -> None:
     assert Channel.keyprefix_binding_deadlines.startswith(acl.BINDING_PREFIX)
     assert Channel.keyprefix_fanout == acl.FANOUT_PREFIX
     assert acl.priority_lists("q") == ["q", *(f"q{Channel.sep}{s}" for s in Channel.priority_steps if s)]
+
+
+def test_a_refusal_under_a_users_rules_is_told_from_other_redis_errors() -> None:
+    import redis
+
+    from carpool.redis_edge.store import acl_refusal, refused_by_acl
+
+    in_script = redis.ResponseError(
+        "The user executing the script can't run this command or subcommand script: 51d5ed59, "
+        "on @user_script:48."
+    )
+    assert refused_by_acl(in_script)
+    assert refused_by_acl(
+        redis.exceptions.NoPermissionError("User u has no permissions to run the 'hsetnx' command")
+    )
+    assert not refused_by_acl(
+        redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+    )
+    assert not refused_by_acl(redis.ConnectionError("Connection refused"))
+    client = redis.Redis(username="carpool-worker", password="pw")  # never connects
+    error = acl_refusal("worker", client, in_script)
+    assert isinstance(error, ConfigError)
+    assert "'carpool-worker'" in str(error) and "carpool acl --role worker" in str(error)
+    assert "can't run this command" in str(error)  # Redis's own words, kept
