@@ -206,8 +206,12 @@ class Coordinator:
         self.events.close()
         try:
             returned = self.store.requeue(held)
-        except (redis.ConnectionError, redis.TimeoutError):
-            log.warning("redis unavailable at shutdown; %d held requests return after their lease", len(held))
+        except redis.RedisError as exc:
+            # Unreachable, or refused (a user missing a command: the error that stops us is the one
+            # to see, not this one): what we held returns when its lease runs out.
+            log.warning(
+                "could not hand back %d held requests (%s); they return after their lease", len(held), exc
+            )
             return
         self.held.clear()
         self._stats_writer.leave()

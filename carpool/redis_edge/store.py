@@ -388,11 +388,16 @@ class RequestStore:
         return int(self.client.zcard(self.keys.inflight_lease))
 
 
+# How Redis words a command refused inside a script under the user's ACL rules: 6.2 and 7.0, then
+# 7.2 on ("ERR ACL failure in script: User <u> has no permissions to run the '<cmd>' command").
+_SCRIPT_REFUSALS = ("can't run this command", "ACL failure in script")
+
+
 def refused_by_acl(error: BaseException) -> bool:
     """Whether Redis refused a command, or a command one of carpool's scripts called, under the
-    calling user's ACL rules (Redis 6.2 and 7 word the script case alike)."""
+    calling user's ACL rules."""
     return isinstance(error, redis.exceptions.NoPermissionError) or (
-        isinstance(error, redis.ResponseError) and "can't run this command" in str(error)
+        isinstance(error, redis.ResponseError) and any(words in str(error) for words in _SCRIPT_REFUSALS)
     )
 
 

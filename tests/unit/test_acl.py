@@ -346,6 +346,12 @@ def test_a_refusal_under_a_users_rules_is_told_from_other_redis_errors() -> None
         "on @user_script:48."
     )
     assert refused_by_acl(in_script)
+    assert refused_by_acl(  # Redis 7.2 on
+        redis.ResponseError(
+            "ACL failure in script: User carpool-worker has no permissions to run the 'hsetnx' command "
+            "script: 51d5ed59, on @user_script:48."
+        )
+    )
     assert refused_by_acl(
         redis.exceptions.NoPermissionError("User u has no permissions to run the 'hsetnx' command")
     )
