@@ -140,13 +140,20 @@ def packb_results(values: Sequence[Any]) -> list[bytes | None]:
 
 
 @functools.cache
+def float_row_dtypes(numpy: Any) -> tuple[Any, Any]:
+    """The dtypes of the float rows carpool writes straight from the array: float32 and float64 in
+    this machine's byte order."""
+    return numpy.dtype("=f4"), numpy.dtype("=f8")
+
+
+@functools.cache
 def _row_packing(numpy: Any) -> tuple[tuple[Any, Any], Callable[..., bytes], int]:
-    """The dtypes :func:`packb_result` packs straight from a row (float32 and float64 in this
-    machine's byte order) and ormsgpack's packer with its numpy option, set up where a row is first
-    packed: a producer never packs one, so never imports ormsgpack."""
+    """The dtypes :func:`packb_result` packs straight from a row (:func:`float_row_dtypes`) and
+    ormsgpack's packer with its numpy option, set up where a row is first packed: a producer never
+    packs one, so never imports ormsgpack."""
     import ormsgpack
 
-    return (numpy.dtype("=f4"), numpy.dtype("=f8")), ormsgpack.packb, ormsgpack.OPT_SERIALIZE_NUMPY
+    return float_row_dtypes(numpy), ormsgpack.packb, ormsgpack.OPT_SERIALIZE_NUMPY
 
 
 def packb_plain(value: Any) -> bytes | None:

@@ -21,7 +21,6 @@ serving. They are also pub/sub: a message nobody is subscribed to reaches no one
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -34,7 +33,7 @@ import orjson
 from celery import Celery
 from celery.states import FAILURE, SUCCESS
 
-from carpool.codec import native_numpy, stored_form
+from carpool.codec import float_row_dtypes, native_numpy, stored_form
 from carpool.names import INFER_TASK
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ def short_reprs(values: Sequence[Any], limit: int = REPR_LIMIT, serializer: str 
     numpy = sys.modules.get("numpy")
     if numpy is None or serializer != "msgpack":
         return [short_repr(value, limit, serializer) for value in values]
-    floats = _float_dtypes(numpy)
+    floats = float_row_dtypes(numpy)
     heads = [
         value[:SHOWN_ITEMS]
         if type(value) is numpy.ndarray and value.ndim == 1 and value.dtype in floats and len(value)
@@ -102,11 +101,6 @@ def short_reprs(values: Sequence[Any], limit: int = REPR_LIMIT, serializer: str 
         text = _list_text(value, ", ".join(map(repr, shown)) if written is None else written)
         out.append(text if len(text) <= limit else text[: limit - 3] + "...")
     return out
-
-
-@functools.cache
-def _float_dtypes(numpy: Any) -> tuple[Any, Any]:
-    return numpy.dtype("=f4"), numpy.dtype("=f8")
 
 
 def _list_text(value: Any, shown: str) -> str:

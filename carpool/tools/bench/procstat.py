@@ -62,10 +62,7 @@ def children_by_parent() -> dict[int, list[int]]:
 def tree_cpu_s(pid: int, children: dict[int, list[int]]) -> float:
     """CPU seconds of ``pid``'s tree: its threads, its exited (reaped) children, its live descendants."""
     fields = _stat(pid)
-    own = _clock_cpu_s(pid)
-    if own is None:
-        own = (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime
-    total = own + (int(fields[13]) + int(fields[14])) / _TICKS_PER_S  # cutime, cstime: reaped children
+    total = process_cpu_s(pid) + (int(fields[13]) + int(fields[14])) / _TICKS_PER_S  # + reaped children
     for child in children.get(pid, ()):
         try:
             total += tree_cpu_s(child, children)
