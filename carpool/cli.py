@@ -7,8 +7,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from carpool.errors import ConfigError
+from carpool.errors import CONFIG_ERROR_EXIT, ConfigError
 
 
 def _logging(level: str) -> None:
@@ -84,6 +85,8 @@ def celery_worker_options(extra: Sequence[str]) -> list[str]:
 def cmd_worker(args: argparse.Namespace) -> int:
     extra = celery_worker_options(args.celery_args)
     _task_flags(args)
+    from celery import signals
+
     from carpool.celery_edge.app import app, decode_json_fast, settings_of
     from carpool.gpu_worker import task  # noqa: F401  (registers carpool.run_batch)
     from carpool.gpu_worker.serving import batch_queues
@@ -105,8 +108,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "--task-events",
         *extra,
     ]
+    stopped_with: list[int] = []
+
+    def _exit_status(sender: Any, **_: Any) -> None:  # the WorkController, its exit status set
+        stopped_with.append(int(getattr(sender, "exitcode", 0) or 0))
+
+    # worker_main drops Celery's exit status: a supervisor must see 1 after an unrecoverable error,
+    # and 2 when the runtime stopped the worker on a ConfigError.
+    signals.worker_shutdown.connect(_exit_status, weak=False)
     app.worker_main(argv)
-    return 0
+    return stopped_with[-1] if stopped_with else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -169,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except ConfigError as exc:
         print(f"carpool: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ class ConfigError(CarpoolError):
     """Raised when a setting has a value carpool cannot run with."""
 
 
+CONFIG_ERROR_EXIT = 2  # the exit status of a carpool process stopped by a ConfigError
+
+
 class InvalidInput(CarpoolError, ValueError):
     """Raised when a request's payload is not something the model can take (client error)."""
 

@@ -40,6 +40,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 from celery import Celery
+from celery.worker import state as worker_state
 
 from carpool import collector
 from carpool.batching.bins import padded_length
@@ -50,7 +51,7 @@ from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.received import accepted, marker, read_task
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import storable
-from carpool.errors import DeadlineExceeded, ModelError, WireError
+from carpool.errors import CONFIG_ERROR_EXIT, ConfigError, DeadlineExceeded, ModelError, WireError
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
 from carpool.gpu_worker.finish import apply_links, batch_chain_failures, count_rejected, retrying
 from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item, pick_device, run_call_isolating
@@ -472,8 +473,19 @@ class WorkerRuntime:
             return self._claim_in_redis(batch_id, ids, take)
         except redis.ResponseError as exc:
             if refused_by_acl(exc):  # fails this batch with what to change, not Redis's bare words
-                raise acl_refusal("worker", self.store.client, exc) from exc
+                error = acl_refusal("worker", self.store.client, exc)
+                self._stop_for(error)
+                raise error from exc
             raise
+
+    def _stop_for(self, error: ConfigError) -> None:
+        """Ask Celery for a warm shutdown ending in exit status 2, as the coordinator stops on a
+        ``ConfigError``: no batch gets past a deployment error, and a worker that went on taking
+        batches would fail each one, its requests coming back through lease recovery to fail again,
+        for as long as nobody read its log. Its batches' requests wait in Redis for a mended one."""
+        log.critical("%s; this worker stops (exit status %d)", error, CONFIG_ERROR_EXIT)
+        self.shutting_down()
+        worker_state.should_stop = CONFIG_ERROR_EXIT
 
     def _claim_in_redis(self, batch_id: str, ids: list[str], take: bool) -> Claimed:
         if self.dbs is not None:
