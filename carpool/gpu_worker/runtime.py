@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -469,10 +469,17 @@ class WorkerRuntime:
         the batch messages queued for this worker's queues (None: not counted); and, with ``take``,
         the next of them where it is a batch task's (only when the results live on the broker's
         server: the claim is then one script)."""
-        try:
+        with self._stopping_on_acl_refusal():
             return self._claim_in_redis(batch_id, ids, take)
+
+    @contextlib.contextmanager
+    def _stopping_on_acl_refusal(self) -> Iterator[None]:
+        """A command the worker's Redis user may not run fails the batch with what to change, not
+        Redis's bare words, and stops the worker (:meth:`_stop_for`)."""
+        try:
+            yield
         except redis.ResponseError as exc:
-            if refused_by_acl(exc):  # fails this batch with what to change, not Redis's bare words
+            if refused_by_acl(exc):
                 error = acl_refusal("worker", self.store.client, exc)
                 self._stop_for(error)
                 raise error from exc
@@ -620,6 +627,17 @@ class WorkerRuntime:
         when the results live on the broker's server, else a store on the backend and one trip for
         the rest. Returns the 1-based indexes in ``writes`` of the results stored (the others had
         one)."""
+        with self._stopping_on_acl_refusal():
+            return self._finish_in_redis(writes, ack_ids, report, coordinator, events)
+
+    def _finish_in_redis(
+        self,
+        writes: ResultWrites,
+        ack_ids: list[str],
+        report: BatchReport,
+        coordinator: str,
+        events: tuple[str, bytes] | None,
+    ) -> list[int]:
         if self.dbs is not None:
             return self.store.finish(
                 results_db=self.dbs[1],

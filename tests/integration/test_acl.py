@@ -442,22 +442,32 @@ def test_a_coordinator_user_missing_a_command_its_scripts_call_stops_it_saying_w
     assert role_users.llen(KEYS.request_queue) == handed_back
 
 
+@pytest.mark.parametrize(
+    ("missing", "answered"),
+    [
+        ("hsetnx", 0),  # claim's, since 2026-12-04
+        ("ltrim", 1),  # finish's, for the batch report: the result and its ack come before it
+    ],
+)
 def test_a_worker_user_missing_a_command_its_scripts_call_stops_it_saying_what_to_do(
-    role_users: redis.Redis, processes: Processes
+    role_users: redis.Redis, processes: Processes, missing: str, answered: int
 ) -> None:
-    without(role_users, "worker", "hsetnx")  # claim's, since 2026-12-04
+    without(role_users, "worker", missing)
     server = server_of(processes)
     processes.start("coordinator", "coordinator", **TOY, **role_env(server, "coordinator"))
     proc = processes.start("worker0", "worker", **TOY, **role_env(server, "worker"))
     processes.wait_workers(1)
     send_one(server)
     assert proc.wait(timeout=60) == 2, "a worker that stops, not one failing each batch for ever"
-    log = processes.log("worker0")
+    log = (processes.log_dir / "worker0.log").read_text(errors="replace")  # all of it
     assert "may not run a command carpool calls" in log and repr(user("worker")) in log, log
     assert "carpool acl --role worker" in log and "this worker stops" in log, log
-    # The request is not lost: it waits in flight (a coordinator recovers it when its lease runs out)
-    # for a worker whose user may claim it.
-    assert role_users.hlen(KEYS.inflight_raw) == 1
+    # The request is not lost: answered, or waiting in flight (a coordinator recovers it when its
+    # lease runs out) for a worker whose user may claim it.
+    results = redis.Redis(port=server.port, db=1)
+    assert len(results.keys("celery-task-meta-*")) == answered
+    assert role_users.hlen(KEYS.inflight_raw) == 1 - answered
+    results.close()
 
 
 def test_the_demo_measures_on_a_producers_user_without_the_batch_figures(role_users: redis.Redis) -> None:
