@@ -6,13 +6,19 @@ Celery (``carpool worker`` imports it) and starts and stops the runtime with the
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import signals
+from celery.platforms import EX_FAILURE
+from celery.worker import state as worker_state
 
 from carpool.celery_edge.app import app
+from carpool.errors import CONFIG_ERROR_EXIT, ConfigError
 from carpool.gpu_worker.runtime import WorkerRuntime
 from carpool.names import RUN_BATCH_TASK
+
+log = logging.getLogger(__name__)
 
 _runtime: WorkerRuntime | None = None
 
@@ -42,7 +48,14 @@ def run_batch(self: Any, batch: Any) -> str:
 
 @signals.worker_ready.connect  # type: ignore[untyped-decorator]
 def _on_worker_ready(**_: Any) -> None:
-    runtime().start()
+    # Celery logs a signal handler's exception and goes on: a worker whose models failed to load
+    # would stay up serving nothing, never heartbeating, and no supervisor would restart it.
+    try:
+        runtime().start()
+    except Exception as exc:
+        status = CONFIG_ERROR_EXIT if isinstance(exc, ConfigError) else EX_FAILURE
+        log.critical("this worker could not start serving; it stops (exit status %d)", status, exc_info=True)
+        worker_state.should_stop = status
 
 
 @signals.worker_shutting_down.connect  # type: ignore[untyped-decorator]

@@ -65,7 +65,15 @@ class Unstorable(Letters):
         return outputs
 
 
+class BrokenLoad(ToyModel):
+    """The toy model, except that its weights fail to load (a missing file, a device out of memory)."""
+
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None:
+        raise RuntimeError("weights file missing")
+
+
 SLOW = f"{__name__}:SlowToy"
 EXPLODING = f"{__name__}:Exploding"
 LETTERS = f"{__name__}:Letters"
 UNSTORABLE = f"{__name__}:Unstorable"
+BROKEN_LOAD = f"{__name__}:BrokenLoad"

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.integration.conftest import Processes
+
 
 @pytest.mark.parametrize(
     "statement",
@@ -35,3 +37,15 @@ def test_a_process_with_a_bad_setting_stops_at_start_with_the_message() -> None:
     assert proc.returncode == 2
     assert "CARPOOL_MAX_WAIT_S" in proc.stderr
     assert "greater than or equal to 0" in proc.stderr
+
+
+def test_a_worker_whose_model_fails_to_load_stops_instead_of_staying_up_serving_nothing(
+    processes: Processes,
+) -> None:
+    """Celery only logs a worker_ready handler's exception: the worker must stop on its own."""
+    from tests.integration.models import BROKEN_LOAD
+
+    proc = processes.start("worker0", "worker", CARPOOL_MODEL=BROKEN_LOAD, CARPOOL_MODELS=BROKEN_LOAD)
+    assert proc.wait(timeout=60) == 1, "a failed start, seen by the worker's supervisor"
+    log = (processes.log_dir / "worker0.log").read_text(errors="replace")
+    assert "could not start serving" in log and "weights file missing" in log, log
