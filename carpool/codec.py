@@ -292,13 +292,13 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
             try:
                 dumps_exact(value)
             except ValueError as exc:
-                ok, value = False, ValueError(f"{task} returned {value!r:.80}: {exc}; return finite numbers")
+                ok, value = False, ValueError(f"{task} returned {brief(value)}: {exc}; return finite numbers")
             except TypeError as exc:
                 if "64-bit" in str(exc) or not kombu_json(value):
                     ok, value = (
                         False,
                         TypeError(
-                            f"{task} returned {type(value).__name__} {value!r:.80}, which cannot be "
+                            f"{task} returned {type(value).__name__} {brief(value)}, which cannot be "
                             f"stored as JSON unchanged ({exc}); return lists, dicts with string keys, "
                             "strings, finite numbers and integers within 64 bits (e.g. array.tolist())"
                         ),
@@ -309,7 +309,7 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
                 ok, value = (
                     False,
                     TypeError(
-                        f"{task} returned {type(value).__name__} {value!r:.80}, which msgpack results "
+                        f"{task} returned {type(value).__name__} {brief(value)}, which msgpack results "
                         "cannot carry unchanged; return lists, dicts with string keys, strings and "
                         "numbers, or store results as JSON (CARPOOL_RESULT_SERIALIZER=json), where "
                         "Celery tags datetimes, UUIDs and decimals"

@@ -101,3 +101,13 @@ class NotReplicated(CarpoolError):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.results = []
+
+
+def described(exc: BaseException) -> str:
+    """``"Type: message"`` of an exception a user's code raised, for the error carpool stores in its
+    place; never raising, since a message that cannot be read (a ``__str__`` that raises) must not
+    cost the other requests of the batch their answers."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:
+        return f"{type(exc).__name__} (its message could not be read)"

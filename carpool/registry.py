@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
-from carpool.errors import ConfigError, InvalidInput
+from carpool.errors import ConfigError, InvalidInput, described
 from carpool.validation import bind_item, checked_length, validate_item
 
 if TYPE_CHECKING:
@@ -155,11 +155,7 @@ class BatchedSpec(TaskSpec):
                 try:
                     raw.append(self.length(value))
                 except Exception as exc:
-                    raw.append(
-                        InvalidInput(
-                            f"{self.name}: length() raised {type(exc).__name__}: {exc}; fix the item"
-                        )
-                    )
+                    raw.append(InvalidInput(f"{self.name}: length() raised {described(exc)}; fix the item"))
         out: list[int | InvalidInput] = []
         for value in raw:
             if isinstance(value, InvalidInput):

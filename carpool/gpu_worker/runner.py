@@ -20,6 +20,7 @@ import numpy as np
 
 from carpool.batching.bins import padded_length
 from carpool.codec import float32_rows
+from carpool.errors import described
 from carpool.models import BatchModel, get_model
 
 log = logging.getLogger(__name__)
@@ -167,9 +168,7 @@ def run_call_isolating(
     except Exception as exc:
         if len(lengths) == 1:
             return [(False, exc)]
-        log.warning(
-            "batch of %d failed (%s: %s); splitting to isolate", len(lengths), type(exc).__name__, exc
-        )
+        log.warning("batch of %d failed (%s); splitting to isolate", len(lengths), described(exc))
         _free_accelerator_memory()
         half = len(lengths) // 2
         return run_call_isolating(call, items[:half], lengths[:half]) + run_call_isolating(

@@ -51,7 +51,7 @@ from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.received import accepted, marker, read_task
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import storable
-from carpool.errors import CONFIG_ERROR_EXIT, ConfigError, DeadlineExceeded, ModelError, WireError
+from carpool.errors import CONFIG_ERROR_EXIT, ConfigError, DeadlineExceeded, ModelError, WireError, described
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
 from carpool.gpu_worker.finish import apply_links, batch_chain_failures, count_rejected, retrying
 from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item, pick_device, run_call_isolating
@@ -578,7 +578,7 @@ class WorkerRuntime:
             if ok:
                 entries.append((r["id"], SUCCESS, out))
             else:
-                entries.append((r["id"], FAILURE, ModelError(f"{type(out).__name__}: {out}")))
+                entries.append((r["id"], FAILURE, ModelError(described(out))))
 
     def _forward(
         self,

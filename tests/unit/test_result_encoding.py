@@ -358,6 +358,25 @@ def test_a_result_msgpack_cannot_carry_unchanged_fails_naming_the_json_setting()
     assert storable("app.tag", [(True, values[0])], "json") == [(True, values[0])]
 
 
+class _ReprRaises:
+    def __repr__(self) -> str:
+        raise RuntimeError("repr exploded")
+
+
+@pytest.mark.parametrize("serializer", ["json", "msgpack"])
+def test_an_output_whose_repr_raises_fails_its_request_alone_naming_its_type(serializer: str) -> None:
+    outcomes = storable("app.odd", [(True, "before"), (True, _ReprRaises()), (True, "after")], serializer)
+    assert [ok for ok, _ in outcomes] == [True, False, True]
+    error = outcomes[1][1]
+    assert isinstance(error, TypeError)
+    assert "app.odd returned _ReprRaises <_ReprRaises instance at" in str(error)
+
+
+def test_a_huge_unstorable_output_is_named_in_a_bounded_message() -> None:
+    [(ok, error)] = storable("app.big", [(True, {"seen": set(range(100_000))})])
+    assert not ok and "app.big returned dict" in str(error) and len(str(error)) < 600
+
+
 def test_a_numpy_row_shows_in_flower_as_the_msgpack_reader_gets_it() -> None:
     row = np.arange(384, dtype=np.float32) / 384
     assert short_repr(row, serializer="msgpack") == _repr_of_head(row.tolist())  # 0.0026041667... widened

@@ -241,6 +241,36 @@ def test_an_output_that_cannot_be_stored_fails_its_request_in_the_store_events_r
     assert isinstance(applied[0][2], ModelError)
 
 
+class _Unreadable(Exception):
+    def __str__(self) -> str:
+        raise AttributeError("the message was never set")
+
+
+class _RaisesForFirst:
+    """A model that raises an exception whose message cannot be read for any batch holding the
+    token 7 (the runner then runs each row alone, to fail only the culprit)."""
+
+    pad_id = 0
+
+    def forward(self, ids: Any, mask: Any) -> list[Any]:
+        if (ids == 7).any():
+            raise _Unreadable()
+        return [[0.5] for _ in range(len(ids))]
+
+
+def test_a_model_error_whose_message_cannot_be_read_fails_its_request_alone(
+    runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from carpool.gpu_worker import runner
+
+    monkeypatch.setitem(runner._loaded, "toy", _RaisesForFirst())
+    runtime.run(batch(slot("culprit", item=[101, 7, 102]), slot("fine", item=[101, 3, 102])))
+    metas = dict(runtime.store.writes)
+    assert metas["fine"]["status"] == "SUCCESS" and metas["fine"]["result"] == [0.5], metas
+    assert metas["culprit"]["status"] == "FAILURE"
+    assert metas["culprit"]["result"]["exc_message"] == ["_Unreadable (its message could not be read)"]
+
+
 def test_a_worker_learns_at_start_the_revokes_coordinators_recorded(
     runtime: Any, applied: list[Any], revoked: set[str]
 ) -> None:

@@ -102,7 +102,7 @@ def run_fifo_batch(requests: list[Any]) -> None:
     """Run buffered celery-batches requests as one FIFO batch and store each result."""
     from carpool.batching.bins import padded_length
     from carpool.celery_edge.results import FAILURE, SUCCESS
-    from carpool.errors import ModelError
+    from carpool.errors import ModelError, described
     from carpool.gpu_worker.runner import loaded_model, pick_device, run_isolating
 
     if not requests:
@@ -118,7 +118,7 @@ def run_fifo_batch(requests: list[Any]) -> None:
     rows = ids if model.needs_token_ids else [None] * len(ids)
     outcomes = run_isolating(model, rows, lengths)
     entries = [
-        (r.id, SUCCESS, out) if ok else (r.id, FAILURE, ModelError(f"{type(out).__name__}: {out}"))
+        (r.id, SUCCESS, out) if ok else (r.id, FAILURE, ModelError(described(out)))
         for r, (ok, out) in zip(requests, outcomes, strict=True)
     ]
     app.backend.store_many(entries)
@@ -135,7 +135,7 @@ def run_task_batch(requests: list[Any]) -> None:
     """Run buffered requests of the benchmarked task as one batch of its function; store each output."""
     from carpool.celery_edge.results import FAILURE, SUCCESS
     from carpool.codec import storable
-    from carpool.errors import ConfigError, ModelError
+    from carpool.errors import ConfigError, ModelError, described
     from carpool.gpu_worker.runner import run_items_isolating
 
     if not requests:
@@ -146,7 +146,7 @@ def run_task_batch(requests: list[Any]) -> None:
     items = [(r.args or [None])[0] for r in requests]
     outcomes = storable(spec.name, run_items_isolating(spec.fn, items), settings.result_serializer)
     entries = [
-        (r.id, SUCCESS, out) if ok else (r.id, FAILURE, ModelError(f"{type(out).__name__}: {out}"))
+        (r.id, SUCCESS, out) if ok else (r.id, FAILURE, ModelError(described(out)))
         for r, (ok, out) in zip(requests, outcomes, strict=True)
     ]
     app.backend.store_many(entries)
