@@ -7,6 +7,7 @@ request queue the coordinator drains, batches to the queue GPU workers consume.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -30,7 +31,7 @@ class AppState:
         self._connection: Any = None
         self._channel: Any = None
         self._publisher: redis.Redis | None = None
-        self._dispatcher: Any = None
+        self._dispatcher: tuple[int, Any] | None = None  # (pid, dispatcher)
         #: message builders kept between publishes (see carpool.producer.submit), per thread and options
         self.builders: dict[tuple[Any, ...], Any] = {}
         #: (pid, channel) of this process's result inbox (see carpool.celery_edge.inbox)
@@ -70,9 +71,10 @@ class AppState:
     def event_dispatcher(self) -> Any:
         """A disabled event dispatcher: the hostname, clock, exchange and headers that task-sent
         events carry, as ``send_task`` gives them."""
-        if self._dispatcher is None:
-            self._dispatcher = self._app.events.Dispatcher(enabled=False)
-        return self._dispatcher
+        pid = os.getpid()  # its hostname names the process (gen<pid>@host): a forked child's own
+        if self._dispatcher is None or self._dispatcher[0] != pid:
+            self._dispatcher = (pid, self._app.events.Dispatcher(enabled=False))
+        return self._dispatcher[1]
 
 
 class CarpoolCelery(compat.AppWithBackendClass):

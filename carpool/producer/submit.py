@@ -30,6 +30,7 @@ in one SUBSCRIBE.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
@@ -113,7 +114,7 @@ def submit_many(
             f"submit_many() does not support {', '.join(sorted(unknown))}; "
             f"supported options: {', '.join(sorted(SUPPORTED_OPTIONS))}"
         )
-    app = app or (task.app if task is not None else _default_app())
+    app = app or getattr(task, "app", None) or _default_app()  # task may be a task's name
     settings = settings_of(app)
     name = INFER_TASK
     spec = None
@@ -305,8 +306,8 @@ def _builder(
     ``.delay()`` after the first two renders its message from the template instead of having Celery
     build it. Kept only when the options are all it bakes in: no ``expires`` (an instant fixed when
     the builder is made) and no headers but the sent-at time, which each build gives, and the result
-    inbox, the same in every message of the process. Per thread (its Celery ``thread_oid``), because
-    a message carries its thread's ``reply_to``.
+    inbox, the same in every message of the process. Per process and thread (its Celery ``thread_oid``),
+    because a message carries its process in ``origin`` and its thread's ``reply_to``.
     """
     fixed = {INBOX_HEADER: inbox} if inbox is not None else None
     if expires is not None or (headers and set(headers) != {SENT_AT_HEADER}):
@@ -322,7 +323,9 @@ def _builder(
         return fresh, None
     per_build = (SENT_AT_HEADER,) if headers else ()
     kept = state_of(app).builders
-    key = (app.thread_oid, name, queue, priority, sent_events, per_build, inbox)
+    # The pid too: a template's origin header names its process (gen<pid>@host), and a forked
+    # child must not send its parent's.
+    key = (os.getpid(), app.thread_oid, name, queue, priority, sent_events, per_build, inbox)
     builder = kept.get(key)
     if builder is None:
         if len(kept) >= MAX_KEPT_BUILDERS:

@@ -179,6 +179,60 @@ def test_messages_are_the_ones_delay_sends(clean_redis: EmbeddedRedis) -> None:
     assert decoded.expires_at is not None and 20 < decoded.expires_at - time.time() <= 31
 
 
+def test_a_forked_child_sends_messages_naming_its_own_process(clean_redis: EmbeddedRedis) -> None:
+    """Celery writes the sending process into each message's ``origin`` (gen<pid>@host): a child
+    forked after its parent's kept builder learned its template must not send the parent's."""
+    import os
+
+    import redis
+
+    from carpool.tasks import infer
+
+    client = redis.Redis(port=clean_redis.port)
+
+    def origin_of_last() -> str:
+        origin: str = json.loads(as_bytes(client.rpop("carpool.requests")))["headers"]["origin"]
+        return origin
+
+    for _ in range(3):  # past the first two builds: the kept builder renders from its template
+        infer.delay("warm", "toy")
+        assert origin_of_last().startswith(f"gen{os.getpid()}@")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: reports what it sent, then leaves without running pytest's teardown
+        try:
+            infer.delay("from the child", "toy")
+            os.write(write, origin_of_last().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child_origin = pipe.read()
+    os.waitpid(pid, 0)
+    assert child_origin.startswith(f"gen{pid}@"), child_origin
+    client.close()
+
+
+def test_submit_many_takes_a_batched_task_by_name_and_refuses_other_names_saying_so(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    import redis
+
+    from carpool.producer.submit import submit_many
+    from tests.integration import batched_tasks as t
+
+    client = redis.Redis(port=clean_redis.port)
+    (by_name,) = submit_many(["hey"], task=t.shout.name, subscribe=False)
+    message = json.loads(as_bytes(client.rpop("carpool.requests")))
+    assert message["headers"]["task"] == t.shout.name and message["headers"]["id"] == by_name.id
+    submit_many(["text"], task="carpool.infer", subscribe=False)
+    assert json.loads(as_bytes(client.rpop("carpool.requests")))["headers"]["task"] == "carpool.infer"
+    with pytest.raises(TypeError, match=r"takes a @batched task, not 'no\.such\.task'"):
+        submit_many(["x"], task="no.such.task", subscribe=False)
+    assert client.llen("carpool.requests") == 0
+    client.close()
+
+
 def test_templated_messages_equal_celery_built_ones(
     clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
