@@ -129,6 +129,20 @@ def test_a_user_model_class_is_served_beside_a_builtin_and_refuses_texts_over_it
     assert len(infer.delay("y" * 17, model="toy").get(timeout=30)) == 32  # toy's window is 256
 
 
+def test_a_task_id_of_any_characters_is_answered_under_that_id(processes: Processes) -> None:
+    """Celery takes any ``task_id=``; kombu's JSON escapes what is not printable ASCII, and quotes."""
+    from celery.result import AsyncResult
+
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    names = ["naïve-1", "東京-2", "back\\slash-3", 'quote"-4']
+    sent = [infer.apply_async(("hello",), task_id=name) for name in names]
+    expected = infer.delay("hello").get(timeout=30)
+    assert [r.get(timeout=30) for r in sent] == [expected] * len(names)
+    assert [AsyncResult(name).get(timeout=5) for name in names] == [expected] * len(names)
+
+
 def test_results_come_back_promptly_in_any_order(processes: Processes) -> None:
     """Length bins complete requests out of order; .get() in submission order must not stall."""
     from carpool.tasks import infer

@@ -370,6 +370,18 @@ def test_take_finds_ids_in_unusual_messages_and_names_garbage(
     assert all(lease(client, i) is not None for i in ids)
 
 
+def test_take_reads_an_id_with_an_escape_in_its_json_form_as_its_caller_named_it(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    """Celery allows any task_id=; kombu's JSON escapes what is not printable ASCII, and quotes."""
+    names = ["naïve-1", "東京", "a\\b", 'q"x', "plain-1"]
+    for name in names:
+        client.lpush(KEYS.request_queue, message(name))  # ensure_ascii, as kombu writes it
+    taken, _ = store.take(10)
+    assert [i for i, _ in taken] == names
+    assert [client.hget(KEYS.inflight_raw, i) for i in names] == [message(n) for n in names]
+
+
 def test_take_records_the_origin_of_requests_from_priority_lists_only(
     client: redis.Redis, store: RequestStore
 ) -> None:

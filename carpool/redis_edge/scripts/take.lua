@@ -39,6 +39,9 @@ for i = 5, #KEYS do
         end
         init = e + 1
       end
+      -- An id with an escape in its JSON form (kombu writes 'é' as '\u00e9'; a quote, a backslash)
+      -- is decoded: read verbatim it is not the id its caller waits on.
+      if found == 1 and id ~= nil and string.find(id, '\\', 1, true) then found = 0 end
       local ok, msg = true, nil
       if found ~= 1 then
         id = nil
