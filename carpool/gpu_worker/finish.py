@@ -43,7 +43,10 @@ def batch_chain_failures(
 
 
 def retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0.1) -> T:
-    """``call()``, retried while Redis is unreachable; pauses double from 0.1 s to 5 s, about 11 s in all."""
+    """``call()``, retried while Redis is unreachable; pauses double from 0.1 s to 5 s, about 11 s in all.
+
+    A call that ran but lost its reply runs again, so ``call`` must bear that: a finish does, its
+    results encoded once (``finish.lua`` knows them as its own and answers as the first time)."""
     pause = first_pause_s
     for attempt in range(attempts):
         try:

@@ -275,7 +275,9 @@ class RequestStore:
     ) -> list[int]:
         """Store ``writes`` write-once (publishing each), acknowledge ``ack_ids``, push the report and
         publish ``events`` (topic, raw): one script, one round trip. Results live in database
-        ``results_db`` of this server. Returns the 1-based indexes of the results stored."""
+        ``results_db`` of this server. Returns the 1-based indexes of the results stored. A call
+        sent again with the same arguments, its reply lost, returns what its first sending stored
+        and, when that was any result, pushes no second report nor events (see ``finish.lua``)."""
         keys, args = finish_call(
             writes,
             inflight_keys=[*self._forget_keys(), self.keys.reports_for(coordinator)],

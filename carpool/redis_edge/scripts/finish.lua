@@ -6,6 +6,14 @@
 -- Then, for a worker's batch, the acknowledged ids leave every in-flight key, the batch report goes to
 -- its coordinator and the task events are published: a batch finished in one round trip, across the
 -- result and broker databases of one server. With only results given it stores them and nothing more.
+-- A call whose reply was lost (a timeout, a reset connection) is sent again with the same bytes: a
+-- batch's results are encoded once, date_done and all. A write refused because the key holds the
+-- very value written is then this call's own, from its first sending: its index is returned as
+-- stored, but it is not published again (the first sending did; a producer subscribing later reads
+-- the key). Another run's answer differs, in its date_done at least, so finding one marks a resend,
+-- which skips the report and task events its first sending pushed; the acks run again, harmlessly.
+-- (A resend of a call that stored nothing looks like a first sending and pushes its report again.)
+-- Only a refused write costs a GET. A key given twice in one call keeps its second write refused.
 -- KEYS[1..n] result keys, then (only when acknowledging or reporting) KEYS[n+1] lease ZSET,
 -- KEYS[n+2] raw HASH, KEYS[n+3] owner HASH, KEYS[n+4] claimed HASH, KEYS[n+5] origin HASH,
 -- KEYS[n+6] report list.
@@ -15,12 +23,14 @@
 -- ARGV[9+n] events message, ARGV[10+n] m: inboxes given (0, or n: one per result), ARGV[11+n] the
 -- prefix every inbox channel starts with (others are not published to), ARGV[12+n..11+n+m] each
 -- result's inbox channel ('' = none), ARGV[12+n+m..] ids to acknowledge.
--- Returns the 1-based indexes of the results stored.
+-- Returns the 1-based indexes of the results stored, by this call or by its first sending.
 local n = tonumber(ARGV[1])
 local m = tonumber(ARGV[10 + n])
 -- SELECT in a script switches only the script's database, never the caller's (Redis >= 2.8.12).
 if ARGV[2] ~= '' then redis.call('SELECT', ARGV[2]) end
 local stored = {}
+local resent = false
+local first_at = nil  -- result key -> its first index in KEYS, built at the first refused write
 local prefix = ARGV[11 + n]
 local allowed = {}  -- inbox channel -> whether it starts with the prefix
 for i = 1, n do
@@ -40,6 +50,17 @@ for i = 1, n do
         if ok then redis.call('PUBLISH', inbox, meta) end
       end
     end
+  else
+    if first_at == nil then
+      first_at = {}
+      for j = n, 1, -1 do first_at[KEYS[j]] = j end
+    end
+    -- pcall: a key of another type is refused like any other answer, not an error that would stop
+    -- the script halfway (Redis does not undo a script's earlier writes).
+    if first_at[key] == i and redis.pcall('GET', key) == meta then
+      stored[#stored + 1] = i
+      resent = true
+    end
   end
 end
 if ARGV[3] ~= '' then redis.call('SELECT', ARGV[3]) end
@@ -53,10 +74,10 @@ for first = 12 + n + m, #ARGV, 1000 do
   redis.call('HDEL', KEYS[n + 5], unpack(ARGV, first, last))
 end
 local report = ARGV[5 + n]
-if report ~= '' then
+if report ~= '' and not resent then
   redis.call('LPUSH', KEYS[n + 6], report)
   redis.call('LTRIM', KEYS[n + 6], 0, tonumber(ARGV[6 + n]) - 1)
   redis.call('EXPIRE', KEYS[n + 6], ARGV[7 + n])
 end
-if ARGV[8 + n] ~= '' then redis.call('PUBLISH', ARGV[8 + n], ARGV[9 + n]) end
+if ARGV[8 + n] ~= '' and not resent then redis.call('PUBLISH', ARGV[8 + n], ARGV[9 + n]) end
 return stored
