@@ -70,16 +70,21 @@ def _capacity(c: Coordinator) -> Capacity:
 
 
 def _publish(c: Coordinator, batches: list[Batch], now: float) -> None:
-    """Hand ``batches`` on (:mod:`carpool.coordinator.publish`); a group Redis did not take goes
-    back into the policy, still held and leased by us, to leave with a later plan."""
+    """Hand ``batches`` on (:mod:`carpool.coordinator.publish`), a batch queue's group at a time; a
+    group Redis did not take, and the groups after it, go back into the policy, still held and
+    leased by us, to leave with a later plan."""
     wall_now = c.wall()
-    for queue, group in c.publisher.by_queue(batches).items():
+    groups = list(c.publisher.by_queue(batches).items())
+    for index, (queue, group) in enumerate(groups):
         try:
             batch_ids = c.publisher.publish(queue, group, wall_now, c.events.take())
         except Exception:
-            for batch in group:
-                for req in batch.requests:
-                    c.policy.add(req)
+            # This group and those after it, already cut from the policy, go back into it: left out,
+            # their requests would stay held, their leases renewed, and never run.
+            for _, unsent in groups[index:]:
+                for batch in unsent:
+                    for req in batch.requests:
+                        c.policy.add(req)
             c.pacer.changed()
             raise
         for batch_id, batch in zip(batch_ids, group, strict=True):

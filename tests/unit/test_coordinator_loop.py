@@ -643,3 +643,31 @@ def test_a_step_that_fails_after_its_take_keeps_the_take_for_the_next(clocks: Cl
         c.step()
     c.shutdown()
     assert c.store.requeued == ["third"]
+
+
+def test_a_failed_publish_puts_back_the_batches_of_every_queue_it_did_not_reach(clocks: Clocks) -> None:
+    """One plan holds batches for two batch queues (infer's and a @batched task's own): when the
+    first queue's publish fails, the second's batches, already cut from the policy, go back too,
+    rather than staying held, their leases renewed, and never run."""
+    c = coordinator(clocks, workers=1, imports=("tests.integration.batched_tasks",), max_wait_s=0.0)
+    c.publisher._builders["carpool.batches.pairs"] = FakeBuilder()
+    c.store.queue += [
+        ("text", message("text", "hello there")),
+        ("pair", message("pair", {"a": [1], "b": [2]}, task="tests.pairs")),
+    ]
+    dispatch = c.store.dispatch
+    failures = [redis.ConnectionError("connection reset before Redis ran the script")]
+
+    def failing_once(*args: Any) -> int:
+        if failures:
+            raise failures.pop()
+        return dispatch(*args)
+
+    c.store.dispatch = failing_once
+    with pytest.raises(redis.ConnectionError):
+        c.step()
+    assert c.store.dispatched == [] and c.outstanding == {}
+    assert len(c.policy) == 2, "both back in the policy, to leave with a later plan"
+    c.step()
+    assert sorted(i for _, ids in c.store.dispatched for i in ids) == ["pair", "text"]
+    assert c.held == set() and len(c.policy) == 0
