@@ -199,7 +199,9 @@ class Coordinator:
 
     def shutdown(self) -> None:
         """Hand every request not yet dispatched back to the front of the request queue."""
-        held = [r.id for r in self.policy.drain() + self.deferred.drain()] + self.stage.drain()
+        # Oldest first, as they are taken again: admitted ones by arrival, then those taken later.
+        admitted = sorted(self.policy.drain() + self.deferred.drain(), key=lambda r: r.arrival_s)
+        held = [r.id for r in admitted] + self.stage.drain()
         held += self._ahead_ids()  # taken by the last wait or a failed step, never admitted
         self._ahead = None
         self.stage.close()

@@ -661,7 +661,8 @@ def test_a_failed_publish_puts_back_the_batches_of_every_queue_it_did_not_reach(
     def failing_once(*args: Any) -> int:
         if failures:
             raise failures.pop()
-        return dispatch(*args)
+        assigned: int = dispatch(*args)
+        return assigned
 
     c.store.dispatch = failing_once
     with pytest.raises(redis.ConnectionError):
@@ -671,3 +672,17 @@ def test_a_failed_publish_puts_back_the_batches_of_every_queue_it_did_not_reach(
     c.step()
     assert sorted(i for _, ids in c.store.dispatched for i in ids) == ["pair", "text"]
     assert c.held == set() and len(c.policy) == 0
+
+
+def test_shutdown_hands_back_the_requests_it_holds_oldest_first(clocks: Clocks) -> None:
+    """The requeue puts them back in the order given, and the next take serves them in that order:
+    across bins (each drained on its own), the oldest must still come first."""
+    c = coordinator(clocks, workers=0)  # no worker: everything waits in the policy
+    arrivals = [("long-1", "a fairly long text " * 8), ("short", "hi"), ("long-2", "a fairly long text " * 8)]
+    for request_id, text in arrivals:
+        c.store.queue.append((request_id, message(request_id, text)))
+        c.step()
+        clocks.advance(0.01)
+    assert len(c.policy) == 3
+    c.shutdown()
+    assert c.store.requeued == ["long-1", "short", "long-2"]

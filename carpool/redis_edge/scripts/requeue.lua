@@ -1,5 +1,5 @@
 -- requeue: put requests back at the front of the list each was taken from (its recorded origin, else
--- the base request list), verbatim, and forget them in every in-flight key. Given ids, those (a
+-- the base request list), verbatim and in the order given, and forget them in every in-flight key. Given ids, those (a
 -- coordinator's shutdown); given none, every request whose lease has run out (its holder died), up
 -- to a limit.
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] owner HASH, KEYS[4] claimed HASH, KEYS[5] origin HASH,
@@ -46,6 +46,15 @@ for k, id in ipairs(ids) do
   end
 end
 chunked('ZREM', KEYS[1], forget)
-for _, origin in ipairs(order) do chunked('RPUSH', origin, pushes[origin]) end
+-- Pushed last one first: the take pops from the end pushed to, so the ids given first (the oldest,
+-- as callers give them; the first lease to run out, when reaping) are taken first again.
+for _, origin in ipairs(order) do
+  local list = pushes[origin]
+  for a = 1, math.floor(#list / 2) do
+    local b = #list - a + 1
+    list[a], list[b] = list[b], list[a]
+  end
+  chunked('RPUSH', origin, list)
+end
 for key = 2, 5 do chunked('HDEL', KEYS[key], ids) end
 return n
