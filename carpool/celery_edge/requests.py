@@ -64,6 +64,8 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     if not isinstance(task_id, str) or not task_id:
         raise MalformedMessage("Celery message without a task id")
     props = envelope.get("properties") or {}
+    if not isinstance(props, dict):
+        raise MalformedMessage("not a Celery message: its properties are not an object")
     body = envelope.get("body")
     try:
         if props.get("body_encoding") == "base64":
@@ -106,13 +108,23 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         kwargs=kwargs,
         priority=_priority(props.get("priority")),
         sent_at=_number(headers.get(SENT_AT_HEADER)),
-        expires_at=_when(headers.get("expires")),
+        expires_at=_when(headers.get("expires"), "expires"),
         argsrepr=str(headers.get("argsrepr") or "")[:200],
         kwargsrepr=str(headers.get("kwargsrepr") or "{}")[:200],
-        eta_at=None if eta is None else _when(eta),
+        eta_at=None if eta is None else _when(eta, "eta"),
         links=links,
         inbox=inbox if type(inbox) is str and inbox else None,
     )
+
+
+def inbox_in(raw: bytes) -> str | None:
+    """The result inbox channel named in the message ``raw``, without decoding its body; None when
+    it names none or is no Celery message."""
+    try:
+        inbox = json_loads(raw).get("headers").get(INBOX_HEADER)
+    except (ValueError, UnicodeDecodeError, AttributeError):  # not JSON, or no headers object
+        return None
+    return inbox if type(inbox) is str and inbox else None
 
 
 def _links(embed: Any, headers: dict[str, Any]) -> Links:
@@ -144,29 +156,50 @@ def _signatures(embed: dict[str, Any], key: str) -> list[dict[str, Any]]:
 def _priority(value: Any) -> int:
     try:
         return max(0, min(255, int(value)))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a client's Infinity
         return 0
 
 
 def _number(value: Any) -> float | None:
     """A finite number of seconds, else None (a client's ``NaN`` or ``Infinity`` means nothing here)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            return None
         if math.isfinite(number):
             return number
     return None
 
 
-def _when(value: Any) -> float | None:
-    """Celery sends ``eta`` and ``expires`` as ISO 8601 datetimes (or, from old clients, epoch seconds)."""
+# The epoch seconds a UTC datetime can hold: from year 1 up to, not including, year 10000.
+_EARLIEST = datetime.min.replace(tzinfo=UTC).timestamp()
+_END = datetime.max.replace(tzinfo=UTC).timestamp()  # rounds up to the first instant of year 10000
+
+
+def _when(value: Any, header: str) -> float | None:
+    """Celery sends ``eta`` and ``expires`` as ISO 8601 datetimes (or, from old clients, epoch seconds).
+
+    Raises :class:`MalformedMessage` for a time no datetime can hold: it could be neither compared
+    with a datetime nor reported as one (Flower's eta), and it is no time a request runs or expires at.
+    """
     if value is None:
         return None
     if isinstance(value, int | float):
-        return _number(value)
-    try:
-        dt = datetime.fromisoformat(str(value))
-    except ValueError:
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=UTC)
-    return dt.timestamp()
+        when = _number(value)
+        if when is None:
+            return None
+    else:
+        try:
+            dt = datetime.fromisoformat(str(value))
+        except ValueError:
+            return None
+        if dt.tzinfo is None:
+            dt = dt.replace(tzinfo=UTC)
+        when = dt.timestamp()  # a UTC offset can move a time in year 1 or 9999 past either end
+    if not _EARLIEST <= when < _END:
+        raise MalformedMessage(
+            f"{header} {value!r} lies outside the years 1 to 9999 that a datetime holds; "
+            f"send an {header} within them"
+        )
+    return when

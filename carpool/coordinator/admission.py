@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from carpool.batching import Request
+from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.requests import Incoming
 from carpool.coordinator.answers import answer_revoked, dead_letter, fail
 from carpool.coordinator.intake import Intake, Refused
@@ -24,9 +25,13 @@ def admit_taken(c: Coordinator, taken: list[tuple[str, bytes]], now: float) -> N
     c.stats.taken += len(taken)
     c.metrics.requests.inc(len(taken))
     if len(c.revoked_ids):
-        taken, revoked = c.revoked_ids.split(taken)
+        kept, revoked = c.revoked_ids.split(taken)
         if revoked:
-            answer_revoked(c, revoked)
+            # Their producers' gather waits on the inboxes their messages name, as for any answer.
+            gone = set(revoked)
+            inboxes = {i: inbox for i, raw in taken if i in gone and (inbox := protocol.inbox_in(raw))}
+            answer_revoked(c, revoked, inboxes)
+        taken = kept
     room = c.settings.max_pending - len(c.policy) - len(c.deferred) - c.stage.reserved
     if c.stage.busy or len(taken) > c.settings.max_batch:
         c.stage.submit(taken, room)

@@ -4,13 +4,16 @@ Per message: decode it (what is not a carpool request is set aside to be dead-le
 task accept it (bind and validate its arguments, name its routing key), refuse it when
 ``CARPOOL_MAX_PENDING`` requests already wait; then per routing key, one ``prepare`` call of its task
 measures every value taken (``carpool.infer``: one tokenizer call per model; a ``@batched`` task: its
-length function) and says what travels to the worker; last, the producer's wall-clock times move
-onto the coordinator's monotonic clock. No I/O: the tasks and both clocks' readings are passed in,
-and the caller stores the failures.
+length function) and says what travels to the worker (where that call raises, one call per value
+refuses only the values it raises for); last, the producer's wall-clock times move onto the
+coordinator's monotonic clock. A message whose decoding or acceptance raises is dead-lettered or
+refused alone. No I/O: the tasks and both clocks' readings are passed in, and the caller stores
+the failures.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +22,12 @@ from carpool.batching import Request
 from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.requests import Incoming
 from carpool.config import Settings
-from carpool.errors import CarpoolError, InputTooLong, InvalidInput, MalformedMessage, QueueFull
+from carpool.errors import CarpoolError, InputTooLong, InvalidInput, MalformedMessage, QueueFull, described
 from carpool.names import INFER_TASK
-from carpool.registry import TaskSpec
+from carpool.registry import Prepared, TaskSpec
 from carpool.wire import Links, RequestSlot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +131,53 @@ def to_request(
     )
 
 
+def not_accepted(msg: Incoming, exc: Exception) -> InvalidInput:
+    """The refusal of ``msg``, whose task's ``accept`` raised ``exc`` instead of InvalidInput."""
+    if not isinstance(msg.args, list | None) or not isinstance(msg.kwargs, dict | None):
+        # Celery itself could not call a task with these: the message's fault, not carpool's.
+        return InvalidInput(
+            f"{msg.task}: a Celery message carries its args as a list and its kwargs as an object, "
+            f"not a {type(msg.args).__name__} and a {type(msg.kwargs).__name__}"
+        )
+    log.error("%s: accepting request %s raised; refusing it", msg.task, msg.id, exc_info=exc)
+    return InvalidInput(f"{msg.task}: its arguments could not be taken: {described(exc)}")
+
+
+def prepared(spec: TaskSpec, key: str, values: list[Any], settings: Settings) -> Prepared:
+    """``spec.prepare`` of ``values``; where that raises, each value is prepared alone and those it
+    still raises for are refused, so that one bad value fails only its own request."""
+    try:
+        out = spec.prepare(key, values, settings)
+        if len(out.lengths) == len(out.items) == len(values):
+            return out
+        raise ValueError(
+            f"prepare gave {len(out.lengths)} lengths, {len(out.items)} items for {len(values)} values"
+        )
+    except Exception:
+        log.warning(
+            "%s: preparing %d requests for %s raised; preparing each alone to refuse only those it fails for",
+            spec.name,
+            len(values),
+            key,
+            exc_info=True,
+        )
+    lengths: list[int | InvalidInput] = []
+    items: list[Any] = []
+    for value in values:
+        try:
+            [length], [item] = spec.prepare(key, [value], settings)
+        except InvalidInput as exc:
+            length, item = exc, None
+        except Exception as exc:
+            length = InvalidInput(
+                f"{spec.name}: preparing this request's input for {key} raised {described(exc)}"
+            )
+            item = None
+        lengths.append(length)
+        items.append(item)
+    return Prepared(lengths, items)
+
+
 def take_in(
     taken: Sequence[tuple[str, bytes]],
     *,
@@ -148,11 +200,19 @@ def take_in(
         except MalformedMessage as exc:
             out.malformed.append(Malformed(request_id, raw, str(exc)))
             continue
+        except Exception as exc:
+            # A decoding defect this message exposes: it alone is dead-lettered, kept to be looked at.
+            log.exception("decoding message %s raised; dead-lettering it", request_id)
+            out.malformed.append(Malformed(request_id, raw, f"decoding raised {described(exc)}"))
+            continue
         spec = specs[msg.task]
         try:
             key, value = spec.accept(msg.args, msg.kwargs, settings)
         except InvalidInput as exc:
             out.refused.append(Refused(msg.id, "invalid", exc, message=msg))
+            continue
+        except Exception as exc:  # only this request is refused; the others taken with it go on
+            out.refused.append(Refused(msg.id, "invalid", not_accepted(msg, exc), message=msg))
             continue
         if room <= 0:
             out.refused.append(Refused(msg.id, "queue_full", queue_full(settings.max_pending), message=msg))
@@ -165,7 +225,7 @@ def take_in(
 
     deadline_s = settings.default_deadline_s
     for key, (spec, entries) in by_key.items():
-        lengths, items = spec.prepare(key, [value for _, value in entries], settings)
+        lengths, items = prepared(spec, key, [value for _, value in entries], settings)
         for (msg, _), length, item in zip(entries, lengths, items, strict=True):
             if isinstance(length, InvalidInput):
                 reason = "too_long" if isinstance(length, InputTooLong) else "invalid"

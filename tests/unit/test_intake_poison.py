@@ -1,0 +1,223 @@
+"""A message that decoding, accepting or preparing cannot take fails alone (dead-lettered or refused):
+the requests taken with it are admitted, and the coordinator's step goes on."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from carpool.celery_edge import requests as protocol
+from carpool.config import Settings
+from carpool.coordinator.intake import take_in
+from carpool.errors import InvalidInput
+from carpool.models.task import InferSpec
+from tests.unit.messages import message
+from tests.unit.test_coordinator_loop import Clocks, FakeStore, HeardRevokes, coordinator
+from tests.unit.test_intake import NOW, WALL, Words, run, settings
+
+INBOX = {"carpool_inbox": "celery-task-meta-carpool.inbox.poison"}
+
+
+class Picky(Words):
+    """Words, except that its ``encode`` raises for any text holding "poison", as a tokenizer might."""
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        if any("poison" in t for t in texts):
+            raise ValueError("cannot tokenize that text")
+        return super().encode(texts)
+
+
+def rewritten(raw: bytes, **envelope: Any) -> bytes:
+    """``raw`` with top-level envelope fields replaced (``properties``, ``content-encoding``...)."""
+    out = json.loads(raw)
+    out.update({key.replace("_", "-"): value for key, value in envelope.items()})
+    return json.dumps(out).encode()  # Python's json writes float("inf") as Infinity
+
+
+def with_body(raw: bytes, args: Any, kwargs: Any) -> bytes:
+    """``raw`` carrying ``args`` and ``kwargs`` as they are, whatever their type."""
+    out = json.loads(raw)
+    body = json.loads(base64.b64decode(out["body"]))
+    out["body"] = base64.b64encode(json.dumps([args, kwargs, body[2]]).encode()).decode()
+    return json.dumps(out).encode()
+
+
+def admitted_ids(out: Any) -> list[str]:
+    return [req.id for _, req in out.admitted]
+
+
+# --- take_in ---------------------------------------------------------------------------------------
+def test_a_text_whose_encode_raises_is_refused_alone_and_the_rest_of_its_group_admitted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    taken = [
+        (i, message(i, text)) for i, text in (("a", "one two"), ("bad", "a poison pill"), ("b", "three"))
+    ]
+    with caplog.at_level(logging.WARNING, logger="carpool.coordinator.intake"):
+        out, models = run(taken, models={"toy": Picky()})
+    assert admitted_ids(out) == ["a", "b"] and not out.malformed
+    [refused] = out.refused
+    assert refused.id == "bad" and refused.reason == "invalid"
+    assert isinstance(refused.error, InvalidInput)
+    assert "ValueError: cannot tokenize that text" in str(refused.error) and "toy" in str(refused.error)
+    assert models["toy"].encoded == [["one two"], ["three"]], "after the group failed, one text per call"
+    assert any(r.exc_info for r in caplog.records), "the group's failure is logged with its traceback"
+
+
+def test_a_prepare_that_answers_for_too_few_values_prepares_each_alone() -> None:
+    class Short(Words):
+        def encode(self, texts: Sequence[str]) -> list[list[int]]:
+            return super().encode(texts)[:1]
+
+    out, _ = run([("a", message("a", "one")), ("b", message("b", "two words"))], models={"toy": Short()})
+    assert admitted_ids(out) == ["a", "b"] and not out.refused
+    assert [req.length for _, req in out.admitted] == [1, 2]
+
+
+@pytest.mark.parametrize("priority", [float("inf"), float("-inf")])
+def test_an_infinite_priority_counts_as_none_given(priority: float) -> None:
+    raw = message("a", "hi")
+    inf = rewritten(raw, properties={**json.loads(raw)["properties"], "priority": priority})
+    out, _ = run([("a", inf), ("b", message("b", "hi"))])
+    assert admitted_ids(out) == ["a", "b"]
+    assert out.admitted[0][1].priority == out.admitted[1][1].priority
+
+
+def test_properties_that_are_not_an_object_make_the_message_malformed() -> None:
+    out, _ = run([("a", rewritten(message("a", "hi"), properties=[1])), ("b", message("b", "hi"))])
+    [bad] = out.malformed
+    assert bad.id == "a" and "properties are not an object" in bad.reason
+    assert admitted_ids(out) == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "named"), [(["hi"], [1], "kwargs"), (["hi"], "model", "kwargs"), (5, {}, "args")]
+)
+def test_args_or_kwargs_celery_could_not_call_with_are_refused_naming_the_protocol(
+    args: Any, kwargs: Any, named: str
+) -> None:
+    out, _ = run([("a", with_body(message("a", "hi"), args, kwargs)), ("b", message("b", "hi"))])
+    [refused] = out.refused
+    assert refused.id == "a" and refused.reason == "invalid"
+    assert isinstance(refused.error, InvalidInput)
+    assert f"{named} " in str(refused.error), "names what is wrong"
+    assert admitted_ids(out) == ["b"]
+
+
+@pytest.mark.parametrize("header", ["eta", "expires"])
+@pytest.mark.parametrize("when", [1e15, -1e15, "9999-12-31T23:00:00-05:00", "0001-01-01T00:30:00+01:00"])
+def test_an_eta_or_expires_no_datetime_holds_makes_the_message_malformed(header: str, when: Any) -> None:
+    raw = message("far", "hi", extra_headers={header: when})
+    out, _ = run([("far", raw), ("b", message("b", "hi"))])
+    [bad] = out.malformed
+    assert bad.id == "far" and bad.reason.startswith(f"{header} {when!r} lies outside the years 1 to 9999")
+    assert admitted_ids(out) == ["b"]
+
+
+def test_an_eta_on_the_last_day_a_datetime_holds_is_kept() -> None:
+    out, _ = run([("a", message("a", "hi", eta="9999-12-31T23:59:59+00:00"))])
+    [(msg, _)] = out.admitted
+    assert msg.eta_at is not None and msg.eta_at > WALL
+
+
+def test_a_sent_at_integer_too_large_for_a_float_counts_as_absent() -> None:
+    raw = message("a", "hi", extra_headers={"carpool_sent_at": 10**400})
+    out, _ = run([("a", raw)])
+    [(_, req)] = out.admitted
+    assert req.arrival_s == NOW and req.payload["sent_at"] == WALL
+
+
+def test_a_message_whose_decoding_raises_unexpectedly_is_dead_lettered_with_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    decode = protocol.decode
+
+    def flawed(raw: bytes, tasks: Any) -> protocol.Incoming:
+        if b'"poison"' in raw:  # its task id: the body is base64
+            raise RuntimeError("a defect in decoding")
+        return decode(raw, tasks)
+
+    monkeypatch.setattr(protocol, "decode", flawed)
+    with caplog.at_level(logging.ERROR, logger="carpool.coordinator.intake"):
+        out, _ = run([("poison", message("poison", "hi")), ("b", message("b", "hi"))])
+    [bad] = out.malformed
+    assert bad.id == "poison" and bad.reason == "decoding raised RuntimeError: a defect in decoding"
+    assert admitted_ids(out) == ["b"]
+    assert [r.exc_info is not None for r in caplog.records] == [True]
+
+
+def test_an_accept_raising_something_else_than_invalid_input_refuses_that_request_and_logs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    @dataclass(frozen=True, slots=True)
+    class Touchy(InferSpec):
+        def accept(self, args: Any, kwargs: Any, settings: Settings) -> tuple[str, Any]:
+            if args == ["poison"]:
+                raise KeyError("a defect in accepting")
+            return InferSpec.accept(self, args, kwargs, settings)
+
+    models = {"toy": Words()}
+    specs = {"carpool.infer": Touchy("carpool.infer", model_of=models.__getitem__)}
+    taken = [("bad", message("bad", "poison")), ("b", message("b", "hi"))]
+    with caplog.at_level(logging.ERROR, logger="carpool.coordinator.intake"):
+        out = take_in(taken, settings=settings(), specs=specs, room=10, now=NOW, wall_now=WALL)
+    [refused] = out.refused
+    assert refused.id == "bad" and "KeyError: 'a defect in accepting'" in str(refused.error)
+    assert admitted_ids(out) == ["b"]
+    assert [r.exc_info is not None for r in caplog.records] == [True]
+
+
+# --- the coordinator's step ------------------------------------------------------------------------
+class DeadLetters(FakeStore):
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.dead: list[tuple[str, str]] = []
+
+    def dead_letter(self, request_id: str, raw: bytes, reason: str) -> None:
+        self.dead.append((request_id, reason))
+
+
+@pytest.fixture
+def clocks() -> Clocks:
+    return Clocks()
+
+
+def test_an_eta_no_datetime_holds_stops_neither_the_step_nor_the_requests_taken_after_it(
+    clocks: Clocks,
+) -> None:
+    c = coordinator(clocks, workers=0)
+    c.store = DeadLetters(0)
+    c.store.queue += [("far", message("far", "hi", extra_headers={"eta": 1e15})), ("b", message("b", "hi"))]
+    c.step()
+    assert [request_id for request_id, _ in c.store.dead] == ["far"]
+    assert len(c.policy) == 1 and c.held == {"b"}
+
+
+def test_a_request_revoked_before_admission_is_answered_through_its_result_inbox(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0)
+    c.revokes = HeardRevokes()
+    c.revokes.heard.append("gone")
+    c.store.queue += [
+        ("gone", message("gone", "hi", extra_headers=INBOX)),
+        ("kept", message("kept", "hi", extra_headers=INBOX)),
+    ]
+    c.step()
+    assert [(i, state) for i, state, _ in c.backend.stored] == [("gone", "REVOKED")]
+    assert c.backend.inboxes == {"gone": INBOX["carpool_inbox"]}
+    assert len(c.policy) == 1
+
+
+def test_a_revoked_message_naming_no_inbox_or_none_decodable_is_answered_without_one(clocks: Clocks) -> None:
+    c = coordinator(clocks, workers=0)
+    c.revokes = HeardRevokes()
+    c.revokes.heard += ["plain", "garbage"]
+    c.store.queue += [("plain", message("plain", "hi")), ("garbage", b"not even a message")]
+    c.step()
+    assert sorted(i for i, _, _ in c.backend.stored) == ["garbage", "plain"]
+    assert c.backend.inboxes == {}
