@@ -64,7 +64,7 @@ class BatchedTask(Task):  # type: ignore[misc]  # Celery is untyped
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         self.validate(args, kwargs)
-        check_options(self.name, options)
+        check_options(self.name, options, self.app)
         # The coordinator drains the request queue, whatever the app's default queue is.
         options.setdefault("queue", settings_of(self.app).request_queue)
         headers = dict(options.pop("headers", None) or {})

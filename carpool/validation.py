@@ -7,6 +7,7 @@ change; nothing here imports torch.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from carpool.codec import dumps_exact
@@ -22,8 +23,26 @@ class InferPayload(NamedTuple):
     model: str
 
 
+def check_call_shape(task_name: str, args: Any, kwargs: Any) -> None:
+    """Raise :class:`InvalidInput` unless ``args`` is a list or tuple and ``kwargs`` a mapping (each
+    may be None), as Celery's ``apply_async`` requires: a string would otherwise be taken apart
+    into its characters, one argument each."""
+    if args is not None and not isinstance(args, list | tuple):
+        raise InvalidInput(
+            f"{task_name}: args must be a list or tuple of the call's arguments, got "
+            f"{type(args).__name__} ({_short(args)}); pass args as a tuple: "
+            f"{_short_name(task_name)}.apply_async(({_short(args)},))"
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise InvalidInput(
+            f"{task_name}: kwargs must be a dict of keyword arguments, got {type(kwargs).__name__} "
+            f"({_short(kwargs)}); pass a dict naming each argument (kwargs={{'name': value}}) or none"
+        )
+
+
 def bind_infer_args(args: Any, kwargs: Any) -> tuple[Any, Any]:
     """(text, model) from ``infer``'s call arguments, as Celery would bind them."""
+    check_call_shape("carpool.infer", args, kwargs)
     args = list(args or ())
     kwargs = dict(kwargs or {})
     unknown = set(kwargs) - {"text", "model"}
@@ -71,6 +90,7 @@ def validate_infer(text: Any, model: Any, settings: Settings) -> InferPayload:
 
 def bind_item(task_name: str, args: Any, kwargs: Any) -> Any:
     """The one item of a ``@batched`` task's call, or raise :class:`InvalidInput`."""
+    check_call_shape(task_name, args, kwargs)
     if kwargs or not isinstance(args, list | tuple) or len(args) != 1:
         raise InvalidInput(
             f"{task_name} takes exactly one item per request, got args={_short(args)} "
@@ -117,6 +137,11 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _short_name(task_name: str) -> str:
+    """How a caller names the task in code: ``infer`` for ``carpool.infer``, ``shout`` for ``myapp.shout``."""
+    return task_name.rpartition(".")[2] or task_name
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -11,6 +11,10 @@ request's result is stored, the process that stored it applies them as ``celery/
   raises instead of waiting forever), and the error callbacks are called through the backend, which
   runs new-style ``(request, exc, traceback)`` ones in this process and sends the others as tasks.
 
+A callback, error callback or chain step that cannot be sent (a carpool task refusing its arguments,
+a task that would fall to the batch queue) has its failure stored under its own id, and a chain's
+under the ids its result waits on, so whoever waits on it gets the error instead of waiting forever.
+
 Links are applied after the results are stored, outside the script that stores them: a process that
 dies in between loses them (at most once). Only the run whose result was stored applies them, so a
 request run twice (a rerun after recovery) does not apply them twice.
@@ -19,7 +23,7 @@ request run twice (a rerun after recovery) does not apply them twice.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Celery, group
@@ -29,7 +33,8 @@ from celery.canvas import maybe_signature
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.results import FAILURE
-from carpool.errors import UnroutableLink
+from carpool.producer.options import CHORD_TASK, check_options, unroutable
+from carpool.registry import spec_for
 from carpool.wire import Links
 
 log = logging.getLogger(__name__)
@@ -45,32 +50,57 @@ def chain_failures(links: Links | None, exc: BaseException) -> list[Entry]:
 
 
 def _steps_failed(steps: Sequence[Any], exc: BaseException) -> list[Entry]:
-    out: list[Entry] = []
+    """``exc`` as the failure of each step and of every id a result of the step waits on."""
+    ids: dict[str, None] = {}  # ordered, without repeats
     for step in steps:
-        options = step.get("options") if isinstance(step, dict) else None
-        task_id = options.get("task_id") if isinstance(options, dict) else None
-        if isinstance(task_id, str) and task_id:
-            out.append((task_id, FAILURE, exc))
-    return out
+        _result_ids(step, ids)
+    return [(task_id, FAILURE, exc) for task_id in ids]
+
+
+def _result_ids(step: Any, into: dict[str, None]) -> None:
+    """Add the step's own id and, for a canvas, the ids its result waits on: a group's members', a
+    chain's steps', a chord's header and body (a chain's result holding a chord waits on the body's)."""
+    if isinstance(step, list | tuple):  # a chord's header before it is frozen into a group
+        for member in step:
+            _result_ids(member, into)
+        return
+    if not isinstance(step, Mapping):
+        return
+    options = step.get("options")
+    task_id = options.get("task_id") if isinstance(options, Mapping) else None
+    if isinstance(task_id, str) and task_id:
+        into[task_id] = None
+    kwargs = step.get("kwargs")
+    if not isinstance(kwargs, Mapping):
+        return
+    task = step.get("task")
+    if task == CHORD_TASK:
+        _result_ids(kwargs.get("header"), into)
+        _result_ids(kwargs.get("body"), into)
+    elif task in ("celery.group", "celery.chain"):
+        for member in kwargs.get("tasks") or ():
+            _result_ids(member, into)
 
 
 def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[Entry]:
     """Apply ``links``' callbacks and the chain's next step with ``result``, as the tracer does.
 
-    Returns failure entries for the chain's steps when its next step cannot be sent (a carpool step
-    that refuses the result as its input, say): the caller stores them, so the chain's result says
-    why instead of never coming.
+    Returns failure entries for the callbacks that cannot be sent, and for the chain's steps when its
+    next step cannot be (a carpool task that refuses the result as its input, say): the caller stores
+    them, so the callback's or the chain's result says why instead of never coming.
     """
     root_id = links.get("root_id") or request_id
+    failed: list[Entry] = []
     callbacks = links.get("callbacks")
     if callbacks:
+        signatures, failed = _sendable(app, request_id, "callback", callbacks, (result,))
         try:
-            _apply_callbacks(app, callbacks, result, request_id, root_id)
+            _apply_callbacks(app, signatures, result, request_id, root_id)
         except Exception:
             log.exception("request %s: applying its callbacks failed; they are lost", request_id)
     chain = links.get("chain")
     if not chain:
-        return []
+        return failed
     try:
         step = _routed(app, maybe_signature(chain[-1], app=app))
         step.apply_async(
@@ -78,13 +108,57 @@ def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[
         )
     except Exception as exc:
         log.warning("request %s: the chain's next step could not be sent: %s", request_id, exc)
-        return _steps_failed(chain, exc)
-    return []
+        return failed + _steps_failed(chain, exc)
+    return failed
 
 
-def _apply_callbacks(app: Celery, callbacks: list[Any], result: Any, parent_id: str, root_id: str) -> None:
+def _sendable(
+    app: Celery, request_id: str, kind: str, signatures: Sequence[Any], args: tuple[Any, ...]
+) -> tuple[list[Any], list[Entry]]:
+    """The signatures that can be sent with ``args``, and failure entries for the others.
+
+    Sending one that is refused would raise part-way through the group the others go in, so each is
+    checked first (as :class:`~carpool.tasks.BatchedTask` checks a carpool task's call), and one that
+    fails has its failure stored under its ids, as a chain step's is.
+    """
+    kept: list[Any] = []
+    failed: list[Entry] = []
+    for raw in signatures:
+        sig = maybe_signature(raw, app=app)
+        why = _refusal(app, sig, args)
+        if why is None:
+            kept.append(sig)
+            continue
+        log.warning("request %s: %s %s not sent: %s", request_id, kind, sig.get("task"), why)
+        failed += _steps_failed([sig], why)
+    return kept, failed
+
+
+def _refusal(app: Celery, sig: Any, args: tuple[Any, ...]) -> Exception | None:
+    """Why ``sig`` applied with ``args`` would not be sent, or None (the checks sending it makes)."""
+    if isinstance(sig, group):
+        for member in sig.tasks:
+            why = _refusal(app, maybe_signature(member, app=app), args)
+            if why is not None:
+                return why
+        return None
+    spec = spec_for(sig.task)
+    try:
+        if spec is None:
+            _routed(app, sig)
+            return None
+        merged_args, merged_kwargs, options = sig._merge(args, None, None)
+        check_options(sig.task, options, app)
+        spec.accept(merged_args, merged_kwargs, settings_of(app))
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _apply_callbacks(app: Celery, signatures: list[Any], result: Any, parent_id: str, root_id: str) -> None:
     options: dict[str, Any] = {"parent_id": parent_id, "root_id": root_id, "add_to_parent": False}
-    signatures = [_routed(app, maybe_signature(sig, app=app)) for sig in callbacks]
+    if not signatures:
+        return
     if len(signatures) == 1:
         signatures[0].apply_async((result,), **options)
         return
@@ -98,34 +172,31 @@ def _apply_callbacks(app: Celery, callbacks: list[Any], result: Any, parent_id: 
 
 
 def _routed(app: Celery, sig: Any) -> Any:
-    """``sig``, or raise :class:`UnroutableLink` when it would go to the batch queue.
-
-    The carpool app's default queue is the batch queue, so a task this process does not know (a plain
-    Celery task whose module it does not import), sent without a queue of its own, would land where
-    batch workers reject it as unregistered, and its caller would wait forever.
-    """
-    if isinstance(sig, group) or sig.task in app.tasks:
+    """``sig``, or raise :class:`~carpool.errors.UnroutableLink` when it would go to the batch queue
+    (see :func:`carpool.producer.options.unroutable`)."""
+    if isinstance(sig, group):
         return sig
-    queue = app.amqp.router.route(dict(sig.options), sig.task, (), {})["queue"]
-    if queue.name == settings_of(app).batch_queue:
-        raise UnroutableLink(
-            f"{sig.task!r} is not a task this process knows and the signature names no queue, so it "
-            f"would go to the batch queue {queue.name!r}; give it its queue (sig.set(queue=...)) or "
-            "import its module here (CARPOOL_IMPORTS)"
-        )
+    refused = unroutable(app, sig.task, sig.options)
+    if refused is not None:
+        raise refused
     return sig
 
 
 def on_failure(app: Celery, request_id: str, task_name: str | None, links: Links, exc: BaseException) -> None:
-    """Call ``links``' error callbacks for the failed request ``request_id``, as the backend does."""
-    errbacks = []
-    for errback in links.get("errbacks") or ():
+    """Call ``links``' error callbacks for the failed request ``request_id``, as the backend does.
+
+    An error callback that cannot be sent has its failure stored here under its own id (write-once:
+    a result stored already stays), since the callers store only the request's own outcome.
+    """
+    # Each is checked with the argument an old-style error callback is sent: the failed request's id.
+    errbacks, failed = _sendable(
+        app, request_id, "error callback", links.get("errbacks") or (), (request_id,)
+    )
+    if failed:
         try:
-            _routed(app, maybe_signature(errback, app=app))
-        except UnroutableLink as why:
-            log.error("request %s: error callback not sent: %s", request_id, why)
-            continue
-        errbacks.append(errback)
+            app.backend.store_many(failed)
+        except Exception:
+            log.exception("request %s: storing its error callbacks' failures failed", request_id)
     if not errbacks:
         return
     request = Context(

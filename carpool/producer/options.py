@@ -5,15 +5,22 @@ scheduler would do for the others, carpool does itself: ``countdown`` / ``eta`` 
 holds the request until then), ``link`` / ``link_error`` and chains (the process that stores the
 result applies them, :mod:`carpool.celery_edge.links`), ``expires``, ``priority``, and ``revoke()``.
 Options it cannot honour would be dropped without a word; each is refused at the call instead, with
-what to do about it.
+what to do about it. The signatures in ``link`` / ``link_error`` / ``chain`` are checked the same way
+(each carpool step's own options, chords anywhere, steps that would fall to the batch queue): one
+that fails only when the worker applies it would leave its result waiting, so it is refused here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final
 
-from carpool.errors import UnsupportedOption
+from carpool.celery_edge.app import settings_of
+from carpool.errors import UnroutableLink, UnsupportedOption
+from carpool.registry import spec_for
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 _WHY: Final[Mapping[str, str]] = {
     "chord": (
@@ -25,10 +32,16 @@ _WHY: Final[Mapping[str, str]] = {
     "ignore_result": "every request's result is stored: it is how the batch answers each caller",
 }
 _JSON_ONLY: Final = ("serializer", "compression")
+# The options holding signatures that the process storing the result applies after it.
+_LINKS: Final = frozenset({"link", "link_error", "chain"})
+CHORD_TASK: Final = "celery.chord"
+_NESTING: Final = frozenset({"celery.group", "celery.chain"})  # their kwargs["tasks"] are signatures
 
 
-def check_options(task_name: str, options: Mapping[str, Any]) -> None:
-    """Raise :class:`~carpool.errors.UnsupportedOption` for the first option carpool cannot honour."""
+def check_options(task_name: str, options: Mapping[str, Any], app: Celery) -> None:
+    """Raise :class:`~carpool.errors.UnsupportedOption` for the first option carpool cannot honour,
+    in ``options`` or in a signature its ``link`` / ``link_error`` / ``chain`` holds (or
+    :class:`~carpool.errors.UnroutableLink` for such a signature that would go to the batch queue)."""
     for name, value in options.items():
         why = _WHY.get(name)
         if why is not None and value not in (None, False, [], ()):
@@ -38,3 +51,86 @@ def check_options(task_name: str, options: Mapping[str, Any]) -> None:
                 f"{task_name}: {name}={value!r} is not supported: carpool requests are plain JSON; "
                 f"drop {name}="
             )
+        if name in _LINKS and value:
+            for signature in _signatures(value):
+                _check_step(app, f"{task_name}: its {name}= step", signature)
+
+
+def _signatures(value: Any) -> Iterable[Any]:
+    """The signatures of a ``link`` / ``link_error`` / ``chain`` value: one, or a list of them."""
+    return (value,) if isinstance(value, Mapping) else value
+
+
+def _check_step(app: Celery, where: str, step: Any) -> None:
+    """Refuse ``step`` (a signature, as a dict) if carpool could not apply it as Celery would."""
+    if isinstance(step, list | tuple):  # a chord's header before it is frozen into a group
+        for member in step:
+            _check_step(app, where, member)
+        return
+    if not isinstance(step, Mapping):
+        return  # not a signature: Celery itself refuses it when the step is sent
+    task = step.get("task")
+    options = step.get("options") or {}
+    kwargs = step.get("kwargs") or {}
+    if task == CHORD_TASK:
+        header = kwargs.get("header")
+        carpool = next(_carpool_tasks(header), None)
+        if carpool is not None:
+            raise UnsupportedOption(
+                f"{where} is a chord (in a chain, Celery makes a group followed by a task one) whose "
+                f"header runs {carpool}, a carpool task: {_WHY['chord']}"
+            )
+        _check_step(app, where, header)
+        _check_step(app, where, kwargs.get("body"))
+    elif task in _NESTING:
+        for member in kwargs.get("tasks") or ():
+            _check_step(app, where, member)
+    elif isinstance(task, str) and spec_for(task) is not None:
+        # A carpool step is sent through BatchedTask.apply_async, which would refuse these options
+        # only once the step's turn came, leaving its result waiting.
+        check_options(f"{where} {task}", options, app)
+    elif isinstance(task, str):
+        # A plain Celery step: a Celery worker honours its options; only where it goes is carpool's.
+        refused = unroutable(app, task, options)
+        if refused is not None:
+            raise refused
+
+
+def _carpool_tasks(step: Any) -> Iterator[str]:
+    """The names of the carpool tasks in ``step`` and the groups, chains and chords it nests."""
+    if isinstance(step, list | tuple):  # a chord's header before it is frozen into a group
+        for member in step:
+            yield from _carpool_tasks(member)
+        return
+    if not isinstance(step, Mapping):
+        return
+    task = step.get("task")
+    kwargs = step.get("kwargs") or {}
+    if task == CHORD_TASK:
+        yield from _carpool_tasks(kwargs.get("header"))
+        yield from _carpool_tasks(kwargs.get("body"))
+    elif task in _NESTING:
+        for member in kwargs.get("tasks") or ():
+            yield from _carpool_tasks(member)
+    elif isinstance(task, str) and spec_for(task) is not None:
+        yield task
+
+
+def unroutable(app: Celery, task: str, options: Mapping[str, Any]) -> UnroutableLink | None:
+    """Why a signature of ``task`` with ``options``, sent from this process, would go to the batch
+    queue, or None.
+
+    The carpool app's default queue is the batch queue, so a task this process does not know (a plain
+    Celery task whose module it does not import), sent without a queue of its own, would land where
+    batch workers reject it as unregistered, and its caller would wait forever.
+    """
+    if task in app.tasks:
+        return None
+    queue = app.amqp.router.route(dict(options), task, (), {})["queue"]
+    if queue.name != settings_of(app).batch_queue:
+        return None
+    return UnroutableLink(
+        f"{task!r} is not a task this process knows and the signature names no queue, so it "
+        f"would go to the batch queue {queue.name!r}; give it its queue (sig.set(queue=...)) or "
+        "import its module here (CARPOOL_IMPORTS)"
+    )

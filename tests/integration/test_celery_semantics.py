@@ -145,6 +145,32 @@ def test_callbacks_and_error_callbacks(processes: Processes) -> None:
     assert carpool_app.AsyncResult(on_expiry.id).get(timeout=30)["out"] == expired.id.upper()
 
 
+def test_a_callback_that_cannot_be_sent_fails_under_its_own_id(processes: Processes) -> None:
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    # infer takes a text, and shout's result is a dict: only the worker holding it can tell.
+    refusing, counted = infer.s(), t.count.s()
+    for sig in (refusing, counted):
+        sig.freeze()
+    shouted = t.shout.apply_async(("hi",), link=[refusing, counted])
+    assert shouted.get(timeout=30)["out"] == "HI"
+    with pytest.raises(InvalidInput, match="text must be a str"):
+        carpool_app.AsyncResult(refusing.id).get(timeout=30)
+    assert carpool_app.AsyncResult(counted.id).get(timeout=30) == len(shouted.get(timeout=30))
+
+    # An old-style error callback is sent the failed request's id: with an argument of its own,
+    # shout is given two items.
+    two_items = t.shout.s("extra")
+    two_items.freeze()
+    failed = t.fragile.apply_async(("boom",), link_error=two_items)
+    with pytest.raises(ModelError):
+        failed.get(timeout=30)
+    with pytest.raises(InvalidInput, match="exactly one item"):
+        carpool_app.AsyncResult(two_items.id).get(timeout=30)
+
+
 def test_groups_of_carpool_tasks(processes: Processes) -> None:
     from carpool.tasks import infer
     from tests.integration import batched_tasks as t
@@ -208,6 +234,9 @@ def test_what_cannot_be_honoured_is_refused_at_the_call(processes: Processes) ->
     start_stack(processes, **ENV)
     with pytest.raises(UnsupportedOption, match="chord"):
         chord([t.shout.s("a"), t.shout.s("b")], t.count.s()).apply_async()
+    # In a chain, Celery makes a group followed by a task a chord: refused too, not left waiting.
+    with pytest.raises(UnsupportedOption, match="chord"):
+        chain(t.shout.s("a"), group(t.count.s(), t.count.s()), t.count.s()).apply_async()
 
 
 def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -> None:
