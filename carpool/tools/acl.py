@@ -115,11 +115,27 @@ def _broker_db(settings: Settings) -> int:
     return server_and_db(settings.broker_url)[1]
 
 
+def batch_queue_names(settings: Settings) -> list[str]:
+    """Every batch queue of the deployment: ``CARPOOL_BATCH_QUEUE`` and the own queue of each
+    ``@batched(batch_queue=...)`` task in ``CARPOOL_IMPORTS`` (its coordinators push there, the
+    workers that serve it consume it)."""
+    from carpool.registry import import_task_modules, registered
+
+    import_task_modules(settings.imports)
+    queues = [settings.batch_queue]
+    for spec in registered().values():
+        if spec.batch_queue and spec.batch_queue not in queues:
+            queues.append(spec.batch_queue)
+    return queues
+
+
 def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
     """The rules of every role for the deployment ``settings`` describe."""
     keys = Keys(settings.request_queue)
     requests = priority_lists(settings.request_queue)
-    batches = priority_lists(settings.batch_queue)
+    batch_queues = batch_queue_names(settings)
+    batches = [name for queue in batch_queues for name in priority_lists(queue)]
+    batch_bindings = [table % queue for queue in batch_queues for table in (BINDING_TABLE, BINDING_PERMANENT)]
     results = glob_escape(RESULT_KEY_PREFIX) + "*"
     reports = glob_escape(keys.reports_for("")) + "*"
     gauges = glob_escape(keys.gauges_of("")) + "*"
@@ -130,6 +146,13 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
     replies = (
         f"*{glob_escape('.' + REPLY_EXCHANGE)}",
         f"*{glob_escape('.' + REPLY_EXCHANGE + PRIORITY_SEP)}?",
+    )
+    # WAIT behind a write of its own, for what another connection (Celery's publish, the results'
+    # server) wrote: every role that waits on replicas publishes on the fence channel.
+    fence = Grant(
+        "the replication fence, a write of its own to WAIT behind (CARPOOL_WAIT_REPLICAS)",
+        ("publish",),
+        channels=(glob_escape(FENCE_CHANNEL),),
     )
     consumer_bindings = Grant(
         "kombu's binding tables, which every Celery consumer declares, refreshes and sweeps",
@@ -194,20 +217,21 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 _SCRIPTS,
                 (
                     *_exact(requests),
-                    *_exact([*inflight, keys.workers, settings.batch_queue]),
+                    *_exact([*inflight, keys.workers, *batch_queues]),
                     f"~{reports}",
                     f"~{results}",
                 ),
             ),
-            Grant("push batches to the workers' queue", ("lpush",), _exact([settings.batch_queue])),
+            Grant("push batches to the workers' queues", ("lpush",), _exact(batch_queues)),
             Grant(
                 "write its gauges, which expire unless rewritten, and list itself as their writer",
                 ("hset", "expire", "del", "zadd", "zrem", "zremrangebyscore"),
                 (f"~{gauges}", *_exact([keys.coordinators])),
             ),
             Grant(
-                "store a rejected request's error, write-once, and wake its producer (its result inbox too)",
-                ("set", "publish"),
+                "store a rejected request's error, write-once (a refused write is read back: a resent"
+                " store answers as its first sending did), and wake its producer (its result inbox too)",
+                ("set", "get", "publish"),
                 (f"~{results}",),
                 (results,),
             ),
@@ -217,6 +241,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 channels=(f"{events}task.multi", f"{events}task.sent"),
             ),
             send_requests,
+            fence,
             Grant("hear revoke() broadcasts", ("subscribe", "unsubscribe"), channels=(pidbox,)),
         ),
     )
@@ -230,6 +255,11 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 + _commands("time hset hsetnx hget hmget hdel lpush ltrim expire")
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
                 (*_exact([*inflight, keys.workers]), f"~{reports}"),
+            ),
+            Grant(
+                "count the results write-once refused (a rerun's), in the stats hash",
+                ("hincrby",),
+                _exact([keys.stats]),
             ),
             Grant(
                 "read the revokes coordinators recorded, at start (never change them)",
@@ -254,10 +284,10 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 "consume the batch queue (its claim script takes the next message with LINDEX and RPOP;"
                 " one it cannot run now goes back with RPUSH)",
                 ("brpop", "llen", "sadd", "lindex", "rpop", "rpush"),
-                _exact(batches)
-                + _exact([BINDING_TABLE % settings.batch_queue, BINDING_PERMANENT % settings.batch_queue]),
+                _exact(batches) + _exact(batch_bindings),
             ),
             Grant("worker and task events", ("publish",), channels=(f"{events}*",)),
+            fence,
             Grant(
                 "remote control: hear broadcasts, reply to the asker, its own mailbox queue",
                 ("psubscribe", "punsubscribe", "lpush", "llen", "del"),

@@ -213,6 +213,37 @@ def test_worker_is_a_celery_consumer_and_flower_reads(roles: dict[acl.Role, Role
     assert not allowed(flower, "hgetall", (Keys("carpool.requests").inflight_raw,))
 
 
+def test_every_role_that_waits_on_replicas_may_publish_its_fence(roles: dict[acl.Role, RoleAcl]) -> None:
+    """The coordinator fences its takes, a worker its results on another server (CARPOOL_WAIT_REPLICAS)."""
+    from carpool.redis_edge.replication import FENCE_CHANNEL
+
+    for role in ("producer", "coordinator", "worker"):
+        assert allowed(roles[role], "publish", channels=(FENCE_CHANNEL,)), role
+    assert not allowed(roles["flower"], "publish", channels=(FENCE_CHANNEL,))
+
+
+def test_a_worker_counts_refused_writes_and_a_coordinator_reads_back_a_refused_one(
+    roles: dict[acl.Role, RoleAcl],
+) -> None:
+    stats = Keys("carpool.requests").stats
+    assert allowed(roles["worker"], "hincrby", (stats,))
+    assert not allowed(roles["worker"], "hdel", (stats,))
+    assert allowed(roles["coordinator"], "get", (RESULT,))  # finish.lua, when a write is refused
+
+
+def test_the_batch_queues_of_batched_tasks_are_in_the_rules() -> None:
+    """@batched(batch_queue=...) tasks in CARPOOL_IMPORTS: their coordinators push there, their
+    workers consume there."""
+    roles = acl.role_acls(settings(imports=("tests.integration.batched_tasks",)))
+    own = acl.priority_lists("carpool.batches.pairs")
+    assert allowed(roles["coordinator"], "lpush", ("carpool.batches.pairs",))
+    assert allowed(roles["coordinator"], "evalsha", ("carpool.batches.pairs",))
+    assert allowed(roles["worker"], "brpop", tuple(own))
+    assert allowed(roles["worker"], "sadd", ("_kombu.binding.carpool.batches.pairs",))
+    assert allowed(roles["flower"], "llen", tuple(own))
+    assert not allowed(roles["producer"], "lpush", ("carpool.batches.pairs",))
+
+
 def test_names_follow_the_settings() -> None:
     roles = acl.role_acls(
         settings(
