@@ -337,9 +337,12 @@ class Coordinator:
                 f"the coordinator's Redis user {username!r} may not BLMOVE {key!r} ({error}); grant it "
                 "+blmove on its request and report lists, as `carpool acl --role coordinator` does"
             ) from error
-        if error is not None:  # Redis < 6.2: no BLMOVE
-            log.info("this Redis has no BLMOVE (6.2+); polling instead")
-            self.pacer.cannot_block()
+        if error is not None:
+            if "unknown command" in str(error).lower():  # Redis < 6.2: no BLMOVE
+                log.info("this Redis has no BLMOVE (6.2+); polling instead")
+                self.pacer.cannot_block()
+            else:  # NOREPLICAS, OOM, MISCONF, READONLY...: passing; the next wait blocks again
+                log.warning("waiting in Redis failed (%s); waiting here instead, this once", error)
             self.stopping.wait(wait.fallback_s)
         return ahead
 

@@ -588,8 +588,16 @@ def test_a_redis_user_without_blmove_is_a_config_error_not_an_old_redis(clocks: 
     with pytest.raises(ConfigError):
         c._loop()
 
+    # Another error is passing (a replica briefly away, Redis out of memory): the next wait blocks.
+    for passing in (
+        "NOREPLICAS Not enough good replicas to write.",
+        "READONLY You can't write against a read only replica.",
+    ):
+        c.store.wait_error = ResponseError(passing)
+        c._wait(Wait(0.01, WaitFor.REQUESTS))
+        assert c.pacer.can_block, passing
     # A Redis before 6.2 does not know the command: the coordinator polls instead.
-    c.store.wait_error = ResponseError("unknown command 'blmove'")
+    c.store.wait_error = ResponseError("ERR unknown command 'BLMOVE', with args beginning with: ")
     c._wait(Wait(0.01, WaitFor.REQUESTS))
     assert not c.pacer.can_block
 
