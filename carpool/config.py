@@ -58,7 +58,10 @@ class Settings(BaseSettings):
         1.0,
         gt=0,
         le=60,
-        description="Longest a WAIT for CARPOOL_WAIT_REPLICAS waits; fewer acks by then raise NotReplicated.",
+        description=(
+            "Longest a WAIT for CARPOOL_WAIT_REPLICAS waits; fewer acks by then raise NotReplicated. "
+            "At least 1 s under CARPOOL_REDIS_SOCKET_TIMEOUT_S."
+        ),
     )
     redis_socket_timeout_s: float = Field(
         10.0,
@@ -304,6 +307,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 "must be a redis://, rediss://, redis+socket:// (a Unix socket) or sentinel:// URL"
             )
+        from urllib.parse import parse_qs, urlsplit
+
+        if "db" in parse_qs(urlsplit(url).query):
+            # redis-py reads it, but kombu hands it on to the connection, which refuses it at publish.
+            raise ValueError("name the database in the URL's path (redis://host:6379/1), not as ?db=")
         return url
 
     @model_validator(mode="after")
@@ -324,6 +332,13 @@ class Settings(BaseSettings):
             )
         if self.request_queue == self.batch_queue:
             raise ValueError("CARPOOL_REQUEST_QUEUE and CARPOOL_BATCH_QUEUE must differ")
+        if self.wait_replicas and self.wait_timeout_s > self.redis_socket_timeout_s - 1:
+            # A WAIT that outlasts the socket timeout reads as a dead connection, and is sent again.
+            raise ValueError(
+                f"CARPOOL_WAIT_TIMEOUT_S ({self.wait_timeout_s:g}) must stay at least 1 s under "
+                f"CARPOOL_REDIS_SOCKET_TIMEOUT_S ({self.redis_socket_timeout_s:g}): lower the first or "
+                "raise the second"
+            )
         return self
 
 

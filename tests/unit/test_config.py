@@ -46,6 +46,9 @@ def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
         ("CARPOOL_BROKER_URL", "redis+socket:///run/redis.sock?virtual_host=zero", "must be a number"),
         ("CARPOOL_MODEL", "no such model", "package.module:ClassName"),
         ("CARPOOL_RECOVERY_TIMEOUT_S", "600", "less than or equal to 60"),
+        # kombu hands a db= query on to the connection, which refuses it at the first publish.
+        ("CARPOOL_BROKER_URL", "redis://127.0.0.1:6379?db=1", "in the URL's path (redis://host:6379/1)"),
+        ("CARPOOL_RESULT_BACKEND", "rediss://h:6380/?ssl_cert_reqs=none&db=2", "not as ?db="),
     ],
 )
 def test_bad_values_name_the_setting(
@@ -92,3 +95,17 @@ def test_tight_backlog_is_on_by_default_and_can_be_turned_off(monkeypatch: pytes
     assert policy_config(load_settings()).tight_backlog is True
     monkeypatch.setenv("CARPOOL_TIGHT_BACKLOG", "false")
     assert policy_config(load_settings()).tight_backlog is False
+
+
+def test_a_wait_for_replicas_must_end_before_the_socket_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A WAIT outlasting the socket timeout reads as a dead connection and is sent again."""
+    monkeypatch.setenv("CARPOOL_WAIT_REPLICAS", "1")
+    monkeypatch.setenv("CARPOOL_WAIT_TIMEOUT_S", "3")
+    monkeypatch.setenv("CARPOOL_REDIS_SOCKET_TIMEOUT_S", "3.5")
+    with pytest.raises(ConfigError, match=r"CARPOOL_WAIT_TIMEOUT_S \(3\) must stay at least 1 s under"):
+        load_settings()
+    monkeypatch.setenv("CARPOOL_REDIS_SOCKET_TIMEOUT_S", "4")
+    assert load_settings().wait_timeout_s == 3
+    monkeypatch.setenv("CARPOOL_WAIT_REPLICAS", "0")  # no WAIT is sent
+    monkeypatch.setenv("CARPOOL_REDIS_SOCKET_TIMEOUT_S", "2")
+    assert load_settings().redis_socket_timeout_s == 2
