@@ -13,7 +13,8 @@ kept out:
   caller takes its usual path; it is meant for values made of dicts, lists, strings and numbers
   (model outputs, result metas). ``uuid.UUID`` is the exception orjson cannot be told to refuse: it
   becomes its string, so callers holding arbitrary user values check them first
-  (:func:`flat_plain`); an ``Enum`` member becomes its value. A non-finite float, which the
+  (:func:`flat_plain`, and :func:`dumps_result` for a task's output); an ``Enum`` member becomes its
+  value. A non-finite float, which the
   standard library writes as the non-JSON ``NaN``, becomes ``null`` (as in JavaScript's
   ``JSON.stringify``).
 
@@ -36,8 +37,10 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import reprlib
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,7 +92,26 @@ def dumps_result(value: Any) -> bytes | None:
             value = numpy.ascontiguousarray(value)
         encoded: bytes = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
         return encoded
-    return dumps_plain(value)
+    plain = dumps_plain(value)
+    # orjson writes a UUID as its text, where Celery's JSON tags it and its reader gets a UUID back:
+    # a result whose JSON holds a UUID's text is searched for one, and one holding it is left to
+    # Celery's encoder (None). The common result, numbers or text with no such string, costs a scan.
+    if plain is not None and b'"' in plain and _UUID_TEXT.search(plain) and _holds_uuid(value):
+        return None
+    return plain
+
+
+_UUID_TEXT = re.compile(rb'"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"')
+
+
+def _holds_uuid(value: Any) -> bool:
+    if isinstance(value, uuid.UUID):
+        return True
+    if isinstance(value, dict):
+        return any(map(_holds_uuid, value.values()))
+    if isinstance(value, list | tuple):
+        return any(map(_holds_uuid, value))
+    return False
 
 
 def dumps_results(values: Sequence[Any]) -> list[bytes | None]:

@@ -407,7 +407,7 @@ def test_a_model_output_the_serializer_cannot_store_becomes_that_requests_failur
 
     backend = create_app(Settings(result_serializer=serializer)).backend
     row = np.arange(4, dtype=np.float32)
-    tagged = {"id": uuid.uuid4()}  # Celery's JSON writes a UUID as its string; msgpack has no form for it
+    tagged = {"id": uuid.uuid4()}  # Celery's JSON tags a UUID; msgpack has no form for it
     # A set has no form in either, nor an object whose repr raises; under msgpack a UUID and a
     # non-string key have none a reader takes, while Celery's JSON would store them (named then).
     odd: list[Any] = [{"seen": {1, 2}}, _NoRepr()]
@@ -427,7 +427,7 @@ def test_a_model_output_the_serializer_cannot_store_becomes_that_requests_failur
     )
     assert metas[0]["result"] == row.tolist() and metas[1 + len(odd)]["result"] == [1.5, "x"]
     if serializer == "json":
-        assert metas[-1]["result"] == {"id": str(tagged["id"])}
+        assert metas[-1]["result"] == tagged, "a UUID, as a plain Celery worker's result reads"
     for (_, state, error), meta, named in zip(entries[refused], metas[refused], json_takes, strict=True):
         assert state == FAILURE and isinstance(error, ModelError), "the caller's entries say it too"
         text = str(backend.exception_to_python(meta["result"]))
@@ -487,3 +487,16 @@ def test_failures_json_metas_and_damaged_rows_are_left_to_the_usual_decoding() -
     # A writer other than carpool's repeating "result" after the row: kombu's reader takes the last.
     repeated = stored[:-12] + msgpack.packb("result") + msgpack.packb("other")  # for "task_id": "cut"
     assert msgpack.unpackb(repeated)["result"] == "other" and success_row(repeated) is None
+
+
+def test_a_result_holding_a_uuid_is_left_to_celerys_json_which_tags_it() -> None:
+    """orjson writes a UUID as its text; Celery's JSON tags it, and a reader gets the UUID back."""
+    import uuid
+
+    from carpool.codec import dumps_result
+
+    assert dumps_result({"id": uuid.UUID(int=7), "n": [1.5]}) is None
+    assert dumps_result([[uuid.UUID(int=7)]]) is None
+    text = str(uuid.UUID(int=7))  # the same text, as a str: plain JSON, written as it is
+    assert dumps_result({"id": text}) == b'{"id":"' + text.encode() + b'"}'
+    assert dumps_result([0.5, -1.0]) == b"[0.5,-1.0]"
