@@ -164,7 +164,9 @@ def create_app(settings: Settings | None = None) -> Celery:
         },
         result_backend_transport_options=_sentinel_options(settings.result_backend, settings),
         broker_connection_retry_on_startup=True,
-        task_send_sent_event=True,
+        # CARPOOL_EVENTS=false holds for the sends Celery's own publish makes too (countdown, send_task,
+        # callbacks): a task-sent event that nothing follows would leave Flower showing it PENDING.
+        task_send_sent_event=settings.events is not False,
         worker_send_task_events=True,
         worker_hijack_root_logger=False,
     )

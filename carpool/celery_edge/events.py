@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from celery import Celery
@@ -35,6 +36,9 @@ from celery.states import FAILURE, SUCCESS
 
 from carpool.codec import float_row_dtypes, native_numpy, stored_form
 from carpool.names import INFER_TASK
+
+if TYPE_CHECKING:
+    from carpool.celery_edge.requests import Incoming
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +306,7 @@ class TaskEvents:
         parent_id: str | None = None,
         retries: int = 0,
         eta: str | None = None,
+        expires: str | None = None,
     ) -> None:
         self._event(
             "task-received",
@@ -312,10 +317,25 @@ class TaskEvents:
                 "kwargs": kwargsrepr,
                 "retries": retries,
                 "eta": eta,
-                "expires": None,
+                "expires": expires,
                 "root_id": root_id or task_id,
                 "parent_id": parent_id,
             },
+        )
+
+    def received_of(self, msg: Incoming) -> None:
+        """task-received for the request message ``msg``, with the fields a Celery worker's event
+        carries from it: Flower's task takes each field of a later event over the task-sent one's."""
+        links = msg.links or {}
+        self.received(
+            msg.id,
+            msg.argsrepr,
+            msg.kwargsrepr,
+            name=msg.task,
+            root_id=links.get("root_id"),
+            parent_id=links.get("parent_id"),
+            eta=_iso(msg.eta_at),
+            expires=_iso(msg.expires_at),
         )
 
     def started(self, task_ids: Iterable[str]) -> None:
@@ -391,3 +411,8 @@ class TaskEvents:
             self._client.publish(*message)
         except Exception as exc:
             log.warning("could not publish task events (Flower will miss them): %s", exc)
+
+
+def _iso(wall_s: float | None) -> str | None:
+    """An instant as the ISO 8601 text Celery's messages and events carry."""
+    return None if wall_s is None else datetime.fromtimestamp(wall_s, UTC).isoformat()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from carpool.batching import Request
@@ -75,10 +74,7 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
         c.policy.add(request)
         if not events:
             continue
-        if msg.links is None:
-            c.events.received(request.id, msg.argsrepr, msg.kwargsrepr, name=msg.task)
-        else:
-            _received(c, msg)
+        c.events.received_of(msg)
     if refused:
         fail(c, refused)
     c.pacer.changed()
@@ -105,19 +101,5 @@ def _defer(c: Coordinator, msg: Incoming, request: Request, now: float) -> Refus
         )
         return Refused(request.id, "deadline", error, message=msg)
     c.deferred.add(request, request.arrival_s)
-    assert msg.eta_at is not None
-    _received(c, msg, eta=datetime.fromtimestamp(msg.eta_at, UTC).isoformat())
+    c.events.received_of(msg)
     return None
-
-
-def _received(c: Coordinator, msg: Incoming, eta: str | None = None) -> None:
-    links = msg.links or {}
-    c.events.received(
-        msg.id,
-        msg.argsrepr,
-        msg.kwargsrepr,
-        name=msg.task,
-        root_id=links.get("root_id"),
-        parent_id=links.get("parent_id"),
-        eta=eta,
-    )

@@ -65,7 +65,7 @@ def fail(c: Coordinator, refused: list[Refused]) -> None:
         c.stats.failed[r.reason] += 1
         c.metrics.failed(r.reason)
         if r.message is not None:  # refused at intake: Flower has not seen it received yet
-            c.events.received(r.id, r.message.argsrepr, r.message.kwargsrepr, name=r.message.task)
+            c.events.received_of(r.message)
         c.events.failed(r.id, r.error)
         log.info("request %s failed (%s): %s", r.id, r.reason, r.error)
     if linked:

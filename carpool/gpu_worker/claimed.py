@@ -37,6 +37,7 @@ class ClaimedBatch:
     entries: list[tuple[str, str, Any]] = field(default_factory=list)  # outcomes: (id, state, value)
     linked: dict[str, Links] = field(default_factory=dict)  # callbacks, chains, error callbacks
     inboxes: dict[str, str] = field(default_factory=dict)  # request id -> its producer's result inbox
+    ran_s: float | None = None  # how long its run took (a split one's included); None: none ran
 
 
 def claimed_batch(

@@ -404,7 +404,7 @@ class WorkerRuntime:
                     type(exc).__name__,
                     exc,
                 )
-        run_s, padded_len = self._forward(batch, live, entries, claimed.events, started=started)
+        run_s, padded_len = self._forward(claimed, live, started=started)
         return partial(self._hand_over, claimed, live, run_s, padded_len), False
 
     def _hand_over(
@@ -434,7 +434,9 @@ class WorkerRuntime:
         if chain:  # the steps after a failed request fail with it, in the same store (rare: encoded again)
             writes = entries + chain
             encoded = self.backend.store_args(writes, inboxes)
-        events.outcomes(entries, run_s or 0.0)
+        # Each request's runtime is its batch's, also when a failure split the batch (then run_s, for
+        # the coordinator's latency model, is None): Flower leaves a runtime of 0 out of its figures.
+        events.outcomes(entries, claimed.ran_s or 0.0)
         report = batch_report(
             batch_id=batch_id,
             model=batch["model"],
@@ -548,7 +550,7 @@ class WorkerRuntime:
                 type(exc).__name__,
                 exc,
             )
-            rerun_s, padded_len = self._forward(batch, live, entries, claimed.events, started=True)
+            rerun_s, padded_len = self._forward(claimed, live, started=True)
             return self._hand_over(claimed, live, rerun_s, padded_len)
         done = time.perf_counter()
         # The device ran this batch from when it was launched or the previous batch came back,
@@ -556,6 +558,7 @@ class WorkerRuntime:
         device_s = done - max(launched_at, self._collected_at)
         self._collected_at = done
         self._last_run_s[batch["model"]] = device_s
+        claimed.ran_s = device_s
         run_s: float | None = device_s
         if mismatch is not None:
             outcomes: list[tuple[bool, Any]] = [(False, mismatch)] * len(live)
@@ -581,16 +584,13 @@ class WorkerRuntime:
                 entries.append((r["id"], FAILURE, ModelError(described(out))))
 
     def _forward(
-        self,
-        batch: BatchMessage,
-        live: list[RequestSlot],
-        entries: list[tuple[str, str, Any]],
-        events: TaskEvents,
-        started: bool = False,
+        self, claimed: ClaimedBatch, live: list[RequestSlot], started: bool = False
     ) -> tuple[float | None, int]:
-        """Run ``live`` on the model, appending each request's outcome to ``entries``; returns
-        (model time, or None when a failure split the batch; padded length). ``started``: the
-        requests' STARTED events were sent already (by a launch that failed)."""
+        """Run ``live`` on the model, appending each request's outcome to the batch's entries;
+        returns (model time, or None when a failure split the batch; padded length), and sets
+        ``claimed.ran_s`` either way. ``started``: the requests' STARTED events were sent already
+        (by a launch that failed)."""
+        batch, entries, events = claimed.batch, claimed.entries, claimed.events
         if not started:
             self._started(batch, live, events)
         run_s = None
@@ -605,6 +605,7 @@ class WorkerRuntime:
                 outcomes = storable(spec.name, outcomes, self.settings.result_serializer)
             elapsed = time.perf_counter() - t0
             self._last_run_s[batch["model"]] = elapsed
+            claimed.ran_s = elapsed
             if all(ok for ok, _ in outcomes):
                 run_s = elapsed  # a split batch's time says nothing about the latency model
             padded_len = _padded_len(live)

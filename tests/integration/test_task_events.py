@@ -238,3 +238,25 @@ def test_a_producer_sends_task_sent_events_while_its_last_ones_reached_someone(
         "CARPOOL_EVENTS=true: nobody listens, still sent"
     )
     client.delete("carpool.requests")
+
+
+def test_with_events_off_celerys_own_publish_sends_no_task_sent_event_either(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    """CARPOOL_EVENTS=false: a send through Celery's own publish (countdown, send_task, callbacks)
+    must not announce a task Flower would then show PENDING for good."""
+    from carpool.celery_edge.app import create_app
+    from carpool.config import Settings
+
+    for events, announced in ((False, 0), (True, 2)):
+        settings = Settings(
+            broker_url=clean_redis.url(0), result_backend=clean_redis.url(1), events=events, model="toy"
+        )
+        producer = create_app(settings)
+        with monitored(clean_redis.port) as lines:
+            producer.send_task("carpool.infer", ("hello",), queue="carpool.requests", countdown=30)
+            producer.send_task("carpool.infer", ("there",), queue="carpool.requests")
+        sent = [line for line in lines if line.upper().startswith("PUBLISH ") and "task.sent" in line]
+        pushed = [line for line in lines if line.upper().startswith("LPUSH ")]
+        assert len(pushed) == 2 and len(sent) == announced, (events, lines)
+        producer.close()

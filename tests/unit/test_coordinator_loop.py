@@ -15,6 +15,7 @@ from celery.exceptions import TaskRevokedError
 from redis.exceptions import NoPermissionError, ResponseError
 
 from carpool.celery_edge import links
+from carpool.celery_edge.events import TaskEvents
 from carpool.codec import loads
 from carpool.config import Settings
 from carpool.coordinator.dispatch import OutstandingBatch
@@ -334,6 +335,8 @@ class RecordingEvents:
     def received(self, task_id: str, argsrepr: str, kwargsrepr: str = "{}", **fields: Any) -> None:
         self.sent.append(("received", task_id, {"args": argsrepr, "kwargs": kwargsrepr, **fields}))
 
+    received_of = TaskEvents.received_of  # what a message's received event carries, as sent
+
     def failed(self, task_id: str, exc: BaseException, *_: Any, **__: Any) -> None:
         self.sent.append(("failed", task_id, {"exception": exc}))
 
@@ -371,6 +374,8 @@ def test_a_request_refused_at_intake_is_received_before_it_fails(clocks: Clocks)
     [(_, _, bad)] = [e for e in events.sent if e[:2] == ("received", "bad")]
     assert bad["args"] == "[123]" and bad["kwargs"] == "{'model': 'toy'}" and bad["name"] == "carpool.infer"
     assert events.of("ok") == ["received"]
+    [(_, _, ok)] = [e for e in events.sent if e[:2] == ("received", "ok")]
+    assert ok["expires"] == iso(WALL_START + 1), "as the task-sent event had it: Flower keeps the later"
 
     clocks.advance(1.01)
     c.step()  # expired in the coordinator's queue: received once, at admission, then failed
@@ -694,3 +699,21 @@ def test_shutdown_hands_back_the_requests_it_holds_oldest_first(clocks: Clocks) 
     assert len(c.policy) == 3
     c.shutdown()
     assert c.store.requeued == ["long-1", "short", "long-2"]
+
+
+def test_a_received_event_carries_the_messages_eta_and_canvas_ids_also_when_refused(clocks: Clocks) -> None:
+    """A Celery worker's task-received carries the message's eta, expires, root and parent ids;
+    Flower takes each field of the later event over the task-sent one's."""
+    c = coordinator(clocks, workers=0, truncate=False)
+    events = c.events = RecordingEvents()
+    due = iso(WALL_START - 5)  # an eta already due: admitted at once, its eta still shown
+    canvas = {"root_id": "root-1", "parent_id": "parent-1"}
+    c.store.queue += [
+        ("due", message("due", "hello", eta=due)),
+        ("child", message("child", "word " * 400, extra_headers=canvas)),  # refused: too long
+    ]
+    c.step()
+    fields = {task_id: f for kind, task_id, f in events.sent if kind == "received"}
+    assert fields["due"]["eta"] == due
+    assert (fields["child"]["root_id"], fields["child"]["parent_id"]) == ("root-1", "parent-1")
+    assert events.of("child") == ["received", "failed"]

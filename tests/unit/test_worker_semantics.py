@@ -4,6 +4,7 @@ to the rest of its chain in the batch's one finish script."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -269,6 +270,41 @@ def test_a_model_error_whose_message_cannot_be_read_fails_its_request_alone(
     assert metas["fine"]["status"] == "SUCCESS" and metas["fine"]["result"] == [0.5], metas
     assert metas["culprit"]["status"] == "FAILURE"
     assert metas["culprit"]["result"]["exc_message"] == ["_Unreadable (its message could not be read)"]
+
+
+class _RaisesOnSeven:
+    """A model that raises for any batch holding the token 7, and is slow enough to time."""
+
+    pad_id = 0
+
+    def forward(self, ids: Any, mask: Any) -> list[Any]:
+        if (ids == 7).any():
+            raise ValueError("cannot take 7")
+        time.sleep(0.01)
+        return [[0.5] for _ in range(len(ids))]
+
+
+def test_the_requests_of_a_split_batch_show_how_long_it_ran_not_zero(
+    runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure splits the batch and leaves the report's run time out (it says nothing about the
+    latency model), but each request's event still carries the batch's: Flower leaves a runtime of
+    0 out of its figures."""
+    from carpool.celery_edge.events import TaskEvents
+    from carpool.gpu_worker import runner
+
+    monkeypatch.setitem(runner._loaded, "toy", _RaisesOnSeven())
+    runtimes: list[float] = []
+    outcomes = TaskEvents.outcomes
+
+    def recording(self: TaskEvents, entries: list[tuple[str, str, Any]], runtime_s: float) -> None:
+        runtimes.append(runtime_s)
+        outcomes(self, entries, runtime_s)
+
+    monkeypatch.setattr(TaskEvents, "outcomes", recording)
+    report = runtime.run(batch(slot("fine", item=[101, 3, 102]), slot("culprit", item=[101, 7, 102])))
+    assert report["run_s"] is None and report["failed_model"] == 1
+    assert runtimes and runtimes[0] >= 0.01
 
 
 def test_a_worker_learns_at_start_the_revokes_coordinators_recorded(
