@@ -111,7 +111,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     stopped_with: list[int] = []
 
     def _exit_status(sender: Any, **_: Any) -> None:  # the WorkController, its exit status set
-        stopped_with.append(int(getattr(sender, "exitcode", 0) or 0))
+        code = getattr(sender, "exitcode", 0) or 0
+        stopped_with.append(code if isinstance(code, int) else 1)  # SystemExit("why"): a failure
 
     # worker_main drops Celery's exit status: a supervisor must see 1 after an unrecoverable error,
     # and 2 when the runtime stopped the worker on a ConfigError.

@@ -89,11 +89,9 @@ def _check_step(app: Celery, where: str, step: Any) -> None:
         # A carpool step is sent through BatchedTask.apply_async, which would refuse these options
         # only once the step's turn came, leaving its result waiting.
         check_options(f"{where} {task}", options, app)
-    elif isinstance(task, str):
-        # A plain Celery step: a Celery worker honours its options; only where it goes is carpool's.
-        refused = unroutable(app, task, options)
-        if refused is not None:
-            raise refused
+    # Any other step is a plain Celery task's, whose worker honours its options, or a task this
+    # process does not import: the process that applies it (a worker or coordinator, with
+    # CARPOOL_IMPORTS) may know it, and stores its failure under its id if it cannot send it.
 
 
 def _carpool_tasks(step: Any) -> Iterator[str]:

@@ -47,7 +47,7 @@ for k, id in ipairs(ids) do
 end
 chunked('ZREM', KEYS[1], forget)
 -- Pushed last one first: the take pops from the end pushed to, so the ids given first (the oldest,
--- as callers give them; the first lease to run out, when reaping) are taken first again.
+-- as callers give them; when reaping, the first lease to run out, ties in id order) are taken first again.
 for _, origin in ipairs(order) do
   local list = pushes[origin]
   for a = 1, math.floor(#list / 2) do
