@@ -34,6 +34,15 @@ def test_capacity_sorts_by_length_and_pads_each_batch_to_a_multiple_of_8() -> No
     assert cap["padding_ratio"] == pytest.approx(80 / 39)
 
 
+def test_capacity_of_several_workers_is_their_devices_together() -> None:
+    """Each worker process simulates a device of its own, so the ratio of N workers' throughput is
+    taken against N devices."""
+    one = device_capacity([10, 3, 17, 9], a_s=1.0, b_s=0.1, max_batch=2)
+    three = device_capacity([10, 3, 17, 9], a_s=1.0, b_s=0.1, max_batch=2, devices=3)
+    assert three["texts_per_s"] == pytest.approx(3 * one["texts_per_s"])
+    assert three["device_s"] == one["device_s"] and three["devices"] == 3
+
+
 def test_capacity_of_one_partial_batch_and_bad_batch_size() -> None:
     cap = device_capacity([1, 8, 9], a_s=0.0, b_s=1.0, max_batch=32)
     assert cap["batches"] == 1 and cap["padded_tokens"] == 3 * 16

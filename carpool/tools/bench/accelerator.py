@@ -281,8 +281,9 @@ def run_accelerator(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     texts = mixed_texts(n, args.seed, ACCELERATOR_MIX)
     _log(f"{n} texts; tokenizing in this process")
     tokenizer_us, lengths = tokenizer_cpu_us(get_model(model_name), texts)
-    capacity = device_capacity(lengths, profile.a_s, profile.b_s, max_batch)
-    _log(f"device {profile.name}: capacity {capacity['texts_per_s']:.0f} texts/s on this workload")
+    # Each worker process simulates a device of its own: N workers have N devices' capacity.
+    capacity = device_capacity(lengths, profile.a_s, profile.b_s, max_batch, devices=args.workers)
+    _log(f"{args.workers} x {profile.name}: capacity {capacity['texts_per_s']:.0f} texts/s on this workload")
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "created_at": now_iso(),

@@ -32,11 +32,18 @@ class Forward:
 
 
 def device_capacity(
-    lengths: Sequence[int], a_s: float, b_s: float, max_batch: int, pad_multiple: int = PAD_MULTIPLE
+    lengths: Sequence[int],
+    a_s: float,
+    b_s: float,
+    max_batch: int,
+    pad_multiple: int = PAD_MULTIPLE,
+    devices: int = 1,
 ) -> dict[str, float]:
     """The device alone on ``lengths`` (token counts): sorted by length, cut into batches of
     ``max_batch``, each padded to its longest rounded up to ``pad_multiple`` as a worker pads, each
-    taking ``a_s + b_s * padded tokens``. Throughput in texts/s, and what it added up to."""
+    taking ``a_s + b_s * padded tokens``. Throughput in texts/s (of ``devices`` such devices, each
+    worker process simulating one of its own), and what it added up to (``device_s``: one device's
+    time for them all)."""
     if max_batch < 1:
         raise ValueError("max_batch must be an integer >= 1")
     ordered = sorted(lengths)
@@ -50,7 +57,8 @@ def device_capacity(
         batches += 1
     real = sum(ordered)
     return {
-        "texts_per_s": len(ordered) / device_s if device_s > 0 else 0.0,
+        "texts_per_s": devices * len(ordered) / device_s if device_s > 0 else 0.0,
+        "devices": devices,
         "device_s": device_s,
         "batches": batches,
         "padded_tokens": padded,
