@@ -629,36 +629,26 @@ class WorkerRuntime:
         the rest. Returns the 1-based indexes in ``writes`` of the results stored (the others had
         one)."""
         with self._stopping_on_acl_refusal():
-            return self._finish_in_redis(writes, ack_ids, report, coordinator, events)
-
-    def _finish_in_redis(
-        self,
-        writes: ResultWrites,
-        ack_ids: list[str],
-        report: BatchReport,
-        coordinator: str,
-        events: tuple[str, bytes] | None,
-    ) -> list[int]:
-        if self.dbs is not None:
-            return self.store.finish(
-                results_db=self.dbs[1],
-                broker_db=self.dbs[0],
-                writes=writes,
-                ack_ids=ack_ids,
-                report=cast(dict[str, Any], report),
-                coordinator=coordinator,
-                events=events,
-            )
-        stored: list[int] = self.backend.store_encoded(writes)
-        with self.client.pipeline(transaction=False) as pipe:
-            self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
-            if events is not None:
-                pipe.publish(*events)
-            pipe.execute()
-        if self.store.replicas:  # the results' server, then the broker's, each WAITed on
-            self.store.replicated("a batch's results", self.backend.client)
-            self.store.replicated("a batch's acknowledgements")
-        return stored
+            if self.dbs is not None:
+                return self.store.finish(
+                    results_db=self.dbs[1],
+                    broker_db=self.dbs[0],
+                    writes=writes,
+                    ack_ids=ack_ids,
+                    report=cast(dict[str, Any], report),
+                    coordinator=coordinator,
+                    events=events,
+                )
+            stored: list[int] = self.backend.store_encoded(writes)
+            with self.client.pipeline(transaction=False) as pipe:
+                self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
+                if events is not None:
+                    pipe.publish(*events)
+                pipe.execute()
+            if self.store.replicas:  # the results' server, then the broker's, each WAITed on
+                self.store.replicated("a batch's results", self.backend.client)
+                self.store.replicated("a batch's acknowledgements")
+            return stored
 
 
 def stores_behind(batches_queued: int | None, device_held: int, finisher_held: int) -> bool:
