@@ -65,6 +65,21 @@ class MalformedMessage(CarpoolError):
     """Raised when a message in the request queue is not a carpool request (it is dead-lettered)."""
 
 
+class RefusedMessage(MalformedMessage):
+    """Raised when a request message names its task and id but carries what carpool cannot honour
+    (an eta or expires no datetime holds): its caller is answered with the reason, as
+    :class:`InvalidInput`, instead of the message being dead-lettered. ``task``, ``links`` and
+    ``inbox`` say where that answer goes on to. Never stored as a result itself."""
+
+    def __init__(
+        self, message: str, *, task: str | None = None, links: Any = None, inbox: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.task = task
+        self.links = links
+        self.inbox = inbox
+
+
 class WireError(CarpoolError):
     """Raised when a message between a coordinator and a worker lacks what its schema requires."""
 

@@ -18,7 +18,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
 
 from carpool.codec import loads as json_loads
-from carpool.errors import MalformedMessage
+from carpool.errors import MalformedMessage, RefusedMessage
 from carpool.names import INBOX_HEADER, INFER_TASK, SENT_AT_HEADER
 from carpool.wire import Links
 
@@ -101,6 +101,12 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     ):
         links = _links(embed, headers)
     inbox = headers.get(INBOX_HEADER)
+    inbox = inbox if type(inbox) is str and inbox else None
+    try:
+        expires_at = _when(headers.get("expires"), "expires")
+        eta_at = None if eta is None else _when(eta, "eta")
+    except ValueError as exc:  # readable enough to answer its caller with the reason
+        raise RefusedMessage(str(exc), task=task, links=links, inbox=inbox) from None
     return Incoming(
         id=task_id,
         task=task,
@@ -108,12 +114,12 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         kwargs=kwargs,
         priority=_priority(props.get("priority")),
         sent_at=_number(headers.get(SENT_AT_HEADER)),
-        expires_at=_when(headers.get("expires"), "expires"),
+        expires_at=expires_at,
         argsrepr=str(headers.get("argsrepr") or "")[:200],
         kwargsrepr=str(headers.get("kwargsrepr") or "{}")[:200],
-        eta_at=None if eta is None else _when(eta, "eta"),
+        eta_at=eta_at,
         links=links,
-        inbox=inbox if type(inbox) is str and inbox else None,
+        inbox=inbox,
     )
 
 
@@ -180,8 +186,8 @@ _END = datetime.max.replace(tzinfo=UTC).timestamp()  # rounds up to the first in
 def _when(value: Any, header: str) -> float | None:
     """Celery sends ``eta`` and ``expires`` as ISO 8601 datetimes (or, from old clients, epoch seconds).
 
-    Raises :class:`MalformedMessage` for a time no datetime can hold: it could be neither compared
-    with a datetime nor reported as one (Flower's eta), and it is no time a request runs or expires at.
+    Raises ``ValueError`` for a time no datetime can hold: it could be neither compared with a
+    datetime nor reported as one (Flower's eta), and it is no time a request runs or expires at.
     """
     if value is None:
         return None
@@ -198,7 +204,7 @@ def _when(value: Any, header: str) -> float | None:
             dt = dt.replace(tzinfo=UTC)
         when = dt.timestamp()  # a UTC offset can move a time in year 1 or 9999 past either end
     if not _EARLIEST <= when < _END:
-        raise MalformedMessage(
+        raise ValueError(
             f"{header} {value!r} lies outside the years 1 to 9999 that a datetime holds; "
             f"send an {header} within them"
         )

@@ -22,7 +22,15 @@ from carpool.batching import Request
 from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.requests import Incoming
 from carpool.config import Settings
-from carpool.errors import CarpoolError, InputTooLong, InvalidInput, MalformedMessage, QueueFull, described
+from carpool.errors import (
+    CarpoolError,
+    InputTooLong,
+    InvalidInput,
+    MalformedMessage,
+    QueueFull,
+    RefusedMessage,
+    described,
+)
 from carpool.names import INFER_TASK
 from carpool.registry import Prepared, TaskSpec
 from carpool.wire import Links, RequestSlot
@@ -197,6 +205,12 @@ def take_in(
     for request_id, raw in taken:
         try:
             msg = decode_taken(request_id, raw, specs)
+        except RefusedMessage as exc:  # its caller is answered with the reason
+            error = InvalidInput(f"{exc}; nothing was run")
+            out.refused.append(
+                Refused(request_id, "invalid", error, task=exc.task, links=exc.links, inbox=exc.inbox)
+            )
+            continue
         except MalformedMessage as exc:
             out.malformed.append(Malformed(request_id, raw, str(exc)))
             continue

@@ -112,11 +112,15 @@ def test_args_or_kwargs_celery_could_not_call_with_are_refused_naming_the_protoc
 
 @pytest.mark.parametrize("header", ["eta", "expires"])
 @pytest.mark.parametrize("when", [1e15, -1e15, "9999-12-31T23:00:00-05:00", "0001-01-01T00:30:00+01:00"])
-def test_an_eta_or_expires_no_datetime_holds_makes_the_message_malformed(header: str, when: Any) -> None:
-    raw = message("far", "hi", extra_headers={header: when})
+def test_an_eta_or_expires_no_datetime_holds_is_refused_saying_so(header: str, when: Any) -> None:
+    """Its id and task are readable: its caller is answered, not left waiting on a dead letter."""
+    raw = message("far", "hi", extra_headers={header: when, "carpool_inbox": "box:1"})
     out, _ = run([("far", raw), ("b", message("b", "hi"))])
-    [bad] = out.malformed
-    assert bad.id == "far" and bad.reason.startswith(f"{header} {when!r} lies outside the years 1 to 9999")
+    assert out.malformed == []
+    [bad] = out.refused
+    assert bad.id == "far" and bad.reason == "invalid" and isinstance(bad.error, InvalidInput)
+    assert str(bad.error).startswith(f"{header} {when!r} lies outside the years 1 to 9999")
+    assert bad.task_and_links() == ("carpool.infer", None) and bad.inbox_of() == "box:1"
     assert admitted_ids(out) == ["b"]
 
 
@@ -195,7 +199,9 @@ def test_an_eta_no_datetime_holds_stops_neither_the_step_nor_the_requests_taken_
     c.store = DeadLetters(0)
     c.store.queue += [("far", message("far", "hi", extra_headers={"eta": 1e15})), ("b", message("b", "hi"))]
     c.step()
-    assert [request_id for request_id, _ in c.store.dead] == ["far"]
+    assert c.store.dead == [], "answered, not dead-lettered"
+    [(request_id, state, error)] = c.backend.stored
+    assert (request_id, state) == ("far", "FAILURE") and "outside the years 1 to 9999" in str(error)
     assert len(c.policy) == 1 and c.held == {"b"}
 
 
