@@ -13,7 +13,7 @@
 
 Importing this module imports Celery and pydantic, never torch. ``.delay()`` validates the request
 before it is sent (a bad one raises :class:`~carpool.errors.InvalidInput` in the caller), refuses
-Celery options a batch worker could not honour (:mod:`carpool.producer.options`) and stamps the send
+Celery options a batch worker could not honour (:mod:`carpool.celery_edge.options`) and stamps the send
 time, so the coordinator measures waiting from the request's real arrival.
 """
 
@@ -29,9 +29,9 @@ from celery.result import AsyncResult
 from redis.exceptions import RedisError
 
 from carpool.celery_edge.app import app, settings_of, state_of
+from carpool.celery_edge.options import check_options
 from carpool.models.task import InferSpec
 from carpool.names import INFER_TASK, SENT_AT_HEADER
-from carpool.producer.options import check_options
 from carpool.producer.submit import publish_tasks
 from carpool.redis_edge.replication import fence, not_replicated
 from carpool.registry import BatchedSpec, BatchFunction, LengthFunction, TaskSpec, register

@@ -32,8 +32,8 @@ from celery.canvas import maybe_signature
 
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
+from carpool.celery_edge.options import CHORD_TASK, check_options, unroutable
 from carpool.celery_edge.results import FAILURE
-from carpool.producer.options import CHORD_TASK, check_options, unroutable
 from carpool.registry import spec_for
 from carpool.wire import Links
 
@@ -173,7 +173,7 @@ def _apply_callbacks(app: Celery, signatures: list[Any], result: Any, parent_id:
 
 def _routed(app: Celery, sig: Any) -> Any:
     """``sig``, or raise :class:`~carpool.errors.UnroutableLink` when it would go to the batch queue
-    (see :func:`carpool.producer.options.unroutable`)."""
+    (see :func:`carpool.celery_edge.options.unroutable`)."""
     if isinstance(sig, group):
         return sig
     refused = unroutable(app, sig.task, sig.options)

@@ -6,9 +6,10 @@ holds the request until then), ``link`` / ``link_error`` and chains (the process
 result applies them, :mod:`carpool.celery_edge.links`), ``expires``, ``priority``, and ``revoke()``.
 Options it cannot honour would be dropped without a word; each is refused at the call instead, with
 what to do about it. The signatures in ``link`` / ``link_error`` / ``chain`` are checked the same way
-(each carpool step's own options, chords anywhere, steps that would fall to the batch queue): one
-that fails only when the worker applies it would leave its result waiting, so it is refused here.
-"""
+(each carpool step's own options, a chord with a carpool task in its header): one that failed
+only when the worker applied it would fail later than the call. A step naming a task this process
+does not import is left to the process that applies it, which may know it
+(:func:`unroutable`)."""
 
 from __future__ import annotations
 
