@@ -1,7 +1,9 @@
 """A coordinator's counters and gauges in Redis, which ``carpool status`` and the demo read.
 
-Counters are added to one hash (HINCRBY of what changed since the last write), so several
-coordinators sum up. Gauges (what this coordinator holds now) go to a hash of its own that expires
+Counters are added to one hash, so several coordinators sum up. Each write sends this run's
+running totals and ``stats.lua`` adds what changed since the totals it last applied for this run: a
+write whose reply was lost, sent again by the client's retry or followed by the next write, adds
+nothing twice. Gauges (what this coordinator holds now) go to a hash of its own that expires
 unless rewritten, listed in the coordinators ZSET: a reader sums the live coordinators' gauges, and a
 dead coordinator's drop out.
 """
@@ -9,6 +11,7 @@ dead coordinator's drop out.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +19,7 @@ from typing import Any
 
 import redis
 
+from carpool.redis_edge import lua
 from carpool.redis_edge.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,9 @@ class StatsWriter:
         self.hostname = hostname
         self.wall = wall
         self._gauges_key = keys.gauges_of(hostname)
+        # A name of this run's own: a coordinator restarted under the same hostname counts anew.
+        self._applied_key = keys.stats_applied_of(f"{hostname}:{uuid.uuid4().hex[:12]}")
+        self._add_totals = lua.register(client, "stats")
         self._written: dict[str, int] = {}
         self._depth_keys: set[tuple[str, str]] = set()
 
@@ -76,11 +83,20 @@ class StatsWriter:
         if task_of is not None:
             values.update({f"task:{m}": task_of(m) for m in {m for m, _ in self._depth_keys}})
         now_ms = int(self.wall() * 1000)
+        # Only the totals that moved since the last write known to have applied.
+        totals = [
+            x
+            for name, value in counters.items()
+            if value != self._written.get(name, 0)
+            for x in (name, value)
+        ]
         with self.client.pipeline(transaction=False) as pipe:
-            for name, value in counters.items():
-                delta = value - self._written.get(name, 0)
-                if delta:
-                    pipe.hincrby(self.keys.stats, name, delta)
+            if totals:
+                self._add_totals(
+                    keys=[self.keys.stats, self._applied_key],
+                    args=[COORDINATORS_KEPT_S, *totals],
+                    client=pipe,
+                )
             pipe.hset(self._gauges_key, mapping=values)
             pipe.expire(self._gauges_key, GAUGES_TTL_S)
             pipe.zadd(self.keys.coordinators, {self.hostname: now_ms})
@@ -92,7 +108,7 @@ class StatsWriter:
         """Withdraw this coordinator's gauges now (it holds nothing any more), not at their expiry."""
         try:
             with self.client.pipeline(transaction=False) as pipe:
-                pipe.delete(self._gauges_key)
+                pipe.delete(self._gauges_key, self._applied_key)
                 pipe.zrem(self.keys.coordinators, self.hostname)
                 pipe.execute()
         except redis.RedisError as exc:

@@ -113,6 +113,11 @@ class Keys:
         gauge hashes. Names gone for long are pruned; whether one is live is its gauges' existence."""
         return f"{self._base}:coordinators"
 
+    def stats_applied_of(self, writer: str) -> str:
+        """HASH of the counter totals one stats writer (a coordinator's run) has added to
+        :attr:`stats`, so that a write sent again adds nothing twice (``stats.lua``)."""
+        return f"{self._base}:stats:applied:{writer}"
+
     def gauges_of(self, coordinator: str) -> str:
         """HASH of one coordinator's gauges (pending, outstanding, depth:<model>:<bin>) and the task of
         each routing key (task:<model>); it expires soon after the coordinator stops writing, so a

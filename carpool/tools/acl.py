@@ -139,6 +139,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
     results = glob_escape(RESULT_KEY_PREFIX) + "*"
     reports = glob_escape(keys.reports_for("")) + "*"
     gauges = glob_escape(keys.gauges_of("")) + "*"
+    applied = glob_escape(keys.stats_applied_of("")) + "*"
     inflight = keys.inflight
     fanout = FANOUT_PREFIX.format(db=_broker_db(settings))
     events = glob_escape(f"{fanout}{EVENT_EXCHANGE}/")
@@ -213,14 +214,21 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 ),
             ),
             Grant(
-                "the in-flight scripts (take, dispatch, renew, requeue) and the write-once result store",
+                "the in-flight scripts (take, dispatch, renew, requeue), the write-once result store and"
+                " the stats",
                 _SCRIPTS,
                 (
                     *_exact(requests),
-                    *_exact([*inflight, keys.workers, *batch_queues]),
+                    *_exact([*inflight, keys.workers, *batch_queues, keys.stats]),
                     f"~{reports}",
                     f"~{results}",
+                    f"~{applied}",
                 ),
+            ),
+            Grant(
+                "keep the stats totals it added, so that a write sent again adds nothing twice",
+                ("hmget", "hset", "expire", "del"),
+                (f"~{applied}",),
             ),
             Grant("push batches to the workers' queues", ("lpush",), _exact(batch_queues)),
             Grant(

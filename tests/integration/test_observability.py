@@ -433,6 +433,53 @@ def test_status_sums_the_gauges_of_live_coordinators_only(
     assert snap["coordinators"] == [] and snap["pending"] == 0 and snap["depth_by_bin"] == {}
 
 
+def test_a_stats_write_whose_reply_was_lost_and_was_sent_again_counts_once(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    """redis-py sends a pipeline again on a fresh connection when its reply is lost; the counters it
+    carried were applied the first time already."""
+    import redis
+    import redis.client
+
+    from carpool.coordinator.stats import CoordinatorStats, StatsWriter
+    from carpool.redis_edge.keys import Keys
+
+    class ReplyLostOnce(redis.client.Pipeline):
+        lost = 0
+
+        def _execute_pipeline(self, connection: Any, commands: Any, raise_on_error: bool) -> Any:
+            replies = super()._execute_pipeline(connection, commands, raise_on_error)
+            if ReplyLostOnce.lost < 1:  # applied, then the connection drops before the reply
+                ReplyLostOnce.lost += 1
+                raise redis.ConnectionError("reply lost")
+            return replies
+
+    class Client(redis.Redis):
+        def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+            return ReplyLostOnce(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client = Client(port=clean_redis.port, retry=Retry(NoBackoff(), 1))
+    keys = Keys("carpool.requests")
+    stats = CoordinatorStats(taken=5, batches=1)
+    stats.sizes[5] += 1
+    one = StatsWriter(client, keys, "c-one", time.time)
+    one.write(stats, {}, {"pending": 0})
+    assert ReplyLostOnce.lost == 1  # the write went twice
+    counted = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+    assert counted == {"taken": 5, "batches": 1, "size:5": 1}
+
+    # Without a retry the lost reply fails the write; its totals go again with the next write.
+    ReplyLostOnce.lost = 0
+    two = StatsWriter(Client(port=clean_redis.port, retry=Retry(NoBackoff(), 0)), keys, "c-two", time.time)
+    with pytest.raises(redis.ConnectionError):
+        two.write(CoordinatorStats(taken=2), {}, {"pending": 0})
+    two.write(CoordinatorStats(taken=4), {}, {"pending": 0})
+    assert int(client.hget(keys.stats, "taken")) == 5 + 4
+
+
 def test_status_adds_up_what_two_coordinators_hold(processes: Processes) -> None:
     import redis
 

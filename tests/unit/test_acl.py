@@ -131,7 +131,8 @@ def test_every_script_finds_all_its_keys_in_one_grant(roles: dict[acl.Role, Role
     take = (keys.inflight_lease, keys.inflight_raw, reports, keys.inflight_origin, *keys.request_lists)
     dispatch = (keys.inflight_lease, keys.inflight_owner, "carpool.batches")
     requeue = (*keys.inflight, *keys.request_lists)
-    for script_keys in (take, dispatch, requeue, (keys.workers,), (RESULT, RESULT)):
+    stats = (keys.stats, keys.stats_applied_of("carpool-coordinator-1@host:5f0c2a9e41d3"))
+    for script_keys in (take, dispatch, requeue, (keys.workers,), (RESULT, RESULT), stats):
         assert allowed(roles["coordinator"], "evalsha", script_keys), script_keys
     claim_fresh = (keys.inflight_lease, keys.inflight_owner, RESULT, "carpool.batches")
     finish = (*keys.inflight, reports, RESULT)
@@ -161,6 +162,10 @@ def test_commands_inside_the_scripts_are_allowed_key_by_key(roles: dict[acl.Role
     assert allowed(worker, "llen", ("carpool.batches",))
     assert not allowed(worker, "rpop", ("carpool.requests",))  # workers never take requests
     assert not allowed(worker, "hset", (keys.stats,))
+    applied = keys.stats_applied_of("carpool-coordinator-1@host:5f0c2a9e41d3")
+    for command in ("hmget", "hset", "expire"):
+        assert allowed(coordinator, command, (applied,)), command
+    assert not allowed(worker, "hset", (applied,))
 
 
 def test_coordinator_writes_its_expiring_gauges_and_only_those(roles: dict[acl.Role, RoleAcl]) -> None:

@@ -1,9 +1,12 @@
-"""The coordinators' stats: counters go as deltas into one hash (coordinators sum up), gauges into a
-hash per coordinator that expires unless rewritten, emptied bins as 0."""
+"""The coordinators' stats: counters go as running totals to ``stats.lua`` (which adds them to one
+hash, coordinators summing up; tests/integration/test_observability.py runs it), gauges into a hash
+per coordinator that expires unless rewritten, emptied bins as 0."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
 
 from carpool.coordinator.stats import COORDINATORS_KEPT_S, GAUGES_TTL_S, CoordinatorStats, StatsWriter
 from carpool.redis_edge.keys import Keys
@@ -25,6 +28,12 @@ class RecordingClient:
     def __exit__(self, *_: Any) -> None:
         pass
 
+    def register_script(self, source: str) -> Any:
+        def call(keys: list[str], args: list[Any], client: Any = None) -> None:
+            self.calls.append(("stats.lua", tuple(keys), {"args": tuple(args)}))
+
+        return call
+
     def __getattr__(self, command: str) -> Any:
         return lambda *args, **kwargs: self.calls.append((command, args, kwargs))
 
@@ -36,24 +45,62 @@ def writer(client: RecordingClient, hostname: str) -> StatsWriter:
     return StatsWriter(client, KEYS, hostname, lambda: WALL_S)
 
 
-def test_counters_are_written_as_what_changed_and_emptied_bins_as_zero() -> None:
+def totals_sent(client: RecordingClient) -> list[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+    return [(keys, kw["args"]) for command, keys, kw in client.calls if command == "stats.lua"]
+
+
+def test_counters_go_as_the_totals_that_moved_and_emptied_bins_as_zero() -> None:
     client = RecordingClient()
     w = writer(client, "c1")
     stats = CoordinatorStats(taken=5, batches=1)
     stats.failed["invalid"] += 1
     w.write(stats, {("toy", "1-16"): 3}, {"pending": 3})
-    assert ("hincrby", (KEYS.stats, "taken", 5), {}) in client.calls
-    assert ("hincrby", (KEYS.stats, "failed:invalid", 1), {}) in client.calls
+    [(keys, args)] = totals_sent(client)
+    assert keys[0] == KEYS.stats and keys[1].startswith(KEYS.stats_applied_of("c1:"))
+    assert args == (COORDINATORS_KEPT_S, "taken", 5, "batches", 1, "failed:invalid", 1)
     gauges = [c for c in client.calls if c[0] == "hset"]
     assert gauges == [("hset", (KEYS.gauges_of("c1"),), {"mapping": {"pending": 3, "depth:toy:1-16": 3}})]
 
     client.calls.clear()
     stats.taken += 2
     w.write(stats, {}, {"pending": 0})
-    assert [c for c in client.calls if c[0] in ("hincrby", "hset")] == [
-        ("hincrby", (KEYS.stats, "taken", 2), {}),
+    assert totals_sent(client) == [(keys, (COORDINATORS_KEPT_S, "taken", 7))]
+    assert [c for c in client.calls if c[0] == "hset"] == [
         ("hset", (KEYS.gauges_of("c1"),), {"mapping": {"pending": 0, "depth:toy:1-16": 0}}),
     ]
+
+    client.calls.clear()
+    w.write(stats, {}, {"pending": 0})
+    assert totals_sent(client) == []  # nothing moved: no script call
+
+
+def test_a_failed_write_sends_its_totals_again_with_the_next() -> None:
+    class FailingOnce(RecordingClient):
+        failures = 1
+
+        def execute(self) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("reply lost")
+
+    client = FailingOnce()
+    w = writer(client, "c1")
+    stats = CoordinatorStats(taken=5, batches=1)
+    with pytest.raises(ConnectionError):
+        w.write(stats, {}, {"pending": 0})
+    stats.taken += 1
+    client.calls.clear()
+    w.write(stats, {}, {"pending": 0})
+    [(_, args)] = totals_sent(client)
+    assert args == (COORDINATORS_KEPT_S, "taken", 6, "batches", 1)
+
+
+def test_each_run_of_a_coordinator_keeps_its_own_applied_totals() -> None:
+    client = RecordingClient()
+    writer(client, "c1").write(CoordinatorStats(taken=1), {}, {})
+    writer(client, "c1").write(CoordinatorStats(taken=1), {}, {})
+    first, second = (keys[1] for keys, _ in totals_sent(client))
+    assert first != second
 
 
 def test_each_coordinator_writes_gauges_of_its_own_that_expire() -> None:
@@ -63,7 +110,10 @@ def test_each_coordinator_writes_gauges_of_its_own_that_expire() -> None:
     two.write(CoordinatorStats(taken=6), {}, {"pending": 6})
     calls = client.calls
     # Counters add up in the one shared hash; the gauges stay apart, one hash each.
-    assert [c[1] for c in calls if c[0] == "hincrby"] == [(KEYS.stats, "taken", 4), (KEYS.stats, "taken", 6)]
+    assert [(keys[0], args[1:]) for keys, args in totals_sent(client)] == [
+        (KEYS.stats, ("taken", 4)),
+        (KEYS.stats, ("taken", 6)),
+    ]
     assert [(c[1][0], c[2]["mapping"]) for c in calls if c[0] == "hset"] == [
         (KEYS.gauges_of("c1"), {"pending": 4}),
         (KEYS.gauges_of("c2"), {"pending": 6}),
@@ -86,10 +136,11 @@ def test_a_coordinator_that_leaves_withdraws_its_gauges_at_once() -> None:
     client = RecordingClient()
     w = writer(client, "c1")
     w.write(CoordinatorStats(taken=1), {}, {"pending": 1})
+    [(keys, _)] = totals_sent(client)
     client.calls.clear()
     w.leave()
     assert client.calls == [
-        ("delete", (KEYS.gauges_of("c1"),), {}),
+        ("delete", (KEYS.gauges_of("c1"), keys[1]), {}),
         ("zrem", (KEYS.coordinators, "c1"), {}),
     ]
 
