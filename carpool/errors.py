@@ -45,10 +45,18 @@ class DeadlineExceeded(CarpoolError):
     """Raised when a request's deadline passed before it could run."""
 
     @classmethod
-    def waited(cls, late_s: float, where: str) -> DeadlineExceeded:
-        """The error for a request ``late_s`` past its deadline ``where`` it was found (a phrase)."""
+    def waited(cls, late_s: float, where: str, sent_s_ago: float | None = None) -> DeadlineExceeded:
+        """The error for a request ``late_s`` past its deadline ``where`` it was found (a phrase),
+        sent ``sent_s_ago`` by its producer's clock."""
+        sent = ""
+        if sent_s_ago is not None:
+            # Deadlines count from the producer's clock: one running behind makes fresh requests late.
+            sent = (
+                f" (sent {sent_s_ago:.3f}s ago by its producer's clock: if it was sent just now, that"
+                " clock runs behind this host's; synchronise them)"
+            )
         return cls(
-            f"deadline passed {late_s:.3f}s ago {where}, before a worker could run it; "
+            f"deadline passed {late_s:.3f}s ago {where}, before a worker could run it{sent}; "
             "raise expires= or CARPOOL_DEFAULT_DEADLINE_S, or add workers"
         )
 

@@ -43,6 +43,7 @@ def dispatch(c: Coordinator, now: float) -> float | None:
             )
     if plan.expired:
         where = "in the coordinator's queue"
+        wall = c.wall()
         c.held.difference_update(r.id for r in plan.expired)
         fail(
             c,
@@ -50,7 +51,9 @@ def dispatch(c: Coordinator, now: float) -> float | None:
                 Refused(
                     r.id,
                     "deadline",
-                    DeadlineExceeded.waited(now - r.deadline_s, where),
+                    DeadlineExceeded.waited(
+                        now - r.deadline_s, where, wall - cast("RequestSlot", r.payload)["sent_at"]
+                    ),
                     task=c.task_name(r.model),
                     links=cast("RequestSlot", r.payload).get("links"),
                     inbox=cast("RequestSlot", r.payload).get("inbox"),

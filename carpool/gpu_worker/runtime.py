@@ -383,7 +383,9 @@ class WorkerRuntime:
             if may_start(r["deadline"], now):
                 live.append(r)
             else:
-                late = DeadlineExceeded.waited(now - r["deadline"], "when its batch started")
+                late = DeadlineExceeded.waited(
+                    now - r["deadline"], "when its batch started", now - r["sent_at"]
+                )
                 entries.append((r["id"], FAILURE, late))
         if not live:
             return partial(self._hand_over, claimed, live, None, 0), False

@@ -219,6 +219,18 @@ def test_a_request_expires_on_the_coordinators_clock(clocks: Clocks) -> None:
     assert c.store.acked == ["a"] and c.stats.failed["deadline"] == 1
 
 
+def test_a_request_late_on_arrival_says_how_long_ago_its_producer_sent_it(clocks: Clocks) -> None:
+    """A producer clock behind by more than the default deadline fails fresh requests: the error says
+    when the producer's clock says it was sent, which points at the clock."""
+    c = coordinator(clocks, workers=1, default_deadline_s=30.0)
+    c.store.queue.append(("a", message("a", "hello there", sent_at=WALL_START - 95.0)))
+    c.step()
+    [(request_id, state, error)] = c.backend.stored
+    assert request_id == "a" and state == "FAILURE" and isinstance(error, DeadlineExceeded)
+    assert "deadline passed 65.000s ago" in str(error)
+    assert "sent 95.000s ago by its producer's clock" in str(error) and "synchronise" in str(error)
+
+
 def test_a_producers_result_inbox_travels_in_the_slot_and_with_the_refusals(clocks: Clocks) -> None:
     inbox = {"carpool_inbox": "celery-task-meta-carpool.inbox.abc"}
     c = coordinator(clocks, workers=1)
