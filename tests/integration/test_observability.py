@@ -448,7 +448,7 @@ def test_a_stats_write_whose_reply_was_lost_and_was_sent_again_counts_once(
         lost = 0
 
         def _execute_pipeline(self, connection: Any, commands: Any, raise_on_error: bool) -> Any:
-            replies = super()._execute_pipeline(connection, commands, raise_on_error)
+            replies = super()._execute_pipeline(connection, commands, raise_on_error)  # type: ignore[no-untyped-call]
             if ReplyLostOnce.lost < 1:  # applied, then the connection drops before the reply
                 ReplyLostOnce.lost += 1
                 raise redis.ConnectionError("reply lost")
@@ -468,7 +468,7 @@ def test_a_stats_write_whose_reply_was_lost_and_was_sent_again_counts_once(
     one = StatsWriter(client, keys, "c-one", time.time)
     one.write(stats, {}, {"pending": 0})
     assert ReplyLostOnce.lost == 1  # the write went twice
-    counted = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
+    counted = {as_bytes(k).decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
     assert counted == {"taken": 5, "batches": 1, "size:5": 1}
 
     # Without a retry the lost reply fails the write; its totals go again with the next write.
@@ -477,7 +477,7 @@ def test_a_stats_write_whose_reply_was_lost_and_was_sent_again_counts_once(
     with pytest.raises(redis.ConnectionError):
         two.write(CoordinatorStats(taken=2), {}, {"pending": 0})
     two.write(CoordinatorStats(taken=4), {}, {"pending": 0})
-    assert int(client.hget(keys.stats, "taken")) == 5 + 4
+    assert int(as_bytes(client.hget(keys.stats, "taken"))) == 5 + 4
 
 
 def test_status_adds_up_what_two_coordinators_hold(processes: Processes) -> None:
