@@ -287,13 +287,16 @@ def dumps_exact(value: Any) -> bytes:
     (``TypeError``), or a non-finite float (``ValueError``)."""
     encoded: bytes = orjson.dumps(value, option=_PLAIN)
     if not finite(value):
-        raise ValueError("a non-finite float (inf or nan), which JSON cannot write")
+        raise ValueError(_NON_FINITE)
     return encoded
+
+
+_NON_FINITE = "a non-finite float (inf or nan), which JSON cannot write"
 
 
 def finite(value: Any) -> bool:
     """No inf or nan anywhere in ``value``."""
-    if type(value) is float:
+    if isinstance(value, float):  # numpy's float64 too
         return math.isfinite(value)
     if isinstance(value, list | tuple):
         if all(type(v) is float for v in value):  # a vector: checked in one C-level pass
@@ -324,6 +327,11 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
                             f"stored as JSON unchanged ({exc}); return lists, dicts with string keys, "
                             "strings, finite numbers and integers within 64 bits (e.g. array.tolist())"
                         ),
+                    )
+                elif not finite(value):  # Celery's encoder writes numpy's float64 NaN as NaN
+                    ok, value = (
+                        False,
+                        ValueError(f"{task} returned {brief(value)}: {_NON_FINITE}; return finite numbers"),
                     )
             # What JSON carries (orjson writes a UUID or an Enum as its value; Celery's JSON tags a
             # datetime) msgpack may not: that request fails here, not the batch's store.

@@ -75,14 +75,22 @@ class MalformedMessage(CarpoolError):
 
 class RefusedMessage(MalformedMessage):
     """Raised when a request message names its task and id but carries what carpool cannot honour
-    (an eta or expires no datetime holds): its caller is answered with the reason, as
-    :class:`InvalidInput`, instead of the message being dead-lettered. ``task``, ``links`` and
-    ``inbox`` say where that answer goes on to. Never stored as a result itself."""
+    (an eta or expires no datetime holds, a task no coordinator serves): its caller is answered with
+    the reason, as :class:`InvalidInput`, instead of the message being dead-lettered. ``task_id``
+    is the message's id; ``task``, ``links`` and ``inbox`` say where that answer goes on to. Never
+    stored as a result itself."""
 
     def __init__(
-        self, message: str, *, task: str | None = None, links: Any = None, inbox: str | None = None
+        self,
+        message: str,
+        *,
+        task_id: str | None = None,
+        task: str | None = None,
+        links: Any = None,
+        inbox: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.task_id = task_id
         self.task = task
         self.links = links
         self.inbox = inbox

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
+from carpool.batching.bins import PAD_MULTIPLE
 from carpool.errors import ConfigError, InvalidInput, described
 from carpool.validation import bind_item, checked_length, validate_item
 
@@ -68,6 +69,11 @@ class TaskSpec(ABC):
                 raise ValueError(
                     f"batched task {self.name!r}: {field} must be an integer >= 1, not {value!r}"
                 )
+        if self.max_tokens is not None and self.max_tokens < PAD_MULTIPLE:
+            raise ValueError(
+                f"batched task {self.name!r}: max_tokens must be >= {PAD_MULTIPLE} (batches pad lengths"
+                f" to multiples of {PAD_MULTIPLE}), not {self.max_tokens!r}"
+            )
         edges = self.bin_edges
         if edges is not None and edges != "auto" and not _increasing_positive(edges):
             raise ValueError(

@@ -19,7 +19,9 @@ time, so the coordinator measures waiting from the request's real arrival.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
@@ -61,6 +63,11 @@ class BatchedTask(Task):  # type: ignore[misc]  # Celery is untyped
     def validate(self, args: Any, kwargs: Any) -> None:
         """Raise :class:`~carpool.errors.InvalidInput` unless ``(args, kwargs)`` is a valid request."""
         self.spec.accept(args, kwargs, settings_of(self.app))
+
+    def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Run here, as Celery's ``apply`` does, after the checks ``.delay()`` makes."""
+        self.validate(args, kwargs)
+        return super().apply(args, kwargs, **options)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         self.validate(args, kwargs)
@@ -171,6 +178,11 @@ def batched(
 
     def wrap(function: BatchFunction) -> BatchedTask:
         task_name = name or _default_name(function)
+        if _is_async(function):
+            raise TypeError(
+                f"@batched takes a synchronous function, and {task_name} is async (workers call it with"
+                " no event loop running); wrap it: def f(items): return asyncio.run(your_function(items))"
+            )
         length_fn = length if length is not None else getattr(function, "length", len)
         spec = BatchedSpec(
             name=task_name,
@@ -184,9 +196,9 @@ def batched(
         register(spec)
 
         def run(item: Any) -> Any:
-            # Only a plain Celery worker consuming the request queue runs this (one item at a time).
-            (out,) = function([item])
-            return out
+            # Eager mode (task_always_eager, .apply()) and a plain Celery worker on the request queue
+            # run one item at a time, under the contract batch workers keep.
+            return _run_alone(spec, item)
 
         run.__name__ = task_name.rpartition(".")[2] or task_name
         run.__doc__ = getattr(function, "__doc__", None)
@@ -196,6 +208,41 @@ def batched(
     if fn is not None:
         return wrap(fn)
     return wrap
+
+
+def _is_async(function: Any) -> bool:
+    call = getattr(function, "__call__", None)  # noqa: B004  # an object's own __call__, as adapters have
+    return any(
+        inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
+        for f in (function, call)
+        if f is not None
+    )
+
+
+_LOADED: set[tuple[int, str]] = set()  # (pid, task name): the functions whose load() ran in this process
+
+
+def _run_alone(spec: BatchedSpec, item: Any) -> Any:
+    """``spec``'s function on one item, as a batch worker runs it: ``load(device)`` first (once per
+    process), one output per item, an output JSON carries unchanged; any failure as
+    :class:`~carpool.errors.ModelError`, as the caller of a batched request gets it."""
+    from carpool.codec import storable
+    from carpool.errors import ModelError, described
+    from carpool.gpu_worker.runner import one_per_item, pick_device
+
+    settings = settings_of(app)
+    loaded = (os.getpid(), spec.name)
+    if loaded not in _LOADED and callable(getattr(spec.fn, "load", None)):
+        spec.load(pick_device(settings.device), settings)
+    _LOADED.add(loaded)
+    try:
+        (out,) = one_per_item(spec.fn([item]), 1)
+    except Exception as exc:
+        raise ModelError(described(exc)) from exc
+    [(ok, value)] = storable(spec.name, [(True, out)], settings.result_serializer)
+    if not ok:
+        raise ModelError(described(value))
+    return value
 
 
 def _default_name(function: Any) -> str:

@@ -129,7 +129,17 @@ def checked_length(task_name: str, value: Any) -> int:
         ) from None
     if size < 0:
         raise InvalidInput(f"{task_name}: length() returned {size}; sizes must be >= 0")
+    if size > MAX_LENGTH:
+        raise InvalidInput(
+            f"{task_name}: length() returned {_short(size)}, above {MAX_LENGTH:,}; make the task's length"
+            " function return the size to bin by (tokens, items, bytes), not a hash or an id"
+        )
     return size
+
+
+# A request's size, summed over batches into 64-bit counters (padded tokens) and carried in reports:
+# a bound no real size reaches keeps those sums from overflowing.
+MAX_LENGTH = 2**31 - 1
 
 
 class _Missing:

@@ -55,11 +55,8 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         raise MalformedMessage("not a Celery message: no headers")
     headers = envelope["headers"]
     task = headers.get("task")
-    if not isinstance(task, str) or task not in tasks:
-        raise MalformedMessage(
-            f"unknown task name {task!r}: only {TASK_NAME} and the @batched tasks of CARPOOL_IMPORTS "
-            "belong on the request queue (is the task's module in CARPOOL_IMPORTS?)"
-        )
+    if not isinstance(task, str):
+        raise MalformedMessage(f"not a Celery task message: its task name is {task!r}")
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not task_id:
         raise MalformedMessage("Celery message without a task id")
@@ -106,7 +103,19 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         expires_at = _when(headers.get("expires"), "expires")
         eta_at = None if eta is None else _when(eta, "eta")
     except ValueError as exc:  # readable enough to answer its caller with the reason
-        raise RefusedMessage(str(exc), task=task, links=links, inbox=inbox) from None
+        raise RefusedMessage(str(exc), task_id=task_id, task=task, links=links, inbox=inbox) from None
+    if task not in tasks:
+        # A task of a module the coordinators do not import yet (a rolling deploy), or one routed
+        # here by mistake: its caller learns why at once instead of waiting on a dead letter.
+        raise RefusedMessage(
+            f"unknown task name {task!r}: this deployment's coordinators serve only {TASK_NAME} and the"
+            " @batched tasks of CARPOOL_IMPORTS (add the task's module to CARPOOL_IMPORTS on the"
+            " coordinators and workers, or route the task to a queue a Celery worker serves)",
+            task_id=task_id,
+            task=task,
+            links=links,
+            inbox=inbox,
+        )
     return Incoming(
         id=task_id,
         task=task,

@@ -82,7 +82,12 @@ class Intake:
 
 def decode_taken(request_id: str, raw: bytes, tasks: Any = (INFER_TASK,)) -> Incoming:
     """The request message ``raw``, taken under ``request_id``, or raise :class:`MalformedMessage`."""
-    msg = protocol.decode(raw, tasks)
+    try:
+        msg = protocol.decode(raw, tasks)
+    except RefusedMessage as exc:
+        if exc.task_id != request_id:  # answered under the take's id, which must be the message's
+            raise MalformedMessage(f"task id {exc.task_id!r} is not the message's only id key") from None
+        raise
     if msg.id != request_id:  # in-flight bookkeeping is keyed by the id the take found
         raise MalformedMessage(f"task id {msg.id!r} is not the message's only id key")
     return msg

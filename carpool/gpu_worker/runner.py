@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from functools import partial
 from typing import Any, cast
 
@@ -143,7 +143,13 @@ def run_call(
 
 
 def one_per_item(outputs: Any, count: int) -> list[Any]:
-    """A batch's ``outputs`` as a list, or :class:`OutputCountMismatch` unless it holds ``count``."""
+    """A batch's ``outputs`` as a list, or :class:`OutputCountMismatch` unless it holds ``count``.
+    A string, a mapping or a set is refused whatever its size: as a list it would be characters,
+    keys, or outputs in no particular order, handed to callers as if they were theirs."""
+    if isinstance(outputs, str | bytes | bytearray | Mapping | Set):
+        raise OutputCountMismatch(
+            f"returned {type(outputs).__name__}, not a list with one output per item, in the items' order"
+        )
     try:
         listed: list[Any] = list(outputs)
     except TypeError:

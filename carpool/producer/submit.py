@@ -42,7 +42,7 @@ from carpool.celery_edge.events import EventsMode
 from carpool.celery_edge.inbox import inbox_channel, mark
 from carpool.celery_edge.result_consumer import subscribe_results, unsubscribe_results
 from carpool.celery_edge.task_messages import TaskMessageBuilder, TaskMessages
-from carpool.errors import SubmitInterrupted
+from carpool.errors import InvalidInput, SubmitInterrupted
 from carpool.names import INBOX_HEADER, INFER_TASK, SENT_AT_HEADER
 from carpool.redis_edge.replication import not_replicated, transaction_then_wait
 from carpool.validation import bind_infer_args, validate_infer
@@ -113,6 +113,12 @@ def submit_many(
         raise TypeError(
             f"submit_many() does not support {', '.join(sorted(unknown))}; "
             f"supported options: {', '.join(sorted(SUPPORTED_OPTIONS))}"
+        )
+    if isinstance(payloads, str | bytes | bytearray | Mapping):
+        raise InvalidInput(
+            f"submit_many() takes a list of payloads, one request each, not a {type(payloads).__name__}"
+            " (a string is never split into characters, a dict into its keys); for one request,"
+            " pass [payload]"
         )
     app = app or getattr(task, "app", None) or _default_app()  # task may be a task's name
     settings = settings_of(app)

@@ -41,7 +41,12 @@ def test_delay_writes_to_the_request_list_and_decodes(clean_redis: EmbeddedRedis
     [
         (b"\x00\xffnot json", "not JSON"),
         (b'{"no": "headers"}', "no headers"),
-        (b'{"headers": {"task": "other.task", "id": "1"}, "body": ""}', "unknown task name 'other.task'"),
+        (b'{"headers": {"task": "other.task", "id": "1"}, "body": ""}', "does not decode"),
+        (b'{"headers": {"task": 7, "id": "1"}, "body": "[[], {}, {}]"}', "its task name is 7"),
+        (
+            b'{"headers": {"task": "other.task", "id": "1"}, "body": "[[], {}, {}]"}',
+            "unknown task name 'other.task'",
+        ),
         (
             b'{"headers": {"task": "carpool.infer", "id": "1"}, "body": "!!", '
             b'"properties": {"body_encoding": "base64"}}',

@@ -53,6 +53,7 @@ def test_the_tasks_own_limits_override_the_deployment_settings() -> None:
     [
         ({"max_batch": 0}, "max_batch must be an integer >= 1"),
         ({"max_tokens": 2.5}, "max_tokens must be an integer >= 1"),
+        ({"max_tokens": 4}, r"max_tokens must be >= 8 \(batches pad lengths to multiples of 8\), not 4"),
         ({"bin_edges": (32, 8)}, "bins must be 'auto' or increasing"),
     ],
 )
@@ -123,16 +124,23 @@ def test_intake_fails_only_the_requests_whose_length_is_wrong() -> None:
             ("raises", message("raises", {"m": 3}, task=declared.name)),
             ("text", message("text", {"n": "3"}, task=declared.name)),
             ("negative", message("negative", {"n": -1}, task=declared.name)),
+            ("huge", message("huge", {"n": 2**64 - 1}, task=declared.name)),
+            ("largest", message("largest", {"n": 2**31 - 1}, task=declared.name)),
             ("two", message("two", "a", "b", task=shout.name)),
             ("unknown", message("unknown", "a", task="someone.else")),
         ]
     )
-    assert [req.id for _, req in out.admitted] == ["ok"]
+    assert [req.id for _, req in out.admitted] == ["ok", "largest"]
     reasons = {r.id: str(r.error) for r in out.refused}
+    # A size past any real one would overflow the 64-bit sums of padded tokens it goes into.
+    assert "unit.declared: length() returned 18446744073709551615, above 2,147,483,647" in reasons["huge"]
     assert "unit.declared: length() raised KeyError" in reasons["raises"]
     assert "not an int" in reasons["text"] and ">= 0" in reasons["negative"]
     assert "exactly one item" in reasons["two"]
-    assert [m.id for m in out.malformed] == ["unknown"] and "CARPOOL_IMPORTS" in out.malformed[0].reason
+    # A task no coordinator serves (a module not in CARPOOL_IMPORTS yet): answered, not dead-lettered.
+    assert out.malformed == [] and "unknown task name 'someone.else'" in reasons["unknown"]
+    assert "add the task's module to CARPOOL_IMPORTS" in reasons["unknown"]
+    assert next(r for r in out.refused if r.id == "unknown").task == "someone.else"
 
 
 def test_metrics_label_each_series_with_its_task() -> None:
@@ -161,3 +169,95 @@ def test_metrics_label_each_series_with_its_task() -> None:
         )
         == 4
     )
+
+
+@pytest.mark.parametrize("outputs", ["XZ", b"XZ", {"a": 1, "b": 2}, {"x", "z"}, frozenset("xz")])
+def test_outputs_as_a_string_mapping_or_set_are_refused_whatever_their_size(outputs: Any) -> None:
+    """As a list they would be characters, keys, or outputs in no order, each handed to a caller."""
+    import numpy as np
+
+    from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item
+
+    with pytest.raises(
+        OutputCountMismatch, match=f"returned {type(outputs).__name__}, not a list with one output"
+    ):
+        one_per_item(outputs, 2)
+    assert one_per_item(["X", "Z"], 2) == ["X", "Z"]
+    assert one_per_item((o for o in "XZ"), 2) == ["X", "Z"]  # a generator's outputs are in order
+    assert len(one_per_item(np.zeros((2, 3)), 2)) == 2
+
+
+def test_an_async_function_is_refused_when_the_task_is_defined() -> None:
+    async def embed(texts: list[str]) -> list[int]:
+        return [len(t) for t in texts]
+
+    class AsyncModel:
+        async def __call__(self, texts: list[str]) -> list[int]:
+            return [len(t) for t in texts]
+
+    for function, task_name in ((embed, "unit.async_fn"), (AsyncModel(), "unit.async_object")):
+        with pytest.raises(TypeError, match=f"{task_name} is async .*asyncio.run"):
+            batched(function, name=task_name)
+        assert spec_for(task_name) is None  # nothing half-registered
+
+
+class _Loads:
+    """An adapter-like object: heavy state built by load(device), as workers call it."""
+
+    def __init__(self) -> None:
+        self.loads: list[str] = []
+        self.scale: int | None = None
+
+    def load(self, device: str) -> None:
+        self.loads.append(device)
+        self.scale = 10
+
+    def __call__(self, items: list[int]) -> list[int]:
+        assert self.scale is not None, "called before load()"
+        return [i * self.scale for i in items]
+
+
+_loads = _Loads()
+scaled = batched(_loads, name="unit.scaled", length=lambda item: 1)
+
+
+@batched(length=len, name="unit.miscounts")
+def miscounts(texts: list[str]) -> list[str]:
+    return [*texts, "extra"]
+
+
+@batched(length=len, name="unit.nan")
+def nan(texts: list[str]) -> list[float]:
+    return [float("nan")] * len(texts)
+
+
+@batched(length=len, name="unit.raises")
+def raises(texts: list[str]) -> list[str]:
+    raise ValueError("no such word")
+
+
+def test_eager_mode_runs_an_item_as_a_batch_worker_would() -> None:
+    """task_always_eager and .apply() keep the worker's contract: load() once, one output per item,
+    outputs JSON carries, failures as ModelError, inputs checked as .delay() checks them."""
+    from carpool.celery_edge.app import app
+    from carpool.errors import ModelError
+
+    assert scaled.apply(args=(4,)).get() == 40 and scaled.apply(args=(5,)).get() == 50
+    assert len(_loads.loads) == 1 and _loads.loads[0] in ("cpu", "cuda")  # once per process
+    with pytest.raises(ModelError, match="OutputCountMismatch: returned 2 outputs for 1 items"):
+        miscounts.apply(args=("a",)).get()
+    with pytest.raises(ModelError, match="non-finite float"):
+        nan.apply(args=("a",)).get()
+    with pytest.raises(ModelError, match="ValueError: no such word"):
+        raises.apply(args=("a",)).get()
+    with pytest.raises(InvalidInput, match="exactly one item"):
+        shout.apply(args=("a", "b"))
+    with pytest.raises(InvalidInput):
+        shout.apply(args=({1, 2},))
+    app.conf.task_always_eager = True
+    try:
+        assert scaled.delay(6).get() == 60 and shout.delay("hi").get() == "HI"
+        with pytest.raises(ModelError, match="OutputCountMismatch"):
+            miscounts.delay("a").get()
+    finally:
+        app.conf.task_always_eager = False

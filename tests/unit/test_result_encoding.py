@@ -372,6 +372,17 @@ def test_an_output_whose_repr_raises_fails_its_request_alone_naming_its_type(ser
     assert "app.odd returned _ReprRaises <_ReprRaises instance at" in str(error)
 
 
+@pytest.mark.parametrize("serializer", ["json", "msgpack"])
+def test_numpys_non_finite_float64_fails_its_request_as_a_python_nan_does(serializer: str) -> None:
+    """numpy's float64 is a float subclass, which Celery's JSON encoder writes as NaN."""
+    values = [np.float64("nan"), [np.float64("inf"), 1.0], {"score": np.float64("-inf")}, float("nan")]
+    outcomes = storable("app.score", [(True, v) for v in values] + [(True, np.float64(0.5))], serializer)
+    assert [ok for ok, _ in outcomes] == [False, False, False, False, True]
+    for _, error in outcomes[:4]:
+        assert isinstance(error, ValueError) and "non-finite float" in str(error), error
+        assert "app.score returned" in str(error) and "return finite numbers" in str(error)
+
+
 def test_a_huge_unstorable_output_is_named_in_a_bounded_message() -> None:
     [(ok, error)] = storable("app.big", [(True, {"seen": set(range(100_000))})])
     assert not ok and "app.big returned dict" in str(error) and len(str(error)) < 600
