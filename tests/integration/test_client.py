@@ -789,7 +789,7 @@ def test_bad_input_raises_at_submit_time_and_sends_nothing(clean_redis: Embedded
     with pytest.raises(TypeError, match="countdown"):
         submit_many(["a"], model="toy", countdown=3)
     # One payload passed bare would be split: a string into characters, a mapping into its keys.
-    with pytest.raises(InvalidInput, match="not a str .*never split into characters"):
+    with pytest.raises(InvalidInput, match=r"not a str .*never split into characters"):
         submit_many("hello", model="toy")
     with pytest.raises(InvalidInput, match="not a dict"):
         submit_many({"text": "a"}, model="toy")

@@ -197,7 +197,7 @@ def test_an_async_function_is_refused_when_the_task_is_defined() -> None:
 
     for function, task_name in ((embed, "unit.async_fn"), (AsyncModel(), "unit.async_object")):
         with pytest.raises(TypeError, match=f"{task_name} is async .*asyncio.run"):
-            batched(function, name=task_name)
+            batched(function, name=task_name)  # type: ignore[arg-type]
         assert spec_for(task_name) is None  # nothing half-registered
 
 
