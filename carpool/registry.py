@@ -62,6 +62,9 @@ class TaskSpec(ABC):
 
     #: whether workers check that each output travels as JSON unchanged before storing it
     checks_outputs: ClassVar[bool] = True
+    #: whether an exception the batch function raises is stored as raised (as Celery stores a
+    #: task's), rather than as a ModelError naming it
+    raises_as_raised: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for field, value in (("max_batch", self.max_batch), ("max_tokens", self.max_tokens)):

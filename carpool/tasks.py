@@ -224,11 +224,12 @@ _LOADED: set[tuple[int, str]] = set()  # (pid, task name): the functions whose l
 
 def _run_alone(spec: BatchedSpec, item: Any) -> Any:
     """``spec``'s function on one item, as a batch worker runs it: ``load(device)`` first (once per
-    process), one output per item, an output JSON carries unchanged; any failure as
-    :class:`~carpool.errors.ModelError`, as the caller of a batched request gets it."""
+    process), one output per item, an output JSON carries unchanged (else a
+    :class:`~carpool.errors.ModelError`, as a batched request's caller gets it); what the function
+    raises propagates as raised."""
     from carpool.codec import storable
     from carpool.errors import ModelError, described
-    from carpool.gpu_worker.runner import one_per_item, pick_device
+    from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item, pick_device
 
     settings = settings_of(app)
     loaded = (os.getpid(), spec.name)
@@ -237,8 +238,8 @@ def _run_alone(spec: BatchedSpec, item: Any) -> Any:
     _LOADED.add(loaded)
     try:
         (out,) = one_per_item(spec.fn([item]), 1)
-    except Exception as exc:
-        raise ModelError(described(exc)) from exc
+    except OutputCountMismatch as exc:
+        raise ModelError(described(exc)) from None
     [(ok, value)] = storable(spec.name, [(True, out)], settings.result_serializer)
     if not ok:
         raise ModelError(described(value))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -128,10 +129,20 @@ def join_will_block() -> bool:
 # --- the result backend -------------------------------------------------------------------------
 
 
-def result_meta(backend: Any, result: Any, state: str) -> dict[str, Any]:
+def result_meta(backend: Any, result: Any, state: str, traceback: str | None = None) -> dict[str, Any]:
     """The meta Celery's ``store_result`` would write for ``result`` (already encoded) in ``state``."""
-    meta: dict[str, Any] = backend._get_result_meta(result=result, state=state, traceback=None, request=None)
+    meta: dict[str, Any] = backend._get_result_meta(
+        result=result, state=state, traceback=traceback, request=None
+    )
     return meta
+
+
+def traceback_of(exc: BaseException) -> str | None:
+    """The traceback Celery stores with a task's failure, for an exception that was raised (one made
+    to describe a failure, never raised, has none)."""
+    if exc.__traceback__ is None:
+        return None
+    return "".join(traceback.format_exception(exc))
 
 
 def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str | None = None) -> None:

@@ -34,6 +34,7 @@ import orjson
 from celery import Celery
 from celery.states import FAILURE, SUCCESS
 
+from carpool.celery_edge.compat import traceback_of
 from carpool.codec import float_row_dtypes, native_numpy, stored_form
 from carpool.names import INFER_TASK
 
@@ -365,8 +366,8 @@ class TaskEvents:
         for task_id, state, value in entries:
             if state == SUCCESS:
                 buffer.append({**header, "uuid": task_id, "result": next(shown), "clock": forward()})
-            elif state == FAILURE:
-                self.failed(task_id, value, runtime_s)
+            elif state == FAILURE:  # a batch function's exception shows with its traceback, as Celery's
+                self.failed(task_id, value, runtime_s, traceback_of(value))
             else:
                 self.revoked(task_id)
 

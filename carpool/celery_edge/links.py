@@ -208,6 +208,6 @@ def on_failure(app: Celery, request_id: str, task_name: str | None, links: Links
         delivery_info={},
     )
     try:
-        compat.call_errbacks(app.backend, request, exc)
+        compat.call_errbacks(app.backend, request, exc, compat.traceback_of(exc))
     except Exception:
         log.exception("request %s: calling its error callbacks failed", request_id)

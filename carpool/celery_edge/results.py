@@ -21,7 +21,7 @@ from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.exceptions import EncodeError
 from kombu.serialization import loads
 
-from carpool.celery_edge.compat import result_meta
+from carpool.celery_edge.compat import result_meta, traceback_of
 from carpool.celery_edge.result_consumer import PromptResultConsumer
 from carpool.codec import (
     brief,
@@ -101,7 +101,8 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             encoded = encode(result)
             if encoded is not None:  # else not plain JSON or msgpack: Celery's encoder decides
                 return join(encoded, encode_plain(date_done) or null, task_id)
-        meta = result_meta(self, self.encode_result(result, state), state)
+        tb = traceback_of(result) if isinstance(result, BaseException) else None
+        meta = result_meta(self, self.encode_result(result, state), state, tb)
         meta["task_id"] = task_id
         encoded = self.encode(meta)
         return encoded if isinstance(encoded, bytes) else encoded.encode("utf-8")

@@ -450,7 +450,9 @@ class WorkerRuntime:
             padded_len=padded_len,
             real_tokens=sum(r["len"] for r in live),
             run_s=run_s,
-            failed_model=sum(1 for e in entries if isinstance(e[2], ModelError)),
+            failed_model=sum(
+                1 for e in entries if e[1] == FAILURE and not isinstance(e[2], DeadlineExceeded)
+            ),
             failed_deadline=sum(1 for e in entries if isinstance(e[2], DeadlineExceeded)),
             done_at=time.time(),
         )
@@ -562,26 +564,35 @@ class WorkerRuntime:
         self._last_run_s[batch["model"]] = device_s
         claimed.ran_s = device_s
         run_s: float | None = device_s
+        spec = served_spec(self.specs, self.served, batch["task"])
         if mismatch is not None:
-            outcomes: list[tuple[bool, Any]] = [(False, mismatch)] * len(live)
+            outcomes: list[tuple[bool, Any]] = [(False, ModelError(described(mismatch)))] * len(live)
             run_s = None
         else:
             outcomes = [(True, out) for out in outputs]
-            spec = served_spec(self.specs, self.served, batch["task"])
             if spec.checks_outputs:
-                outcomes = storable(spec.name, outcomes, self.settings.result_serializer)
+                outcomes = _checked(spec.name, outcomes, self.settings.result_serializer)
                 if not all(ok for ok, _ in outcomes):
                     run_s = None
-        self._record(live, outcomes, entries)
+        self._record(live, outcomes, entries, spec.raises_as_raised)
         return self._hand_over(claimed, live, run_s, _padded_len(live))
 
     @staticmethod
     def _record(
-        live: list[RequestSlot], outcomes: list[tuple[bool, Any]], entries: list[tuple[str, str, Any]]
+        live: list[RequestSlot],
+        outcomes: list[tuple[bool, Any]],
+        entries: list[tuple[str, str, Any]],
+        as_raised: bool,
     ) -> None:
+        """Each request's outcome into ``entries``. ``as_raised``: what the batch function raised is
+        stored as it was raised (a ``@batched`` task's caller gets its own exception, as from a
+        Celery task); else, and for what carpool found wrong (a :class:`ModelError` already, or
+        outputs that do not match the items), a :class:`ModelError` naming it."""
         for r, (ok, out) in zip(live, outcomes, strict=True):
             if ok:
                 entries.append((r["id"], SUCCESS, out))
+            elif isinstance(out, ModelError) or (as_raised and not isinstance(out, OutputCountMismatch)):
+                entries.append((r["id"], FAILURE, out))
             else:
                 entries.append((r["id"], FAILURE, ModelError(described(out))))
 
@@ -597,6 +608,7 @@ class WorkerRuntime:
             self._started(batch, live, events)
         run_s = None
         padded_len = 0
+        spec = None
         try:
             lengths = [r["len"] for r in live]
             spec = served_spec(self.specs, self.served, batch["task"])
@@ -604,7 +616,7 @@ class WorkerRuntime:
             call = spec.batch_function(batch["model"], self.device, self.settings)
             outcomes = run_call_isolating(call, [r["item"] for r in live], lengths)
             if spec.checks_outputs:
-                outcomes = storable(spec.name, outcomes, self.settings.result_serializer)
+                outcomes = _checked(spec.name, outcomes, self.settings.result_serializer)
             elapsed = time.perf_counter() - t0
             self._last_run_s[batch["model"]] = elapsed
             claimed.ran_s = elapsed
@@ -613,8 +625,8 @@ class WorkerRuntime:
             padded_len = _padded_len(live)
         except Exception as exc:  # model or task failed to load: every request fails with the reason
             log.exception("batch %s: %s unavailable", batch["id"], batch["model"])
-            outcomes = [(False, exc)] * len(live)
-        self._record(live, outcomes, entries)
+            outcomes = [(False, ModelError(described(exc)))] * len(live)
+        self._record(live, outcomes, entries, spec is not None and spec.raises_as_raised)
         return run_s, padded_len
 
     def _finish(
@@ -670,3 +682,13 @@ def _send_failure(events: TaskEvents, task_id: str, exc: BaseException, t0: floa
     """Publish the batch task's task-failed event now (nothing else will carry it)."""
     events.failed(task_id, exc, time.perf_counter() - t0, traceback.format_exc())
     events.flush()
+
+
+def _checked(task: str, outcomes: list[tuple[bool, Any]], serializer: str) -> list[tuple[bool, Any]]:
+    """``outcomes`` with each output JSON (or msgpack) cannot carry unchanged made a ModelError
+    (failures stay as they are)."""
+    checked = storable(task, outcomes, serializer)
+    return [
+        (ok, value if ok or not was_ok else ModelError(described(value)))
+        for (was_ok, _), (ok, value) in zip(outcomes, checked, strict=True)
+    ]

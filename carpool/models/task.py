@@ -44,6 +44,7 @@ class InferSpec(TaskSpec):
 
     # A model's outputs are its own to make JSON-ready (protocol); checking each would cost per request.
     checks_outputs: ClassVar[bool] = False
+    raises_as_raised: ClassVar[bool] = False  # a model's failure reaches infer's callers as ModelError
 
     def keys(self, settings: Settings) -> tuple[str, ...]:
         return settings.served_models

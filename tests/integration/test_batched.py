@@ -73,8 +73,11 @@ def test_bad_items_and_failing_functions_fail_alone(processes: Processes) -> Non
     start_stack(processes, CARPOOL_IMPORTS=IMPORTS, CARPOOL_MODEL="toy", CARPOOL_MAX_WAIT_S="0.3")
     fine = [t.fragile.delay(w) for w in ("one", "two", "three")]
     boom = t.fragile.delay("boom")
-    with pytest.raises(ModelError, match="boom is not a word I take"):
+    # The function's own exception, as Celery stores a task's: its type, message and traceback.
+    with pytest.raises(ValueError, match="boom is not a word I take"):
         boom.get(timeout=60)
+    assert boom.state == "FAILURE" and isinstance(boom.info, ValueError)
+    assert "batched_tasks.py" in boom.traceback and 'raise ValueError("boom is not' in boom.traceback
     assert [r.get(timeout=30) for r in fine] == ["eno", "owt", "eerht"]
 
     with pytest.raises(ModelError, match=r"returned \d+ outputs for \d+ items"):

@@ -260,3 +260,23 @@ def test_with_events_off_celerys_own_publish_sends_no_task_sent_event_either(
         pushed = [line for line in lines if line.upper().startswith("LPUSH ")]
         assert len(pushed) == 2 and len(sent) == announced, (events, lines)
         producer.close()
+
+
+def test_a_batch_functions_exception_shows_in_flower_with_its_traceback() -> None:
+    from carpool.celery_edge.events import TaskEvents
+    from carpool.errors import ModelError
+
+    def fragile() -> None:
+        raise ValueError("boom is not a word I take")
+
+    try:
+        fragile()
+    except ValueError as exc:
+        raised: BaseException = exc
+    events = TaskEvents(app, "worker@host", mode=True)
+    events.outcomes(
+        [("raised", "FAILURE", raised), ("found", "FAILURE", ModelError("returned 2 outputs"))], 0.5
+    )
+    assert events._buffer[0]["uuid"] == "raised" and events._buffer[1]["uuid"] == "found"
+    assert 'raise ValueError("boom is not a word I take")' in events._buffer[0]["traceback"]
+    assert events._buffer[1]["traceback"] is None  # made to describe a failure, never raised
