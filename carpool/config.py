@@ -181,7 +181,13 @@ class Settings(BaseSettings):
 
     # --- reliability -------------------------------------------------------------------------
     recovery_timeout_s: float = Field(
-        30.0, gt=0, le=60, description="Requests held by a dead process return to the queue after this."
+        30.0,
+        ge=2,
+        le=60,
+        description=(
+            "Requests held by a dead process return to the queue after this; at least 2 s, since a"
+            " worker renews the leases of what it runs every second."
+        ),
     )
     truncate: bool = Field(
         True,
@@ -189,7 +195,9 @@ class Settings(BaseSettings):
     )
     max_input_bytes: int = Field(65536, ge=1, description="Largest accepted text, UTF-8 bytes.")
     max_pending: int = Field(100_000, ge=1, description="Past this many waiting requests, reject new ones.")
-    result_expires_s: int = Field(86400, ge=1, description="How long results stay in the backend.")
+    result_expires_s: int = Field(
+        86400, ge=1, le=10 * 365 * 86400, description="How long results stay in the backend (up to 10 years)."
+    )
     result_serializer: Literal["msgpack", "json"] = Field(
         "msgpack",
         description=(
@@ -309,9 +317,17 @@ class Settings(BaseSettings):
             )
         from urllib.parse import parse_qs, urlsplit
 
-        if "db" in parse_qs(urlsplit(url).query):
+        parts = urlsplit(url)
+        if "db" in parse_qs(parts.query):
             # redis-py reads it, but kombu hands it on to the connection, which refuses it at publish.
             raise ValueError("name the database in the URL's path (redis://host:6379/1), not as ?db=")
+        try:
+            parts.port  # noqa: B018  # parsing it is the check
+        except ValueError as exc:  # redis-py would raise this at the first connection
+            raise ValueError(f"its port is not a port number: {exc}") from None
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError(f"its path names the database by its number (redis://host:6379/1), not {db!r}")
         return url
 
     @model_validator(mode="after")

@@ -46,6 +46,17 @@ def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
         ("CARPOOL_BROKER_URL", "redis+socket:///run/redis.sock?virtual_host=zero", "must be a number"),
         ("CARPOOL_MODEL", "no such model", "package.module:ClassName"),
         ("CARPOOL_RECOVERY_TIMEOUT_S", "600", "less than or equal to 60"),
+        # A worker renews its leases every second: shorter ones ran out under it (reruns).
+        ("CARPOOL_RECOVERY_TIMEOUT_S", "0.005", "greater than or equal to 2"),
+        # Redis refuses such an expiry at every store: results never stored, producers waiting.
+        ("CARPOOL_RESULT_EXPIRES_S", "10000000000000000", "less than or equal to 315360000"),
+        # Both failed only at the first connection (a traceback), or at the first .delay().
+        ("CARPOOL_BROKER_URL", "redis://127.0.0.1:99999/0", "port is not a port number"),
+        (
+            "CARPOOL_RESULT_BACKEND",
+            "redis://127.0.0.1:6379/abc",
+            "by its number (redis://host:6379/1), not 'abc'",
+        ),
         # kombu hands a db= query on to the connection, which refuses it at the first publish.
         ("CARPOOL_BROKER_URL", "redis://127.0.0.1:6379?db=1", "in the URL's path (redis://host:6379/1)"),
         ("CARPOOL_RESULT_BACKEND", "rediss://h:6380/?ssl_cert_reqs=none&db=2", "not as ?db="),
