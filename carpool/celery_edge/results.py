@@ -18,8 +18,10 @@ from typing import Any
 
 from celery import states
 from celery.backends.redis import RedisBackend, SentinelBackend
+from celery.exceptions import TaskRevokedError
 from kombu.exceptions import EncodeError
 from kombu.serialization import loads
+from kombu.utils.json import dumps as kombu_dumps
 
 from carpool.celery_edge.compat import result_meta, traceback_of
 from carpool.celery_edge.result_consumer import PromptResultConsumer
@@ -106,6 +108,29 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         meta["task_id"] = task_id
         encoded = self.encode(meta)
         return encoded if isinstance(encoded, bytes) else encoded.encode("utf-8")
+
+    def mark_as_revoked(
+        self,
+        task_id: str,
+        reason: str = "",
+        request: Any = None,
+        store_result: bool = True,
+        state: str = states.REVOKED,
+    ) -> None:
+        """Celery's ``mark_as_revoked``, its meta stored write-once and as JSON. Every worker that
+        hears a revoke broadcast calls this for each id named, and Celery's store would overwrite
+        whatever answer the request had, once per worker; and the ids may be another Celery app's
+        on this Redis, which reads its results as JSON."""
+        exc = TaskRevokedError(reason)
+        if store_result:
+            meta = result_meta(self, self.encode_result(exc, state), state)
+            meta["task_id"] = task_id
+            payload = kombu_dumps(meta).encode("utf-8")  # type: ignore[no-untyped-call]  # kombu is untyped
+            self.store_encoded(
+                ResultWrites([self.get_key_for_task(task_id)], [payload], int(self.expires or 86400))
+            )
+        if request is not None and request.chord:
+            self.on_chord_part_return(request, state, exc)
 
     @property
     def inbox_prefix(self) -> bytes:

@@ -68,7 +68,7 @@ def test_a_request_expiring_before_its_eta_fails_at_once(processes: Processes) -
 def test_a_held_request_survives_its_coordinators_crash(processes: Processes) -> None:
     from tests.integration import batched_tasks as t
 
-    env = {**ENV, "CARPOOL_RECOVERY_TIMEOUT_S": "1"}
+    env = {**ENV, "CARPOOL_RECOVERY_TIMEOUT_S": "2"}
     start_stack(processes, **env)
     at = datetime.now(UTC) + timedelta(seconds=8)  # later than a new coordinator takes to start
     held = t.shout.apply_async(("held",), eta=at)
@@ -79,7 +79,7 @@ def test_a_held_request_survives_its_coordinators_crash(processes: Processes) ->
         assert time.monotonic() < deadline, "the coordinator never took the request"
         time.sleep(0.05)
     processes.kill("coordinator")
-    time.sleep(1.5)  # its lease runs out: the next coordinator's recovery requeues it
+    time.sleep(2.5)  # its lease runs out: the next coordinator's recovery requeues it
     processes.restart("coordinator")
     assert held.get(timeout=60)["out"] == "HELD"
     assert _answered_at(held) >= at
@@ -200,6 +200,31 @@ def test_a_revoked_request_never_runs(processes: Processes) -> None:
         assert r.state == "REVOKED"
     assert kept.get(timeout=30)["out"] == "KEPT"
     assert not carpool_app.AsyncResult(counted.id).ready(), "a revoked request's callbacks are not applied"
+
+
+def test_a_revoke_never_overwrites_an_answer_and_is_readable_by_any_app(processes: Processes) -> None:
+    """Every worker hears a revoke broadcast and Celery's handler stores REVOKED in each: through
+    carpool's backend that store is write-once (one answer, the first) and JSON (the id may be
+    another Celery app's on this Redis)."""
+    from carpool.tasks import infer
+
+    start_stack(processes, 2, **ENV)
+    client = redis.Redis.from_url(processes.result_backend)
+    answered = carpool_app.send_task("carpool.infer", args=[123])  # refused by the coordinator
+    with pytest.raises(InvalidInput):
+        answered.get(timeout=30)
+    first = client.get(carpool_app.backend.get_key_for_task(answered.id))
+    answered.revoke()
+    foreign = "another-apps-task-0001"  # a plain Celery app's task on the same Redis
+    carpool_app.control.revoke(foreign)
+    key = carpool_app.backend.get_key_for_task(foreign)
+    wait_for("a worker's REVOKED for the foreign id", lambda: client.get(key))
+    time.sleep(1.0)  # both workers have handled the broadcast by now
+    assert client.get(carpool_app.backend.get_key_for_task(answered.id)) == first, "the first answer stays"
+    meta = json.loads(client.get(key) or b"")  # JSON, whatever CARPOOL_RESULT_SERIALIZER is
+    assert meta["status"] == "REVOKED" and meta["task_id"] == foreign
+    assert meta["result"]["exc_type"] == "TaskRevokedError"
+    assert infer.delay("still serving").get(timeout=30)
 
 
 def test_celerys_publish_options_reach_the_message_and_the_answer(processes: Processes) -> None:
