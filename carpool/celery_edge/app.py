@@ -8,6 +8,7 @@ request queue the coordinator drains, batches to the queue GPU workers consume.
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -86,6 +87,12 @@ class CarpoolCelery(compat.AppWithBackendClass):
 
     carpool: AppState
 
+    def bugreport(self) -> str:
+        """Celery's report (``celery report``), with every password in it masked: Celery masks a URL's
+        first address only, and carpool's sentinel:// URLs carry the password on each address."""
+        report: str = super().bugreport()
+        return _PASSWORD_IN_URL.sub(r"\1********@", report)
+
     def close(self) -> None:
         """Celery's close, and the connections carpool keeps beside Celery's pool closed: the
         publisher of ``.delay()`` and ``submit_many``, this thread's result backend's client and
@@ -111,6 +118,10 @@ class CarpoolCelery(compat.AppWithBackendClass):
         from carpool.redis_edge.connect import is_sentinel
 
         return CarpoolSentinelBackend if is_sentinel(str(self.conf.result_backend)) else CarpoolRedisBackend
+
+
+# The password of a URL's user info (scheme://[user]:password@), up to the address it guards.
+_PASSWORD_IN_URL = re.compile(r"(://[^:/@;\s'\"]*:)[^@;\s'\"]+@")
 
 
 def _batched_to(request_queue: str) -> Any:

@@ -40,3 +40,17 @@ from carpool.config import redact_url
 def test_redact_url(url: str, expected: str) -> None:
     assert redact_url(url) == expected
     assert "s3cret" not in redact_url(url)
+
+
+def test_celery_report_masks_the_password_on_every_sentinel_address() -> None:
+    """Celery masks a URL's first address only; carpool's sentinel URLs carry it on each."""
+    from carpool.celery_edge.app import create_app
+    from carpool.config import Settings
+
+    sentinels = "sentinel://:topsecret@s1:26379;sentinel://s2:26379;sentinel://s3:26379"
+    app = create_app(
+        Settings(sentinel_master="m", broker_url=f"{sentinels}/0", result_backend=f"{sentinels}/1")
+    )
+    report = app.bugreport()
+    assert "topsecret" not in report
+    assert "sentinel://:********@s3:26379/1" in report  # the last address of the results' URL
