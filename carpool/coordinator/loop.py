@@ -48,7 +48,7 @@ from carpool.coordinator.signals import set_on_signals
 from carpool.coordinator.stage import IntakeStage, auto_threads
 from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
-from carpool.errors import ConfigError
+from carpool.errors import ConfigError, UnknownModel
 from carpool.names import coordinator_hostname
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import Keys
@@ -187,7 +187,10 @@ class Coordinator:
         # only compete with them (and with the loop) for the same cores.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         for spec in self.specs.values():
-            spec.warm_up(self.settings)
+            try:
+                spec.warm_up(self.settings)
+            except UnknownModel as exc:  # a model setting no process could serve: stop, saying so
+                raise ConfigError(f"{spec.name}: {exc} (CARPOOL_MODEL/CARPOOL_MODELS)") from None
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop, which then hands back what it holds."""

@@ -39,6 +39,16 @@ def test_a_process_with_a_bad_setting_stops_at_start_with_the_message() -> None:
     assert "greater than or equal to 0" in proc.stderr
 
 
+def test_a_coordinator_whose_model_cannot_be_imported_stops_at_start_saying_so() -> None:
+    env = {"CARPOOL_MODEL": "nosuch.mod:Cls", "CARPOOL_METRICS_PORT": "0", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "carpool", "coordinator"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "model 'nosuch.mod:Cls' cannot be imported" in proc.stderr and "CARPOOL_MODEL" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_worker_whose_model_fails_to_load_stops_instead_of_staying_up_serving_nothing(
     processes: Processes,
 ) -> None:
