@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from carpool.celery_edge.app import settings_of
-from carpool.errors import UnroutableLink, UnsupportedOption
+from carpool.errors import ConfigError, UnroutableLink, UnsupportedOption
 from carpool.registry import spec_for
 
 if TYPE_CHECKING:
@@ -133,3 +133,22 @@ def unroutable(app: Celery, task: str, options: Mapping[str, Any]) -> Unroutable
         f"would go to the batch queue {queue.name!r}; give it its queue (sig.set(queue=...)) or "
         "import its module here (CARPOOL_IMPORTS)"
     )
+
+
+def check_app_conf(app: Celery, task_names: Iterable[str]) -> None:
+    """Raise :class:`~carpool.errors.ConfigError` for the Celery settings of ``app`` the processes
+    that store carpool's results (coordinators, workers) cannot honour for the carpool tasks
+    ``task_names``: Celery reads them where results are stored, so that is where they are refused."""
+    if app.conf.result_extended:
+        raise ConfigError(
+            "result_extended=True is not supported by carpool: a batch's results are stored without"
+            " each request's name, args and kwargs (Flower shows them); set it False for this app"
+        )
+    for name in task_names:
+        task = app.tasks.get(name)
+        if task is not None and task.track_started:
+            raise ConfigError(
+                f"{name}: track_started (task_track_started) is not supported by carpool: a request's"
+                " result key holds only its answer, written once (Flower shows each request's"
+                " task-started event); set it False for carpool's tasks"
+            )

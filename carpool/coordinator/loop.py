@@ -34,6 +34,7 @@ from carpool import collector
 from carpool.batching import BatchPolicy, LatencyModel
 from carpool.batching.capacity import free_workers
 from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.options import check_app_conf
 from carpool.config import Settings
 from carpool.coordinator import policy_config, revokes, task_policy_config
 from carpool.coordinator.admission import admit_finished, admit_taken, release_due
@@ -142,6 +143,7 @@ class Coordinator:
             self.settings.max_batch,
             self.settings.max_tokens,
         )
+        check_app_conf(self.app, self.specs)
         self.warm_up()
         self.events.start()
         self.revokes = revokes.listen(self.app, self.settings)

@@ -48,6 +48,7 @@ from carpool.batching.capacity import may_start
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.options import check_app_conf
 from carpool.celery_edge.received import accepted, marker, read_task
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import storable
@@ -128,6 +129,7 @@ class WorkerRuntime:
     # --- life ----------------------------------------------------------------------------
     def start(self) -> None:
         """Load every served task (``carpool.infer``: its models), then start announcing this worker."""
+        check_app_conf(self.app, self.specs)
         for name, spec in self.specs.items():
             t0 = time.perf_counter()
             spec.load(self.device, self.settings)

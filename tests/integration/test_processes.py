@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,33 @@ def test_a_coordinator_whose_model_cannot_be_imported_stops_at_start_saying_so()
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ("app.conf.result_extended = True", "result_extended=True"),
+        ("app.conf.task_track_started = True", "track_started"),
+    ],
+)
+def test_celery_settings_carpool_cannot_honour_stop_the_coordinator_at_start(
+    tmp_path: Path, setting: str, needle: str
+) -> None:
+    """Celery reads them where results are stored: carpool's coordinators and workers refuse them
+    instead of storing results without what they promise."""
+    (tmp_path / "conf_tasks.py").write_text(f"from carpool.celery_app import app\n{setting}\n")
+    env = {
+        "CARPOOL_IMPORTS": "conf_tasks",
+        "CARPOOL_METRICS_PORT": "0",
+        "PYTHONPATH": f"{tmp_path}:{Path.cwd()}",
+        "PATH": "/usr/bin:/bin",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "carpool", "coordinator"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "is not supported by carpool" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_worker_whose_model_fails_to_load_stops_instead_of_staying_up_serving_nothing(
     processes: Processes,
 ) -> None:
@@ -59,3 +87,10 @@ def test_a_worker_whose_model_fails_to_load_stops_instead_of_staying_up_serving_
     assert proc.wait(timeout=60) == 1, "a failed start, seen by the worker's supervisor"
     log = (processes.log_dir / "worker0.log").read_text(errors="replace")
     assert "could not start serving" in log and "weights file missing" in log, log
+
+
+def test_a_worker_refuses_a_celery_setting_carpool_cannot_honour(processes: Processes) -> None:
+    proc = processes.start("worker0", "worker", CARPOOL_IMPORTS="tests.integration.extended_conf_tasks")
+    assert proc.wait(timeout=60) == 2, "a configuration error, seen by the worker's supervisor"
+    log = (processes.log_dir / "worker0.log").read_text(errors="replace")
+    assert "result_extended=True is not supported by carpool" in log, log
