@@ -16,7 +16,7 @@ from typing import Any, Final, NotRequired, TypedDict
 from carpool.errors import WireError, WireVersionMismatch
 
 #: Bump whenever a field below appears, goes or changes meaning.
-WIRE_VERSION: Final = 5
+WIRE_VERSION: Final = 6
 
 
 class Links(TypedDict, total=False):
@@ -42,6 +42,9 @@ class RequestSlot(TypedDict):
     len: int  # what the request is binned by: its task's length (infer: tokens, special tokens included)
     sent_at: float  # producer's wall clock
     deadline: float  # wall clock; the worker fails the request if its batch starts later
+    # Only when the deadline is the caller's expires=: then passing it answers the request REVOKED
+    # ('expired'), as Celery does, instead of DeadlineExceeded.
+    expires: NotRequired[bool]
     links: NotRequired[Links]  # callbacks, error callbacks, chain: only when the request has any
     # The producer process's result inbox channel (its INBOX_HEADER): only when it named one.
     inbox: NotRequired[str]

@@ -368,8 +368,8 @@ class TaskEvents:
                 buffer.append({**header, "uuid": task_id, "result": next(shown), "clock": forward()})
             elif state == FAILURE:  # a batch function's exception shows with its traceback, as Celery's
                 self.failed(task_id, value, runtime_s, traceback_of(value))
-            else:
-                self.revoked(task_id)
+            else:  # revoked, or its caller's expires= passed (Celery's revoke, 'expired')
+                self.revoked(task_id, expired=getattr(value, "args", None) == ("expired",))
 
     def failed(
         self,

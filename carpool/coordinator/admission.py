@@ -9,8 +9,7 @@ from carpool.batching import Request
 from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.requests import Incoming
 from carpool.coordinator.answers import answer_revoked, dead_letter, fail
-from carpool.coordinator.intake import Intake, Refused
-from carpool.errors import DeadlineExceeded
+from carpool.coordinator.intake import Intake
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
@@ -67,9 +66,7 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
     for msg, request in intake.admitted:
         c.held.add(request.id)
         if msg.eta_at is not None and request.arrival_s > now:
-            refusal = _defer(c, msg, request, now)
-            if refusal is not None:
-                refused.append(refusal)
+            _defer(c, msg, request)
             continue
         c.policy.add(request)
         if not events:
@@ -90,16 +87,14 @@ def release_due(c: Coordinator, now: float) -> float | None:
     return c.deferred.next_due_s()
 
 
-def _defer(c: Coordinator, msg: Incoming, request: Request, now: float) -> Refused | None:
-    """Hold ``request`` until its eta (it stays leased in flight meanwhile), or refuse it when it
-    expires first: it could never run."""
-    if request.deadline_s <= request.arrival_s:
-        c.held.discard(request.id)
-        error = DeadlineExceeded(
-            f"the request expires {request.arrival_s - request.deadline_s:.3f} s before its eta "
-            "(countdown/eta later than expires); send it with an expires after its eta"
-        )
-        return Refused(request.id, "deadline", error, message=msg)
+def _defer(c: Coordinator, msg: Incoming, request: Request) -> None:
+    """Hold ``request`` until its eta (it stays leased in flight meanwhile), or answer it expired
+    when it expires first: it could never run."""
+    if request.deadline_s <= request.arrival_s:  # only an expires= can come before the eta
+        # Celery's worker answers it REVOKED ('expired') when the eta comes; nothing is gained by
+        # keeping its caller waiting until then.
+        c.events.received_of(msg)
+        answer_revoked(c, [request.id], {msg.id: msg.inbox} if msg.inbox else None, expired=True)
+        return
     c.deferred.add(request, request.arrival_s)
     c.events.received_of(msg)
-    return None

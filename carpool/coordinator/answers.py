@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from celery.exceptions import TaskRevokedError
 
+from carpool.batching import Request
 from carpool.celery_edge import links
 from carpool.celery_edge.results import FAILURE, REVOKED
 from carpool.coordinator.intake import Malformed, Refused
+from carpool.errors import DeadlineExceeded
 from carpool.wire import Links, RequestSlot
 
 if TYPE_CHECKING:
@@ -30,15 +32,56 @@ def revoke(c: Coordinator, ids: list[str]) -> None:
         c.pacer.changed()
 
 
-def answer_revoked(c: Coordinator, ids: list[str], inboxes: dict[str, str] | None = None) -> None:
-    """Answer ``ids`` REVOKED (``inboxes``: the result inboxes of those whose producer named one)."""
+def answer_revoked(
+    c: Coordinator, ids: list[str], inboxes: dict[str, str] | None = None, expired: bool = False
+) -> None:
+    """Answer ``ids`` REVOKED (``inboxes``: the result inboxes of those whose producer named one).
+    ``expired``: their ``expires=`` passed first, which Celery answers REVOKED too, as
+    ``TaskRevokedError('expired')`` and with no error callbacks; counted as deadline failures."""
     c.held.difference_update(ids)
-    entries = [(i, REVOKED, TaskRevokedError("revoked")) for i in ids]
+    entries = [(i, REVOKED, TaskRevokedError("expired" if expired else "revoked")) for i in ids]
     c.backend.store_many(entries, inboxes=inboxes)
     c.store.ack(ids)
     for request_id in ids:
-        c.events.revoked(request_id)
-    log.info("revoked %d requests before they were batched", len(ids))
+        c.events.revoked(request_id, expired=expired)
+    if expired:
+        c.stats.failed["deadline"] += len(ids)
+        c.metrics.failed("deadline", len(ids))
+        log.info("%d requests expired (their expires= passed) before they ran", len(ids))
+    else:
+        log.info("revoked %d requests before they were batched", len(ids))
+
+
+def answer_expired(c: Coordinator, expired: list[Request], now: float) -> None:
+    """Answer requests whose deadline passed before they ran: REVOKED ('expired') where it was
+    their caller's ``expires=``, as Celery answers; :class:`DeadlineExceeded` where it was
+    ``CARPOOL_DEFAULT_DEADLINE_S``'s, carpool's own."""
+    by_caller = [r for r in expired if cast("RequestSlot", r.payload).get("expires")]
+    if by_caller:
+        answer_revoked(c, [r.id for r in by_caller], _inboxes(r.payload for r in by_caller), expired=True)
+    defaulted = [r for r in expired if not cast("RequestSlot", r.payload).get("expires")]
+    if not defaulted:
+        return
+    wall = c.wall()
+    c.held.difference_update(r.id for r in defaulted)
+    fail(
+        c,
+        [
+            Refused(
+                r.id,
+                "deadline",
+                DeadlineExceeded.waited(
+                    now - r.deadline_s,
+                    "in the coordinator's queue",
+                    wall - cast("RequestSlot", r.payload)["sent_at"],
+                ),
+                task=c.task_name(r.model),
+                links=cast("RequestSlot", r.payload).get("links"),
+                inbox=cast("RequestSlot", r.payload).get("inbox"),
+            )
+            for r in defaulted
+        ],
+    )
 
 
 def dead_letter(c: Coordinator, bad: Malformed) -> None:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from carpool.batching import Batch, Plan
 from carpool.batching.capacity import Capacity, pool_capacity
-from carpool.coordinator.answers import fail
-from carpool.coordinator.intake import Refused
-from carpool.errors import DeadlineExceeded
-from carpool.wire import RequestSlot
+from carpool.coordinator.answers import answer_expired
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
@@ -42,25 +39,7 @@ def dispatch(c: Coordinator, now: float) -> float | None:
                 now, cap.free_workers, cap.free_slots, cap.ahead_s, cap.queue_room, incoming=c.incoming
             )
     if plan.expired:
-        where = "in the coordinator's queue"
-        wall = c.wall()
-        c.held.difference_update(r.id for r in plan.expired)
-        fail(
-            c,
-            [
-                Refused(
-                    r.id,
-                    "deadline",
-                    DeadlineExceeded.waited(
-                        now - r.deadline_s, where, wall - cast("RequestSlot", r.payload)["sent_at"]
-                    ),
-                    task=c.task_name(r.model),
-                    links=cast("RequestSlot", r.payload).get("links"),
-                    inbox=cast("RequestSlot", r.payload).get("inbox"),
-                )
-                for r in plan.expired
-            ],
-        )
+        answer_expired(c, plan.expired, now)
     if plan.batches:
         _publish(c, plan.batches, now)
     return plan.wake_at_s

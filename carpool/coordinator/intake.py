@@ -129,6 +129,8 @@ def to_request(
         "sent_at": sent_at,
         "deadline": deadline_wall,
     }
+    if msg.expires_at is not None:
+        slot["expires"] = True
     if msg.links is not None:
         slot["links"] = msg.links
     if msg.inbox is not None:

@@ -40,6 +40,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 from celery import Celery
+from celery.exceptions import TaskRevokedError
 from celery.worker import state as worker_state
 
 from carpool import collector
@@ -50,7 +51,7 @@ from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.options import check_app_conf
 from carpool.celery_edge.received import accepted, marker, read_task
-from carpool.celery_edge.results import FAILURE, SUCCESS
+from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
 from carpool.codec import storable
 from carpool.errors import CONFIG_ERROR_EXIT, ConfigError, DeadlineExceeded, ModelError, WireError, described
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
@@ -384,6 +385,8 @@ class WorkerRuntime:
         for r in claimed.to_run:
             if may_start(r["deadline"], now):
                 live.append(r)
+            elif r.get("expires"):  # the caller's expires=: Celery answers it revoked
+                entries.append((r["id"], REVOKED, TaskRevokedError("expired")))
             else:
                 late = DeadlineExceeded.waited(
                     now - r["deadline"], "when its batch started", now - r["sent_at"]
@@ -455,7 +458,7 @@ class WorkerRuntime:
             failed_model=sum(
                 1 for e in entries if e[1] == FAILURE and not isinstance(e[2], DeadlineExceeded)
             ),
-            failed_deadline=sum(1 for e in entries if isinstance(e[2], DeadlineExceeded)),
+            failed_deadline=sum(1 for e in entries if isinstance(e[2], DeadlineExceeded) or _expired(e)),
             done_at=time.time(),
         )
         if claimed.task_id:  # the batch's own task-succeeded rides with its requests' events
@@ -694,3 +697,8 @@ def _checked(task: str, outcomes: list[tuple[bool, Any]], serializer: str) -> li
         (ok, value if ok or not was_ok else ModelError(described(value)))
         for (was_ok, _), (ok, value) in zip(outcomes, checked, strict=True)
     ]
+
+
+def _expired(entry: tuple[str, str, Any]) -> bool:
+    """Whether a request's outcome is its caller's expires= passing (Celery's revoke, 'expired')."""
+    return entry[1] == REVOKED and isinstance(entry[2], TaskRevokedError) and entry[2].args == ("expired",)

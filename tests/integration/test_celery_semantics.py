@@ -19,7 +19,7 @@ from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
 from carpool.celery_app import app as carpool_app
-from carpool.errors import DeadlineExceeded, InvalidInput, UnsupportedOption
+from carpool.errors import InvalidInput, UnsupportedOption
 from carpool.redis_edge.keys import Keys
 from tests.integration.conftest import Processes, assert_same_vectors, start_stack, wait_for
 
@@ -56,13 +56,15 @@ def test_countdown_and_eta_hold_a_request_until_then(processes: Processes) -> No
     assert _answered_at(shouted) >= at
 
 
-def test_a_request_expiring_before_its_eta_fails_at_once(processes: Processes) -> None:
+def test_a_request_expiring_before_its_eta_is_answered_expired_at_once(processes: Processes) -> None:
     from tests.integration import batched_tasks as t
 
     start_stack(processes, **ENV)
     doomed = t.shout.apply_async(("x",), countdown=60, expires=2)
-    with pytest.raises(DeadlineExceeded, match="before its eta"):
+    t0 = time.monotonic()
+    with pytest.raises(TaskRevokedError, match="expired"):  # Celery's answer, given at its eta
         doomed.get(timeout=30)
+    assert doomed.state == "REVOKED" and time.monotonic() - t0 < 30
 
 
 def test_a_held_request_survives_its_coordinators_crash(processes: Processes) -> None:
@@ -137,12 +139,20 @@ def test_callbacks_and_error_callbacks(processes: Processes) -> None:
         failed.get(timeout=30)
     assert carpool_app.AsyncResult(on_error.id).get(timeout=30)["out"] == failed.id.upper()
     # ...and from the coordinator, when it refuses the request.
+    on_refusal = t.shout.s()
+    on_refusal.freeze()
+    refused = carpool_app.send_task("carpool.infer", args=[123], link_error=on_refusal)  # not a text
+    with pytest.raises(InvalidInput):
+        refused.get(timeout=30)
+    assert carpool_app.AsyncResult(on_refusal.id).get(timeout=30)["out"] == refused.id.upper()
+    # An expired request is revoked, as in Celery: no error callback runs.
     on_expiry = t.shout.s()
     on_expiry.freeze()
     expired = t.shout.apply_async(("x",), countdown=60, expires=1, link_error=on_expiry)
-    with pytest.raises(DeadlineExceeded):
+    with pytest.raises(TaskRevokedError, match="expired"):
         expired.get(timeout=30)
-    assert carpool_app.AsyncResult(on_expiry.id).get(timeout=30)["out"] == expired.id.upper()
+    time.sleep(1.0)
+    assert not carpool_app.AsyncResult(on_expiry.id).ready()
 
 
 def test_a_callback_that_cannot_be_sent_fails_under_its_own_id(processes: Processes) -> None:

@@ -364,15 +364,23 @@ def test_overload_is_rejected_fast_with_queue_full(processes: Processes) -> None
     check_all_correct(results[:50], texts[:50])
 
 
-def test_expired_requests_fail_with_deadline_exceeded(processes: Processes) -> None:
+def test_late_requests_fail_with_deadline_exceeded_and_expired_ones_are_revoked(processes: Processes) -> None:
+    from celery.exceptions import TaskRevokedError
+
     from carpool.tasks import infer
 
-    coordinator = processes.start("coordinator", "coordinator", **SLOW_ENV)  # no worker: it can only expire
+    # No worker: they can only run out of time.
+    env = {**SLOW_ENV, "CARPOOL_DEFAULT_DEADLINE_S": "0.5"}
+    coordinator = processes.start("coordinator", "coordinator", **env)
     processes.wait_coordinator(coordinator.pid)
-    result = infer.apply_async(("too late",), {"model": SLOW}, expires=0.5)
+    late = infer.apply_async(("too late",), {"model": SLOW})
+    expiring = infer.apply_async(("expiring",), {"model": SLOW}, expires=0.5)
     t0 = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match="deadline passed"):
-        result.get(timeout=10)
+    with pytest.raises(DeadlineExceeded, match="deadline passed"):  # carpool's default deadline
+        late.get(timeout=10)
+    with pytest.raises(TaskRevokedError, match="expired"):  # its caller's expires=, as Celery answers
+        expiring.get(timeout=10)
+    assert expiring.state == "REVOKED" and late.state == "FAILURE"
     assert time.monotonic() - t0 < 5
 
 

@@ -215,7 +215,9 @@ def test_a_request_expires_on_the_coordinators_clock(clocks: Clocks) -> None:
     c.step()
     assert len(c.policy) == 0
     [(request_id, state, error)] = c.backend.stored
-    assert request_id == "a" and state == "FAILURE" and isinstance(error, DeadlineExceeded)
+    # Its caller's expires= passed: Celery answers that REVOKED, TaskRevokedError('expired').
+    assert request_id == "a" and state == "REVOKED" and isinstance(error, TaskRevokedError)
+    assert error.args == ("expired",)
     assert c.store.acked == ["a"] and c.stats.failed["deadline"] == 1
 
 
@@ -352,6 +354,9 @@ class RecordingEvents:
     def failed(self, task_id: str, exc: BaseException, *_: Any, **__: Any) -> None:
         self.sent.append(("failed", task_id, {"exception": exc}))
 
+    def revoked(self, task_id: str, expired: bool = False) -> None:
+        self.sent.append(("revoked", task_id, {"expired": expired}))
+
     def take(self) -> None:
         return None
 
@@ -390,8 +395,9 @@ def test_a_request_refused_at_intake_is_received_before_it_fails(clocks: Clocks)
     assert ok["expires"] == iso(WALL_START + 1), "as the task-sent event had it: Flower keeps the later"
 
     clocks.advance(1.01)
-    c.step()  # expired in the coordinator's queue: received once, at admission, then failed
-    assert events.of("ok") == ["received", "failed"]
+    c.step()  # its expires= passed in the coordinator's queue: received once, then revoked, expired
+    assert events.of("ok") == ["received", "revoked"]
+    assert [e[2] for e in events.sent if e[:2] == ("revoked", "ok")] == [{"expired": True}]
 
 
 def test_with_nobody_listening_requests_are_admitted_without_received_events(clocks: Clocks) -> None:
@@ -488,13 +494,13 @@ def test_held_requests_count_toward_max_pending(clocks: Clocks) -> None:
     assert request_id == "c" and state == "FAILURE" and isinstance(error, QueueFull)
 
 
-def test_a_request_expiring_before_its_eta_fails_at_once_and_calls_its_error_callbacks(
+def test_a_request_expiring_before_its_eta_is_answered_expired_at_once_as_celery_would_at_its_eta(
     clocks: Clocks, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    called: list[tuple[str, str | None, Any]] = []
-    monkeypatch.setattr(
-        links, "on_failure", lambda app, rid, task, lk, exc: called.append((rid, task, lk["errbacks"]))
-    )
+    """Celery's worker answers it REVOKED ('expired') when the eta comes, calling no error callback
+    and sending no further chain step."""
+    called: list[str] = []
+    monkeypatch.setattr(links, "on_failure", lambda app, rid, task, lk, exc: called.append(rid))
     c = coordinator(clocks, workers=1)
     errback = {"task": "carpool.infer", "args": [], "kwargs": {}, "options": {}}
     step = {**errback, "options": {"task_id": "chained"}}
@@ -507,10 +513,9 @@ def test_a_request_expiring_before_its_eta_fails_at_once_and_calls_its_error_cal
     )
     c.step()
     assert len(c.deferred) == 0 and c.store.acked == ["doomed"]
-    stored = {task_id: error for task_id, _, error in c.backend.stored}
-    assert isinstance(stored["doomed"], DeadlineExceeded) and "before its eta" in str(stored["doomed"])
-    assert stored["chained"] is stored["doomed"], "the failure goes on to the rest of its chain"
-    assert called == [("doomed", "carpool.infer", [errback])]
+    [(task_id, state, error)] = c.backend.stored
+    assert (task_id, state, error.args) == ("doomed", "REVOKED", ("expired",))
+    assert called == [] and c.stats.failed["deadline"] == 1
 
 
 # --- revoke ---------------------------------------------------------------------------------------

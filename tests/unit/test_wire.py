@@ -186,16 +186,23 @@ def test_the_worker_refuses_a_batch_of_another_version_before_claiming_anything(
 
 def test_the_workers_report_is_what_the_coordinator_reads(runtime: Any) -> None:
     late = slot("late", deadline=1.0)  # its deadline passed long before the batch started
-    sent = message([slot("a", ids=[1, 5, 9]), slot("b", ids=[1, 6]), late])
+    expired: RequestSlot = {**slot("expired", deadline=1.0), "expires": True}  # its caller's expires=
+    sent = message([slot("a", ids=[1, 5, 9]), slot("b", ids=[1, 6]), late, expired])
     returned = runtime.run(loads(json.dumps(sent)))
-    assert runtime.store.claimed == [("batch-1", ["a", "b", "late"])]
+    assert runtime.store.claimed == [("batch-1", ["a", "b", "late", "expired"])]
     [finish] = runtime.store.finished
     assert finish["coordinator"] == "carpool-coordinator-1@host"
-    assert finish["ack_ids"] == ["a", "b", "late"]
+    assert finish["ack_ids"] == ["a", "b", "late", "expired"]
+    metas = {m["task_id"]: m for m in map(runtime.backend.decode, finish["writes"].payloads)}
+    statuses = {k: m["status"] for k, m in metas.items()}
+    assert statuses == {"a": "SUCCESS", "b": "SUCCESS", "late": "FAILURE", "expired": "REVOKED"}
+    assert metas["late"]["result"]["exc_type"] == "DeadlineExceeded"
+    expired_as = metas["expired"]["result"]
+    assert (expired_as["exc_type"], expired_as["exc_message"]) == ("TaskRevokedError", ["expired"])
     got = read_report(loads(json.dumps(finish["report"])))
     assert got == returned
     assert got["batch_id"] == "batch-1" and got["bin"] == "1-16" and got["flush"] == "full"
     assert got["size"] == 2 and got["real_tokens"] == 5
     assert got["padded_len"] == 8 and got["padded_tokens"] == 16
-    assert got["failed_deadline"] == 1 and got["failed_model"] == 0
+    assert got["failed_deadline"] == 2 and got["failed_model"] == 0
     assert got["run_s"] is not None and got["run_s"] > 0
