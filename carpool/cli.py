@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -85,6 +86,7 @@ def celery_worker_options(extra: Sequence[str]) -> list[str]:
 def cmd_worker(args: argparse.Namespace) -> int:
     extra = celery_worker_options(args.celery_args)
     _task_flags(args)
+    import click
     from celery import signals
 
     from carpool.celery_edge.app import app, decode_json_fast, settings_of
@@ -117,7 +119,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # worker_main drops Celery's exit status: a supervisor must see 1 after an unrecoverable error,
     # and 2 when the runtime stopped the worker on a ConfigError.
     signals.worker_shutdown.connect(_exit_status, weak=False)
-    app.worker_main(argv)
+    try:
+        app.worker_main(argv)  # click's standalone_mode=False: its usage errors come out as exceptions
+    except click.ClickException as exc:  # a celery worker option it refused (-O fiar, --no-such-flag...)
+        print(f"carpool worker: {exc.format_message()} (see `celery worker --help`)", file=sys.stderr)
+        return exc.exit_code  # 2 for a usage error, as `celery worker` itself exits
+    finally:
+        signals.worker_shutdown.disconnect(_exit_status)
     return stopped_with[-1] if stopped_with else 0
 
 
@@ -125,6 +133,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from carpool.tools.demo import run_demo
 
     return run_demo(requests=args.requests, seed=args.seed, workers=args.workers, external=args.external)
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,14 +169,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only these tasks, comma separated (carpool.infer for the models); default: every task",
     )
     p.set_defaults(func=cmd_worker, celery_args=[])
-    p = sub.add_parser("demo", help="embedded Redis + coordinator + worker, a burst of mixed texts, a report")
-    p.add_argument("--requests", type=int, default=300)
+    demo_help = (
+        "start a coordinator and worker(s), on an embedded redis-server or, when CARPOOL_BROKER_URL is "
+        "set, on that Redis; send a burst of mixed texts; report"
+    )
+    p = sub.add_parser(
+        "demo",
+        help=demo_help,
+        description=demo_help[0].upper() + demo_help[1:] + ". With CARPOOL_BROKER_URL set the "
+        "coordinator and worker(s) it starts join whatever already runs on that Redis, and stop when "
+        "the demo ends; --external starts nothing and sends to the deployment there instead.",
+    )
+    p.add_argument("--requests", type=_at_least_one, default=300, help="texts in the burst (default 300)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument(
+        "--workers",
+        type=_at_least_one,
+        default=1,
+        help="workers to start (default 1; ignored with --external)",
+    )
     p.add_argument(
         "--external",
         action="store_true",
-        help="only produce: send to the deployment at CARPOOL_BROKER_URL instead of starting one",
+        help="only produce: start nothing, send to the deployment at CARPOOL_BROKER_URL",
     )
     p.set_defaults(func=cmd_demo)
     from carpool.tools import acl, bench, simulate, soak, status
@@ -182,6 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"carpool: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM while a Harness runs children (Terminated):
+        # the `with` blocks on the way out stopped what this process started; no traceback.
+        signum = int(getattr(exc, "signum", signal.SIGINT))
+        print(f"carpool {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

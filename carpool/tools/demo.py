@@ -9,6 +9,7 @@ model's own offline throughput on the same texts (length-sorted batches, in this
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from carpool.tools.stats import percentile
 
 if TYPE_CHECKING:
     from celery import Celery
+    from rich.console import Console
 
 
 @dataclass
@@ -115,26 +117,14 @@ def offline_throughput(model_name: str, texts: Sequence[str], max_batch: int) ->
     return len(texts) / (time.perf_counter() - t0)
 
 
-def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: bool = False) -> int:
+def _burst(
+    harness: Harness, settings: Settings, texts: Sequence[str], workers: int, external: bool, console: Console
+) -> tuple[Settings, RunStats]:
+    """Start the stack (unless ``external``), wait for it, send ``texts`` as one burst; the settings
+    the burst went out with, and its measures. The harness's children are stopped on the way out."""
     from redis.exceptions import NoPermissionError
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from carpool.tools.workload import describe, mixed_texts
-
-    console = Console()
-    texts = mixed_texts(requests, seed)
-    if external and "CARPOOL_BROKER_URL" not in os.environ:
-        console.print("[red]--external needs CARPOOL_BROKER_URL pointing at a running carpool deployment[/]")
-        return 2
-    settings = load_settings()
-    if "CARPOOL_BROKER_URL" in os.environ:
-        harness = Harness(
-            broker_url=settings.broker_url, result_backend=settings.result_backend, loglevel="warning"
-        )
-    else:
-        harness = Harness(loglevel="warning")
     with harness:
         if harness.embedded:
             settings = load_settings(broker_url=harness.broker_url, result_backend=harness.result_backend)
@@ -161,15 +151,48 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
                 TimeElapsedColumn(),
                 console=console,
             ) as bar:
-                task = bar.add_task(f"{requests} texts through infer.delay()", total=requests)
+                task = bar.add_task(f"{len(texts)} texts through infer.delay()", total=len(texts))
 
                 class _Advance:
                     def advance(self) -> None:
                         bar.advance(task)
 
-                stats = send_burst(app, texts, _Advance())
+                return settings, send_burst(app, texts, _Advance())
         finally:
             release_result_consumer(app)
+
+
+def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: bool = False) -> int:
+    from kombu.exceptions import OperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from rich.console import Console
+    from rich.table import Table
+
+    from carpool.tools.workload import describe, mixed_texts
+
+    if requests < 1 or workers < 1:
+        raise ValueError(f"requests and workers must be >= 1, got {requests} and {workers}")
+    console = Console()
+    texts = mixed_texts(requests, seed)
+    if external and "CARPOOL_BROKER_URL" not in os.environ:
+        console.print("[red]--external needs CARPOOL_BROKER_URL pointing at a running carpool deployment[/]")
+        return 2
+    settings = load_settings()
+    if "CARPOOL_BROKER_URL" in os.environ:
+        harness = Harness(
+            broker_url=settings.broker_url, result_backend=settings.result_backend, loglevel="warning"
+        )
+    else:
+        harness = Harness(loglevel="warning")
+    try:
+        settings, stats = _burst(harness, settings, texts, workers, external, console)
+    except (RedisConnectionError, RedisTimeoutError, OperationalError) as exc:
+        # One line, as `carpool status` says it, rather than the client's traceback; the children the
+        # harness started are stopped by now.
+        where = "the embedded redis-server" if harness.embedded else redact_url(settings.broker_url)
+        print(f"carpool demo: redis unavailable at {where}: {exc}", file=sys.stderr)
+        return 1
     with console.status("measuring the model offline on the same texts..."):
         offline = offline_throughput(settings.model, texts, settings.max_batch)
 

@@ -20,8 +20,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -34,6 +36,76 @@ LOG_TAIL_CHARS = 4000
 
 class ProcessExited(RuntimeError):
     """Raised when a child the harness started has exited while it was still needed."""
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by a SIGTERM that arrives while a :class:`Harness` holds children.
+
+    It unwinds as Ctrl-C does (``except Exception`` does not stop it), so ``with Harness()`` and the
+    ``finally`` blocks of demo, bench and soak stop the coordinators, workers and redis-server this
+    process started rather than leaving them running with no parent. ``carpool`` exits 143 on it.
+    """
+
+    signum = int(signal.SIGTERM)
+
+
+class _SigtermTrap:
+    """SIGTERM as :class:`Terminated` while at least one harness holds children (in the main thread,
+    where no one else handles SIGTERM), put back as it was when the last one closes. A SIGTERM that
+    comes while a harness starts or stops a process is held until the process is in its hands (or
+    stopped), then raised."""
+
+    def __init__(self) -> None:
+        self.holders = 0
+        self.previous: Any = None
+        self.deferring = 0
+        self.pending = False
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.deferring:
+            self.pending = True
+            return
+        raise Terminated()
+
+    def acquire(self) -> bool:
+        """Install the handler (or count one more holder); False where it cannot or should not."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if self.holders == 0:
+            current = signal.getsignal(signal.SIGTERM)
+            if current != self._handler:
+                if current is not signal.SIG_DFL:  # the program handles (or ignores) SIGTERM itself
+                    return False
+                signal.signal(signal.SIGTERM, self._handler)
+                self.previous = current
+        self.holders += 1
+        return True
+
+    def release(self) -> None:
+        self.holders -= 1
+        main = threading.current_thread() is threading.main_thread()
+        if self.holders == 0 and main and signal.getsignal(signal.SIGTERM) == self._handler:
+            signal.signal(signal.SIGTERM, self.previous)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A SIGTERM within waits until :meth:`raise_pending` (the main thread's: it is the one the
+        handler interrupts)."""
+        main = threading.current_thread() is threading.main_thread()
+        self.deferring += main
+        try:
+            yield
+        finally:
+            self.deferring -= main
+
+    def raise_pending(self) -> None:
+        """Raise the SIGTERM that came while deferred, if one did (outside every deferred block)."""
+        if self.pending and not self.deferring and threading.current_thread() is threading.main_thread():
+            self.pending = False
+            raise Terminated()
+
+
+_SIGTERM = _SigtermTrap()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +153,20 @@ class Harness:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._specs: dict[str, _Spec] = {}
         self._logs: dict[str, IO[bytes]] = {}
+        self._traps_sigterm = False  # whether this harness holds _SIGTERM
 
     # --- Redis ---------------------------------------------------------------------------------
     def __enter__(self) -> Harness:
-        if self.server is None and self._external is None:
-            self.server = EmbeddedRedis(unix_socket=self.unix_socket).start()
-            self._own_server = True
+        self._trap_sigterm()
+        try:
+            if self.server is None and self._external is None:
+                with _SIGTERM.deferred():  # a SIGTERM meanwhile waits until the server is ours to stop
+                    self.server = EmbeddedRedis(unix_socket=self.unix_socket).start()
+                    self._own_server = True
+                _SIGTERM.raise_pending()
+        except BaseException:
+            self.close()  # __exit__ is not called when __enter__ raises
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -145,6 +225,7 @@ class Harness:
         """``python -m <module_argv>`` as ``name``; output appended to ``<log_dir>/<name>.log``."""
         if name in self.procs and self.procs[name].poll() is None:
             raise ValueError(f"a process named {name!r} is already running")
+        self._trap_sigterm()  # also for a harness used without `with` (the soak's), closed in a finally
         self._close_log(name)
         argv = [sys.executable, "-m", *module_argv]
         if self.profile_dir is not None:
@@ -156,9 +237,11 @@ class Harness:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115  (closed by stop or close)
         self._logs[name] = log
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(**env))
-        self.procs[name] = proc
-        self._specs[name] = _Spec(tuple(module_argv), dict(env))
+        with _SIGTERM.deferred():  # a SIGTERM meanwhile waits until close() would stop the child
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(**env))
+            self.procs[name] = proc
+            self._specs[name] = _Spec(tuple(module_argv), dict(env))
+        _SIGTERM.raise_pending()
         return proc
 
     def start_stack(self, workers: int = 1, prefix: str = "", wait: bool = True, **env: str) -> Harness:
@@ -272,29 +355,41 @@ class Harness:
 
     def stop_all(self, timeout_s: float = 30) -> None:
         """Stop every child: one SIGTERM to each so they wind down together, a kill past ``timeout_s``."""
-        stopping = list(self.procs.items())
-        for _, proc in stopping:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for name, proc in stopping:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            self.procs.pop(name, None)
-            self._close_log(name)
+        with _SIGTERM.deferred():  # a SIGTERM meanwhile is raised by close(), once all is stopped
+            stopping = list(self.procs.items())
+            for _, proc in stopping:
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + timeout_s
+            for name, proc in stopping:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                self.procs.pop(name, None)
+                self._close_log(name)
 
     def close(self) -> None:
-        """Stop every child, then the redis-server this harness started and its temporary files."""
-        self.stop_all()
-        if self._own_server and self.server is not None:
-            self.server.cleanup()
-            self.server = None
-            self._own_server = False
-        if self._own_log_dir:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+        """Stop every child, then the redis-server this harness started and its temporary files.
+
+        A SIGTERM that comes meanwhile is raised (as :class:`Terminated`) once they are stopped."""
+        with _SIGTERM.deferred():
+            self.stop_all()
+            if self._own_server and self.server is not None:
+                self.server.cleanup()
+                self.server = None
+                self._own_server = False
+            if self._own_log_dir:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self._traps_sigterm:
+            self._traps_sigterm = False
+            _SIGTERM.release()
+        _SIGTERM.raise_pending()
+
+    def _trap_sigterm(self) -> None:
+        if not self._traps_sigterm:
+            self._traps_sigterm = _SIGTERM.acquire()
 
     def _close_log(self, name: str) -> None:
         log = self._logs.pop(name, None)

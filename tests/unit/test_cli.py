@@ -10,6 +10,7 @@ import pytest
 
 from carpool.cli import celery_worker_options, main
 from carpool.errors import ConfigError
+from carpool.tools.harness import Terminated
 
 
 def test_celery_options_carpool_does_not_set_pass_on_in_order() -> None:
@@ -69,3 +70,159 @@ def test_other_commands_still_refuse_options_they_do_not_know() -> None:
     )
     assert run.returncode == 2
     assert "unrecognized arguments: --pool solo" in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["-O", "fiar"], "Invalid value for '-O' / '--optimization': 'fiar' is not one of"),
+        (["--bogus-flag"], "No such option '--bogus-flag'"),
+        (["--prefetch-multiplier", "abc"], "Invalid value for '--prefetch-multiplier': 'abc'"),
+    ],
+)
+def test_a_celery_worker_option_celery_refuses_is_a_usage_error_not_a_traceback(
+    given: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import carpool.celery_edge.app as app_module
+
+    monkeypatch.setattr(app_module, "decode_json_fast", lambda: None)  # no process-wide codec change
+    assert main(["worker", *given]) == 2  # as `celery worker` exits on a usage error
+    err = capsys.readouterr().err
+    assert err.startswith("carpool worker: ") and said in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_carpool_worker_with_a_bad_celery_option_exits_2_in_a_few_lines() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "carpool", "worker", "-O", "fiar"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CARPOOL_BROKER_URL": "redis://127.0.0.1:1/0"},
+    )
+    assert run.returncode == 2
+    assert "Invalid value for '-O'" in run.stderr
+    assert "Traceback" not in run.stderr and len(run.stderr.splitlines()) <= 3
+
+
+def test_demo_against_an_unreachable_redis_says_so_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CARPOOL_BROKER_URL", "redis://user:secret@127.0.0.1:1/0")
+    monkeypatch.setenv("CARPOOL_RESULT_BACKEND", "redis://user:secret@127.0.0.1:1/1")
+    assert main(["demo", "--external", "--requests", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("carpool demo: redis unavailable at redis://user:***@127.0.0.1:1/0: ")
+    assert "secret" not in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["--requests", "0"], "--requests"),
+        (["--requests", "-5"], "--requests"),
+        (["--workers", "0"], "--workers"),
+        (["--workers", "-1"], "--workers"),
+        (["--requests", "many"], "--requests"),
+    ],
+)
+def test_demo_refuses_fewer_than_one_request_or_worker_before_starting(
+    given: list[str], named: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import carpool.tools.demo as demo
+
+    started: list[dict[str, object]] = []
+
+    def run_demo(**given: object) -> int:
+        started.append(given)
+        return 0
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *given])
+    assert info.value.code == 2 and not started
+    err = capsys.readouterr().err
+    assert f"argument {named}:" in err and ("must be >= 1" in err or "not a whole number" in err)
+
+
+def test_demo_help_says_what_it_starts_and_on_which_redis(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    top = " ".join(capsys.readouterr().out.split())
+    assert "embedded Redis + coordinator + worker" not in top
+    assert "on an embedded redis-server or, when CARPOOL_BROKER_URL is set, on that Redis" in top
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "join whatever already runs on that Redis" in text
+    assert "--external only produce: start nothing" in text
+
+
+@pytest.mark.parametrize("given", ["inf", "-inf", "nan", "-1", "soon"])
+def test_status_refuses_an_interval_that_is_not_finite_seconds(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["status", "--once", f"--interval={given}"])
+    assert info.value.code == 2
+    assert "argument --interval:" in capsys.readouterr().err
+
+
+def test_status_still_takes_interval_zero_and_fractions() -> None:
+    from carpool.cli import build_parser
+
+    assert build_parser().parse_args(["status", "--interval", "0"]).interval == 0.0
+    assert build_parser().parse_args(["status", "--interval", "0.5"]).interval == 0.5
+    assert build_parser().parse_args(["status"]).interval == 1.0
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["--load", "0"], "load_fraction must be > 0"),
+        (["--load", "-1"], "load_fraction must be > 0"),
+        (["--load", "nan"], "load_fraction must be a finite number"),
+        (["--load", "inf"], "load_fraction must be a finite number"),
+        (["--window", "0"], "window_s must be > 0"),
+        (["--duration", "nan"], "duration_s must be a finite number"),
+        (["--p99-factor", "-2"], "p99_factor must be > 0"),
+    ],
+)
+def test_soak_refuses_a_load_or_measure_it_cannot_run_with(
+    given: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import carpool.tools.soak.run as soak_run
+
+    def started(*_: object, **__: object) -> None:
+        raise AssertionError("the soak started")
+
+    monkeypatch.setattr(soak_run, "run_soak", started)
+    assert main(["soak", "--short", *given]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("carpool soak: ") and said in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("raised", "status", "named"),
+    [(KeyboardInterrupt(), 130, "SIGINT"), (Terminated(), 143, "SIGTERM")],
+)
+def test_an_interrupted_command_exits_128_plus_the_signal_without_a_traceback(
+    raised: BaseException,
+    status: int,
+    named: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import carpool.cli as cli
+
+    def interrupted(_: object) -> int:
+        raise raised
+
+    monkeypatch.setattr(cli, "cmd_demo", interrupted)
+    try:
+        got = main(["demo"])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt went through main, to a traceback")
+    assert got == status
+    assert capsys.readouterr().err == f"carpool demo: stopped by {named}\n"

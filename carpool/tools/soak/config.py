@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from carpool.tools.soak.model import DEFAULT_PACE, capacity_rps
 
 FAULT_KINDS = ("coordinator", "worker", "redis")
+# Fields that must be above 0 (the load a fraction of capacity, the stack's sizes, the measures' steps).
+_POSITIVE = (
+    "duration_s",
+    "load_fraction",
+    "coordinators",
+    "workers",
+    "max_batch",
+    "lease_s",
+    "result_expires_s",
+    "texts",
+    "window_s",
+    "memory_every_s",
+    "poll_s",
+    "p99_factor",
+    "p99_recovery_s",
+    "min_window_requests",
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,15 @@ class SoakConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # a NaN passes every comparison below, an infinity most of them
+            value = getattr(self, f.name)
+            numbers = value if isinstance(value, tuple) and f.name != "kinds" else (value,)
+            for number in numbers:
+                if isinstance(number, int | float) and not math.isfinite(number):
+                    raise ValueError(f"{f.name} must be a finite number, got {value}")
+        for name in _POSITIVE:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         low, high = self.interval_s
         if not 0 < low <= high:
             raise ValueError(f"interval_s must be (low, high) with 0 < low <= high, got {self.interval_s}")

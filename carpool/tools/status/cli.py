@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -35,10 +36,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def seconds(text: str) -> float:
+    """An argparse type for ``--interval``: finite seconds, 0 or more (0: one sample, no rates)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interval",
-        type=float,
+        type=seconds,
         default=DEFAULT_INTERVAL_S,
         help="seconds between refreshes, and the window rates are measured over (default 1)",
     )
@@ -50,7 +62,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from carpool.config import load_settings
 
     settings = load_settings()  # ConfigError propagates: the CLI prints it and exits 2
-    interval = max(0.0, float(args.interval))
+    interval = float(args.interval)
     keys = Keys(settings.request_queue)
     client = client_for(settings.broker_url, settings, socket_connect_timeout=5, socket_timeout=5)
     try:
