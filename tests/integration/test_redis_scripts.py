@@ -152,6 +152,7 @@ def test_every_script_loads_into_redis(client: redis.Redis) -> None:
         "renew",
         "renew_held",
         "requeue",
+        "stats",
         "take",
     ]
     for name in names:
