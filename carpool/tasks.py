@@ -228,9 +228,12 @@ def _run_alone(spec: BatchedSpec, item: Any) -> Any:
     :class:`~carpool.errors.ModelError`, as a batched request's caller gets it); what the function
     raises propagates as raised."""
     from carpool.codec import storable
-    from carpool.errors import ModelError, described
+    from carpool.errors import InvalidInput, ModelError, described
     from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item, pick_device
 
+    [length] = spec.measured([item])  # what the coordinator would refuse the request for
+    if isinstance(length, InvalidInput):
+        raise length
     settings = settings_of(app)
     loaded = (os.getpid(), spec.name)
     if loaded not in _LOADED and callable(getattr(spec.fn, "load", None)):

@@ -142,7 +142,9 @@ def traceback_of(exc: BaseException) -> str | None:
     to describe a failure, never raised, has none)."""
     if exc.__traceback__ is None:
         return None
-    return "".join(traceback.format_exception(exc))
+    text = "".join(traceback.format_exception(exc))
+    # A message may hold what no encoder takes (a lone surrogate from a file name): escaped.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str | None = None) -> None:

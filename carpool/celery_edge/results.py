@@ -37,7 +37,7 @@ from carpool.codec import (
     unpackb,
 )
 from carpool.codec import loads as json_loads
-from carpool.errors import ModelError
+from carpool.errors import CarpoolError, ModelError, described
 from carpool.names import INBOX_CHANNEL
 from carpool.redis_edge import lua
 from carpool.redis_edge.store import ResultWrites, finish_call
@@ -103,7 +103,12 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             encoded = encode(result)
             if encoded is not None:  # else not plain JSON or msgpack: Celery's encoder decides
                 return join(encoded, encode_plain(date_done) or null, task_id)
-        tb = traceback_of(result) if isinstance(result, BaseException) else None
+        # A raised exception's traceback, as Celery stores it (not carpool's own refusals': they say why).
+        tb = (
+            traceback_of(result)
+            if isinstance(result, BaseException) and not isinstance(result, CarpoolError)
+            else None
+        )
         meta = result_meta(self, self.encode_result(result, state), state, tb)
         meta["task_id"] = task_id
         encoded = self.encode(meta)
@@ -182,7 +187,15 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
                 return self.meta_for(task_id, state, result, date_done)
             except (EncodeError, TypeError, ValueError, OverflowError) as exc:
                 if state != SUCCESS:
-                    raise  # Celery encodes exceptions with their arguments made serializable
+                    # Celery makes an exception's arguments serializable; whatever else defeats the
+                    # encoder fails this request alone, named, never the batch's store.
+                    log.warning("request %s: its failure could not be stored as raised: %s", task_id, exc)
+                    error = ModelError(
+                        described(result) if isinstance(result, BaseException) else str(result)
+                    )
+                    if isinstance(entries, list):
+                        entries[index] = (task_id, FAILURE, error)
+                    return self.meta_for(task_id, FAILURE, error, date_done)
                 reason = str(exc)
         # JSON is worth naming only where Celery's JSON would store the value (it tags a UUID).
         instead = "; or store results as JSON (CARPOOL_RESULT_SERIALIZER=json)" if kombu_json(result) else ""

@@ -99,6 +99,8 @@ class StatsWriter:
                 )
             pipe.hset(self._gauges_key, mapping=values)
             pipe.expire(self._gauges_key, GAUGES_TTL_S)
+            # Kept while this run writes, moving or idle: gone, its next totals would count again.
+            pipe.expire(self._applied_key, COORDINATORS_KEPT_S)
             pipe.zadd(self.keys.coordinators, {self.hostname: now_ms})
             pipe.zremrangebyscore(self.keys.coordinators, "-inf", now_ms - COORDINATORS_KEPT_S * 1000)
             pipe.execute()

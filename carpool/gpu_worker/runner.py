@@ -175,11 +175,13 @@ def run_call_isolating(
         if len(lengths) == 1:
             return [(False, exc)]
         log.warning("batch of %d failed (%s); splitting to isolate", len(lengths), described(exc))
-        _free_accelerator_memory()
-        half = len(lengths) // 2
-        return run_call_isolating(call, items[:half], lengths[:half]) + run_call_isolating(
-            call, items[half:], lengths[half:]
-        )
+    # Split outside the handler: a failure in a half is then its own exception, its traceback the
+    # raise alone, not chained to each larger batch's failure (nor holding their items alive).
+    _free_accelerator_memory()
+    half = len(lengths) // 2
+    return run_call_isolating(call, items[:half], lengths[:half]) + run_call_isolating(
+        call, items[half:], lengths[half:]
+    )
 
 
 def run_items_isolating(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[tuple[bool, Any]]:

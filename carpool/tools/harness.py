@@ -62,6 +62,10 @@ class _SigtermTrap:
         self.pending = False
 
     def _handler(self, signum: int, frame: object) -> None:
+        if self.holders == 0:  # the last harness closed off the main thread, which cannot restore it
+            signal.signal(signal.SIGTERM, self.previous)
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered again, to what was there before
+            return
         if self.deferring:
             self.pending = True
             return

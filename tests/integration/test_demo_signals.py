@@ -162,3 +162,27 @@ def test_sigterm_to_a_harness_process_stops_every_child_then_exits(usage: str, l
             proc.communicate()
     assert proc.returncode != 0 and "Terminated" in err  # it raised, and unwound through close()
     assert not _gone(kids), f"left running: {_gone(kids)}"
+
+
+def test_a_harness_closed_off_the_main_thread_leaves_sigterm_as_it_was() -> None:
+    """Only the main thread can put a signal handler back: the trap's own handler does it, then
+    delivers the SIGTERM again to what was there before (here the default: the process ends)."""
+    script = textwrap.dedent(
+        """
+        import os, signal, threading, time
+        from carpool.tools.harness import Harness
+
+        h = Harness(broker_url="redis://127.0.0.1:1/0", result_backend="redis://127.0.0.1:1/1")
+        h.spawn("sleeper", ["http.server", "0", "--bind", "127.0.0.1"])
+        closing = threading.Thread(target=h.close)
+        closing.start()
+        closing.join()
+        print("closed", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        print("still running")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
+    assert "closed" in proc.stdout and "still running" not in proc.stdout

@@ -479,6 +479,12 @@ def test_a_stats_write_whose_reply_was_lost_and_was_sent_again_counts_once(
     two.write(CoordinatorStats(taken=4), {}, {"pending": 0})
     assert int(as_bytes(client.hget(keys.stats, "taken"))) == 5 + 4
 
+    # A writer idle for long keeps its applied totals: gone, its next totals would count again.
+    applied = one._applied_key
+    client.expire(applied, 5)
+    one.write(stats, {}, {"pending": 0})  # nothing moved
+    assert client.ttl(applied) > 5
+
 
 def test_status_adds_up_what_two_coordinators_hold(processes: Processes) -> None:
     import redis

@@ -253,6 +253,11 @@ def test_eager_mode_runs_an_item_as_a_batch_worker_would() -> None:
     assert not isinstance(raised.value, ModelError)
     with pytest.raises(InvalidInput, match="exactly one item"):
         shout.apply(args=("a", "b"))
+    # What the coordinator would refuse for its length() is refused here too.
+    with pytest.raises(InvalidInput, match=r"unit.declared: length\(\) raised KeyError"):
+        declared.apply(args=({"x": 1.5},)).get()
+    with pytest.raises(InvalidInput, match="above 2,147,483,647"):
+        declared.apply(args=({"n": 2**40},)).get()
     with pytest.raises(InvalidInput):
         shout.apply(args=({1, 2},))
     app.conf.task_always_eager = True
@@ -262,3 +267,21 @@ def test_eager_mode_runs_an_item_as_a_batch_worker_would() -> None:
             miscounts.delay("a").get()
     finally:
         app.conf.task_always_eager = False
+
+
+def test_a_failure_isolated_by_splitting_carries_its_own_traceback_once() -> None:
+    """Split outside the handler: not chained to each larger batch's failure, as Celery stores one raise."""
+    from carpool.celery_edge.compat import traceback_of
+    from carpool.gpu_worker.runner import run_items_isolating
+
+    def fragile(items: list[str]) -> list[str]:
+        if "boom" in items:
+            raise ValueError("boom is not a word I take")
+        return items
+
+    outcomes = run_items_isolating(fragile, ["a", "b", "c", "boom", "d", "e", "f", "g"])
+    assert [ok for ok, _ in outcomes] == [True, True, True, False, True, True, True, True]
+    error = outcomes[3][1]
+    assert error.__context__ is None
+    text = traceback_of(error) or ""
+    assert text.count('raise ValueError("boom is not a word I take")') == 1, text

@@ -511,3 +511,52 @@ def test_a_result_holding_a_uuid_is_left_to_celerys_json_which_tags_it() -> None
     text = str(uuid.UUID(int=7))  # the same text, as a str: plain JSON, written as it is
     assert dumps_result({"id": text}) == b'{"id":"' + text.encode() + b'"}'
     assert dumps_result([0.5, -1.0]) == b"[0.5,-1.0]"
+
+
+def _raised_with_a_lone_surrogate() -> ValueError:
+    name = b"/data/caf\xe9.jpg".decode("utf-8", "surrogateescape")  # as os.listdir() names it
+    try:
+        raise ValueError(f"cannot decode image {name}")
+    except ValueError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("serializer", ["json", "msgpack"])
+def test_a_raised_failure_with_a_lone_surrogate_is_stored_with_its_traceback_escaped(serializer: str) -> None:
+    """The traceback's text held the surrogate as is, which msgpack refused: the batch's store failed."""
+    from carpool.celery_edge.app import app
+
+    app.conf.result_serializer = serializer
+    try:
+        backend = app.backend.__class__(app=app, url=app.conf.result_backend)
+        exc = _raised_with_a_lone_surrogate()
+        writes = backend.store_args([("bad", "FAILURE", exc), ("good", "SUCCESS", "fine")])
+        bad, good = (backend.decode(p) for p in writes.payloads)
+    finally:
+        app.conf.result_serializer = "msgpack"
+    assert bad["status"] == "FAILURE" and bad["result"]["exc_type"] == "ValueError"
+    assert "caf\\udce9.jpg" in bad["traceback"] and "raise ValueError" in bad["traceback"]
+    assert good["status"] == "SUCCESS" and good["result"] == "fine"
+
+
+def test_a_failure_that_cannot_be_stored_as_raised_fails_alone_as_a_model_error() -> None:
+    from carpool.celery_edge.app import app
+
+    class Unstorable(Exception):
+        pass
+
+    backend = app.backend.__class__(app=app, url=app.conf.result_backend)
+    original = backend.encode_result
+
+    def refusing(result: Any, state: str) -> Any:
+        if isinstance(result, Unstorable):
+            raise TypeError("not encodable")
+        return original(result, state)
+
+    backend.encode_result = refusing
+    entries: list[tuple[str, str, Any]] = [("odd", "FAILURE", Unstorable("x")), ("good", "SUCCESS", 1.5)]
+    odd, good = (backend.decode(p) for p in backend.store_args(entries).payloads)
+    assert odd["status"] == "FAILURE" and odd["result"]["exc_type"] == "ModelError"
+    assert "Unstorable: x" in str(odd["result"]["exc_message"])
+    assert entries[0][2].__class__.__name__ == "ModelError"  # what events and links see agrees
+    assert good["result"] == 1.5
