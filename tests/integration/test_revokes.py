@@ -36,7 +36,8 @@ def test_a_broadcast_that_is_no_revoke_or_aimed_elsewhere_is_not_taken(clean_red
     assert listener is not None
     try:
         app.control.revoke("for-a-worker", destination=["worker0@host"])
-        app.control.ping(timeout=0.1)
+        with app.connection_for_write() as conn:  # a connection of its own: no other test's pool state
+            app.control.ping(timeout=0.1, connection=conn)
         app.control.revoke("for-everyone")
         assert first_heard(listener, "the broadcast revoke heard") == ["for-everyone"]
     finally:
