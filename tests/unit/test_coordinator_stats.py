@@ -118,10 +118,14 @@ def test_each_coordinator_writes_gauges_of_its_own_that_expire() -> None:
         (KEYS.gauges_of("c1"), {"pending": 4}),
         (KEYS.gauges_of("c2"), {"pending": 6}),
     ]
-    # Each gauge hash expires unless rewritten, and its writer is listed for readers to find it.
+    # Each gauge hash expires unless rewritten, and its writer is listed for readers to find it; each
+    # run's applied totals are kept while it writes.
+    (one_applied, _), (two_applied, _) = totals_sent(client)
     assert [c[1] for c in calls if c[0] == "expire"] == [
         (KEYS.gauges_of("c1"), GAUGES_TTL_S),
+        (one_applied[1], COORDINATORS_KEPT_S),
         (KEYS.gauges_of("c2"), GAUGES_TTL_S),
+        (two_applied[1], COORDINATORS_KEPT_S),
     ]
     now_ms = int(WALL_S * 1000)
     assert [c[1] for c in calls if c[0] == "zadd"] == [
