@@ -130,10 +130,15 @@ def join_will_block() -> bool:
 
 
 def result_meta(backend: Any, result: Any, state: str, traceback: str | None = None) -> dict[str, Any]:
-    """The meta Celery's ``store_result`` would write for ``result`` (already encoded) in ``state``."""
+    """The meta a Celery worker's ``store_result`` would write for ``result`` (already encoded) in
+    ``state``: its ``children`` a list, as a worker stores for a task that started none (Celery's
+    own ``None`` is for a store made outside any task, which ``AsyncResult.children`` then returns
+    instead of a list)."""
     meta: dict[str, Any] = backend._get_result_meta(
         result=result, state=state, traceback=traceback, request=None
     )
+    if meta.get("children") is None:
+        meta["children"] = []
     return meta
 
 

@@ -247,14 +247,14 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
 
 def success_meta(result: bytes, date_done: bytes, task_id: str) -> bytes:
     """Celery's result meta of a success, encoded: the bytes ``orjson.dumps`` gives for the dict
-    ``{"status": "SUCCESS", "result": ..., "traceback": None, "children": None, "date_done": ...,
+    ``{"status": "SUCCESS", "result": ..., "traceback": None, "children": [], "date_done": ...,
     "task_id": ...}``, joined around the encoded result instead of encoding a dict holding it."""
     task_id_json = dumps_plain(task_id) or b"null"
     return b"".join((_SUCCESS_HEAD, result, _SUCCESS_MIDDLE, date_done, _SUCCESS_TAIL, task_id_json, b"}"))
 
 
 _SUCCESS_HEAD = b'{"status":"SUCCESS","result":'
-_SUCCESS_MIDDLE = b',"traceback":null,"children":null,"date_done":'
+_SUCCESS_MIDDLE = b',"traceback":null,"children":[],"date_done":'
 _SUCCESS_TAIL = b',"task_id":'
 
 
@@ -317,7 +317,7 @@ def _packed(*items: Any) -> bytes:
 
 
 _PACKED_HEAD = b"\x86" + _packed("status", "SUCCESS", "result")  # a map of six
-_PACKED_MIDDLE = _packed("traceback", None, "children", None, "date_done")
+_PACKED_MIDDLE = _packed("traceback", None, "children", [], "date_done")
 _PACKED_TAIL = _packed("task_id")
 _MSGPACK_MAPS = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})  # fixmap, map 16, map 32
 

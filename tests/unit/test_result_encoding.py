@@ -103,7 +103,7 @@ def test_a_success_meta_is_the_dict_celery_would_encode(value: Any) -> None:
             "status": SUCCESS,
             "result": value,
             "traceback": None,
-            "children": None,
+            "children": [],  # as a Celery worker stores it: AsyncResult.children is a list
             "date_done": date_done,
             "task_id": task_id,
         }
@@ -560,3 +560,22 @@ def test_a_failure_that_cannot_be_stored_as_raised_fails_alone_as_a_model_error(
     assert "Unstorable: x" in str(odd["result"]["exc_message"])
     assert entries[0][2].__class__.__name__ == "ModelError"  # what events and links see agrees
     assert good["result"] == 1.5
+
+
+@pytest.mark.parametrize("serializer_app", [app, json_app], ids=["msgpack", "json"])
+@pytest.mark.parametrize(
+    ("state", "result"),
+    [(SUCCESS, [0.5, 1.5]), (SUCCESS, np.ones(3, dtype=np.float32)), (FAILURE, ValueError("no"))],
+)
+def test_a_stored_answer_lists_no_children_as_a_celery_worker_stores_it(
+    serializer_app: Any, state: str, result: Any
+) -> None:
+    """A Celery worker stores ``children: []`` for a task that started none; ``None`` would make
+    ``AsyncResult.children`` something a caller cannot iterate."""
+    stored = serializer_app.backend.meta_for("kids", state, result, "2026-12-05T00:00:00")
+    meta = serializer_app.backend.decode_result(stored)
+    assert meta["children"] == []
+    answered = serializer_app.AsyncResult("kids")
+    answered._maybe_set_cache(meta)
+    assert answered.children == []
+    assert list(answered.children) == []
