@@ -51,7 +51,7 @@ from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, UnknownModel
 from carpool.names import coordinator_hostname
-from carpool.redis_edge.connect import client_for
+from carpool.redis_edge.connect import client_for, refused_credentials
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore, Taken, acl_refusal, refused_by_acl
@@ -168,7 +168,13 @@ class Coordinator:
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 # Redis restarts: keep what we hold in memory; leases we miss are recovered by reap.
-                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                # Refused credentials are retried too, as Celery's workers retry theirs: mending
+                # the user in Redis heals every process without a restart.
+                hint = refused_credentials(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
+                if hint is not None:
+                    log.error("%s; retrying in %.1fs", hint, backoff)
+                else:
+                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
                 self.stopping.wait(backoff)
                 backoff = min(5.0, backoff * 2)
                 continue

@@ -263,6 +263,22 @@ def _sentinel_target(url: str, settings: SentinelSettings | None) -> tuple[Senti
         raise ConfigError(f"Sentinel URL {_redacted(url)!r}: {exc}") from None
 
 
+def refused_credentials(error: BaseException, *settings: str) -> str | None:
+    """What to change when Redis refused a connection's user and password (or wanted a password none
+    was given): a sentence naming ``settings``, the variables that hold the URLs; None for any
+    other error. Sentinel's own password is another setting, named when a URL is a Sentinel one."""
+    refusal: BaseException | None = error
+    while refusal is not None and not isinstance(refusal, redis.AuthenticationError):
+        refusal = refusal.__cause__ or refusal.__context__  # kombu wraps redis-py's errors
+    if refusal is None:
+        return None
+    return (
+        f"Redis refused the credentials ({refusal}): put the user and password Redis expects in "
+        f"{' and '.join(settings)} (redis://USER:PASSWORD@HOST:PORT/DB; a password alone: "
+        "redis://:PASSWORD@HOST:PORT/DB; a Sentinel's own password goes in CARPOOL_SENTINEL_PASSWORD)"
+    )
+
+
 def _credentials(username: str | None, password: str | None) -> str:
     """``user:password@`` as a URL writes them (quoted), or nothing."""
     if password is not None:

@@ -169,6 +169,7 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
     from rich.console import Console
     from rich.table import Table
 
+    from carpool.redis_edge.connect import refused_credentials
     from carpool.tools.workload import describe, mixed_texts
 
     if requests < 1 or workers < 1:
@@ -191,6 +192,10 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
         # One line, as `carpool status` says it, rather than the client's traceback; the children the
         # harness started are stopped by now.
         where = "the embedded redis-server" if harness.embedded else redact_url(settings.broker_url)
+        hint = refused_credentials(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
+        if hint is not None:  # a setting to change, not an outage to wait out
+            print(f"carpool demo: {where}: {hint}", file=sys.stderr)
+            return 2
         print(f"carpool demo: redis unavailable at {where}: {exc}", file=sys.stderr)
         return 1
     with console.status("measuring the model offline on the same texts..."):

@@ -493,3 +493,29 @@ def test_every_role_may_wait_for_replicas_and_the_producer_may_fence(role_users:
         if role == "producer":
             assert client.publish(FENCE_CHANNEL, b"") == 0
         client.close()
+
+
+def test_status_with_a_wrong_password_names_the_setting_to_change(role_users: redis.Redis) -> None:
+    from tests.integration.test_observability import status_command
+
+    server_port = role_users.connection_pool.connection_kwargs["port"]
+
+    def status(credentials: str) -> subprocess.CompletedProcess[str]:
+        env = {
+            "CARPOOL_BROKER_URL": f"redis://{credentials}127.0.0.1:{server_port}/0",
+            "PATH": "/usr/bin:/bin",
+        }
+        return subprocess.run(
+            [*status_command(), "--once"], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    wrong = status(f"{user('flower')}:not-its-password@")
+    role_users.config_set("requirepass", "admin-only")  # the default user now needs a password
+    try:
+        missing = status("")
+    finally:
+        role_users.config_set("requirepass", "")
+    for done in (wrong, missing):
+        assert done.returncode == 2, done
+        assert "Redis refused the credentials" in done.stderr and "CARPOOL_BROKER_URL" in done.stderr
+        assert "not-its-password" not in done.stderr and "Traceback" not in done.stderr, done.stderr

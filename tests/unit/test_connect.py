@@ -181,3 +181,23 @@ def test_the_celery_app_gets_the_master_name_for_broker_and_backend() -> None:
     assert isinstance(backend, CarpoolSentinelBackend)
     assert backend.connparams["db"] == 1
     assert [h["host"] for h in backend.connparams["hosts"]] == ["h1", "h2", "h3"]
+
+
+def test_refused_credentials_name_the_settings_and_nothing_else_does() -> None:
+    from kombu.exceptions import OperationalError
+
+    from carpool.redis_edge.connect import refused_credentials
+
+    refused = redis.AuthenticationError("invalid username-password pair or user is disabled.")
+    hint = refused_credentials(refused, "CARPOOL_BROKER_URL")
+    assert hint is not None and "invalid username-password pair" in hint
+    assert "CARPOOL_BROKER_URL (redis://USER:PASSWORD@HOST:PORT/DB" in hint
+    try:  # kombu's wrapping, as a publish raises it
+        try:
+            raise refused
+        except redis.ConnectionError as exc:
+            raise OperationalError(str(exc)) from exc
+    except OperationalError as wrapped:
+        assert refused_credentials(wrapped, "A", "B") == hint.replace("CARPOOL_BROKER_URL", "A and B")
+    assert refused_credentials(redis.ConnectionError("Connection refused"), "CARPOOL_BROKER_URL") is None
+    assert refused_credentials(ValueError("no"), "CARPOOL_BROKER_URL") is None

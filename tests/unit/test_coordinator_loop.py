@@ -734,3 +734,28 @@ def test_a_received_event_carries_the_messages_eta_and_canvas_ids_also_when_refu
     assert fields["due"]["eta"] == due
     assert (fields["child"]["root_id"], fields["child"]["parent_id"]) == ("root-1", "parent-1")
     assert events.of("child") == ["received", "failed"]
+
+
+def test_refused_credentials_are_logged_as_the_settings_to_change_and_retried(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Like a Celery worker's broker connection, the loop retries (mending the user in Redis heals it
+    without a restart), but says which settings hold the password rather than that Redis is away."""
+    c = coordinator(clocks, workers=1)
+    failures = [redis.AuthenticationError("invalid username-password pair or user is disabled.")]
+
+    def step() -> Wait:
+        if failures:
+            raise failures.pop()
+        c.stopping.set()
+        return Wait(0.0, WaitFor.REQUESTS)
+
+    c.step = step
+    c.stopping.wait = lambda _s=None: False  # the backoff, without sleeping
+    with caplog.at_level(logging.WARNING, logger="carpool.coordinator.loop"):
+        c._loop()
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR
+    assert "invalid username-password pair" in record.getMessage()
+    assert "CARPOOL_BROKER_URL and CARPOOL_RESULT_BACKEND" in record.getMessage()
+    assert "redis unavailable" not in record.getMessage()

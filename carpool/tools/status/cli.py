@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from carpool.config import redact_url
-from carpool.redis_edge.connect import client_for
+from carpool.redis_edge.connect import client_for, refused_credentials
 from carpool.redis_edge.keys import Keys
 from carpool.tools.status.snapshot import Rates, Snapshot, as_dict, collect, rates
 from carpool.tools.status.view import render
@@ -92,6 +92,10 @@ def _print_once(
     try:
         snap, rate = _sample(client, keys, interval)
     except redis.RedisError as exc:
+        hint = refused_credentials(exc, "CARPOOL_BROKER_URL")
+        if hint is not None:  # a setting to change, not an outage to wait out
+            print(f"carpool status: {redact_url(broker)}: {hint}", file=sys.stderr)
+            return 2
         print(f"carpool status: redis unavailable at {redact_url(broker)}: {exc}", file=sys.stderr)
         return 1
     if as_json:
@@ -124,7 +128,8 @@ def _live(client: redis.Redis, keys: Keys, queue: str, broker: str, interval: fl
                     snap = collect(client, keys)
                 except redis.RedisError as exc:
                     previous = None
-                    live.update(render(None, None, queue, broker, str(exc)))
+                    error = refused_credentials(exc, "CARPOOL_BROKER_URL") or str(exc)
+                    live.update(render(None, None, queue, broker, error))
                 else:
                     rate = rates(previous, snap) if previous is not None else None
                     live.update(render(snap, rate, queue, broker))
