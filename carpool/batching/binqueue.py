@@ -155,11 +155,20 @@ class BinQueue:
     def _served(self, limit: int) -> Iterator[Request]:
         """Live requests in service order, at most ``limit``, without removing them."""
         if self.order == "length":
-            # Pop stale heads so the smallest live entries can be read without a full sort.
+            # Pop stale heads, then read the heap in order past whatever stale entries lie among the
+            # smallest (revoked or expired requests), however many: a batch is cut short only by
+            # running out of live requests.
             while self._by_length and not self._alive(self._by_length[0][4]):
                 heapq.heappop(self._by_length)
-            entries = heapq.nsmallest(limit + 8, self._by_length)
-            yield from itertools.islice((e[4] for e in entries if self._alive(e[4])), limit)
+            served: set[str] = set()  # a request put back (a failed publish) has two live entries
+            for entry in _in_heap_order(self._by_length):
+                req = entry[4]
+                if req.id in served or not self._alive(req):
+                    continue
+                served.add(req.id)
+                yield req
+                if len(served) >= limit:
+                    return
             return
         count = 0
         for prio in sorted(self._fifo, reverse=True):
@@ -244,6 +253,23 @@ class BinQueue:
         self._deadlines.clear()
         self._arrivals.clear()
         return out
+
+
+def _in_heap_order(
+    heap: list[tuple[int, int, float, int, Request]],
+) -> Iterator[tuple[int, int, float, int, Request]]:
+    """``heap``'s entries smallest first, without changing it: O(log k) per entry read, for the k
+    read so far (a frontier of the entries whose parents were read)."""
+    if not heap:
+        return
+    frontier = [(heap[0], 0)]
+    size = len(heap)
+    while frontier:
+        entry, at = heapq.heappop(frontier)
+        yield entry
+        for child in (2 * at + 1, 2 * at + 2):
+            if child < size:
+                heapq.heappush(frontier, (heap[child], child))
 
 
 class _Batch:

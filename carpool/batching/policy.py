@@ -20,7 +20,10 @@ Rules, in order of precedence for a (model, bin) queue:
    says fewer than one more request would arrive in that time (light traffic: waiting only adds
    latency); with no more requests on their way in (``incoming``), every partial batch ready by
    then leaves in the same poll, as far as the free slots go. With every worker busy it keeps
-   filling.
+   filling, unless a full batch of another queue is about to take a free slot: then a partial
+   batch that waited its window competes with it by priority, then by its oldest member's age.
+   Under overload no worker is ever idle, and full batches of busy bins would otherwise take every
+   freed slot while a request alone in a quiet bin waited until its deadline.
 Requests of different models never share a batch.
 """
 
@@ -79,6 +82,8 @@ class _Candidate:
     requests: list[Request]
     reason: FlushReason
     rank: tuple[int, float, int, float]
+    # A partial batch with every worker busy: it leaves only in place of a full batch it outranks.
+    contender: bool = False
 
 
 class BatchPolicy:
@@ -161,15 +166,18 @@ class BatchPolicy:
         ahead_s: float = 0.0,
         queue_room: int = 0,
         incoming: bool = False,
+        workers: int = 1,
     ) -> Plan:
         """Decide what leaves now.
 
         ``free_workers``: workers with nothing to run; ``free_slots``: batches that may still be
         handed on (free workers plus prefetch room); ``ahead_s``: predicted seconds until a worker
-        frees up for a newly dispatched batch (0 when one is idle); ``queue_room``: batches that
-        may still be queued beyond the slots while ``ahead_s`` is under ``prefetch_s``;
-        ``incoming``: requests are already on their way in (taken and being prepared, or more
-        waiting in the broker), so a partial batch may still find company among them.
+        frees up for a newly dispatched batch (0 when one is idle): the work queued per worker;
+        ``queue_room``: batches that may still be queued beyond the slots while ``ahead_s`` is
+        under ``prefetch_s``; ``incoming``: requests are already on their way in (taken and being
+        prepared, or more waiting in the broker), so a partial batch may still find company among
+        them; ``workers``: how many share the work queued (each batch dispatched here adds its
+        predicted run time over them to ``ahead_s``).
         """
         # Queues left empty (a refit moved their bin, or they drained) are dropped.
         self._queues = {k: q for k, q in self._queues.items() if q}
@@ -183,6 +191,7 @@ class BatchPolicy:
         # and a poll re-selects only the queues that changed, not every queue after every batch.
         while True:
             best: _Candidate | None = None
+            contender: _Candidate | None = None
             worker_idle = free_workers > 0 or (idle_at_start and not incoming)
             for key, queue in self._queues.items():
                 if not queue:
@@ -200,10 +209,17 @@ class BatchPolicy:
                 )
                 if wake_at is not None and (wake is None or wake_at < wake):
                     wake = wake_at
-                if cand is not None and (best is None or cand.rank < best.rank):
+                if cand is None:
+                    continue
+                if cand.contender:
+                    if contender is None or cand.rank < contender.rank:
+                        contender = cand
+                elif best is None or cand.rank < best.rank:
                     best = cand
             if best is None:
                 break
+            if contender is not None and best.reason is FlushReason.FULL and contender.rank < best.rank:
+                best = contender
             wake = None  # recomputed on the next pass over the queues
             queue = self._queues[best.key]
             queue.remove(best.requests)
@@ -222,8 +238,9 @@ class BatchPolicy:
             free_workers -= 1
             queue_room -= 1
             if free_workers < 0:
-                # The new batch queues behind running ones: later deadline checks must count it.
-                ahead_s += self.predict_s(best.key[0], best.requests)
+                # The new batch queues behind running ones: later deadline checks must count it,
+                # as the work queued per worker that ``ahead_s`` is.
+                ahead_s += self.predict_s(best.key[0], best.requests) / max(1, workers)
         plan.wake_at_s = wake
         return plan
 
@@ -310,14 +327,18 @@ class BatchPolicy:
             if free_slots > 0 or (queue_room > 0 and ahead_s < cfg.prefetch_s):
                 return _Candidate(key, members, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
             return None, next_deadline_event
-        if worker_idle and free_slots > 0:
+        if free_slots > 0:
             wait_s = min(cfg.max_wait_s, cfg.wait_factor * predicted)
             if self.expected_arrivals(model, now_s, wait_s) < 1.0:
                 wait_s = 0.0  # light traffic: no company is coming, waiting would only add latency
             ready_at = oldest + wait_s
-            if now_s >= ready_at:
+            if now_s < ready_at:
+                return None, min(ready_at, next_deadline_event) if worker_idle else next_deadline_event
+            if worker_idle:
                 return _Candidate(key, members, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None
-            return None, min(ready_at, next_deadline_event)
+            # Ranked as a full batch is, to take a slot only in place of one it outranks.
+            rank = (1, 0.0, -priority, oldest)
+            return _Candidate(key, members, FlushReason.WAIT, rank, contender=True), next_deadline_event
         return None, next_deadline_event
 
     def drain(self) -> list[Request]:

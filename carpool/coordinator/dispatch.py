@@ -36,7 +36,13 @@ def dispatch(c: Coordinator, now: float) -> float | None:
             plan = Plan(wake_at_s=quiet)
         else:
             plan = c.policy.poll(
-                now, cap.free_workers, cap.free_slots, cap.ahead_s, cap.queue_room, incoming=c.incoming
+                now,
+                cap.free_workers,
+                cap.free_slots,
+                cap.ahead_s,
+                cap.queue_room,
+                incoming=c.incoming,
+                workers=c.workers,
             )
     if plan.expired:
         answer_expired(c, plan.expired, now)

@@ -111,12 +111,13 @@ def to_request(
 
     Times the producer stamped on its wall clock become coordinator-clock times (``now`` and
     ``wall_now`` are the same instant on both clocks); a message sent "in the future" by a
-    producer whose clock runs ahead counts as arriving now. A request with an eta arrives at its
-    eta: its wait, and its default deadline, count from then (its ``arrival_s`` may lie ahead).
+    producer whose clock runs ahead counts as arriving now, and its default deadline counts from
+    then. A request with an eta arrives at its eta: its wait, and its default deadline, count from
+    then (its ``arrival_s`` may lie ahead).
     """
     sent_at = msg.sent_at if msg.sent_at is not None else wall_now
     if msg.eta_at is None:
-        start = sent_at
+        start = min(sent_at, wall_now)  # its default deadline counts from its arrival, as its wait does
         arrival_s = now - max(0.0, wall_now - sent_at)
     else:
         start = max(sent_at, msg.eta_at)

@@ -94,12 +94,18 @@ def test_a_stamp_or_expiry_that_is_not_a_finite_number_counts_as_absent(bad: flo
     assert req.payload["sent_at"] == WALL
 
 
-def test_a_producer_clock_ahead_of_ours_counts_as_arriving_now() -> None:
+@pytest.mark.parametrize("ahead_s", [5.0, 3600.0])
+def test_a_producer_clock_ahead_of_ours_counts_as_arriving_now(ahead_s: float) -> None:
+    """Its wait and its default deadline both count from now: a clock an hour ahead must not give
+    a request an hour more than ``CARPOOL_DEFAULT_DEADLINE_S`` before it fails."""
     req = to_request(
-        decode_taken("a", message("a", "hi", sent_at=WALL + 5.0)), "toy", [1], 1, NOW, WALL, 60.0
+        decode_taken("a", message("a", "hi", sent_at=WALL + ahead_s)), "toy", [1], 1, NOW, WALL, 60.0
     )
     assert req.arrival_s == NOW
-    assert req.deadline_s == pytest.approx(NOW + 65.0)
+    assert req.deadline_s == pytest.approx(NOW + 60.0)
+    slot: Any = req.payload
+    assert slot["deadline"] == pytest.approx(WALL + 60.0)
+    assert slot["sent_at"] == WALL + ahead_s  # as sent: its errors say by whose clock
 
 
 def test_a_model_without_token_ids_gets_lengths_only() -> None:

@@ -193,6 +193,77 @@ def test_partial_batch_keeps_filling_while_every_worker_is_busy() -> None:
     assert len(plan.batches) == 1 and plan.batches[0].size == 4
 
 
+def test_under_overload_a_partial_batch_takes_a_slot_in_place_of_a_full_one_it_outranks() -> None:
+    """No worker is ever idle under overload, and full batches of a busy bin would take every freed
+    slot: a partial batch that waited its window competes with them by priority, then age."""
+    p = policy(max_batch=4, max_wait_s=0.01, bin_edges=(16,))
+    for i in range(40):  # a backlog of short texts, the oldest from t=1
+        p.add(req(8, at=1.0 + i * 0.001))
+    lone_urgent = req(100, at=2.0, priority=9)
+    p.add(lone_urgent)
+    plan = p.poll(2.5, free_workers=0, free_slots=1)
+    assert [b.requests for b in plan.batches] == [(lone_urgent,)]
+    assert plan.batches[0].flush_reason is FlushReason.WAIT
+    # Same priority: the oldest request goes first, whichever bin holds it.
+    lone = req(100, at=2.0)
+    p.add(lone)
+    for i in range(8):  # and the backlog goes on growing
+        p.add(req(8, at=2.6 + i * 0.001))
+    order = []
+    while batches := p.poll(3.0, free_workers=0, free_slots=1).batches:
+        order.append(batches[0].requests)
+    assert order.index((lone,)) == 10, "after the 40 short texts sent before it, before the 8 after"
+    assert all(len(batch) == 4 for batch in order if batch != (lone,))
+    # Nothing to take a slot from: a partial batch keeps filling while every worker is busy.
+    q = policy(max_batch=4, max_wait_s=0.01, bin_edges=(16,))
+    q.add(req(100, at=0.0, priority=9))
+    assert q.poll(5.0, free_workers=0, free_slots=1).batches == []
+    # Nor before its window: a partial batch that just started waiting does not cut in.
+    fresh = policy(max_batch=4, max_wait_s=1.0, wait_factor=100.0, bin_edges=(16,))
+    for _ in range(8):
+        fresh.add(req(8, at=4.9))  # company keeps coming: the adaptive wait is not cut short
+    young = req(100, at=5.0, priority=9)
+    fresh.add(young)
+    assert [b.requests[0].length for b in fresh.poll(5.1, free_workers=0, free_slots=1).batches] == [8]
+
+
+def test_batches_dispatched_in_one_poll_add_their_work_per_worker_to_the_work_ahead() -> None:
+    """``ahead_s`` is the work queued per worker: a batch a poll puts behind busy workers adds its
+    run time over all of them, so a second urgent bin is not judged hopeless in the same poll."""
+
+    def two_urgent_bins() -> tuple[BatchPolicy, list[Request], Request]:
+        p = policy(max_batch=32, max_wait_s=10.0, bin_edges=(192,))
+        # Ten of 190 tokens (1,920 padded: 0.202 s predicted), due first; one of 300 (0.0404 s).
+        a = [req(190, at=9.9, deadline=10.0 + 0.1 + 0.202 + 0.001) for _ in range(10)]
+        b = req(300, at=9.9, deadline=10.0 + 0.1 + 0.0404 + 0.005)
+        for r in [*a, b]:
+            p.add(r)
+        return p, a, b
+
+    p, a, b = two_urgent_bins()
+    plan = p.poll(10.0, free_workers=0, free_slots=0, ahead_s=0.1, workers=8)
+    assert [x.requests for x in plan.batches] == [tuple(a), (b,)]
+    assert all(x.flush_reason is FlushReason.DEADLINE for x in plan.batches)
+    # One worker: the first batch's whole run time is ahead of the second, which cannot make it.
+    p, a, b = two_urgent_bins()
+    plan = p.poll(10.0, free_workers=0, free_slots=0, ahead_s=0.1, workers=1)
+    assert [x.requests for x in plan.batches] == [tuple(a)]
+
+
+def test_shortest_first_reads_past_any_number_of_revoked_requests() -> None:
+    p = policy(kind="shortest", max_batch=32)
+    p.add(req(1))
+    revoked = [req(2) for _ in range(10)]
+    for r in revoked:
+        p.add(r)
+    for _ in range(40):
+        p.add(req(3))
+    p.discard({r.id for r in revoked})
+    plan = p.poll(1.0, free_workers=0, free_slots=2, ahead_s=0.01)
+    assert [(b.size, b.flush_reason) for b in plan.batches] == [(32, FlushReason.FULL)]
+    assert [r.length for r in plan.batches[0].requests] == [1] + [3] * 31
+
+
 def test_full_batches_queue_past_the_slots_while_the_work_ahead_is_short_of_prefetch_s() -> None:
     # Each full batch of 4 x 8 tokens is predicted at 10 ms + 32 x 0.1 ms = 13.2 ms.
     p = policy(max_batch=4, bin_edges=(), prefetch_s=0.03)

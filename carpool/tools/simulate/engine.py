@@ -215,7 +215,9 @@ def simulate(
             policy.add(requests[next_arrival])
             next_arrival += 1
         cap = pool_capacity(workers, prefetch_batches, outstanding.values())
-        plan = policy.poll(now, cap.free_workers, cap.free_slots, cap.ahead_s, cap.queue_room)
+        plan = policy.poll(
+            now, cap.free_workers, cap.free_slots, cap.ahead_s, cap.queue_room, workers=workers
+        )
         wake = plan.wake_at_s
         for req in plan.expired:
             result.missed_in_queue += 1
