@@ -226,3 +226,28 @@ def test_an_interrupted_command_exits_128_plus_the_signal_without_a_traceback(
         pytest.fail("the interrupt went through main, to a traceback")
     assert got == status
     assert capsys.readouterr().err == f"carpool demo: stopped by {named}\n"
+
+
+@pytest.mark.parametrize("command", ["bench", "simulate", "soak", "status"])
+def test_python_dash_m_of_a_tool_ends_as_its_carpool_command_does(command: str) -> None:
+    """``python -m carpool.tools.<command>`` goes through ``carpool``'s own entry point: a settings
+    error is one line and exit 2 (and Ctrl-C or SIGTERM ends it as they end ``carpool <command>``),
+    not a traceback."""
+    env = {**os.environ, "CARPOOL_MAX_BATCH": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", f"carpool.tools.{command}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, done
+    assert "CARPOOL_MAX_BATCH" in said and "Traceback" not in said, said
+    usage = subprocess.run(
+        [sys.executable, "-m", f"carpool.tools.{command}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert usage.stdout.startswith(f"usage: carpool {command} "), usage.stdout[:200]

@@ -1,7 +1,8 @@
-"""``python -m carpool.tools.bench``: the same as ``carpool bench``."""
+"""``python -m carpool.tools.bench``: the same as ``carpool bench``, through the same entry point (its
+errors, Ctrl-C and SIGTERM end it as they end ``carpool bench``)."""
 
 import sys
 
-from carpool.tools.bench.cli import main
+from carpool.cli import main
 
-sys.exit(main())
+sys.exit(main(["bench", *sys.argv[1:]]))
