@@ -217,6 +217,10 @@ class Coordinator:
         self._ahead = None
         self.stage.close()
         self.events.close()
+        try:  # what this run counted since its last write would end with it
+            self._write_stats()
+        except redis.RedisError as exc:
+            log.warning("could not write this coordinator's last counts (%s)", exc)
         try:
             returned = self.store.requeue(held)
         except redis.RedisError as exc:
