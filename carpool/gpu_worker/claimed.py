@@ -33,6 +33,7 @@ class ClaimedBatch:
     events: TaskEvents  # this batch's own buffer
     batches_queued: int | None  # batch messages queued behind it when claimed (None: not counted)
     ack_ids: list[str] = field(default_factory=list)  # every request claimed: acknowledged at the end
+    answered: list[str] = field(default_factory=list)  # claimed, answered already: not run again
     to_run: list[RequestSlot] = field(default_factory=list)  # run if within their deadline
     entries: list[tuple[str, str, Any]] = field(default_factory=list)  # outcomes: (id, state, value)
     linked: dict[str, Links] = field(default_factory=dict)  # callbacks, chains, error callbacks
@@ -58,7 +59,8 @@ def claimed_batch(
         if flag == 0:  # another batch's now
             continue
         claimed.ack_ids.append(r["id"])
-        if flag != 1:  # answered already (a rerun after recovery)
+        if flag != 1:  # answered already (a rerun after recovery, or revoked since it was batched)
+            claimed.answered.append(r["id"])
             continue
         if "links" in r:
             claimed.linked[r["id"]] = r["links"]

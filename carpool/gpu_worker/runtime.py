@@ -340,11 +340,35 @@ class WorkerRuntime:
         run; with ``take``, the claim also takes the next batch message, which comes back beside."""
         claim = self._claim(batch["id"], [r["id"] for r in batch["requests"]], take)
         try:
-            return claimed_batch(batch, claim.flags, claim.batches_queued, task_id, t0, events), claim.taken
+            claimed = claimed_batch(batch, claim.flags, claim.batches_queued, task_id, t0, events)
         except BaseException:
             if claim.taken is not None:
                 self._give_back(claim.taken)
             raise
+        if claimed.answered:
+            self._announce_revoked(claimed)
+        return claimed, claim.taken
+
+    def _announce_revoked(self, claimed: ClaimedBatch) -> None:
+        """Send task-revoked for the requests of the batch answered REVOKED since it was batched.
+
+        Celery's revoke handler stores REVOKED in every worker that hears the broadcast, at once and
+        without a task event (a Celery worker sends one when it meets the task's message); the
+        claim then finds them answered, and without this Flower would show them received for ever.
+        Read only for ids this worker heard revoked: a rerun's answered requests sent theirs."""
+        revoked = compat.revoked_ids()
+        ids = [i for i in claimed.answered if i in revoked] if len(revoked) else []
+        if not ids:
+            return
+        backend = self.backend
+        try:
+            stored = backend.client.mget([backend.get_key_for_task(i) for i in ids])
+        except redis.RedisError as exc:  # telemetry: the answers themselves are stored
+            log.warning("could not read %d revoked answers for their task events: %s", len(ids), exc)
+            return
+        for request_id, raw in zip(ids, stored, strict=True):
+            if raw is not None and backend.decode_result(raw).get("status") == REVOKED:
+                claimed.events.revoked(request_id)
 
     def _complete_or_report(self, claimed: ClaimedBatch) -> Callable[[], object] | None:
         """:meth:`_start` on the device stage's thread, sending the batch task's failure if it fails;
@@ -430,7 +454,8 @@ class WorkerRuntime:
         self, claimed: ClaimedBatch, live: list[RequestSlot], run_s: float | None, padded_len: int
     ) -> BatchReport:
         """Send a batch's events, store its outcomes and acknowledge it, with its report."""
-        batch, entries, events = claimed.batch, claimed.entries, claimed.events
+        batch, events = claimed.batch, claimed.events
+        entries = claimed.entries = _revoked_meanwhile(claimed.entries)
         batch_id = batch["id"]
         linked, inboxes = claimed.linked, claimed.inboxes
         # Encoded first: a result the serializer cannot carry becomes its request's failure (in
@@ -697,6 +722,24 @@ def _checked(task: str, outcomes: list[tuple[bool, Any]], serializer: str) -> li
         (ok, value if ok or not was_ok else ModelError(described(value)))
         for (was_ok, _), (ok, value) in zip(outcomes, checked, strict=True)
     ]
+
+
+def _revoked_meanwhile(entries: list[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
+    """``entries``, those revoked while their batch ran answered REVOKED instead.
+
+    Celery's revoke handler adds the id to the revoked set, then stores REVOKED, write-once here:
+    an outcome stored after that is refused, so its task events must say revoked, and its
+    callbacks must not run. A revoke heard after this check finds the outcome stored and keeps it,
+    events and all."""
+    revoked = compat.revoked_ids()
+    if not len(revoked):
+        return entries
+    out = []
+    for entry in entries:
+        if entry[1] != REVOKED and entry[0] in revoked:
+            entry = (entry[0], REVOKED, TaskRevokedError("revoked"))
+        out.append(entry)
+    return out
 
 
 def _expired(entry: tuple[str, str, Any]) -> bool:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from celery.exceptions import TaskRevokedError
 from celery.worker import state
 
 from carpool.celery_edge import links
@@ -321,3 +323,68 @@ def test_a_worker_learns_at_start_the_revokes_coordinators_recorded(
     metas = dict(runtime.store.writes)
     assert metas["recorded"]["status"] == "REVOKED" and metas["kept"]["status"] == "SUCCESS"
     assert report["size"] == 1
+
+
+def test_a_request_revoked_while_its_batch_runs_is_answered_and_shown_revoked(
+    runtime: Any, applied: list[Any], revoked: set[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery's revoke handler stores REVOKED (write-once here) as soon as it hears the broadcast, so
+    a request revoked while its batch runs keeps that answer: its events say revoked, not succeeded,
+    and its callbacks do not run."""
+    from carpool.celery_edge.events import TaskEvents
+
+    shown: list[tuple[str, str]] = []
+    outcomes = TaskEvents.outcomes
+
+    def recording(self: TaskEvents, entries: list[tuple[str, str, Any]], runtime_s: float) -> None:
+        shown.extend((task_id, status) for task_id, status, _ in entries)
+        outcomes(self, entries, runtime_s)
+
+    monkeypatch.setattr(TaskEvents, "outcomes", recording)
+    forward = runtime._forward
+
+    def revoked_during_the_run(*args: Any, **kwargs: Any) -> Any:
+        state.revoked.add("late")  # what Celery's revoke handler does first, on its own thread
+        revoked.add("late")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "_forward", revoked_during_the_run)
+    linked: Links = {"callbacks": [{"task": "x", "args": [], "kwargs": {}, "options": {}}]}
+    report = runtime.run(batch(slot("late", links=linked), slot("kept", links=linked)))
+    metas = dict(runtime.store.writes)
+    assert metas["late"]["status"] == "REVOKED" and metas["kept"]["status"] == "SUCCESS"
+    assert sorted(shown) == [("kept", "SUCCESS"), ("late", "REVOKED")]
+    assert report["size"] == 2, "both ran: the revoke came after the batch started"
+    assert [a[:2] for a in applied] == [("success", "kept")]
+
+
+def test_a_request_found_answered_revoked_at_its_claim_is_shown_revoked(
+    runtime: Any, revoked: set[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Revoked while its batch waited for this worker: the claim finds the REVOKED Celery's handler
+    stored, and the batch's events say so (Flower showed it received for ever). A request answered
+    otherwise (a rerun after recovery) gets no second event."""
+    from carpool.celery_edge.events import TaskEvents
+
+    stored = {
+        runtime.backend.get_key_for_task(task_id): runtime.backend.meta_for(task_id, status, value, "2026")
+        for task_id, status, value in [
+            ("gone", "REVOKED", TaskRevokedError("revoked")),
+            ("done", "SUCCESS", [1.0]),
+        ]
+    }
+    monkeypatch.setattr(
+        runtime.backend, "client", SimpleNamespace(mget=lambda keys: [stored.get(k) for k in keys])
+    )
+    flags = {"gone": 2, "done": 2, "kept": 1}
+    monkeypatch.setattr(
+        runtime.store, "claim_fresh", lambda batch_id, ids, *a, **k: Claimed([flags[i] for i in ids], 0)
+    )
+    shown: list[str] = []
+    monkeypatch.setattr(TaskEvents, "revoked", lambda self, task_id, expired=False: shown.append(task_id))
+    for task_id in ("gone", "done"):  # this worker heard both revoked (the second after its answer)
+        state.revoked.add(task_id)
+        revoked.add(task_id)
+    report = runtime.run(batch(slot("gone"), slot("done"), slot("kept")))
+    assert shown == ["gone"]
+    assert [task_id for task_id, _ in runtime.store.writes] == ["kept"] and report["size"] == 1
