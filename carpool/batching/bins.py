@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Sequence
 
 from carpool.names import DEFAULT_BIN_EDGES
+
+log = logging.getLogger(__name__)
 
 PAD_MULTIPLE = 8  # tensor cores and vectorised CPU kernels like dimensions in multiples of 8
 
@@ -24,7 +27,8 @@ def padded_width(lengths: Iterable[int], multiple: int = PAD_MULTIPLE) -> int:
 class LengthBins:
     """Bins by upper edge: with edges (16, 32) lengths 1-16 go to bin 0, 17-32 to 1, longer to 2.
 
-    No edges means one bin, which is plain FIFO batching.
+    No edges means one bin, which is plain FIFO batching. A bin's label (in batch messages,
+    metrics and ``carpool status``) is its span of token lengths, such as ``"17-32"`` or ``"33+"``.
     """
 
     def __init__(self, edges: Sequence[int] = ()) -> None:
@@ -38,13 +42,25 @@ class LengthBins:
     def index(self, length: int) -> int:
         return bisect_left(self.edges, length)
 
-    def label(self, index: int) -> str:
+    def span(self, index: int) -> str:
+        """The token lengths bin ``index`` holds under the current edges: ``"17-32"``, ``"33+"``."""
         low = 1 if index == 0 else self.edges[index - 1] + 1
         high = self.edges[index] if index < len(self.edges) else None
         return f"{low}-{high}" if high is not None else f"{low}+"
 
+    def span_for(self, length: int) -> str:
+        return self.span(self.index(length))
+
+    def label(self, index: int) -> str:
+        """The name bin ``index`` is shown under: fixed edges name a bin by its span."""
+        return self.span(index)
+
     def label_for(self, length: int) -> str:
         return self.label(self.index(length))
+
+    def spans(self) -> dict[str, str]:
+        """Each bin's label and span under the current edges."""
+        return {self.label(i): self.span(i) for i in range(len(self))}
 
     def observe(self, length: int) -> None:
         """Explicit edges learn nothing."""
@@ -55,6 +71,9 @@ class AutoBins(LengthBins):
     ``refit_every`` requests, so bins follow a shift in the length mix without anyone retuning.
 
     Edges are rounded up to the pad multiple: a bin then never mixes two padded widths needlessly.
+    A bin is labelled by its index, ``"b0"`` (the shortest) to ``"b<n>"``, not by its span: every
+    refit moves the spans, and labels named after them would add metric series and gauge fields
+    without end. ``name`` (the routing key) only names the bins in the log line of each refit.
     """
 
     def __init__(
@@ -64,6 +83,7 @@ class AutoBins(LengthBins):
         refit_every: int = 256,
         initial: Sequence[int] = DEFAULT_BIN_EDGES,
         multiple: int = PAD_MULTIPLE,
+        name: str = "",
     ) -> None:
         if count < 1 or window < count or refit_every < 1:
             raise ValueError("need count >= 1, window >= count and refit_every >= 1")
@@ -71,8 +91,12 @@ class AutoBins(LengthBins):
         self.count = count
         self.refit_every = refit_every
         self.multiple = multiple
+        self.name = name
         self._recent: deque[int] = deque(maxlen=window)
         self._since_fit = 0
+
+    def label(self, index: int) -> str:
+        return f"b{index}"
 
     def observe(self, length: int) -> None:
         self._recent.append(length)
@@ -88,5 +112,13 @@ class AutoBins(LengthBins):
             for k in range(1, self.count)
         }
         top = padded_length(ordered[-1], self.multiple)
-        self.edges = tuple(sorted(e for e in edges if e < top))
+        fitted = tuple(sorted(e for e in edges if e < top))
         self._since_fit = 0
+        if fitted != self.edges:
+            self.edges = fitted
+            # Debug level: a drifting or noisy length mix moves the edges as often as every refit.
+            log.debug(
+                "length bins of %s refitted: %s",
+                self.name or "?",
+                "  ".join(f"{label}={span}" for label, span in self.spans().items()),
+            )

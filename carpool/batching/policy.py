@@ -103,14 +103,29 @@ class BatchPolicy:
         self._model_bins: dict[str, LengthBins] = {}
         # Recent arrival times per model: the arrival rate says whether waiting can gain company.
         self._arrivals: dict[str, deque[float]] = {}
+        # Queues by (model, span of lengths), each with the label of the bin it stands for.
         self._queues: dict[tuple[str, str], BinQueue] = {}
+        self._labels: dict[tuple[str, str], str] = {}
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
     def depth_by_bin(self) -> dict[tuple[str, str], int]:
         """Requests waiting per (model, bin label)."""
-        return {key: len(q) for key, q in self._queues.items()}
+        out: dict[tuple[str, str], int] = {}
+        for key, queue in self._queues.items():
+            labelled = (key[0], self._labels[key])
+            out[labelled] = out.get(labelled, 0) + len(queue)
+        return out
+
+    def bin_spans(self) -> dict[tuple[str, str], str]:
+        """The token lengths each automatic bin holds now, per (model, bin label); fixed edges'
+        labels are their spans already."""
+        return {
+            (model, label): span
+            for model, bins in self._model_bins.items()
+            for label, span in bins.spans().items()
+        }
 
     def config_for(self, key: str) -> PolicyConfig:
         """The limits and bins of ``key``: its own, else the policy's."""
@@ -125,7 +140,7 @@ class BatchPolicy:
             return bins
         bins = self._model_bins.get(model)
         if bins is None:
-            bins = self._model_bins[model] = AutoBins(cfg.auto_bins, initial=cfg.bin_edges)
+            bins = self._model_bins[model] = AutoBins(cfg.auto_bins, initial=cfg.bin_edges, name=model)
         return bins
 
     def add(self, req: Request) -> None:
@@ -135,12 +150,15 @@ class BatchPolicy:
         recent.append(req.arrival_s)
         bins = self.bins_for(req.model)
         bins.observe(req.length)
-        # Keyed by label, not index: after a refit, queues under old edges drain under their old key.
-        key = (req.model, bins.label_for(req.length))
+        # Keyed by span, not label: after a refit, queues under old edges drain under their old key
+        # (shown under the label their bin had last), never mixed with the new bin of that label.
+        index = bins.index(req.length)
+        key = (req.model, bins.span(index))
         queue = self._queues.get(key)
         if queue is None:
             cfg = self.config_for(req.model)
             queue = self._queues[key] = BinQueue(_queue_order(cfg), cfg.pad_multiple)
+        self._labels[key] = bins.label(index)
         queue.add(req)
 
     def expected_arrivals(self, model: str, now_s: float, within_s: float) -> float:
@@ -180,7 +198,7 @@ class BatchPolicy:
         predicted run time over them to ``ahead_s``).
         """
         # Queues left empty (a refit moved their bin, or they drained) are dropped.
-        self._queues = {k: q for k, q in self._queues.items() if q}
+        self._drop_empty()
         # With nothing on its way in, the partial batches that waited their share leave together
         # while a worker was idle at the start: one at a time, each would wait for the next idle
         # moment, a hand-off each time (the tail of a burst). Else one leaves per idle worker.
@@ -226,7 +244,7 @@ class BatchPolicy:
             plan.batches.append(
                 Batch(
                     model=best.key[0],
-                    bin_label=best.key[1],
+                    bin_label=self._labels[best.key],
                     requests=tuple(best.requests),
                     padded_len=padded_width(
                         (r.length for r in best.requests), self.config_for(best.key[0]).pad_multiple
@@ -346,8 +364,12 @@ class BatchPolicy:
         out: list[Request] = []
         for queue in self._queues.values():
             out.extend(queue.drain())
-        self._queues = {k: q for k, q in self._queues.items() if q}
+        self._drop_empty()
         return out
+
+    def _drop_empty(self) -> None:
+        self._queues = {k: q for k, q in self._queues.items() if q}
+        self._labels = {k: self._labels[k] for k in self._queues}
 
 
 def _queue_order(cfg: PolicyConfig) -> QueueOrder:

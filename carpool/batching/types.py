@@ -33,7 +33,7 @@ class Batch:
     """A micro-batch cut by the policy: same model, one bin, within the limits."""
 
     model: str
-    bin_label: str  # token lengths the bin holds, e.g. "17-32" or "129+"
+    bin_label: str  # fixed edges: the token lengths the bin holds ("17-32", "129+"); automatic: "b0"...
     requests: tuple[Request, ...]
     padded_len: int  # longest member rounded up to the pad multiple
     flush_reason: FlushReason

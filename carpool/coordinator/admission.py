@@ -37,6 +37,14 @@ def admit_taken(c: Coordinator, taken: list[tuple[str, bytes]], now: float) -> N
         admit(c, c.take_chunk(taken, room), now)
 
 
+def count_requeued(c: Coordinator, reason: str, count: int) -> None:
+    """Count ``count`` requests put back on the request queue (``stats.REQUEUE_REASONS``), in the
+    stats and the metrics: each is taken, and counted taken, again."""
+    if count:
+        c.stats.requeued[reason] += count
+        c.metrics.put_back(reason, count)
+
+
 def admit_finished(c: Coordinator) -> None:
     """Admit the chunks the intake stage finished; a request revoked meanwhile is answered so."""
     intakes, errors = c.stage.finished()

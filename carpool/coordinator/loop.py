@@ -37,7 +37,7 @@ from carpool.celery_edge.events import TaskEvents
 from carpool.celery_edge.options import check_app_conf
 from carpool.config import Settings
 from carpool.coordinator import policy_config, revokes, task_policy_config
-from carpool.coordinator.admission import admit_finished, admit_taken, release_due
+from carpool.coordinator.admission import admit_finished, admit_taken, count_requeued, release_due
 from carpool.coordinator.answers import revoke
 from carpool.coordinator.deferred import Deferred
 from carpool.coordinator.dispatch import OutstandingBatch, dispatch
@@ -231,6 +231,7 @@ class Coordinator:
             )
             return
         self.held.clear()
+        count_requeued(self, "shutdown", returned)
         self._stats_writer.leave()
         log.info("handed back %d requests", returned)
 
@@ -384,6 +385,7 @@ class Coordinator:
             self._next_renewal = now + self.settings.recovery_timeout_s / 4
         recovered = self.store.reap()
         if recovered:
+            count_requeued(self, "lease_expired", recovered)
             log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
 
     def _write_stats(self) -> None:
@@ -391,4 +393,4 @@ class Coordinator:
         self.metrics.set_depths(depths)
         # Requests still in the intake stage wait too: taken, not yet in a bin.
         gauges = {"pending": len(self.policy) + len(self.stage), "outstanding": len(self.outstanding)}
-        self._stats_writer.write(self.stats, depths, gauges, self.task_name)
+        self._stats_writer.write(self.stats, depths, gauges, self.task_name, self.policy.bin_spans())

@@ -54,7 +54,15 @@ class CoordinatorMetrics:
         self.real_tokens = Counter(
             "carpool_real_tokens", "Real (unpadded) tokens dispatched.", ["task", "model"], registry=r
         )
-        self.requests = Counter("carpool_requests", "Requests taken from the request queue.", registry=r)
+        self.requests = Counter(
+            "carpool_requests", "Requests taken from the request queue, again when taken again.", registry=r
+        )
+        self.requeued = Counter(
+            "carpool_requeued",
+            "Requests put back on the request queue to be taken again, by why.",
+            ["reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "carpool_queue_depth",
             "Requests waiting in the coordinator, per bin.",
@@ -112,6 +120,9 @@ class CoordinatorMetrics:
 
     def failed(self, reason: str, count: int = 1) -> None:
         self.failures.labels(reason).inc(count)
+
+    def put_back(self, reason: str, count: int) -> None:
+        self.requeued.labels(reason).inc(count)
 
     def set_depths(self, depths: Mapping[tuple[str, str], int]) -> None:
         for model, bin_label in self._depth_keys - set(depths):

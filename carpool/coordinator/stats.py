@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 GAUGES_TTL_S = 10  # a coordinator's gauges outlive its last write by this long
 COORDINATORS_KEPT_S = 86_400  # a name stays listed this long after its last write (its own clock)
+# Why a taken request went back to the request queue: its coordinator stopped and handed it back, or
+# a reap returned it after its holder's lease ran out (the holder died or lost Redis).
+REQUEUE_REASONS = ("shutdown", "lease_expired")
 
 
 @dataclass(slots=True)
@@ -36,6 +39,8 @@ class CoordinatorStats:
     padded_tokens: int = 0
     real_tokens: int = 0
     failed: Counter[str] = field(default_factory=Counter)
+    # put back on the request queue, by why (REQUEUE_REASONS): each such request is taken again
+    requeued: Counter[str] = field(default_factory=Counter)
     flush: Counter[str] = field(default_factory=Counter)
     sizes: Counter[int] = field(default_factory=Counter)
 
@@ -54,7 +59,10 @@ class StatsWriter:
         self._applied_key = keys.stats_applied_of(f"{hostname}:{uuid.uuid4().hex[:12]}")
         self._add_totals = lua.register(client, "stats")
         self._written: dict[str, int] = {}
+        # The counts last written: the coordinator's own, which go on counting (a shutdown's hand-back).
+        self._stats: CoordinatorStats | None = None
         self._depth_keys: set[tuple[str, str]] = set()
+        self._span_fields: set[str] = set()
 
     def write(
         self,
@@ -62,19 +70,14 @@ class StatsWriter:
         depths: Mapping[tuple[str, str], int],
         gauges: Mapping[str, int],
         task_of: Callable[[str], str] | None = None,
+        spans: Mapping[tuple[str, str], str] | None = None,
     ) -> None:
         """``depths``: requests waiting per (routing key, bin); a bin that emptied is written as 0.
-        ``task_of``: the task of a routing key (written as ``task:<key>``, for ``carpool status``)."""
-        counters: dict[str, int] = {
-            "taken": stats.taken,
-            "batches": stats.batches,
-            "dispatched": stats.dispatched,
-            "padded_tokens": stats.padded_tokens,
-            "real_tokens": stats.real_tokens,
-        }
-        counters.update({f"flush:{k}": v for k, v in stats.flush.items()})
-        counters.update({f"failed:{k}": v for k, v in stats.failed.items()})
-        counters.update({f"size:{k}": v for k, v in stats.sizes.items()})
+        ``task_of``: the task of a routing key (written as ``task:<key>``, for ``carpool status``).
+        ``spans``: the token lengths each automatic bin (``b0``...) holds now, per (routing key,
+        bin), written as ``span:<key>:<bin>``."""
+        self._stats = stats
+        counters = _counters(stats)
         values: dict[str, int | str] = dict(gauges)
         for key in self._depth_keys - set(depths):
             values[f"depth:{key[0]}:{key[1]}"] = 0
@@ -82,22 +85,16 @@ class StatsWriter:
         values.update({f"depth:{m}:{b}": n for (m, b), n in depths.items()})
         if task_of is not None:
             values.update({f"task:{m}": task_of(m) for m in {m for m, _ in self._depth_keys}})
+        span_fields = {f"span:{m}:{b}": span for (m, b), span in (spans or {}).items()}
+        values.update(span_fields)
+        # A refit that fitted fewer bins leaves labels without a span: their fields go.
+        gone = self._span_fields - set(span_fields)
         now_ms = int(self.wall() * 1000)
-        # Only the totals that moved since the last write known to have applied.
-        totals = [
-            x
-            for name, value in counters.items()
-            if value != self._written.get(name, 0)
-            for x in (name, value)
-        ]
         with self.client.pipeline(transaction=False) as pipe:
-            if totals:
-                self._add_totals(
-                    keys=[self.keys.stats, self._applied_key],
-                    args=[COORDINATORS_KEPT_S, *totals],
-                    client=pipe,
-                )
+            self._add_moved(pipe, counters)
             pipe.hset(self._gauges_key, mapping=values)
+            if gone:
+                pipe.hdel(self._gauges_key, *sorted(gone))
             pipe.expire(self._gauges_key, GAUGES_TTL_S)
             # Kept while this run writes, moving or idle: gone, its next totals would count again.
             pipe.expire(self._applied_key, COORDINATORS_KEPT_S)
@@ -105,13 +102,50 @@ class StatsWriter:
             pipe.zremrangebyscore(self.keys.coordinators, "-inf", now_ms - COORDINATORS_KEPT_S * 1000)
             pipe.execute()
         self._written = counters
+        self._span_fields = set(span_fields)
+
+    def _add_moved(self, pipe: Any, counters: dict[str, int]) -> None:
+        """Queue on ``pipe`` the totals that moved since the last write known to have applied."""
+        totals = [
+            x
+            for name, value in counters.items()
+            if value != self._written.get(name, 0)
+            for x in (name, value)
+        ]
+        if totals:
+            self._add_totals(
+                keys=[self.keys.stats, self._applied_key],
+                args=[COORDINATORS_KEPT_S, *totals],
+                client=pipe,
+            )
 
     def leave(self) -> None:
-        """Withdraw this coordinator's gauges now (it holds nothing any more), not at their expiry."""
+        """Withdraw this coordinator's gauges now (it holds nothing any more), not at their expiry,
+        after adding what the counts last written counted since (the requests the shutdown handed
+        back)."""
         try:
             with self.client.pipeline(transaction=False) as pipe:
+                if self._stats is not None:
+                    # Added before this run's applied totals are deleted, in the same pipeline.
+                    self._add_moved(pipe, _counters(self._stats))
                 pipe.delete(self._gauges_key, self._applied_key)
                 pipe.zrem(self.keys.coordinators, self.hostname)
                 pipe.execute()
         except redis.RedisError as exc:
             log.info("could not withdraw this coordinator's gauges (they expire on their own): %s", exc)
+
+
+def _counters(stats: CoordinatorStats) -> dict[str, int]:
+    """The stats hash's fields and this run's totals of them."""
+    counters: dict[str, int] = {
+        "taken": stats.taken,
+        "batches": stats.batches,
+        "dispatched": stats.dispatched,
+        "padded_tokens": stats.padded_tokens,
+        "real_tokens": stats.real_tokens,
+    }
+    counters.update({f"flush:{k}": v for k, v in stats.flush.items()})
+    counters.update({f"failed:{k}": v for k, v in stats.failed.items()})
+    counters.update({f"requeued:{k}": v for k, v in stats.requeued.items()})
+    counters.update({f"size:{k}": v for k, v in stats.sizes.items()})
+    return counters

@@ -773,7 +773,7 @@ def test_shutdown_writes_the_counts_of_this_run_before_it_ends(clocks: Clocks) -
     calls: list[Any] = []
 
     class Recording:
-        def write(self, stats: Any, depths: Any, gauges: Any, task_of: Any = None) -> None:
+        def write(self, stats: Any, depths: Any, gauges: Any, task_of: Any = None, spans: Any = None) -> None:
             calls.append(("write", stats.taken, stats.dispatched, dict(gauges)))
 
         def leave(self) -> None:

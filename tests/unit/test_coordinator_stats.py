@@ -182,3 +182,84 @@ def test_carpool_status_shows_the_task_of_each_queue() -> None:
     lines = console.export_text().splitlines()
     assert any("carpool.infer" in line and "model=toy" in line and "1-16: 2" in line for line in lines)
     assert any("app.shout" in line and "model=" not in line and "1-8: 1" in line for line in lines)
+
+
+def test_requests_put_back_count_apart_and_a_leaving_coordinator_writes_its_last_counts() -> None:
+    """Each request handed back at shutdown (or returned by a reap) is taken, and counted taken,
+    again: its own counter says so. The hand-back comes after the last write: leaving adds it."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from carpool.coordinator.admission import count_requeued
+    from carpool.coordinator.metrics import CoordinatorMetrics
+
+    client = RecordingClient()
+    w = writer(client, "c1")
+    registry = CollectorRegistry()
+    c = SimpleNamespace(stats=CoordinatorStats(taken=5), metrics=CoordinatorMetrics(registry))
+    w.write(c.stats, {}, {"pending": 5})
+    [(keys, _)] = totals_sent(client)
+    client.calls.clear()
+    count_requeued(c, "shutdown", 5)  # type: ignore[arg-type]
+    count_requeued(c, "lease_expired", 0)  # type: ignore[arg-type]
+    w.leave()
+    assert client.calls == [
+        ("stats.lua", tuple(keys), {"args": (COORDINATORS_KEPT_S, "requeued:shutdown", 5)}),
+        ("delete", (KEYS.gauges_of("c1"), keys[1]), {}),
+        ("zrem", (KEYS.coordinators, "c1"), {}),
+    ]
+    assert registry.get_sample_value("carpool_requeued_total", {"reason": "shutdown"}) == 5
+    assert registry.get_sample_value("carpool_requeued_total", {"reason": "lease_expired"}) is None
+
+
+def test_carpool_status_shows_what_went_back_and_the_spans_of_automatic_bins() -> None:
+    from rich.console import Console
+
+    from carpool.tools.status import Snapshot, render
+    from carpool.tools.status.snapshot import as_dict
+
+    client = RecordingClient()
+    w = writer(client, "c1")
+    w.write(
+        CoordinatorStats(),
+        {("app.auto", "b0"): 2, ("app.auto", "b1"): 1},
+        {"pending": 3},
+        spans={("app.auto", "b0"): "1-40", ("app.auto", "b1"): "41+"},
+    )
+    [(_, _, kwargs)] = [c for c in client.calls if c[0] == "hset"]
+    assert kwargs["mapping"]["span:app.auto:b0"] == "1-40" and kwargs["mapping"]["span:app.auto:b1"] == "41+"
+    client.calls.clear()
+    w.write(CoordinatorStats(), {}, {"pending": 0}, spans={("app.auto", "b0"): "1+"})  # a refit to one bin
+    assert [c for c in client.calls if c[0] == "hdel"] == [
+        ("hdel", (KEYS.gauges_of("c1"), "span:app.auto:b1"), {})
+    ]
+
+    snap = Snapshot(
+        taken_at=0.0,
+        redis_time=0.0,
+        queued={},
+        workers=[],
+        in_flight=3,
+        dead_letter=0,
+        stats={
+            "taken": 2000,
+            "dispatched": 1000,
+            "requeued:shutdown": 990,
+            "requeued:lease_expired": 7,
+            "pending": 3,
+            "depth:app.auto:b0": 2,
+            "depth:app.auto:b1": 1,
+            "depth:app.auto:b10": 0,
+        },
+        tasks={"app.auto": "app.auto"},
+        spans={("app.auto", "b0"): "1-40", ("app.auto", "b1"): "41+"},
+    )
+    console = Console(width=140, record=True)
+    console.print(render(snap, None, "q", "redis://localhost"))
+    text = console.export_text()
+    assert "shutdown=990" in text and "lease_expired=7" in text
+    assert "b0 (1-40): 2  b1 (41+): 1" in text
+    data = as_dict(snap, None, "q")
+    assert data["requeued"] == {"lease_expired": 7, "shutdown": 990}
+    assert data["bin_spans"] == {"app.auto:b0": "1-40", "app.auto:b1": "41+"}

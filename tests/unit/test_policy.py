@@ -576,6 +576,45 @@ def test_auto_binned_policy_keeps_every_request() -> None:
     assert sorted(r.id for r in seen) == sorted(r.id for r in rs)
 
 
+def test_auto_bins_are_labelled_by_index_so_refits_add_no_labels() -> None:
+    """Every refit moves the spans; labels named after them would add metric series and gauge fields
+    without end (a drifting length mix made 60 labels in 9000 requests). Fixed edges keep theirs."""
+    p = policy(max_batch=16, auto_bins=4, bin_edges=(16, 32, 64))
+    labels: set[str] = set()
+    for phase in range(30):  # the length mix drifts longer, refitting every 256 requests
+        low = 10 + 37 * phase
+        for k in range(300):
+            p.add(req(low + (k * 7) % 61, at=float(phase)))
+        labels |= {label for _, label in p.depth_by_bin()}
+        while len(p):
+            labels |= {b.bin_label for b in p.poll(float(phase) + 10, free_workers=64, free_slots=64).batches}
+    assert labels <= {"b0", "b1", "b2", "b3"}, sorted(labels)
+    spans = p.bin_spans()
+    assert sorted(label for _, label in spans) == sorted(p.bins_for("m").spans())
+    assert spans[("m", "b0")].startswith("1-") and next(iter(reversed(spans.values()))).endswith("+")
+    assert policy(bin_edges=(16, 64)).bins_for("m").spans() == {
+        "1-16": "1-16",
+        "17-64": "17-64",
+        "65+": "65+",
+    }
+
+
+def test_a_queue_under_old_edges_drains_apart_from_the_new_bin_of_its_label() -> None:
+    p = policy(max_batch=8, auto_bins=2, bin_edges=(16,))
+    before = [req(20), req(30)]  # 17+: b1
+    for r in before:
+        p.add(r)
+    p.bins_for("m").edges = (8,)  # a refit: b1 now holds 9+
+    after = [req(12)]
+    p.add(after[0])
+    assert p.depth_by_bin() == {("m", "b1"): 3}
+    assert p.bin_spans() == {("m", "b0"): "1-8", ("m", "b1"): "9+"}
+    plan = p.poll(10.0, free_workers=4, free_slots=4)
+    assert sorted(sorted(r.length for r in b.requests) for b in plan.batches) == [[12], [20, 30]]
+    assert {b.bin_label for b in plan.batches} == {"b1"}
+    assert len(p) == 0
+
+
 def test_light_traffic_dispatches_at_once_when_a_worker_is_idle() -> None:
     p = policy(max_batch=32, max_wait_s=1.0, wait_factor=10.0, bin_edges=())
     # The very first request knows no rate yet: it waits its share.

@@ -27,6 +27,9 @@ class Snapshot:
     stats: dict[str, float]  # the coordinators' counters, and their live gauges summed
     coordinators: list[str] = field(default_factory=list)  # hostnames whose gauges are live
     tasks: dict[str, str] = field(default_factory=dict)  # routing key (model) -> its task
+    # (routing key, automatic bin label) -> the token lengths it holds now; coordinators that fitted
+    # different edges give theirs joined by " | "
+    spans: dict[tuple[str, str], str] = field(default_factory=dict)
 
     # --- derived -----------------------------------------------------------------------------
     def counter(self, name: str) -> float:
@@ -127,12 +130,18 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
     stats = _numbers(raw_stats)
     live = []
     tasks: dict[str, str] = {}
+    spans: dict[tuple[str, str], set[str]] = {}
     for name, raw_gauges in zip(names, replies[n + 4 :], strict=True):
         if raw_gauges:  # an expired coordinator's hash is gone
             live.append(name)
             gauges = {_text(k): v for k, v in raw_gauges.items()}
             for key in [k for k in gauges if k.startswith("task:")]:
                 tasks[key[len("task:") :]] = _text(gauges.pop(key))
+            for key in [k for k in gauges if k.startswith("span:")]:
+                model, sep, label = key[len("span:") :].rpartition(":")
+                span = _text(gauges.pop(key))
+                if sep:
+                    spans.setdefault((model, label), set()).add(span)
             for key, value in _numbers(gauges).items():
                 stats[key] = stats.get(key, 0.0) + value
     return Snapshot(
@@ -145,7 +154,13 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         stats=stats,
         coordinators=sorted(live),
         tasks=tasks,
+        spans={key: " | ".join(sorted(found, key=_span_order)) for key, found in spans.items()},
     )
+
+
+def _span_order(span: str) -> tuple[int, str]:
+    head = span.split("-", 1)[0].rstrip("+")
+    return (int(head), span) if head.isdigit() else (sys.maxsize, span)
 
 
 def _numbers(raw: dict[Any, Any]) -> dict[str, float]:
@@ -171,6 +186,7 @@ def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
         "pending": snap.pending,
         "depth_by_bin": {f"{m}:{b}": n for (m, b), n in sorted(snap.depth_by_bin.items())},
         "task_of_model": dict(sorted(snap.tasks.items())),
+        "bin_spans": {f"{m}:{b}": span for (m, b), span in sorted(snap.spans.items())},
         "in_flight": snap.in_flight,
         "outstanding_batches": int(s("outstanding")),
         "workers_online": len(snap.workers),
@@ -187,6 +203,7 @@ def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
         "batch_sizes": {k: int(v) for k, v in sorted(snap.prefixed("size:").items(), key=_num_key)},
         "flush": {k: int(v) for k, v in sorted(snap.prefixed("flush:").items())},
         "failed": {k: int(v) for k, v in sorted(snap.prefixed("failed:").items())},
+        "requeued": {k: int(v) for k, v in sorted(snap.prefixed("requeued:").items())},
         "coordinator_seen": snap.has_coordinator_stats,
         "rates": None
         if rate is None

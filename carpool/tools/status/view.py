@@ -99,11 +99,12 @@ def render(
     totals.add_row("flush reasons", _fmt_counts(snap.prefixed("flush:")))
     failed = snap.prefixed("failed:")
     totals.add_row("failures", _fmt_counts(failed, "red" if any(failed.values()) else ""))
+    # Taken again after going back, so counted in "taken" once more: none of them is lost.
+    totals.add_row("requeued", _fmt_counts(snap.prefixed("requeued:")))
 
     # Side by side when the terminal is wide enough, one under the other when not.
     parts: list[Any] = [Columns([now, totals], padding=(0, 6))]
-    # Only bins with requests in them: with automatic bin edges, labels of refitted-away bins linger
-    # in the stats hash at 0.
+    # Only bins with requests in them: a bin that emptied stays in the gauges at 0.
     by_model: dict[str, list[tuple[str, int]]] = {}
     for (model, label), n in snap.depth_by_bin.items():
         if n:
@@ -117,7 +118,7 @@ def render(
         for task, model in rows:
             cells = sorted(by_model[model], key=lambda c: _bin_order(c[0]))
             shown = (task, "" if model == task else f"model={model}") if task else (model, "")
-            bins.add_row(*shown, "  ".join(f"{label}: {n:,}" for label, n in cells))
+            bins.add_row(*shown, "  ".join(f"{_bin_name(snap, model, label)}: {n:,}" for label, n in cells))
         if not by_model:
             bins.add_row("[dim]none waiting[/]", "", "")
         parts += [
@@ -142,6 +143,13 @@ def _size_buckets(sizes: Mapping[str, float]) -> str:
     return "  ".join(parts)
 
 
+def _bin_name(snap: Snapshot, model: str, label: str) -> str:
+    """A bin's label, with the token lengths it holds now when the label does not say (automatic bins)."""
+    span = snap.spans.get((model, label))
+    return f"{label} ({span})" if span else label
+
+
 def _bin_order(label: str) -> int:
-    head = label.split("-", 1)[0].rstrip("+")
+    """Shortest first: fixed bins by their lowest length, automatic ones (``b0``...) by index."""
+    head = label[1:] if label.startswith("b") else label.split("-", 1)[0].rstrip("+")
     return int(head) if head.isdigit() else sys.maxsize
