@@ -158,7 +158,9 @@ class BatchPolicy:
         if queue is None:
             cfg = self.config_for(req.model)
             queue = self._queues[key] = BinQueue(_queue_order(cfg), cfg.pad_multiple)
-        self._labels[key] = bins.label(index)
+            self._labels[key] = bins.label(index)
+        elif isinstance(bins, AutoBins):  # a refit may have given this span another index
+            self._labels[key] = bins.label(index)
         queue.add(req)
 
     def expected_arrivals(self, model: str, now_s: float, within_s: float) -> float:
