@@ -332,12 +332,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_queues(self) -> Settings:
-        from carpool.models import is_valid_name
+        from carpool.models import BUILTIN, is_valid_name
 
         for name in self.served_models:
             if not is_valid_name(name):
                 raise ValueError(
-                    f"CARPOOL_MODEL/CARPOOL_MODELS: {name!r} is not minilm, toy, null "
+                    f"CARPOOL_MODEL/CARPOOL_MODELS: {name!r} is not one of {', '.join(BUILTIN)} "
                     "or package.module:ClassName"
                 )
         from carpool.redis_edge.connect import is_sentinel

@@ -120,3 +120,12 @@ def test_a_wait_for_replicas_must_end_before_the_socket_gives_up(monkeypatch: py
     monkeypatch.setenv("CARPOOL_WAIT_REPLICAS", "0")  # no WAIT is sent
     monkeypatch.setenv("CARPOOL_REDIS_SOCKET_TIMEOUT_S", "2")
     assert load_settings().redis_socket_timeout_s == 2
+
+
+def test_an_unknown_model_name_lists_every_builtin_one() -> None:
+    from carpool.models import BUILTIN
+
+    with pytest.raises(ConfigError) as raised:
+        load_settings(model="no such model")
+    for name in BUILTIN:  # sim-v100 and sim-h100 included: the README names them
+        assert name in str(raised.value)
