@@ -69,9 +69,13 @@ class Gathering:
         timeout: float | None,
         return_exceptions: bool,
         rows: Rows | None = None,
+        backend: Any = None,
     ) -> None:
         self.results = results
         self.return_exceptions = return_exceptions
+        # The backend whose result consumer gather waits on (None: none to tell), the calling
+        # thread's; results sent from other threads hold other backend objects of the same app.
+        self.backend = backend
         # With ``rows`` (gather's as_array), successes are kept here by task id, not settled into
         # their AsyncResults: the values are arrays, which a later .get() must not return.
         self.rows = rows
@@ -109,9 +113,11 @@ class Gathering:
                     self._kept[task_id] = meta["result"]
                     for r in rs:  # done waiting, as a settled result is: Celery lets it go, unsubscribed
                         r.backend.remove_pending_result(r)
+                        self._let_go(r)
                     continue
                 for r in rs:
                     set_cached_meta(r, dict(meta))
+                    self._let_go(r)
                 if meta["status"] in _FAILED:
                     failed.add(task_id)
         self._raise_first(failed)
@@ -128,10 +134,18 @@ class Gathering:
             for r, meta in zip(rs, metas, strict=True):
                 if meta is None:
                     set_cached_meta(r, dict(known))
+                self._let_go(r)
             del self.waiting[task_id]
             if known["status"] in _FAILED:
                 failed.add(task_id)
         self._raise_first(failed)
+
+    def _let_go(self, r: AsyncResult) -> None:
+        """Stop the waiting backend's consumer waiting for settled ``r`` when ``r`` holds another
+        thread's backend: settling ``r`` tells only its own (Celery's ``on_ready``)."""
+        backend = self.backend
+        if backend is not None and r.backend is not backend:
+            backend.remove_pending_result(r)
 
     def _raise_first(self, failed: set[str]) -> None:
         if failed and not self.return_exceptions:
@@ -215,11 +229,39 @@ class Rows:
         return cast("NDArray[Any]", numpy.stack(rows) if rows else numpy.empty((0,), dtype=self.dtype))
 
 
-def _one_backend(results: Sequence[AsyncResult]) -> Any:
-    backend = results[0].backend
-    if any(r.backend is not backend for r in results):
-        raise ValueError("gather needs results of one app (one result backend)")
-    return backend
+def _backend_of(results: Sequence[AsyncResult]) -> Any:
+    """The result backend to read ``results`` with: the calling thread's backend of their app.
+
+    Celery makes one backend object per app and thread (its result consumer is not thread-safe), so
+    results sent from other threads of one app hold other objects; only results of different apps,
+    or of a backend given to them that is not their app's, are refused. None when no result has a
+    backend (eager results, settled when made)."""
+    theirs = {id(b): b for r in results if (b := r.backend) is not None}
+    if not theirs:
+        return None
+    apps = {id(b.app): b.app for b in theirs.values()}
+    if len(apps) > 1:
+        raise ValueError(
+            f"gather needs results of one Celery app; these belong to {len(apps)} apps "
+            f"({', '.join(repr(a) for a in apps.values())}): gather each app's results on their own"
+        )
+    (app,) = apps.values()
+    own = app.backend
+    if all(_same_store(b, own) for b in theirs.values()):
+        return own
+    if len(theirs) == 1:  # a backend of their own, not the app's: read with it, as .get() does
+        return next(iter(theirs.values()))
+    raise ValueError(
+        "gather needs results of one result backend; these hold backends of different kinds or "
+        "addresses: gather each backend's results on their own"
+    )
+
+
+def _same_store(backend: Any, other: Any) -> bool:
+    """Whether two backend objects read the same results (one app's, made in different threads)."""
+    return backend is other or (
+        type(backend) is type(other) and getattr(backend, "url", None) == getattr(other, "url", None)
+    )
 
 
 def _stored(backend: Any, task_ids: Sequence[str], decode: _Decode) -> Iterator[Any]:
@@ -282,7 +324,9 @@ def gather(
     SUBSCRIBE was on its way) is read from the store after a second without one of ours.
     The garbage collector stays paused while its results keep coming (:class:`carpool.collector.Stream`:
     no gap over 50 ms; once they flow, a second at a time), so it walks them once, after gather.
-    Not thread-safe, like Celery's result consumer it uses.
+    Results sent from any thread of one app can be gathered together: gather reads them with the
+    calling thread's result backend (Celery makes one per thread), and refuses results of different
+    apps. One gather at a time per thread, like Celery's result consumer it uses.
 
     ``as_array=True`` returns one numpy array instead of a list: a row per result, of ``dtype``
     (default float32), for results that are numbers of one shape (embeddings). A model's float32 or
@@ -296,7 +340,7 @@ def gather(
     Needs numpy in the producer.
     """
     results = list(results)
-    backend: Any = _one_backend(results) if results else None
+    backend: Any = _backend_of(results)
     rows = _rows(backend, as_array, dtype, return_exceptions)
     if not results:
         return [] if rows is None else rows.stack([])
@@ -327,9 +371,11 @@ def _gather(
     stream: collector.Stream,
     rows: Rows | None,
 ) -> list[Any] | NDArray[Any]:
-    state = Gathering(results, timeout, return_exceptions, rows)
-    decode = None if rows is None else rows.decode  # None: the backend's own
     consumer = getattr(backend, "result_consumer", None)
+    state = Gathering(results, timeout, return_exceptions, rows, backend if consumer else None)
+    if state.done:  # eager results, or settled before: nothing to read (there may be no backend)
+        return state.values()
+    decode = None if rows is None else rows.decode  # None: the backend's own
     inboxes, plain = _by_channel(state) if isinstance(consumer, PromptResultConsumer) else ({}, None)
     # Subscribed before the stored results are read: a result stored later is published to it.
     fresh_inboxes = subscribe_channels(consumer, [c.encode() for c in inboxes]) if inboxes else []
@@ -525,72 +571,104 @@ async def gather_async(
     """``await`` every result, in order; same semantics as :func:`gather` (``as_array`` included).
 
     On a ``redis.asyncio`` connection of its own (SUBSCRIBE to the pending results, then one MGET,
-    then wait for messages), not ``gather`` in ``run_in_executor``: Celery's result consumer is one
-    non-thread-safe pub/sub connection per process, which an executor thread would race on with the
-    event loop thread submitting (which subscribes on it) or another coroutine gathering, and each
-    awaiting coroutine would pin a thread. Here many gathers can await at once on one loop, and
+    then wait for messages), not ``gather`` in ``run_in_executor``: each awaiting coroutine would pin
+    a thread, and each executor thread hold a pub/sub connection of its own (Celery's result consumer
+    is one per thread) for as long as it lives. Here many gathers can await at once on one loop, and
     cancelling the awaiting task closes its connection. It subscribes to each result's own channel,
     not to the process's result inbox: every gather listening there would decode every batch of the
     process's results, so many gathers awaiting at once would each decode them all. Results
     subscribed on Celery's consumer (``submit_many`` with ``CARPOOL_RESULT_INBOX=false``) are
     unsubscribed there first, so that connection does not back up with messages nobody reads
-    (``submit_many(..., subscribe=False)`` leaves nothing to undo). Costs one connection per call,
-    closed on return. While no message comes for a health-check interval (``CARPOOL_REDIS_HEALTH_CHECK_S``)
-    the stored results are read again, so a pub/sub connection that died without closing costs
-    latency, not results; after a reconnection (redis-py's own retries included) they are read
-    again at once, since what was published meanwhile reached nobody.
+    (``submit_many(..., subscribe=False)`` leaves nothing to undo). Costs two connections per call,
+    both closed on return: the pub/sub one, and one for the MGETs of stored results (a subscribed
+    connection takes no other command). While no message comes for a health-check interval
+    (``CARPOOL_REDIS_HEALTH_CHECK_S``) the stored results are read again, so a pub/sub connection
+    that died without closing costs latency, not results; after a reconnection (redis-py's own
+    retries included) they are read again at once, since what was published meanwhile reached
+    nobody. Redis unreachable or stalled, when the call starts as later, is waited out until the
+    deadline, which raises ``celery.exceptions.TimeoutError`` as ``gather`` does.
     """
     results = list(results)
-    backend: Any = _one_backend(results) if results else None
+    backend: Any = _backend_of(results)
     rows = _rows(backend, as_array, dtype, return_exceptions)
     if not results:
         return [] if rows is None else rows.stack([])
     state = Gathering(results, timeout, return_exceptions, rows)
-    decode = backend.decode_result if rows is None else rows.decode  # no other waiters read here
-    if state.done:
+    if state.done:  # eager results, or settled before: nothing to read (there may be no backend)
         return state.values()
+    decode = backend.decode_result if rows is None else rows.decode  # no other waiters read here
     unsubscribe_results(backend, state.pending())
     client, recheck_s = _async_client(backend)
     stream = collector.Stream(_LONGEST_PAUSE_S)
     try:
         async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
-            keys = [backend.get_key_for_task(t) for t in state.pending()]
-            for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
-                await pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
             with deferring_cancels(getattr(backend, "result_consumer", None)):
-                await _settle_stored_async(backend, client, state, decode)
-                heard_s = time.monotonic()
-                connections = _Connections()
-                pubsub.connection.register_connect_callback(connections.made)
-                reread = 0
-                while not state.done:
-                    wait = min(state.wait_s(), recheck_s, _STREAM_GAP_S if stream.held else recheck_s)
-                    try:
-                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-                    except backend.connection_errors:  # redis-py reconnects on the next read
-                        stream.release()
-                        await asyncio.sleep(min(state.wait_s(), _LONGEST_WAIT_S))
-                        continue
-                    if message and message.get("type") == "message":
-                        stream.hold()
-                        state.settle([decode(message["data"])])
-                        heard_s = time.monotonic()
-                    else:
-                        stream.release()
-                    if connections.count > reread:  # resubscribed: what was published meanwhile is stored
-                        stream.release()  # not across a round trip, while other coroutines run
-                        with contextlib.suppress(*backend.connection_errors):
-                            seen = connections.count
-                            await _settle_stored_async(backend, client, state, decode)
-                            reread, heard_s = seen, time.monotonic()
-                    elif time.monotonic() - heard_s >= recheck_s:
-                        heard_s = time.monotonic()
-                        with contextlib.suppress(*backend.connection_errors):
-                            await _settle_stored_async(backend, client, state, decode)
+                # A stalled Redis holds each read for its socket timeout, and redis-py retries it:
+                # only this bounds the wait by the deadline.
+                limit = asyncio.timeout(state.remaining_s())
+                try:
+                    async with limit:
+                        await _wait_async(pubsub, backend, client, state, decode, recheck_s, stream)
+                except TimeoutError:
+                    if not limit.expired():
+                        raise
+                    raise CeleryTimeoutError("The operation timed out.") from None
     finally:
         stream.release()
         await client.aclose()
     return state.values()
+
+
+async def _wait_async(
+    pubsub: Any,
+    backend: Any,
+    client: Any,
+    state: Gathering,
+    decode: Callable[[Any], Any],
+    recheck_s: float,
+    stream: collector.Stream,
+) -> None:
+    """gather_async's wait: subscribe to the pending results, read the stored ones, then settle
+    ``state`` from the messages until done. While Redis cannot be reached, at the start as later,
+    the wait goes on (so that only the deadline ends it, as for ``gather`` and ``.get()``)."""
+    while True:
+        try:
+            # Subscribed before the stored results are read: a result stored later is published to it.
+            keys = [backend.get_key_for_task(t) for t in state.pending()]
+            for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+                await pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+            await _settle_stored_async(backend, client, state, decode)
+            break
+        except backend.connection_errors:  # tried again whole: subscribing twice is harmless
+            await asyncio.sleep(state.wait_s())
+    heard_s = time.monotonic()
+    connections = _Connections()
+    pubsub.connection.register_connect_callback(connections.made)
+    reread = 0
+    while not state.done:
+        wait = min(state.wait_s(), recheck_s, _STREAM_GAP_S if stream.held else recheck_s)
+        try:
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+        except backend.connection_errors:  # redis-py reconnects on the next read
+            stream.release()
+            await asyncio.sleep(min(state.wait_s(), _LONGEST_WAIT_S))
+            continue
+        if message and message.get("type") == "message":
+            stream.hold()
+            state.settle([decode(message["data"])])
+            heard_s = time.monotonic()
+        else:
+            stream.release()
+        if connections.count > reread:  # resubscribed: what was published meanwhile is stored
+            stream.release()  # not across a round trip, while other coroutines run
+            with contextlib.suppress(*backend.connection_errors):
+                seen = connections.count
+                await _settle_stored_async(backend, client, state, decode)
+                reread, heard_s = seen, time.monotonic()
+        elif time.monotonic() - heard_s >= recheck_s:
+            heard_s = time.monotonic()
+            with contextlib.suppress(*backend.connection_errors):
+                await _settle_stored_async(backend, client, state, decode)
 
 
 class _Connections:

@@ -107,6 +107,12 @@ def submit_many(
     :class:`~carpool.errors.SubmitInterrupted` carries the AsyncResults of the requests already sent
     (they will run) and the rest were not sent. ``chunk_size=None`` sends every message in one
     MULTI/EXEC: the coordinator sees none of them until the last is built, and a failure sends none.
+
+    With Celery's ``task_always_eager`` (eager mode, as in a test suite) nothing is sent: after the
+    same validation, each request runs here, in order, exactly as its ``.delay()`` would run it, and
+    an EagerResult comes back for each (``gather`` returns their values without Redis).
+    ``subscribe`` and ``chunk_size`` do not apply; with ``task_eager_propagates``, a request that
+    fails raises, the ones before it having run.
     """
     unknown = set(options) - SUPPORTED_OPTIONS
     if unknown:
@@ -132,6 +138,8 @@ def submit_many(
     headers = dict(options.pop("headers", None) or {})
     headers.setdefault(SENT_AT_HEADER, time.time())
     options.setdefault("queue", settings.request_queue)
+    if app.conf.task_always_eager:
+        return _run_eagerly(app, name, calls, headers, options)
     inbox = inbox_channel(app) if subscribe else None
     return publish_tasks(
         name,
@@ -190,6 +198,30 @@ def _infer_calls(payloads: Iterable[Any], model: str | None, settings: Settings)
             raise
         calls.append((args, kwargs))
     return calls
+
+
+def _run_eagerly(
+    app: Celery, name: str, calls: list[_Call], headers: dict[str, Any], options: dict[str, Any]
+) -> list[AsyncResult]:
+    """Each call run here, one after another, as ``.delay()`` runs it under ``task_always_eager``:
+    Celery's eager path (its serializer round trip, ``task_eager_propagates``), an EagerResult each.
+    Nothing is sent: eager mode is for test suites without a broker or workers."""
+    if name == INFER_TASK:
+        import carpool.tasks  # noqa: F401  # defines carpool.infer, which submitting needs no import of
+    task = app.tasks.get(name)
+    if task is None:
+        raise TypeError(
+            f"submit_many() under task_always_eager runs each request here as {name}.delay() "
+            f"would, but {app!r} has no task {name}"
+        )
+    results: list[AsyncResult] = []
+    for index, (args, kwargs) in enumerate(calls):
+        try:
+            results.append(task.apply_async(args, kwargs, headers=dict(headers), **options))
+        except Exception as exc:
+            exc.add_note(f"(in submit_many, run eagerly: payloads[{index}]; payloads[:{index}] ran)")
+            raise
+    return results
 
 
 def _batched_spec(task: Any, model: str | None) -> TaskSpec:

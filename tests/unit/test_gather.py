@@ -153,3 +153,84 @@ def test_gather_refuses_what_as_array_cannot_do_before_waiting() -> None:
         gather(results, dtype="float64")  # type: ignore[call-overload]
     empty = gather([], as_array=True)
     assert isinstance(empty, np.ndarray) and empty.shape == (0,)
+
+
+def _made_in_threads(n: int) -> list[Any]:
+    """One AsyncResult made in each of ``n`` threads of this app: each holds its thread's backend."""
+    import threading
+
+    made: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda i=i: made.append(app.AsyncResult(f"gather-thread-{i}")))
+        for i in range(n)
+    ]
+    for t in threads:
+        t.start()
+        t.join()
+    return sorted(made, key=lambda r: r.id)
+
+
+def test_results_of_one_app_made_in_other_threads_are_read_with_the_calling_threads_backend() -> None:
+    import asyncio
+
+    from carpool.celery_edge.compat import set_cached_meta
+    from carpool.producer.gather import _backend_of, gather_async
+
+    results = _made_in_threads(3)
+    assert len({id(r.backend) for r in results} | {id(app.backend)}) == 4  # Celery's: one per thread
+    assert _backend_of(results) is app.backend
+    for i, r in enumerate(results):
+        set_cached_meta(r, _meta(r.id, SUCCESS, i))
+    assert gather(results) == [0, 1, 2]
+    assert asyncio.run(gather_async(results)) == [0, 1, 2]
+
+
+def test_results_of_different_apps_are_refused_saying_so() -> None:
+    import asyncio
+
+    from celery import Celery
+
+    from carpool.producer.gather import _backend_of, gather_async
+
+    other = Celery("other", backend=app.conf.result_backend)
+    mixed = [*_results(1), other.AsyncResult("gather-unit-other")]
+    with pytest.raises(ValueError, match="one Celery app; these belong to 2 apps"):
+        gather(mixed)
+    with pytest.raises(ValueError, match="one Celery app; these belong to 2 apps"):
+        asyncio.run(gather_async(mixed))
+    # A backend given to results, not their app's own: read with it alone, as their .get() would.
+    elsewhere = type(app.backend)(app=app, url="redis://127.0.0.1:1/3")
+    aside = app.AsyncResult("gather-unit-elsewhere", backend=elsewhere)
+    assert _backend_of([aside, aside]) is elsewhere
+    with pytest.raises(ValueError, match="one result backend"):
+        gather([*_results(1), aside])
+
+
+def test_eager_results_are_returned_without_reading_redis() -> None:
+    """Eager mode (task_always_eager) makes results settled already, with no backend of their own:
+    gather returns their values as .get() would, and nothing connects (no Redis runs here)."""
+    import asyncio
+
+    from celery.result import EagerResult
+
+    from carpool.producer.gather import gather_async
+    from carpool.tasks import infer
+
+    app.conf.task_always_eager = True
+    try:
+        vector = infer.delay("eager text", model="toy")
+    finally:
+        app.conf.task_always_eager = False
+    assert isinstance(vector, EagerResult)
+    failed = EagerResult("gather-eager-failed", ModelError("broken"), FAILURE)
+    results = [vector, EagerResult("gather-eager-row", [1.0, 2.0], SUCCESS)]
+    assert gather(results, timeout=1) == [vector.get(), [1.0, 2.0]]
+    assert asyncio.run(gather_async(results, timeout=1)) == [vector.get(), [1.0, 2.0]]
+    rows = gather([results[1], results[1]], as_array=True)
+    assert isinstance(rows, np.ndarray) and rows.tolist() == [[1.0, 2.0], [1.0, 2.0]]
+    with pytest.raises(ModelError, match="broken"):
+        gather([*results, failed])
+    with pytest.raises(ModelError, match="broken"):
+        asyncio.run(gather_async([*results, failed]))
+    mixed = asyncio.run(gather_async([failed, *results], return_exceptions=True))
+    assert isinstance(mixed[0], ModelError) and mixed[1:] == [vector.get(), [1.0, 2.0]]

@@ -6,6 +6,7 @@ import pytest
 
 from carpool.config import Settings
 from carpool.errors import InputTooLong, InvalidInput, UnknownModel
+from carpool.tasks import batched
 from carpool.validation import bind_infer_args, validate_infer
 
 SETTINGS = Settings(model="toy", models=("toy", "minilm"), max_input_bytes=100)
@@ -56,3 +57,39 @@ def test_delay_rejects_bad_input_before_anything_is_sent() -> None:
         infer.delay(["not", "a", "string"])
     with pytest.raises(UnknownModel):
         infer.delay("fine text", model="nope")
+
+
+@batched(length=len, name="unit.producer.echo")
+def echo(items: list[str]) -> list[str]:
+    if "boom" in items:
+        raise ValueError("boom is not a word I take")
+    return [item.upper() for item in items]
+
+
+def test_submit_many_in_eager_mode_runs_each_request_as_delay_would() -> None:
+    """task_always_eager: nothing is sent (no broker runs for unit tests); every payload is checked
+    first, then each runs here as its .delay() runs, an EagerResult each, in order."""
+    from celery.result import EagerResult
+
+    from carpool.celery_edge.app import app
+    from carpool.producer.gather import gather
+    from carpool.producer.submit import submit_many
+    from carpool.tasks import infer
+
+    app.conf.task_always_eager = True
+    try:
+        vectors = submit_many(["one", {"text": "two"}], model="toy", priority=3, expires=60)
+        assert all(isinstance(r, EagerResult) for r in vectors)
+        assert gather(vectors) == [infer.delay("one", model="toy").get(), infer.delay("two", "toy").get()]
+        items = submit_many(["a", "b", "boom"], task=echo)
+        assert [r.state for r in items] == ["SUCCESS", "SUCCESS", "FAILURE"]
+        assert gather(items, return_exceptions=True)[:2] == [echo.delay("a").get(), "B"]
+        with pytest.raises(InvalidInput, match=r"payloads\[1\]; nothing was sent"):
+            submit_many(["fine", 42], model="toy")  # checked before any runs, as when sent
+        app.conf.task_eager_propagates = True  # a failure raises from the call, as from .delay()
+        with pytest.raises(ValueError, match="boom") as raised:
+            submit_many(["a", "boom", "c"], task=echo)
+        assert r"payloads[1]; payloads[:1] ran" in "".join(raised.value.__notes__)
+    finally:
+        app.conf.task_always_eager = False
+        app.conf.task_eager_propagates = False

@@ -1,0 +1,95 @@
+"""gather and gather_async over results sent from several threads of one app: Celery gives each
+thread a result backend object of its own, and gather reads them all with the calling thread's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from carpool.tools.embedded import EmbeddedRedis
+from tests.integration.conftest import store_later
+
+pytestmark = pytest.mark.integration
+
+SENDERS = 3
+
+
+@pytest.fixture()
+def sent_from_threads(clean_redis: EmbeddedRedis) -> Iterator[list[Any]]:
+    """From each of ``SENDERS`` threads: an ``infer.delay`` (subscribed on that thread's result
+    consumer), a ``submit_many`` through the result inbox, and one subscribing nothing. No
+    coordinator runs: the tests store the results themselves."""
+    from carpool.celery_edge.app import app
+    from carpool.producer.submit import submit_many
+    from carpool.tasks import infer
+
+    batches: dict[int, list[Any]] = {}
+
+    def send(i: int) -> None:
+        batches[i] = [
+            infer.delay(f"delay {i}", model="toy"),
+            *submit_many([f"inbox {i} {j}" for j in range(2)], model="toy"),
+            *submit_many([f"plain {i}"], model="toy", subscribe=False),
+        ]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(SENDERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = [r for i in range(SENDERS) for r in batches[i]]
+    theirs = {id(r.backend): r.backend for r in results}
+    assert len(theirs) == SENDERS and app.backend not in theirs.values()
+    yield results
+    for backend in theirs.values():  # the threads are gone: nobody else uses their connections
+        backend.result_consumer.release()
+
+
+def _store(results: list[Any]) -> threading.Thread:
+    """The first result stored now, the rest (each published to its channel and its inbox) soon."""
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.inbox import inbox_of
+    from carpool.celery_edge.results import SUCCESS
+
+    inboxes = {r.id: inbox_of(r) or "" for r in results}
+    entries = [(r.id, SUCCESS, i) for i, r in enumerate(results)]
+    app.backend.store_many(entries[:1], inboxes=inboxes)
+    return store_later(app.backend, entries[1:], 0.3, inboxes=inboxes)
+
+
+def _left_nothing_behind() -> None:
+    """The calling thread's result consumer neither waits for nor is subscribed to any result."""
+    from carpool.celery_edge.app import app
+
+    backend = app.backend
+    assert not backend.result_consumer.subscribed_to
+    assert not any(backend._pending_results)
+
+
+def test_gather_collects_results_sent_from_other_threads(sent_from_threads: list[Any]) -> None:
+    from carpool.producer.gather import gather
+
+    results = sent_from_threads
+    worker = _store(results)
+    try:
+        assert gather(results, timeout=10) == list(range(len(results)))
+    finally:
+        worker.join()
+    _left_nothing_behind()
+    assert [r.get(timeout=1) for r in results] == list(range(len(results)))
+
+
+def test_gather_async_collects_results_sent_from_other_threads(sent_from_threads: list[Any]) -> None:
+    from carpool.producer.gather import gather_async
+
+    results = sent_from_threads
+    worker = _store(results)
+    try:
+        assert asyncio.run(gather_async(results, timeout=10)) == list(range(len(results)))
+    finally:
+        worker.join()
+    _left_nothing_behind()
