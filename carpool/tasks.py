@@ -20,6 +20,7 @@ time, so the coordinator measures waiting from the request's real arrival.
 from __future__ import annotations
 
 import inspect
+import keyword
 import logging
 import os
 import time
@@ -200,7 +201,9 @@ def batched(
             # run one item at a time, under the contract batch workers keep.
             return _run_alone(spec, item)
 
-        run.__name__ = task_name.rpartition(".")[2] or task_name
+        # Celery compiles a function of this name to check call signatures: it must be an identifier.
+        short = task_name.rpartition(".")[2]
+        run.__name__ = short if short.isidentifier() and not keyword.iskeyword(short) else "batched_task"
         run.__doc__ = getattr(function, "__doc__", None)
         task: BatchedTask = app.task(base=BatchedTask, name=task_name, bind=False, spec=spec)(run)
         return task

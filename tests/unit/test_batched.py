@@ -285,3 +285,18 @@ def test_a_failure_isolated_by_splitting_carries_its_own_traceback_once() -> Non
     assert error.__context__ is None
     text = traceback_of(error) or ""
     assert text.count('raise ValueError("boom is not a word I take")') == 1, text
+
+
+@pytest.mark.parametrize("name", ["unit.raise", "unit.my-task", "unit.2nd", "plain name"])
+def test_any_task_name_makes_a_task_celery_can_call(name: str) -> None:
+    """Celery compiles a function named after the task to check its calls: a name whose last part is
+    a Python keyword or no identifier (``bad.raise``) crashed every process that imported it."""
+
+    def upper(texts: list[str]) -> list[str]:
+        return [t.upper() for t in texts]
+
+    task = batched(upper, name=name)
+    assert task.name == name and spec_for(name) is not None
+    assert task.apply(args=("hi",)).get() == "HI"
+    with pytest.raises(InvalidInput, match="exactly one item"):  # calls are still checked
+        task.delay()
