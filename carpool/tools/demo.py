@@ -133,9 +133,8 @@ def _burst(
             if not external:  # else a running deployment serves; this process only produces
                 harness.start_stack(workers, wait=False)
             where = harness.broker_url if harness.embedded else redact_url(settings.broker_url)
-            console.print(
-                f"[bold]carpool demo[/]: broker {where}, model {settings.model}, {workers} worker(s)"
-            )
+            serving = "the deployment's running workers" if external else f"{workers} worker(s)"
+            console.print(f"[bold]carpool demo[/]: broker {where}, model {settings.model}, {serving}")
             with console.status("starting coordinator and worker (loading the model)..."):
                 try:
                     harness.wait_workers(
@@ -169,6 +168,7 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
     from rich.console import Console
     from rich.table import Table
 
+    from carpool.errors import InvalidInput
     from carpool.redis_edge.connect import refused_credentials
     from carpool.tools.workload import describe, mixed_texts
 
@@ -188,6 +188,14 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
         harness = Harness(loglevel="warning")
     try:
         settings, stats = _burst(harness, settings, texts, workers, external, console)
+    except InvalidInput as exc:  # a deployment's settings refuse some of the demo's texts
+        print(
+            f"carpool demo: the deployment refused a demo text ({exc}); the demo sends mixed texts "
+            "up to a few hundred tokens, some past the model's window: run it against a deployment "
+            "that truncates them (CARPOOL_TRUNCATE=true, the default)",
+            file=sys.stderr,
+        )
+        return 1
     except (RedisConnectionError, RedisTimeoutError, OperationalError) as exc:
         # One line, as `carpool status` says it, rather than the client's traceback; the children the
         # harness started are stopped by now.
