@@ -94,7 +94,11 @@ class Settings(BaseSettings):
     )
 
     # --- model -------------------------------------------------------------------------------
-    model: str = Field("minilm", min_length=1, description="minilm, toy, null or package.module:Class.")
+    model: str = Field(
+        "minilm",
+        min_length=1,
+        description="minilm, toy, null, sim-v100/sim-h100 (a simulated accelerator) or package.module:Class.",
+    )
     models: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="Every model this deployment serves, comma separated; empty = just `model`."
     )
@@ -122,7 +126,9 @@ class Settings(BaseSettings):
         True,
         description=(
             "Run batches on a device thread while the Celery thread claims the next, when one is queued "
-            "(false: claim, run and store one batch at a time on the Celery thread)."
+            "(false: claim, run and store one batch at a time on the Celery thread). On an asynchronous "
+            "device (MiniLM on CUDA, the simulated devices) the device thread launches the next batch "
+            "before collecting the one running, so the device has work queued behind it."
         ),
     )
     claim_takes_next: bool = Field(
@@ -130,7 +136,11 @@ class Settings(BaseSettings):
         description=(
             "A batch's claim also takes the next batch message off the batch queue, which the worker then "
             "runs without returning to Celery's consumer for it (false: every batch message is fetched "
-            "by Celery's consumer, one BRPOP each). Only with overlap_device on."
+            "by Celery's consumer, one BRPOP each). Only where the results live on the broker's Redis "
+            "server (the claim is then one script) and with `CARPOOL_OVERLAP_DEVICE` on; a Celery task "
+            "runs taken batches for at most about 0.25 s before it returns to Celery's event loop, and "
+            "none are taken once the worker is shutting down. Each taken batch still shows in Flower as "
+            "its own `carpool.run_batch` task."
         ),
     )
 
@@ -186,7 +196,7 @@ class Settings(BaseSettings):
         le=60,
         description=(
             "Requests held by a dead process return to the queue after this; at least 2 s, since a"
-            " worker renews the leases of what it runs every second."
+            " worker renews the leases of what it runs every second (at most 60)."
         ),
     )
     truncate: bool = Field(
@@ -201,9 +211,11 @@ class Settings(BaseSettings):
     result_serializer: Literal["msgpack", "json"] = Field(
         "msgpack",
         description=(
-            "How results are stored (Celery's result_serializer; both are always readable). msgpack: an "
-            "embedding's floats as the model's float32 values, exactly, at a fraction of JSON's cost; json: "
-            "each float as its shortest decimal form, as before."
+            "How results are stored (Celery's `result_serializer`). `msgpack`: an embedding's floats are "
+            "the model's float32 values exactly (`row.tolist()`), packed in about a tenth of the CPU time "
+            "of JSON's decimals and in two fifths of the bytes; `json`: each float as its shortest "
+            "decimal, as before. Every carpool process reads both; a plain Celery client reads them with "
+            'this app\'s configuration (docs/OPERATIONS.md, "Results as msgpack").'
         ),
     )
 
@@ -235,8 +247,8 @@ class Settings(BaseSettings):
         "auto",
         description=(
             "Task events (producers' task-sent, the coordinator's and workers' per request and per "
-            "batch), so Flower lists every request and batch: auto = while some client receives them "
-            "(Flower, `celery events`; asked every 0.1 s), true = always, false = never."
+            "batch), so Flower lists every request and batch: `auto` while some client receives them "
+            "(Flower, `celery events`; asked every 0.1 s), `true` always, `false` never."
         ),
     )
     metrics_port: int = Field(
