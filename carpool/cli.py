@@ -89,12 +89,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import click
     from celery import signals
 
+    from carpool.celery_edge import compat
     from carpool.celery_edge.app import app, decode_json_fast, settings_of
     from carpool.gpu_worker import task  # noqa: F401  (registers carpool.run_batch)
     from carpool.gpu_worker.serving import batch_queues
 
     settings = settings_of(app)
     decode_json_fast()
+    # This process consumes the batch queue, onto which anyone may push anything: its kombu consumer
+    # logs and drops a list element that is no message instead of stopping. Set here, not for every
+    # app: Flower names its broker by the transport's URI, which would then be this class's path.
+    app.conf.broker_transport = compat.broker_transport(settings.broker_url)
     argv = [
         "worker",
         "--pool",

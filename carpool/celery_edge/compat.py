@@ -14,11 +14,13 @@ import time
 import traceback
 from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
+from queue import Empty
 from typing import Any
 
 import redis
 from celery import Celery
 from celery._state import task_join_will_block
+from kombu.transport import redis as kombu_redis
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,11 @@ RELIED_ON: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("kombu.transport.redis:Channel", "_get_message_priority", ("message", "reverse")),
     ("kombu.transport.redis:Channel", "_q_for_pri", ("queue", "pri")),
     ("kombu.transport.redis:Channel", "_create_client", ("asynchronous",)),
+    ("kombu.transport.redis:Channel", "_brpop_read", ("options",)),
+    ("kombu.transport.redis:Channel", "Message", None),
+    ("kombu.transport.redis:SentinelChannel", "_create_client", ("asynchronous",)),
+    ("kombu.transport.redis:SentinelTransport", "Channel", None),
+    ("kombu.transport.redis:Transport", "Channel", None),
 )
 
 
@@ -267,3 +274,90 @@ def priority_list(channel: Any, queue: str, message: Mapping[str, Any]) -> str:
 def new_client(channel: Any) -> Any:
     """A ``redis.Redis`` on the channel's connection pool (with the broker URL's settings)."""
     return channel._create_client()
+
+
+# --- kombu's Redis consumer (kombu.transport.redis.Channel._brpop_read) -------------------------
+
+
+def broker_transport(url: str) -> str | None:
+    """The kombu transport for a broker at ``url``: kombu's Redis (or Sentinel) transport whose
+    consumer sets aside a list element that is not a kombu message (:func:`_guarded`), or None
+    for any other URL (kombu then picks the transport from its scheme)."""
+    scheme = url.partition("://")[0]
+    if scheme in ("redis", "rediss"):
+        return f"{__name__}:GuardedRedisTransport"
+    if scheme == "sentinel":
+        return f"{__name__}:GuardedSentinelTransport"
+    return None
+
+
+def _guarded(base: Any) -> Any:
+    """``base``, a kombu Redis channel class, except that an element its BRPOP pops that is not a
+    kombu message (not JSON, or an envelope kombu's ``Message`` cannot read: anyone may LPUSH
+    anything onto a queue's list) is logged and dropped, where kombu would raise out of the
+    consumer and stop a Celery worker ("Unrecoverable error"). Only what the element itself
+    explains is dropped: an error raised while the consumer handles a readable message still
+    propagates. On the hot path it costs a response callback per BRPOP reply (the raw reply
+    kept, since kombu decodes it before anything else could see it)."""
+
+    class Channel(base):
+        _popped: Any = None  # the raw reply of the last BRPOP read on this channel's client
+
+        def _create_client(self, asynchronous: bool = False) -> Any:
+            client = super()._create_client(asynchronous=asynchronous)
+            if asynchronous:  # the client BRPOP runs on
+                parse = client.response_callbacks.get("BRPOP")
+
+                def kept(response: Any, **options: Any) -> Any:
+                    self._popped = response
+                    return parse(response, **options) if parse is not None else response
+
+                client.set_response_callback("BRPOP", kept)
+            return client
+
+        def _brpop_read(self, **options: Any) -> Any:
+            self._popped = None
+            try:
+                return super()._brpop_read(**options)
+            except Exception as exc:
+                popped, self._popped = self._popped, None
+                if isinstance(exc, Empty) or not popped or self._readable(popped[1]):
+                    raise
+                _dropped(popped[0], popped[1], exc)
+                raise Empty() from None  # as kombu says a read delivered nothing
+
+        def _readable(self, item: Any) -> bool:
+            """Whether kombu makes a message of ``item`` (as ``_brpop_read`` and ``basic_consume``)."""
+            from kombu.utils.encoding import bytes_to_str
+            from kombu.utils.json import loads
+
+            try:
+                self.Message(loads(bytes_to_str(item)), channel=self)  # type: ignore[no-untyped-call]
+            except Exception:
+                return False
+            return True
+
+    Channel.__name__ = Channel.__qualname__ = f"Guarded{base.__name__}"
+    return Channel
+
+
+def _dropped(source: Any, item: Any, exc: BaseException) -> None:
+    from carpool.errors import described
+
+    name = source.decode("utf-8", "replace") if isinstance(source, bytes) else str(source)
+    shown = item if len(item) <= 300 else item[:300] + b"..."
+    log.error(
+        "dropped an element of list %r that is not a kombu message (%s): %r", name, described(exc), shown
+    )
+
+
+class GuardedRedisTransport(kombu_redis.Transport):
+    """kombu's Redis transport with :func:`_guarded`'s channel (:func:`broker_transport`)."""
+
+    Channel = _guarded(kombu_redis.Channel)
+
+
+class GuardedSentinelTransport(kombu_redis.SentinelTransport):
+    """kombu's Redis Sentinel transport with :func:`_guarded`'s channel (:func:`broker_transport`)."""
+
+    Channel = _guarded(kombu_redis.SentinelChannel)

@@ -34,6 +34,7 @@ from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.options import CHORD_TASK, check_options, unroutable
 from carpool.celery_edge.results import FAILURE
+from carpool.errors import InvalidInput, described
 from carpool.registry import spec_for
 from carpool.wire import Links
 
@@ -78,8 +79,7 @@ def _result_ids(step: Any, into: dict[str, None]) -> None:
         _result_ids(kwargs.get("header"), into)
         _result_ids(kwargs.get("body"), into)
     elif task in ("celery.group", "celery.chain"):
-        for member in kwargs.get("tasks") or ():
-            _result_ids(member, into)
+        _result_ids(kwargs.get("tasks"), into)  # a list of members (anything else holds no id)
 
 
 def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[Entry]:
@@ -124,12 +124,16 @@ def _sendable(
     kept: list[Any] = []
     failed: list[Entry] = []
     for raw in signatures:
-        sig = maybe_signature(raw, app=app)
-        why = _refusal(app, sig, args)
+        try:
+            sig = maybe_signature(raw, app=app)
+            why = _refusal(app, sig, args)
+        except Exception as exc:  # a signature Celery cannot rebuild (an unknown subtask_type, say)
+            sig, why = raw, InvalidInput(f"the {kind} could not be read as a signature: {described(exc)}")
         if why is None:
             kept.append(sig)
             continue
-        log.warning("request %s: %s %s not sent: %s", request_id, kind, sig.get("task"), why)
+        task = sig.get("task") if isinstance(sig, Mapping) else None
+        log.warning("request %s: %s %s not sent: %s", request_id, kind, task, why)
         failed += _steps_failed([sig], why)
     return kept, failed
 

@@ -13,6 +13,7 @@ from carpool.celery_edge import links
 from carpool.celery_edge.results import FAILURE, REVOKED
 from carpool.coordinator.intake import Malformed, Refused
 from carpool.errors import DeadlineExceeded
+from carpool.redis_edge.store import dead_letter_reason
 from carpool.wire import Links, RequestSlot
 
 if TYPE_CHECKING:
@@ -85,8 +86,9 @@ def answer_expired(c: Coordinator, expired: list[Request], now: float) -> None:
 
 
 def dead_letter(c: Coordinator, bad: Malformed) -> None:
-    log.warning("dead-lettering message %s: %s", bad.id, bad.reason)
-    c.store.dead_letter(bad.id, bad.raw, bad.reason)
+    reason = dead_letter_reason(bad.reason, bad.raw)
+    log.warning("dead-lettering message %s: %s", bad.id, reason)
+    c.store.dead_letter(bad.id, bad.raw, reason)
     c.stats.failed["malformed"] += 1
     c.metrics.failed("malformed")
 
@@ -115,7 +117,10 @@ def fail(c: Coordinator, refused: list[Refused]) -> None:
         answered = set(stored)
         for r, task, lk in linked:
             if r.id in answered:
-                links.on_failure(c.app, r.id, task, lk, r.error)
+                try:
+                    links.on_failure(c.app, r.id, task, lk, r.error)
+                except Exception:  # one request's links do not stop the others'
+                    log.exception("request %s: applying its error callbacks failed", r.id)
 
 
 def _inboxes(slots: Iterable[object]) -> dict[str, str]:

@@ -97,9 +97,16 @@ def apply_links(
         request_links = linked.get(task_id)
         if request_links is None:
             continue
-        if state == SUCCESS:  # the next steps get the result as .get() returns it
-            unsent += links.on_success(app, task_id, request_links, stored_form(value, backend.serializer))
-        elif state == FAILURE:
-            links.on_failure(app, task_id, task, request_links, value)
+        try:  # one request's links do not stop the others'
+            if state == SUCCESS:  # the next steps get the result as .get() returns it
+                result = stored_form(value, backend.serializer)
+                unsent += links.on_success(app, task_id, request_links, result)
+            elif state == FAILURE:
+                links.on_failure(app, task_id, task, request_links, value)
+        except Exception:
+            log.exception("request %s: applying its callbacks or error callbacks failed", task_id)
     if unsent:
-        retrying(lambda: backend.store_many(unsent))
+        try:  # the results are stored: a failure here is the links' alone
+            retrying(lambda: backend.store_many(unsent))
+        except Exception:
+            log.exception("storing the failures of %d links that could not be sent failed", len(unsent))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -216,7 +217,9 @@ class RequestStore:
         return [k.inflight_lease, k.inflight_raw, k.inflight_owner, k.inflight_claimed, k.inflight_origin]
 
     def dead_letter(self, request_id: str, raw: bytes, reason: str) -> None:
-        """Move a message that is not a carpool request out of flight into the dead-letter list."""
+        """Move a message that is not a carpool request out of flight into the dead-letter list (its
+        entry keeps the message as text, bytes that are not UTF-8 replaced: give ``reason`` from
+        :func:`dead_letter_reason`, which names them)."""
         entry = json.dumps({"id": request_id, "reason": reason, "raw": raw.decode("utf-8", "replace")})
         with self.client.pipeline(transaction=True) as pipe:
             pipe.lpush(self.keys.dead_letter, entry)
@@ -412,6 +415,33 @@ def acl_refusal(role: str, client: Any, error: BaseException) -> ConfigError:
         f"regenerate its rules with `carpool acl --role {role}` (after an upgrade too: a release may "
         "call commands an older one did not) and load them into Redis"
     )
+
+
+# A '"id": "..."' key's value in a raw message (escapes kept as written).
+_ID_VALUE = re.compile(rb'"id": ?"((?:[^"\\]|\\.)*)"')
+
+
+def utf8_fault(raw: bytes) -> str:
+    """What in ``raw`` is not UTF-8, in words, or ``""`` when all of it is: its first task id that is
+    not (``take.lua`` names such a message's request ``carpool-garbage-<sha1>``, as it does one
+    without an id), else the bytes around the first fault."""
+    try:
+        raw.decode()
+    except UnicodeDecodeError as exc:
+        for match in _ID_VALUE.finditer(raw):
+            try:
+                match.group(1).decode()
+            except UnicodeDecodeError:
+                return f"its task id {match.group(1)!r} is not UTF-8"
+        around = raw[max(0, exc.start - 20) : exc.end + 20]
+        return f"it is not UTF-8 (at byte {exc.start}: {around!r})"
+    return ""
+
+
+def dead_letter_reason(reason: str, raw: bytes) -> str:
+    """``reason``, and for a message that is not UTF-8 what in it is not (:func:`utf8_fault`)."""
+    fault = utf8_fault(raw)
+    return f"{reason}; {fault}" if fault else reason
 
 
 def _taken(reply: Any) -> Taken:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -391,6 +392,72 @@ def test_take_reads_an_id_with_an_escape_in_its_json_form_as_its_caller_named_it
     taken, _ = store.take(10)
     assert [i for i, _ in taken] == names
     assert [client.hget(KEYS.inflight_raw, i) for i in names] == [message(n) for n in names]
+
+
+def with_raw_id(raw_id: bytes, **extra: Any) -> bytes:
+    """A message whose id is written as the bytes ``raw_id``, unescaped (a client writing UTF-8,
+    or bytes that are not UTF-8)."""
+    return message("RAW-ID", **extra).replace(b'"RAW-ID"', b'"' + raw_id + b'"')
+
+
+def test_take_names_an_id_that_is_not_utf8_as_garbage_and_keeps_every_utf8_one(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    """Every process decodes the ids a take hands over (strict UTF-8, as Python's decoder): an id
+    it would refuse is named as garbage, each read by the take's fast path, by a decode (a second
+    id key) and by pattern (a message cjson refuses)."""
+    utf8 = [
+        "naïve".encode(),
+        "東京".encode(),
+        "😀".encode(),
+        b"\xef\xbf\xbf",
+        b"\xf4\x8f\xbf\xbf",
+        b"\xed\x9f\xbf",
+    ]
+    invalid = [
+        b"bad\xff\xfeid",
+        b"\xc0\xaf",  # overlong
+        b"\xe0\x80\xaf",  # overlong
+        b"\xf0\x80\x80\xaf",  # overlong
+        b"\xed\xa0\x80",  # a surrogate
+        b"\xf4\x90\x80\x80",  # past U+10FFFF
+        b"\xf5\x80\x80\x80",
+        b"\xc3",  # cut short
+        b"\xe2\x82",
+        b"a\x80b",  # a lone continuation byte
+        b"ok\xc3(",
+    ]
+    rng = random.Random(5)
+    alphabet = [b for b in range(0x20, 0x100) if b not in b'"\\']
+    fuzz = [bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(400)]
+    for raw_ids in (utf8 + invalid, fuzz):
+        # each id three ways (distinct ids: an ASCII suffix keeps bytes UTF-8 or not as they were)
+        ids = [i + suffix for i in dict.fromkeys(raw_ids) for suffix in (b"", b"-d", b"-p")]
+        raws = []
+        for raw_id in ids:
+            extra: dict[str, Any] = {"id": "decoy"} if raw_id.endswith(b"-d") else {}
+            if raw_id.endswith(b"-p"):
+                extra["bad"] = "\ud800"  # a lone surrogate escape: cjson refuses the message
+            raws.append(with_raw_id(raw_id, **extra))
+        client.lpush(KEYS.request_queue, *raws)  # taken in this order
+        taken, _ = store.take(len(raws))  # raises where an id that is not UTF-8 comes back
+        assert [raw for _, raw in taken] == raws
+        for (request_id, raw), raw_id in zip(taken, ids, strict=True):
+            if not_utf8(raw_id):
+                assert request_id.startswith("carpool-garbage-"), (raw_id, request_id)
+            else:
+                assert request_id == raw_id.decode(), (raw_id, request_id)
+            assert client.hget(KEYS.inflight_raw, request_id) == raw and lease(client, request_id)
+        client.delete(KEYS.inflight_raw, KEYS.inflight_lease)
+    assert any(not_utf8(i) for i in fuzz) and any(not not_utf8(i) and max(i) > 0x7F for i in fuzz)
+
+
+def not_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 def test_take_records_the_origin_of_requests_from_priority_lists_only(

@@ -137,3 +137,26 @@ def test_revokes_read_from_redis_keep_their_age_in_a_celery_limited_set() -> Non
     assert "heard-here" in heard, "one heard here keeps its own age"
     heard.purge(now=time.monotonic() + 95)  # "recent" is 105 s old then
     assert "recent" not in heard and "heard-here" in heard
+
+
+def test_the_broker_transport_is_kombus_redis_one_with_the_guard_for_redis_urls_only() -> None:
+    from kombu.transport import redis as kombu_redis
+
+    from carpool.celery_edge.app import app
+
+    assert compat.broker_transport("redis://h:6379/0") == "carpool.celery_edge.compat:GuardedRedisTransport"
+    assert compat.broker_transport("rediss://h:6380/0") == "carpool.celery_edge.compat:GuardedRedisTransport"
+    assert (
+        compat.broker_transport("sentinel://h:26379") == "carpool.celery_edge.compat:GuardedSentinelTransport"
+    )
+    assert compat.broker_transport("redis+socket:///tmp/r.sock") is None  # kombu picks it from the URL
+    assert compat.broker_transport("memory://") is None
+    transport = app.connection_for_read().transport
+    assert isinstance(transport, compat.GuardedRedisTransport)
+    for guarded, base in (
+        (compat.GuardedRedisTransport, kombu_redis.Transport),
+        (compat.GuardedSentinelTransport, kombu_redis.SentinelTransport),
+    ):
+        assert issubclass(guarded.Channel, base.Channel)
+        for name in ("_brpop_read", "_create_client"):  # the hooks kombu calls
+            assert name in guarded.Channel.__dict__

@@ -10,6 +10,35 @@
 local expiry = lease_expiry(ARGV[2])
 local want = tonumber(ARGV[1])
 local SPACE, QUOTE = string.byte(' '), string.byte('"')
+
+-- Whether s is UTF-8 as Python's strict decoder reads it (no overlong form, no surrogate, nothing
+-- past U+10FFFF): every process decodes the ids a take hands over, so an id that is not becomes a
+-- garbage id. Only ids read by a decode or a pattern are checked; a plain one is ASCII.
+local function utf8_valid(s)
+  if not string.find(s, '[\128-\255]') then return true end
+  local i, n = 1, #s
+  while i <= n do
+    local c = string.byte(s, i)
+    local more, low, high = 0, 0x80, 0xBF
+    if c < 0x80 then more = 0
+    elseif c >= 0xC2 and c <= 0xDF then more = 1
+    elseif c >= 0xE0 and c <= 0xEF then
+      more = 2
+      if c == 0xE0 then low = 0xA0 elseif c == 0xED then high = 0x9F end
+    elseif c >= 0xF0 and c <= 0xF4 then
+      more = 3
+      if c == 0xF0 then low = 0x90 elseif c == 0xF4 then high = 0x8F end
+    else return false end
+    if i + more > n then return false end
+    for j = 1, more do
+      local b = string.byte(s, i + j)
+      if b < low or b > high then return false end
+      low, high = 0x80, 0xBF  -- only the second byte has a narrower range
+    end
+    i = i + more + 1
+  end
+  return true
+end
 -- Writes are gathered and sent as one variadic command per key (a chunk at a time, within Lua's
 -- stack limit for unpack): a command per request costs Redis more than a member more in one command.
 local raw_pairs, lease_pairs, origin_pairs = {}, {}, {}
@@ -26,7 +55,8 @@ for i = 5, #KEYS do
       -- inside any JSON string is escaped): a plain find costs far less than a cjson decode of the
       -- whole message or a pattern scan. Anything unusual (no such key, or more than one) is decoded.
       -- One pass finds both spellings ('"id": "' and '"id":"'), stopping at a second match.
-      local id, found = nil, 0
+      -- The match stops at the closing quote only for an id of plain ASCII without escapes.
+      local id, found, plain = nil, 0, false
       local init = 1
       while found < 2 do
         local s, e = string.find(raw, '"id":', init, true)
@@ -35,19 +65,21 @@ for i = 5, #KEYS do
         if string.byte(raw, value) == SPACE then value = value + 1 end
         if string.byte(raw, value) == QUOTE then
           found = found + 1
-          id = string.match(raw, '^[^"]+', value + 1)
+          id = string.match(raw, '^[^"\\\128-\255]+', value + 1)
+          plain = id ~= nil and string.byte(raw, value + 1 + #id) == QUOTE
         end
         init = e + 1
       end
       -- An id with an escape in its JSON form (kombu writes 'é' as '\u00e9'; a quote, a backslash)
-      -- is decoded: read verbatim it is not the id its caller waits on.
-      if found == 1 and id ~= nil and string.find(id, '\\', 1, true) then found = 0 end
+      -- is decoded: read verbatim it is not the id its caller waits on. So is one with a byte past
+      -- ASCII (a client writing UTF-8, or bytes that are not UTF-8), to be checked below.
+      local slow = found ~= 1 or not plain
       local ok, msg = true, nil
-      if found ~= 1 then
+      if slow then
         id = nil
         ok, msg = pcall(cjson.decode, raw)
       end
-      if id ~= nil then
+      if not slow then
         -- unambiguous: taken as is
       elseif ok and type(msg) == 'table' and type(msg['headers']) == 'table' then
         id = msg['headers']['id']
@@ -57,7 +89,11 @@ for i = 5, #KEYS do
         -- Inside a JSON string a quote is escaped, so '"id"' right after '{' or ',' is the header key.
         id = string.match(raw, '[{,] ?"id": ?"([^"]+)"')
       end
-      if type(id) ~= 'string' or id == '' then id = 'carpool-garbage-' .. redis.sha1hex(raw) end
+      -- An id that is not UTF-8 would fail every process that decodes it (the take's reply first);
+      -- named as garbage, the message is dead-lettered alone (its id no longer its message's).
+      if type(id) ~= 'string' or id == '' or (slow and not utf8_valid(id)) then
+        id = 'carpool-garbage-' .. redis.sha1hex(raw)
+      end
       raw_pairs[#raw_pairs + 1] = id
       raw_pairs[#raw_pairs + 1] = raw
       lease_pairs[#lease_pairs + 1] = expiry
