@@ -5,9 +5,12 @@ encoded once per request; with ``json`` those calls are the largest single cost 
 the Redis round trips, and orjson does both several times faster. Two things differ, and both are
 kept out:
 
-- orjson rejects what ``json.loads`` accepts beyond strict JSON (lone surrogate escapes, ``NaN``,
-  integers past 64 bits). :func:`loads` then falls back to ``json.loads``, so a message that
-  decoded before still decodes the same, and validation names what is wrong with its text.
+- orjson rejects what ``json.loads`` accepts beyond strict JSON (lone surrogate escapes, ``NaN``),
+  and reads an integer past 64 bits (below -2**63 or above 2**64 - 1) as a float. :func:`loads`
+  then decodes with ``json.loads``, so a message that decoded before still decodes the same, and
+  validation names what is wrong with its values (an integer is never silently a float). Whether a
+  text may hold such an integer is one C-level pass over its bytes (a run of 19 digits that no
+  ``.`` precedes), which costs a fraction of orjson's own parse.
 - orjson encodes natively some types that kombu's JSON encoder tags (``datetime``, dataclasses,
   subclasses of builtins, numpy values). :func:`dumps_plain` refuses those (returns None) and the
   caller takes its usual path; it is meant for values made of dicts, lists, strings and numbers
@@ -47,23 +50,73 @@ from typing import Any
 import msgpack
 import orjson
 
+from carpool.errors import described
+
 _PLAIN = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
 
 
 def loads(data: bytes | str) -> Any:
     """``json.loads(data)``, faster for strict JSON (what every Celery producer writes)."""
+    # An integer past 64 bits, which orjson would read as a float: :func:`long_int_in`, inlined for
+    # bytes (every request's body comes here).
+    if type(data) is bytes:
+        if data.translate(_DIGITS).find(_RUN) >= 0 and _LONG_INT.search(data) is not None:
+            return json.loads(data)
+    elif long_int_in(data):
+        return json.loads(data)
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
         return json.loads(data)
 
 
+def loads_numbers_loosely(data: bytes | str) -> Any:
+    """:func:`loads`, except that an integer past 64 bits may become a float: for JSON whose numbers
+    are only read, never passed on (a Celery message's envelope, whose headers' numbers are a
+    priority, a timestamp, an eta), to spare its scan."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
+def long_int_in(data: bytes | str) -> bool:
+    """Whether the JSON text ``data`` may hold an integer orjson reads as a float (one past 64 bits:
+    19 digits or more); false positives (a long run of digits inside a string) only cost a slower
+    decoding. Not for other types (orjson's memoryview, say), which are taken as holding none."""
+    if type(data) is str:
+        data = data.encode("utf-8", "surrogatepass")
+    elif type(data) is not bytes:
+        return False
+    # One C-level pass and a search (bytes.find: faster than "in"), then a regular expression for the
+    # rare text that has such a run, which tells an integer's digits from a fraction's.
+    if data.translate(_DIGITS).find(_RUN) < 0:
+        return False
+    return _LONG_INT.search(data) is not None
+
+
+_DIGITS = bytes(ord("d") if ord("0") <= c <= ord("9") else ord(" ") for c in range(256))
+_RUN = b"d" * 19  # -2**63 has 19 digits, 2**64 - 1 has 20: orjson reads anything past them as a float
+_LONG_INT = re.compile(rb"(?<![.0-9])[0-9]{19}")  # an integer's digits, not a fraction's (a float's)
+
+
 def loads_tagged(data: Any) -> Any:
     """``kombu.utils.json.loads(data)`` (kombu's type tags, such as a datetime's, become their
     values), through orjson when ``data`` holds no tag: a worker decodes every batch message's body
-    twice, and kombu's decoder calls a Python hook per JSON object."""
-    tag = b'"__type__"' if type(data) is bytes else '"__type__"' if type(data) is str else None
-    if tag is not None and tag not in data:
+    twice, and kombu's decoder calls a Python hook per JSON object. kombu decodes a text naming
+    ``links`` that may hold an integer past 64 bits, which orjson would read as a float
+    (:func:`long_int_in`): in a batch message only a request's links can hold one."""
+    tag: bytes | str | None
+    links: bytes | str | None
+    if type(data) is bytes:
+        tag, links = b'"__type__"', b'"links"'
+    elif type(data) is str:
+        tag, links = '"__type__"', '"links"'
+    else:
+        tag = links = None
+    # Only a request's links can bring an integer past 64 bits into a batch message (the coordinator
+    # refuses an item holding one), so only a text naming links is scanned for one.
+    if tag is not None and tag not in data and (links not in data or not long_int_in(data)):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -71,6 +124,43 @@ def loads_tagged(data: Any) -> Any:
     from kombu.utils.json import loads as kombu_loads
 
     return kombu_loads(data)  # type: ignore[no-untyped-call]  # kombu is untyped
+
+
+def kombu_tags(value: Any) -> list[tuple[dict[str, Any], Any]]:
+    """Each dict in ``value`` that kombu's JSON decoding takes for one of its type tags (its keys
+    exactly ``__type__`` and ``__value__``), outermost first, with what that decoding makes of it:
+    a value (bytes, a datetime, a UUID, a Decimal...) or the exception it raises (an unknown type, a
+    value its type does not parse). A tag inside another is decoded with it, not listed again."""
+    found: list[tuple[dict[str, Any], Any]] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            if len(item) == 2 and "__type__" in item and "__value__" in item:
+                found.append((item, _kombu_decoded(item)))
+            else:
+                stack.extend(reversed(item.values()))
+        elif type(item) is list or type(item) is tuple:
+            stack.extend(reversed(item))
+    return found
+
+
+def tag_failure(tag: dict[str, Any], exc: Exception) -> str:
+    """Why kombu's JSON decoding fails on ``tag`` (``exc``, as :func:`kombu_tags` gave it), in words."""
+    if isinstance(exc, ValueError) and exc.args[:1] == ("Unsupported type",):
+        return f"it knows no type {brief(tag.get('__type__'))}"
+    return described(exc)[:160]
+
+
+def _kombu_decoded(tag: dict[str, Any]) -> Any:
+    """What kombu's JSON decoding makes of ``tag`` (inner tags first, as it decodes), or its exception."""
+    from kombu.utils.json import dumps as kombu_dumps
+    from kombu.utils.json import loads as kombu_loads
+
+    try:
+        return kombu_loads(kombu_dumps(tag))  # type: ignore[no-untyped-call]  # kombu is untyped
+    except Exception as exc:
+        return exc
 
 
 def dumps_plain(value: Any) -> bytes | None:

@@ -10,7 +10,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from carpool.codec import dumps_exact
+from carpool.codec import brief, dumps_exact, kombu_tags, tag_failure
 from carpool.config import Settings
 from carpool.errors import InputTooLong, InvalidInput, UnknownModel
 
@@ -102,17 +102,20 @@ def bind_item(task_name: str, args: Any, kwargs: Any) -> Any:
 def validate_item(task_name: str, item: Any, settings: Settings) -> int:
     """Check that ``item`` travels as JSON and decodes to an equal value; returns its size in bytes."""
     try:
-        size = len(dumps_exact(item))
+        encoded = dumps_exact(item)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(
             f"{task_name}: the item cannot travel as JSON unchanged ({exc}); pass strings, finite numbers, "
             "integers within 64 bits (else a string), lists and dicts with string keys"
         ) from None
+    size = len(encoded)
     if size > settings.max_input_bytes:
         raise InputTooLong(
             f"{task_name}: the item is {size} bytes as JSON, over CARPOOL_MAX_INPUT_BYTES="
             f"{settings.max_input_bytes}; send less per request or raise the limit"
         )
+    if encoded.find(b'"__type__"') >= 0:  # orjson never escapes a key's letters: an exact first check
+        _no_type_tags(task_name, item)
     return size
 
 
@@ -135,6 +138,26 @@ def checked_length(task_name: str, value: Any) -> int:
             " function return the size to bin by (tokens, items, bytes), not a hash or an id"
         )
     return size
+
+
+def _no_type_tags(task_name: str, item: Any) -> None:
+    """Raise :class:`InvalidInput` if ``item`` holds a dict shaped like one of kombu's type tags
+    (``{"__type__": "bytes", "__value__": ...}``): the worker decodes its batch with Celery's JSON,
+    which would hand the function another value than the one sent, or fail on it."""
+    for tag, decoded in kombu_tags(item):
+        if isinstance(decoded, Exception):
+            becomes = f"which fails on it ({tag_failure(tag, decoded)})"
+        else:
+            becomes = (
+                f"which would hand your function {brief(decoded)} ({type(decoded).__name__}), "
+                "not the dict sent"
+            )
+        raise InvalidInput(
+            f"{task_name}: the item holds {brief(tag)}, a dict shaped like one of kombu's type tags "
+            f"(its only keys __type__ and __value__), and the worker decodes its batch with Celery's "
+            f"JSON, {becomes}; an item is a JSON value: rename the dict's keys (e.g. 'type' and "
+            "'value') or add a third"
+        )
 
 
 # A request's size, summed over batches into 64-bit counters (padded tokens) and carried in reports:

@@ -17,7 +17,9 @@ from typing import Any
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
 
+from carpool.codec import brief, kombu_tags, tag_failure
 from carpool.codec import loads as json_loads
+from carpool.codec import loads_numbers_loosely as envelope_loads
 from carpool.errors import MalformedMessage, RefusedMessage
 from carpool.names import INBOX_HEADER, INFER_TASK, SENT_AT_HEADER
 from carpool.wire import Links
@@ -48,7 +50,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     """Decode ``raw``, a message for one of ``tasks``, or raise :class:`MalformedMessage` naming what
     is wrong with it."""
     try:
-        envelope = json_loads(raw)
+        envelope = envelope_loads(raw)  # its numbers are only read; the body's are passed on
     except (ValueError, UnicodeDecodeError):
         raise MalformedMessage("not a Celery message: the envelope is not JSON") from None
     if not isinstance(envelope, dict) or not isinstance(envelope.get("headers"), dict):
@@ -74,8 +76,9 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
             raise MalformedMessage("message body is missing")
         if content_type == "application/json" and envelope.get("content-encoding", "utf-8") == "utf-8":
             # What every Celery producer sends: plain JSON decoding, without kombu's registry lookups
-            # (which cost as much again as the decoding, per request). The args are strings; kombu's
-            # tagged types ({"__type__": ...}) would only reach validation, which names the problem.
+            # (which cost as much again as the decoding, per request). kombu's type tags
+            # ({"__type__": ..., "__value__": ...}) stay dicts here: in an item, validation refuses
+            # them; in a link, :func:`_tags_decode` checks that the worker can decode them.
             decoded = json_loads(body)
         else:
             decoded = loads(  # type: ignore[no-untyped-call]  # kombu is untyped
@@ -99,6 +102,10 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         links = _links(embed, headers)
     inbox = headers.get(INBOX_HEADER)
     inbox = inbox if type(inbox) is str and inbox else None
+    # The worker decodes a batch message with kombu's type tags: a tag in a link that does not decode
+    # would fail the whole batch. Its key is in the body as "__type__" or escaped (\u...).
+    if links is not None and _may_hold_tag(body):
+        _tags_decode(links, task_id, task, inbox)
     try:
         expires_at = _when(headers.get("expires"), "expires")
         eta_at = None if eta is None else _when(eta, "eta")
@@ -136,7 +143,7 @@ def inbox_in(raw: bytes) -> str | None:
     """The result inbox channel named in the message ``raw``, without decoding its body; None when
     it names none or is no Celery message."""
     try:
-        inbox = json_loads(raw).get("headers").get(INBOX_HEADER)
+        inbox = envelope_loads(raw).get("headers").get(INBOX_HEADER)
     except (ValueError, UnicodeDecodeError, AttributeError):  # not JSON, or no headers object
         return None
     return inbox if type(inbox) is str and inbox else None
@@ -159,6 +166,34 @@ def _links(embed: Any, headers: dict[str, Any]) -> Links:
     if isinstance(parent_id, str) and parent_id:
         links["parent_id"] = parent_id
     return links
+
+
+def _tags_decode(links: Links, task_id: str, task: Any, inbox: str | None) -> None:
+    """Raise :class:`RefusedMessage` if a link holds a dict kombu's JSON takes for a type tag
+    (``{"__type__": ..., "__value__": ...}``) that does not decode: a Celery worker could not decode
+    the message, nor could carpool's worker the batch it would ride in. A tag that decodes is left as
+    it is: the worker hands the link its value (a datetime, a UUID...), as a Celery worker would."""
+    for key in ("callbacks", "errbacks", "chain"):
+        for tag, decoded in kombu_tags(links.get(key)):
+            if isinstance(decoded, Exception):
+                raise RefusedMessage(
+                    f"the message's {key} hold {brief(tag)}, a dict shaped like one of kombu's type "
+                    f"tags (its only keys __type__ and __value__) that Celery's JSON decoding fails on "
+                    f"({tag_failure(tag, decoded)}): a Celery worker could not decode this message "
+                    "either; pass the value itself (Celery's JSON tags datetimes, UUIDs, decimals and "
+                    "bytes), or rename the dict's keys (e.g. 'type' and 'value')",
+                    task_id=task_id,
+                    task=task,
+                    links=links,
+                    inbox=inbox,
+                )
+
+
+def _may_hold_tag(body: str | bytes) -> bool:
+    """Whether a JSON text may hold the key ``__type__``: as it is, or with a character escaped."""
+    if type(body) is str:
+        return "__type__" in body or "\\u" in body
+    return b"__type__" in body or b"\\u" in body
 
 
 def _signatures(embed: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -195,26 +230,67 @@ _END = datetime.max.replace(tzinfo=UTC).timestamp()  # rounds up to the first in
 def _when(value: Any, header: str) -> float | None:
     """Celery sends ``eta`` and ``expires`` as ISO 8601 datetimes (or, from old clients, epoch seconds).
 
-    Raises ``ValueError`` for a time no datetime can hold: it could be neither compared with a
+    None for no time: None, a number that is not finite or a bool (as for a sent-at), or a value
+    Celery 5.6 also reads as none (``""``, ``{}``). Raises ``ValueError`` for anything else that is no
+    time (a text that is not ISO 8601, an object), which a Celery worker rejects too
+    (``InvalidTaskError``), and for a time no datetime can hold: it could be neither compared with a
     datetime nor reported as one (Flower's eta), and it is no time a request runs or expires at.
     """
     if value is None:
         return None
     if isinstance(value, int | float):
-        when = _number(value)
-        if when is None:
+        if isinstance(value, bool):
             return None
-    else:
         try:
-            dt = datetime.fromisoformat(str(value))
-        except ValueError:
-            return None
+            when = float(value)
+        except OverflowError:  # an integer past any float's range: past either end of the years too
+            when = math.inf if value > 0 else -math.inf
+        else:
+            if not math.isfinite(when):  # NaN or Infinity, which Python's json writes: absent
+                return None
+    elif type(value) is str and value:
+        dt = _datetime(value)
+        if dt is None:
+            raise ValueError(_unreadable(value, header))
         if dt.tzinfo is None:
             dt = dt.replace(tzinfo=UTC)
         when = dt.timestamp()  # a UTC offset can move a time in year 1 or 9999 past either end
+    elif not value:  # "", {}, []: Celery's maybe_iso8601 reads them as no time
+        return None
+    else:
+        raise ValueError(_unreadable(value, header))
     if not _EARLIEST <= when < _END:
         raise ValueError(
-            f"{header} {value!r} lies outside the years 1 to 9999 that a datetime holds; "
+            f"{header} {brief(value)} lies outside the years 1 to 9999 that a datetime holds; "
             f"send an {header} within them"
         )
     return when
+
+
+def _datetime(text: str) -> datetime | None:
+    """``text`` as a datetime, read as Python reads ISO 8601 or else as Celery 5.6 does (dateutil's
+    ``isoparse``, which also takes ``"2026"`` and ``"2026-05"``); None if neither reads it."""
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        pass
+    from dateutil.parser import isoparse  # Celery's own dependency, imported where needed only
+
+    try:
+        parsed: datetime = isoparse(text)
+    except (ValueError, OverflowError, TypeError):
+        return None
+    return parsed
+
+
+def _unreadable(value: Any, header: str) -> str:
+    if header == "eta":
+        hint, name = "eta= or countdown=", "ETA"
+    else:
+        hint, name = "expires= (a datetime or seconds)", header
+    return (
+        f"{header} {brief(value)} is not a time: send an ISO 8601 datetime such as "
+        f"'2026-05-01T09:00:00+00:00' (Celery's apply_async writes one from {hint}); a Celery 5.6 "
+        f"worker rejects such a message too (InvalidTaskError: invalid {name} value) and never answers "
+        "its caller"
+    )

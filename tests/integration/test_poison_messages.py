@@ -74,3 +74,123 @@ def test_poison_messages_fail_alone_and_the_requests_taken_with_them_are_answere
     reasons = {entry["id"]: entry["reason"] for entry in map(json.loads, dead)}
     assert reasons.keys() == {"list-properties"}
     assert "properties are not an object" in reasons["list-properties"]
+
+
+def test_a_task_id_that_is_not_utf8_is_dead_lettered_alone_and_the_requests_taken_with_it_answered(
+    processes: Processes,
+) -> None:
+    """Its id read as it is would fail every process that decodes it, the take's reply first: the
+    take names it as garbage, and intake dead-letters it (its id no longer its message's)."""
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    client = redis.Redis(port=server_of(processes).port)
+    poison = message("POISONID", "hello there").replace(b"POISONID", b"bad\xff\xfeid")
+    goods = [f"good-{i}" for i in range(4)]
+    raws = [message(i, "hello there") for i in goods]
+    # One push, the poison in the middle: the coordinator takes them all in one take.
+    client.lpush("carpool.requests", *reversed([*raws[:2], poison, *raws[2:]]))
+
+    want = infer.delay("hello there").get(timeout=30)
+    for request_id in goods:
+        assert_same_vectors(infer.AsyncResult(request_id).get(timeout=30), want)
+    keys = Keys("carpool.requests")
+    [dead] = wait_for("a dead letter", lambda: client.lrange(keys.dead_letter, 0, -1))
+    entry = json.loads(dead)
+    assert entry["id"].startswith("carpool-garbage-")
+    assert "its task id b'bad\\xff\\xfeid' is not UTF-8" in entry["reason"]
+    # the poison too left every in-flight key (acked as it was dead-lettered, never recovered)
+    wait_for(
+        "nothing in flight", lambda: client.zcard(keys.inflight_lease) == client.hlen(keys.inflight_raw) == 0
+    )
+    assert client.llen("carpool.requests") == 0
+    assert "step failed" not in processes.log("coordinator")
+
+
+def test_an_element_of_the_batch_queue_that_is_no_message_is_dropped_and_the_worker_serves_on(
+    processes: Processes,
+) -> None:
+    """Anyone may push anything onto the batch queue's list; kombu's consumer would stop the worker
+    on what it cannot decode ("Unrecoverable error"). Pushed before the requests, and with them."""
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    client = redis.Redis(port=server_of(processes).port)
+    garbage = [b"not json at all", b"[]", b"\xff garbage", b'{"headers": {}}']
+    client.lpush("carpool.batches", *garbage)
+    wait_for("the garbage read", lambda: client.llen("carpool.batches") == 0, 10)
+    results = [infer.delay(f"text {i}") for i in range(5)]
+    client.lpush("carpool.batches", b"not json either")
+    results += [infer.delay(f"more text {i}") for i in range(5)]
+    for result in results:
+        assert len(result.get(timeout=30)) == 32
+    assert processes.procs["worker0"].poll() is None, "the worker is still up"
+    log = processes.log("worker0")
+    assert "Unrecoverable error" not in log
+    assert log.count("that is not a kombu message") == len(garbage) + 1
+
+
+def test_a_poisoned_request_fails_alone_and_the_requests_batched_with_it_are_answered(
+    processes: Processes,
+) -> None:
+    """One take holds good requests and, among them, requests the worker's Celery JSON would misread:
+    a @batched item shaped like a kombu type tag (one that does not decode failed the whole batch
+    message, every request in it recovered and batched with the poison again until its deadline;
+    a bytes tag reached the function as bytes), a link holding such a tag, an integer past 64 bits
+    (read as a float), an eta that is no time (dropped: the request ran at once). Each is answered
+    InvalidInput at once, saying what to change; every good request gets its correct answer."""
+    from celery import signature
+
+    from carpool.errors import InvalidInput
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(
+        processes,
+        CARPOOL_IMPORTS="tests.integration.batched_tasks",
+        CARPOOL_MODEL="toy",
+        CARPOOL_DEFAULT_DEADLINE_S="20",
+        CARPOOL_MAX_WAIT_S="0.3",
+    )
+    client = redis.Redis(port=server_of(processes).port)
+    bad_link = signature(
+        "tests.plain.describe", args=({"__type__": "uuid", "__value__": "zz"},), queue="tests.plain"
+    )
+    embed = {"callbacks": [dict(bad_link)], "errbacks": None, "chain": None, "chord": None}
+    poison = {
+        "date-tag": message(
+            "date-tag", {"__type__": "datetime", "__value__": "not a date"}, task=t.count.name
+        ),
+        "bytes-tag": message("bytes-tag", {"__type__": "bytes", "__value__": "hi"}, task=t.count.name),
+        "big-int": message("big-int", {"n": 2, "x": 10**30}, task=t.by_declared_length.name),
+        "link-tag": message("link-tag", "hello there", embed=embed),
+        "eta-words": message("eta-words", "hello there", extra_headers={"eta": "tomorrow 9am"}),
+    }
+    counts = {f"count-{i}": ["a", "b"][: 1 + i % 2] for i in range(8)}  # lengths 1 and 2, as the tags'
+    texts = [f"text-{i}" for i in range(8)]
+    raws = [message(i, item, task=t.count.name) for i, item in counts.items()]
+    raws += [message(i, "hello there") for i in texts]
+    raws.insert(4, poison["date-tag"])
+    raws.insert(8, poison["link-tag"])
+    raws += [poison["bytes-tag"], poison["big-int"], poison["eta-words"]]
+    raws.append(message("declared", {"n": 2, "x": 21}, task=t.by_declared_length.name))
+    client.lpush("carpool.requests", *reversed(raws))  # one push: taken together, in this order
+
+    # Answered well before CARPOOL_DEFAULT_DEADLINE_S: no batch went round and round.
+    for request_id, item in counts.items():
+        assert t.count.AsyncResult(request_id).get(timeout=15) == len(item)
+    want = infer.delay("hello there").get(timeout=15)
+    for request_id in texts:
+        assert_same_vectors(infer.AsyncResult(request_id).get(timeout=15), want)
+    assert t.by_declared_length.AsyncResult("declared").get(timeout=15) == 42
+    expected = {
+        "date-tag": "shaped like one of kombu's type tags .* fails on it .ValueError: Invalid isoformat",
+        "bytes-tag": r"would hand your function b'hi' \(bytes\), not the dict sent; .* rename the dict's",
+        "big-int": r"cannot travel as JSON unchanged \(Integer exceeds 64-bit range\)",
+        "link-tag": "the message's callbacks hold .* a Celery worker could not decode this message either",
+        "eta-words": "eta 'tomorrow 9am' is not a time: send an ISO 8601 datetime",
+    }
+    for request_id, match in expected.items():
+        with pytest.raises(InvalidInput, match=match):
+            infer.AsyncResult(request_id).get(timeout=15)
+    assert client.llen(Keys("carpool.requests").dead_letter) == 0

@@ -300,3 +300,62 @@ def test_any_task_name_makes_a_task_celery_can_call(name: str) -> None:
     assert task.apply(args=("hi",)).get() == "HI"
     with pytest.raises(InvalidInput, match="exactly one item"):  # calls are still checked
         task.delay()
+
+
+@pytest.mark.parametrize(
+    ("item", "match"),
+    [
+        (
+            {"__type__": "bytes", "__value__": "hi"},
+            r"would hand your function b'hi' \(bytes\), not the dict sent",
+        ),
+        ([{"__type__": "decimal", "__value__": "1.5"}], r"Decimal\('1.5'\) \(Decimal\)"),
+        (
+            {"k": {"__type__": "datetime", "__value__": "not a date"}},
+            "fails on it .ValueError: Invalid isoformat",
+        ),
+        ({"__type__": "no such type", "__value__": 1}, "fails on it .it knows no type 'no such type'.;"),
+    ],
+)
+def test_delay_refuses_an_item_holding_a_dict_shaped_like_a_kombu_type_tag(item: Any, match: str) -> None:
+    """The worker decodes its batch with Celery's JSON, which turns such a dict into another value
+    (or fails on it, failing the batch): the caller learns at the call, told to rename the keys."""
+    with pytest.raises(InvalidInput, match=match) as refused:
+        shout.delay(item)
+    assert "a dict shaped like one of kombu's type tags" in str(refused.value)
+    assert "rename the dict's keys" in str(refused.value)
+
+
+def test_dicts_that_only_look_a_little_like_type_tags_travel() -> None:
+    spec, settings = shout.spec, Settings()
+    for item in ({"__type__": "bytes", "__value__": "hi", "third": 1}, {"__type__": "bytes"}, ["__type__"]):
+        assert spec.accept([item], {}, settings) == (shout.name, item)
+
+
+def test_intake_refuses_alone_a_raw_item_holding_a_type_tag_or_an_integer_past_64_bits() -> None:
+    """What .delay() refuses, a raw message (send_task, another client) carries to the coordinator,
+    where it is refused with the same error: the item never reaches a batch, which the worker's
+    Celery JSON would fail to decode (every request in it then lost to its deadline), nor reaches the
+    function as something else (bytes for the dict sent, a float for the integer)."""
+    big = 123456789012345678901234567890
+    out = _intake(
+        [
+            ("ok", message("ok", {"n": 3}, task=declared.name)),
+            (
+                "poison",
+                message("poison", {"__type__": "datetime", "__value__": "not a date"}, task=shout.name),
+            ),
+            ("bytes", message("bytes", [{"__type__": "bytes", "__value__": "hi"}], task=shout.name)),
+            ("big", message("big", {"n": 1, "x": big}, task=declared.name)),
+            ("also-ok", message("also-ok", "hello", task=shout.name)),
+        ]
+    )
+    assert sorted(req.id for _, req in out.admitted) == ["also-ok", "ok"] and not out.malformed
+    errors = {r.id: str(r.error) for r in out.refused}
+    assert errors.keys() == {"poison", "bytes", "big"}
+    assert "fails on it (ValueError: Invalid isoformat string" in errors["poison"]
+    assert "would hand your function b'hi' (bytes)" in errors["bytes"]
+    with pytest.raises(InvalidInput) as at_delay:
+        declared.delay({"n": 1, "x": big})
+    assert errors["big"] == str(at_delay.value)
+    assert "cannot travel as JSON unchanged (Integer exceeds 64-bit range)" in errors["big"]

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from carpool.codec import dumps_lenient, dumps_plain, flat_plain, loads, loads_tagged
+from carpool.codec import dumps_lenient, dumps_plain, flat_plain, kombu_tags, loads, loads_tagged, long_int_in
 
 plain = st.recursive(
     st.none()
@@ -127,3 +127,44 @@ def test_result_backend_keys_and_decoding_match_celery() -> None:
     tagged = tagged if isinstance(tagged, bytes) else tagged.encode()
     assert b"__type__" in tagged  # kombu tags datetimes; the fast path must not decode those
     assert backend.decode(tagged)["result"] == datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("number", [2**64, 123456789012345678901234567890, -(2**63) - 1, -(10**30)])
+def test_loads_reads_an_integer_past_64_bits_as_that_integer(number: int) -> None:
+    """orjson reads such an integer as a float (no error): the decoding falls back to json, so that
+    validation sees the integer sent and refuses it, and a link gets it unchanged."""
+    text = json.dumps({"item": [1, number], "f": 0.0012345678901234567})
+    for data in (text, text.encode()):
+        got = loads(data)
+        assert got == json.loads(text) and type(got["item"][1]) is int
+    # The worker's decoder scans only a batch message naming links: its items were checked at intake.
+    linked = json.dumps({"links": {"callbacks": [{"args": [1, number]}]}, "f": 0.0012345678901234567})
+    for data in (linked, linked.encode()):
+        assert type(loads_tagged(data)["links"]["callbacks"][0]["args"][1]) is int
+    assert loads(b"[18446744073709551615, -9223372036854775808]") == [2**64 - 1, -(2**63)]  # orjson's own
+
+
+def test_long_int_in_tells_an_integers_digits_from_a_fractions() -> None:
+    assert long_int_in(b"[1, 12345678901234567890123]") and long_int_in("12345678901234567890123")
+    assert not long_int_in(b"[0.0012345678901234567, 1.5e300, 123456789012345678]")
+    assert long_int_in(b'["12345678901234567890123"]')  # a string: decoded by json, the same values
+
+
+def test_kombu_tags_lists_what_kombus_json_decoding_makes_of_each_tag_shaped_dict() -> None:
+    from decimal import Decimal
+
+    inner = {"__type__": "decimal", "__value__": "1.5"}
+    value: list[Any] = [
+        {"__type__": "bytes", "__value__": "hi"},
+        {"a": (inner,)},
+        {"__type__": "datetime", "__value__": "not a date"},
+        {"__type__": "no such type", "__value__": 1},
+        {"__type__": "bytes", "__value__": "hi", "third": 1},  # not a tag: kombu leaves it a dict
+        {"type": "bytes", "value": "hi"},
+    ]
+    found = kombu_tags(value)
+    assert [tag for tag, _ in found] == [value[0], inner, value[2], value[3]]
+    assert [decoded for _, decoded in found[:2]] == [b"hi", Decimal("1.5")]
+    assert isinstance(found[2][1], ValueError) and "not a date" in str(found[2][1])
+    assert isinstance(found[3][1], ValueError) and "Unsupported type" in str(found[3][1])
+    assert kombu_tags({"nested": [{"k": "__type__"}]}) == []

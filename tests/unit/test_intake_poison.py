@@ -227,3 +227,111 @@ def test_a_revoked_message_naming_no_inbox_or_none_decodable_is_answered_without
     c.step()
     assert sorted(i for i, _, _ in c.backend.stored) == ["garbage", "plain"]
     assert c.backend.inboxes == {}
+
+
+def _linked(request_id: str, arg: Any, key: str = "callbacks") -> bytes:
+    signature: dict[str, Any] = {
+        "task": "tests.plain.describe",
+        "args": [arg],
+        "kwargs": {},
+        "options": {},
+        "subtask_type": None,
+    }
+    embed: dict[str, Any] = {
+        "callbacks": None,
+        "errbacks": None,
+        "chain": None,
+        "chord": None,
+        key: [signature],
+    }
+    return message(request_id, "hello", embed=embed)
+
+
+def _body_rewritten(raw: bytes, old: bytes, new: bytes) -> bytes:
+    """``raw`` with ``old`` replaced by ``new`` in the text of its body."""
+    out = json.loads(raw)
+    body = base64.b64decode(out["body"])
+    assert old in body
+    out["body"] = base64.b64encode(body.replace(old, new)).decode()
+    return json.dumps(out).encode()
+
+
+def test_a_link_holding_a_type_tag_that_does_not_decode_is_refused_alone() -> None:
+    """The worker decodes a batch with Celery's JSON (kombu's type tags): a tag that does not decode in
+    one request's link would fail the whole batch, every request in it recovered and batched with the
+    poison again until its deadline. It is refused at intake instead, naming the tag, and the
+    requests taken with it are admitted; a tag that decodes rides on, as a Celery worker takes it."""
+    uuid_tag = {"__type__": "uuid", "__value__": {"hex": "12345678123456781234567812345678"}}
+    # The same key written with an escape, as JSON allows: "__type__" once decoded.
+    escaped = _body_rewritten(
+        _linked("escaped", {"__type__": "datetime", "__value__": "soon"}, key="errbacks"),
+        b'"__type__"',
+        b'"__typ\\u0065__"',
+    )
+    taken = [
+        ("a", message("a", "hello")),
+        ("bad-date", _linked("bad-date", {"__type__": "datetime", "__value__": "not a date"})),
+        ("bad-type", _linked("bad-type", [{"__type__": "nope", "__value__": 1}], key="chain")),
+        ("escaped", escaped),
+        ("good-tag", _linked("good-tag", uuid_tag)),
+        ("b", message("b", "hello")),
+    ]
+    out, _ = run(taken)
+    assert admitted_ids(out) == ["a", "good-tag", "b"] and not out.malformed
+    [(_, good)] = [(m, r) for m, r in out.admitted if r.id == "good-tag"]
+    assert good.payload["links"]["callbacks"][0]["args"] == [uuid_tag]  # the worker decodes it to a UUID
+    errors = {r.id: r for r in out.refused}
+    assert errors.keys() == {"bad-date", "bad-type", "escaped"}
+    assert all(isinstance(r.error, InvalidInput) for r in errors.values())
+    assert "the message's callbacks hold {'__type__': 'datetime', '__value__': 'not a date'}" in str(
+        errors["bad-date"].error
+    )
+    assert "Invalid isoformat string" in str(errors["bad-date"].error)
+    assert "a Celery worker could not decode this message either" in str(errors["bad-date"].error)
+    assert "the message's chain hold" in str(errors["bad-type"].error)
+    assert "it knows no type 'nope'" in str(errors["bad-type"].error)
+    assert "the message's errbacks hold" in str(errors["escaped"].error)
+    # Refused with its links: its error callbacks hear of it, as for any refused request.
+    assert errors["bad-date"].task_and_links()[1] is not None
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("eta", "tomorrow 9am"),
+        ("eta", {"in": 3600}),
+        ("expires", "in five seconds"),
+        ("expires", [2026, 5, 1]),
+    ],
+)
+def test_an_eta_or_expires_that_is_no_time_is_refused_naming_the_format_expected(
+    header: str, value: Any
+) -> None:
+    """Dropping it ran the request at once (an eta) or never let it expire; a Celery worker rejects
+    such a message too (InvalidTaskError), but unanswered: here its caller learns why."""
+    out, _ = run([("bad", message("bad", "hi", extra_headers={header: value})), ("ok", message("ok", "hi"))])
+    assert admitted_ids(out) == ["ok"]
+    [refused] = out.refused
+    assert refused.id == "bad" and isinstance(refused.error, InvalidInput)
+    text = str(refused.error)
+    assert text.startswith(f"{header} {value!r} is not a time: send an ISO 8601 datetime such as")
+    assert "Celery 5.6 worker rejects such a message too (InvalidTaskError" in text
+    assert text.endswith("; nothing was run")
+
+
+@pytest.mark.parametrize("value", ["", {}, "2026-05-01", "2026-05", "20260501T0900Z"])
+def test_what_celery_reads_as_no_time_or_as_iso_8601_is_taken(value: Any) -> None:
+    """Celery 5.6 reads ``""`` and ``{}`` as no eta, and ISO 8601 as dateutil's isoparse does (which
+    takes ``"2026-05"``, as Python's fromisoformat does not)."""
+    out, _ = run([("a", message("a", "hi", extra_headers={"eta": value, "expires": value}))])
+    [(msg, _)] = out.admitted
+    assert (msg.eta_at is None) == (not value)
+
+
+def test_an_integer_past_64_bits_in_a_link_reaches_the_slot_as_that_integer() -> None:
+    """orjson would read it as a float: the callback would get 1.2345678901234568e+29."""
+    big = 123456789012345678901234567890
+    out, _ = run([("a", _linked("a", big))])
+    [(_, req)] = out.admitted
+    [arg] = req.payload["links"]["callbacks"][0]["args"]
+    assert arg == big and type(arg) is int
