@@ -99,7 +99,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # This process consumes the batch queue, onto which anyone may push anything: its kombu consumer
     # logs and drops a list element that is no message instead of stopping. Set here, not for every
     # app: Flower names its broker by the transport's URI, which would then be this class's path.
-    app.conf.broker_transport = compat.broker_transport(settings.broker_url)
+    app.conf.update(compat.worker_broker_conf(settings.broker_url, app.conf.broker_use_ssl))
     argv = [
         "worker",
         "--pool",

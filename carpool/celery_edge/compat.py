@@ -279,6 +279,27 @@ def new_client(channel: Any) -> Any:
 # --- kombu's Redis consumer (kombu.transport.redis.Channel._brpop_read) -------------------------
 
 
+def worker_broker_conf(url: str, use_ssl: Any) -> dict[str, Any]:
+    """The Celery settings that give a worker consuming the broker at ``url`` the guarded transport
+    (:func:`broker_transport`), with TLS as kombu itself gives a ``rediss://`` URL: kombu turns TLS
+    on for a URL without ``ssl_*`` options only when the transport is named ``rediss``, not a class
+    (``use_ssl``: the app's ``broker_use_ssl``, which takes precedence, as in kombu)."""
+    transport = broker_transport(url)
+    conf: dict[str, Any] = {"broker_transport": transport}
+    if transport is not None and url.startswith("rediss://") and not use_ssl:
+        from kombu.utils.url import parse_url
+
+        if not parse_url(url).get("ssl"):
+            import ssl
+
+            log.warning(
+                "Secure redis scheme specified (rediss) with no ssl options, defaulting to insecure SSL "
+                "behaviour (as kombu does): add ?ssl_cert_reqs=required to CARPOOL_BROKER_URL"
+            )
+            conf["broker_use_ssl"] = {"ssl_cert_reqs": ssl.CERT_NONE}
+    return conf
+
+
 def broker_transport(url: str) -> str | None:
     """The kombu transport for a broker at ``url``: kombu's Redis (or Sentinel) transport whose
     consumer sets aside a list element that is not a kombu message (:func:`_guarded`), or None

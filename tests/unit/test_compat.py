@@ -151,8 +151,8 @@ def test_the_broker_transport_is_kombus_redis_one_with_the_guard_for_redis_urls_
     )
     assert compat.broker_transport("redis+socket:///tmp/r.sock") is None  # kombu picks it from the URL
     assert compat.broker_transport("memory://") is None
-    transport = app.connection_for_read().transport
-    assert isinstance(transport, compat.GuardedRedisTransport)
+    # carpool worker's app (not every app's: Flower names its broker by the transport's URI).
+    assert not isinstance(app.connection_for_read().transport, compat.GuardedRedisTransport)
     for guarded, base in (
         (compat.GuardedRedisTransport, kombu_redis.Transport),
         (compat.GuardedSentinelTransport, kombu_redis.SentinelTransport),
@@ -160,3 +160,30 @@ def test_the_broker_transport_is_kombus_redis_one_with_the_guard_for_redis_urls_
         assert issubclass(guarded.Channel, base.Channel)
         for name in ("_brpop_read", "_create_client"):  # the hooks kombu calls
             assert name in guarded.Channel.__dict__
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:pw@h:6379/0",
+        "rediss://:pw@h:6380/0",  # kombu turns TLS on for the rediss transport by its name only
+        "rediss://:pw@h:6380/0?ssl_cert_reqs=required",
+        "sentinel://h:26379",
+    ],
+)
+def test_the_workers_guarded_broker_keeps_the_tls_kombus_own_transport_has(url: str) -> None:
+    from celery import Celery
+
+    theirs = Celery(broker=url).connection_for_read()
+    app = Celery(broker=url)
+    app.conf.update(compat.worker_broker_conf(url, app.conf.broker_use_ssl))
+    ours = app.connection_for_read()
+    assert isinstance(ours.transport, compat.GuardedRedisTransport | compat.GuardedSentinelTransport)
+    assert ours.ssl == theirs.ssl
+    assert bool(ours.ssl) == url.startswith("rediss://")
+    # With the app's own broker_use_ssl, what kombu makes of it and of the URL's options, unchanged.
+    apps = Celery(broker=url), Celery(broker=url)
+    for configured in apps:
+        configured.conf.broker_use_ssl = {"ssl_cert_reqs": "required"}
+    apps[1].conf.update(compat.worker_broker_conf(url, apps[1].conf.broker_use_ssl))
+    assert apps[1].connection_for_read().ssl == apps[0].connection_for_read().ssl
