@@ -82,7 +82,9 @@ class _Candidate:
     requests: list[Request]
     reason: FlushReason
     rank: tuple[int, float, int, float]
-    # A partial batch with every worker busy: it leaves only in place of a full batch it outranks.
+    # A ready partial batch's rank against a full batch of another queue, which it may replace.
+    as_full: tuple[int, float, int, float] | None = None
+    # With no worker idle, it leaves only in place of a full batch it outranks.
     contender: bool = False
 
 
@@ -211,7 +213,8 @@ class BatchPolicy:
         # and a poll re-selects only the queues that changed, not every queue after every batch.
         while True:
             best: _Candidate | None = None
-            contender: _Candidate | None = None
+            contender: _Candidate | None = None  # the ready partial batch that ranks first as a full one
+            contender_rank = (0, 0.0, 0, 0.0)
             worker_idle = free_workers > 0 or (idle_at_start and not incoming)
             for key, queue in self._queues.items():
                 if not queue:
@@ -231,14 +234,13 @@ class BatchPolicy:
                     wake = wake_at
                 if cand is None:
                     continue
-                if cand.contender:
-                    if contender is None or cand.rank < contender.rank:
-                        contender = cand
-                elif best is None or cand.rank < best.rank:
+                if cand.as_full is not None and (contender is None or cand.as_full < contender_rank):
+                    contender, contender_rank = cand, cand.as_full
+                if not cand.contender and (best is None or cand.rank < best.rank):
                     best = cand
             if best is None:
                 break
-            if contender is not None and best.reason is FlushReason.FULL and contender.rank < best.rank:
+            if contender is not None and best.reason is FlushReason.FULL and contender_rank < best.rank:
                 best = contender
             wake = None  # recomputed on the next pass over the queues
             queue = self._queues[best.key]
@@ -343,22 +345,30 @@ class BatchPolicy:
             return _Candidate(key, reqs, FlushReason.DEADLINE, (0, urgent_at, -priority, oldest)), None
         # Past the point where a deadline flush helps, the next event for this queue is its expiry.
         next_deadline_event = urgent_at if now_s < urgent_at else deadline
+        may_take = free_slots > 0 or (queue_room > 0 and ahead_s < cfg.prefetch_s)
         if limited:
-            if free_slots > 0 or (queue_room > 0 and ahead_s < cfg.prefetch_s):
+            if may_take:
                 return _Candidate(key, members, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
             return None, next_deadline_event
-        if free_slots > 0:
+        # Against a full batch of another queue, a partial batch that waited its window ranks as a
+        # full one does: under overload full batches would otherwise take every slot (no worker idle,
+        # or each freed one taken at once, or the room beyond them while the work ahead is short).
+        as_full = (1, 0.0, -priority, oldest)
+        if worker_idle and free_slots > 0:
             wait_s = min(cfg.max_wait_s, cfg.wait_factor * predicted)
             if self.expected_arrivals(model, now_s, wait_s) < 1.0:
                 wait_s = 0.0  # light traffic: no company is coming, waiting would only add latency
             ready_at = oldest + wait_s
-            if now_s < ready_at:
-                return None, min(ready_at, next_deadline_event) if worker_idle else next_deadline_event
-            if worker_idle:
-                return _Candidate(key, members, FlushReason.WAIT, (2, 0.0, -priority, oldest)), None
-            # Ranked as a full batch is, to take a slot only in place of one it outranks.
-            rank = (1, 0.0, -priority, oldest)
-            return _Candidate(key, members, FlushReason.WAIT, rank, contender=True), next_deadline_event
+            if now_s >= ready_at:
+                rank = (2, 0.0, -priority, oldest)
+                return _Candidate(key, members, FlushReason.WAIT, rank, as_full=as_full), None
+            return None, min(ready_at, next_deadline_event)
+        # With no worker idle it leaves only in place of a full batch it outranks (traffic is heavy
+        # then: the full window, without the arrival rate's shortcut).
+        if may_take and now_s >= oldest + min(cfg.max_wait_s, cfg.wait_factor * predicted):
+            return _Candidate(
+                key, members, FlushReason.WAIT, as_full, as_full, contender=True
+            ), next_deadline_event
         return None, next_deadline_event
 
     def drain(self) -> list[Request]:

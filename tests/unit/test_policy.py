@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -225,6 +226,32 @@ def test_under_overload_a_partial_batch_takes_a_slot_in_place_of_a_full_one_it_o
     young = req(100, at=5.0, priority=9)
     fresh.add(young)
     assert [b.requests[0].length for b in fresh.poll(5.1, free_workers=0, free_slots=1).batches] == [8]
+
+
+@pytest.mark.parametrize(
+    "capacity",
+    [
+        {"free_workers": 1, "free_slots": 1},  # CARPOOL_PREFETCH_BATCHES=0: each freed slot an idle worker
+        {"free_workers": 0, "free_slots": 0, "queue_room": 4, "ahead_s": 0.001},  # a fast device's room
+    ],
+    ids=["idle-worker", "queue-room"],
+)
+def test_a_ready_partial_batch_outranks_a_full_one_however_the_slot_came_free(
+    capacity: dict[str, Any],
+) -> None:
+    p = policy(max_batch=4, max_wait_s=0.01, bin_edges=(16,), prefetch_s=0.03)
+    for i in range(8):
+        p.add(req(8, at=1.0 + i * 0.001))
+    urgent = req(100, at=2.0, priority=9)
+    p.add(urgent)
+    assert [b.requests for b in p.poll(2.5, **capacity).batches][:1] == [(urgent,)]
+    q = policy(max_batch=4, max_wait_s=0.01, bin_edges=(16,), prefetch_s=0.03)
+    for i in range(8):
+        q.add(req(8, at=1.0 + i * 0.001))
+    young = req(100, at=2.5)  # same priority, younger than the full batches: they go first
+    q.add(young)
+    first = q.poll(2.6, **capacity).batches[0]
+    assert first.flush_reason is FlushReason.FULL and young not in first.requests
 
 
 def test_batches_dispatched_in_one_poll_add_their_work_per_worker_to_the_work_ahead() -> None:
