@@ -213,7 +213,11 @@ class Coordinator:
         # Oldest first, as they are taken again: admitted ones by arrival, then those taken later.
         admitted = sorted(self.policy.drain() + self.deferred.drain(), key=lambda r: r.arrival_s)
         held = [r.id for r in admitted] + self.stage.drain()
-        held += self._ahead_ids()  # taken by the last wait or a failed step, never admitted
+        ahead = self._ahead_ids()  # taken by the last wait or a failed step, never admitted
+        held += ahead
+        if ahead:  # taken from the lists all the same: counted taken, as they are counted requeued
+            self.stats.taken += len(ahead)
+            self.metrics.requests.inc(len(ahead))
         self._ahead = None
         self.stage.close()
         self.events.close()

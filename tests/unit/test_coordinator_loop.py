@@ -641,6 +641,9 @@ def test_a_stop_during_a_wait_hands_back_what_the_wait_took(clocks: Clocks) -> N
     assert c.store.queue == [], "the wait took both"
     c.shutdown()
     assert sorted(c.store.requeued) == ["first", "second"]
+    # Taken from the lists, so counted taken as they are counted requeued: taken - requeued is what
+    # was sent, as docs/OBSERVABILITY.md says.
+    assert c.stats.taken == 2 and c.stats.requeued["shutdown"] == len(c.store.requeued)
 
 
 def test_a_step_that_fails_after_its_take_keeps_the_take_for_the_next(clocks: Clocks) -> None:
