@@ -50,6 +50,9 @@ _READ_LIMIT = 10_000  # messages settled between two checks of the deadline
 _LONGEST_WAIT_S = 1.0  # a wait for messages without a deadline still returns this often
 _LONGEST_RECHECK_S = 10.0  # gather_async re-reads stored results after this long without a message
 _QUIET_RECHECK_S = 1.0  # gather re-reads stored results after this long without one of its own
+_FIRST_READ_S = (
+    1.0  # gather_async's first read of the stored results may take this long, whatever its timeout
+)
 # The collector stays paused while results keep coming (a gap this long ends the stream), for at
 # most this long at a time: see collector.Stream.
 _STREAM_GAP_S = 0.05
@@ -604,10 +607,20 @@ async def gather_async(
         async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
             with deferring_cancels(getattr(backend, "result_consumer", None)):
                 # A stalled Redis holds each read for its socket timeout, and redis-py retries it:
-                # only this bounds the wait by the deadline.
-                limit = asyncio.timeout(state.remaining_s())
+                # only this bounds the wait by the deadline. The stored results are read once
+                # whatever the timeout (given up to _FIRST_READ_S), as gather and .get() read them:
+                # a call with a timeout of 0 collects what is ready.
+                loop = asyncio.get_running_loop()
+                remaining = state.remaining_s()
+                deadline = None if remaining is None else loop.time() + remaining
+                limit = asyncio.timeout_at(
+                    None if deadline is None else max(deadline, loop.time() + _FIRST_READ_S)
+                )
                 try:
                     async with limit:
+                        await _subscribe_and_read(pubsub, backend, client, state, decode)
+                        if deadline is not None:
+                            limit.reschedule(deadline)
                         await _wait_async(pubsub, backend, client, state, decode, recheck_s, stream)
                 except TimeoutError:
                     if not limit.expired():
@@ -619,6 +632,23 @@ async def gather_async(
     return state.values()
 
 
+async def _subscribe_and_read(
+    pubsub: Any, backend: Any, client: Any, state: Gathering, decode: Callable[[Any], Any]
+) -> None:
+    """Subscribe to the pending results, then settle ``state`` with the stored ones; while Redis
+    cannot be reached, tried again until the deadline (``state.wait_s`` raises past it)."""
+    while True:
+        try:
+            # Subscribed before the stored results are read: a result stored later is published to it.
+            keys = [backend.get_key_for_task(t) for t in state.pending()]
+            for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+                await pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+            await _settle_stored_async(backend, client, state, decode)
+            return
+        except backend.connection_errors:  # tried again whole: subscribing twice is harmless
+            await asyncio.sleep(state.wait_s())
+
+
 async def _wait_async(
     pubsub: Any,
     backend: Any,
@@ -628,19 +658,9 @@ async def _wait_async(
     recheck_s: float,
     stream: collector.Stream,
 ) -> None:
-    """gather_async's wait: subscribe to the pending results, read the stored ones, then settle
-    ``state`` from the messages until done. While Redis cannot be reached, at the start as later,
-    the wait goes on (so that only the deadline ends it, as for ``gather`` and ``.get()``)."""
-    while True:
-        try:
-            # Subscribed before the stored results are read: a result stored later is published to it.
-            keys = [backend.get_key_for_task(t) for t in state.pending()]
-            for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
-                await pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
-            await _settle_stored_async(backend, client, state, decode)
-            break
-        except backend.connection_errors:  # tried again whole: subscribing twice is harmless
-            await asyncio.sleep(state.wait_s())
+    """gather_async's wait, once subscribed and the stored results read: settle ``state`` from the
+    messages until done. While Redis cannot be reached the wait goes on (so that only the deadline
+    ends it, as for ``gather`` and ``.get()``)."""
     heard_s = time.monotonic()
     connections = _Connections()
     pubsub.connection.register_connect_callback(connections.made)

@@ -98,3 +98,24 @@ def test_a_stalled_redis_times_out_with_celerys_timeout_error(stalled: Celery, h
         assert took < 1.0 + SOCKET_TIMEOUT_S / 2
     else:  # each blocking read waits up to the socket timeout first, as .get()'s do
         assert took < 1.0 + GET_OVERRUN_S
+
+
+@pytest.mark.parametrize("how", GATHERS)
+@pytest.mark.parametrize("timeout", [0.0, 0.0005])
+def test_a_timeout_too_short_to_wait_still_collects_what_is_stored(
+    redis_server: EmbeddedRedis, how: str, timeout: float
+) -> None:
+    """As ``.get()`` reads the stored result first whatever its timeout, a gather with no time to
+    wait returns what is ready; the deadline then only ends the wait for the rest."""
+    from carpool.celery_edge.results import SUCCESS
+    from carpool.tools.harness import release_result_consumer
+
+    producer = _producer(redis_server.port)
+    try:
+        ids = [f"ready-{how}-{timeout}-{i}" for i in range(3)]
+        producer.backend.store_many([(task_id, SUCCESS, i) for i, task_id in enumerate(ids)])
+        assert _gather(how, [producer.AsyncResult(t) for t in ids], timeout=timeout) == [0, 1, 2]
+        with pytest.raises(CeleryTimeoutError):
+            _gather(how, [producer.AsyncResult(t) for t in [*ids, f"never-{how}-{timeout}"]], timeout=timeout)
+    finally:
+        release_result_consumer(producer)
