@@ -10,7 +10,8 @@ kept out:
   then decodes with ``json.loads``, so a message that decoded before still decodes the same, and
   validation names what is wrong with its values (an integer is never silently a float). Whether a
   text may hold such an integer is one C-level pass over its bytes (a run of 19 digits that no
-  ``.`` precedes), which costs a fraction of orjson's own parse.
+  ``.`` precedes), which costs about as much as orjson's own parse again (docs/PERFORMANCE.md,
+  "2026-12-05, later"); a result meta stored by msgpack, the default, never comes here.
 - orjson encodes natively some types that kombu's JSON encoder tags (``datetime``, dataclasses,
   subclasses of builtins, numpy values). :func:`dumps_plain` refuses those (returns None) and the
   caller takes its usual path; it is meant for values made of dicts, lists, strings and numbers
