@@ -186,3 +186,33 @@ def test_a_harness_closed_off_the_main_thread_leaves_sigterm_as_it_was() -> None
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
     assert "closed" in proc.stdout and "still running" not in proc.stdout
+
+
+def test_python_dash_m_soak_stopped_by_sigterm_ends_as_carpool_soak_does(
+    leftovers: set[int], tmp_path: Path
+) -> None:
+    """``python -m carpool.tools.soak`` goes through ``carpool``'s entry point: SIGTERM stops what
+    its harness started and it exits 143 with one line, as ``carpool soak`` does (a ``Terminated``
+    traceback before)."""
+    soak = subprocess.Popen(
+        [sys.executable, "-m", "carpool.tools.soak", "--short", "--out", str(tmp_path / "soak")],
+        env=_embedded_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    leftovers.add(soak.pid)
+    try:
+        kids = _wait_for_children(soak, 3, timeout_s=90)  # redis-server, coordinator, worker at least
+        leftovers.update(kids)
+        time.sleep(2)
+        soak.send_signal(signal.SIGTERM)
+        _, err = soak.communicate(timeout=60)
+    finally:
+        if soak.poll() is None:
+            soak.kill()
+            soak.communicate()
+    assert soak.returncode == 143, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "carpool soak: stopped by SIGTERM"
+    assert not _gone(kids), f"left running: {_gone(kids)}"
