@@ -142,7 +142,8 @@ def test_revokes_read_from_redis_keep_their_age_in_a_celery_limited_set() -> Non
 def test_the_broker_transport_is_kombus_redis_one_with_the_guard_for_redis_urls_only() -> None:
     from kombu.transport import redis as kombu_redis
 
-    from carpool.celery_edge.app import app
+    from carpool.celery_edge.app import create_app
+    from carpool.config import load_settings
 
     assert compat.broker_transport("redis://h:6379/0") == "carpool.celery_edge.compat:GuardedRedisTransport"
     assert compat.broker_transport("rediss://h:6380/0") == "carpool.celery_edge.compat:GuardedRedisTransport"
@@ -151,8 +152,9 @@ def test_the_broker_transport_is_kombus_redis_one_with_the_guard_for_redis_urls_
     )
     assert compat.broker_transport("redis+socket:///tmp/r.sock") is None  # kombu picks it from the URL
     assert compat.broker_transport("memory://") is None
-    # carpool worker's app (not every app's: Flower names its broker by the transport's URI).
-    assert not isinstance(app.connection_for_read().transport, compat.GuardedRedisTransport)
+    # Only carpool worker's app has it (Flower names its broker by the transport's URI).
+    fresh = create_app(load_settings(broker_url="redis://h:6379/0"))
+    assert not isinstance(fresh.connection_for_read().transport, compat.GuardedRedisTransport)
     for guarded, base in (
         (compat.GuardedRedisTransport, kombu_redis.Transport),
         (compat.GuardedSentinelTransport, kombu_redis.SentinelTransport),
