@@ -44,6 +44,9 @@ PolicyKind = PolicyName
 
 # Seconds of margin kept between a deadline flush and the deadline itself, for the hand-off.
 DEADLINE_GUARD_S = 0.01
+# A partial batch whose oldest request waited this long competes with full batches for any slot
+# (see BatchPolicy._evaluate): about twenty windows at the default CARPOOL_MAX_WAIT_S.
+STARVING_AFTER_S = 1.0
 # Arrivals remembered per model to estimate the arrival rate.
 ARRIVAL_WINDOW = 64
 
@@ -350,10 +353,14 @@ class BatchPolicy:
             if may_take:
                 return _Candidate(key, members, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
             return None, next_deadline_event
-        # Against a full batch of another queue, a partial batch that waited its window ranks as a
-        # full one does: under overload full batches would otherwise take every slot (no worker idle,
-        # or each freed one taken at once, or the room beyond them while the work ahead is short).
+        # Against a full batch of another queue, a partial batch ranks as a full one does: under
+        # overload full batches would otherwise take every slot. A free prefetch slot with no worker
+        # idle it may take so once it waited its window; a slot that is an idle worker, or the room
+        # beyond the slots, only once it waited STARVING_AFTER_S: those are what a burst's full
+        # batches fill, and partial batches taking them earlier cut a burst into more, smaller
+        # batches (docs/PERFORMANCE.md, "2026-12-05, later").
         as_full = (1, 0.0, -priority, oldest)
+        starving = now_s - oldest >= STARVING_AFTER_S
         if worker_idle and free_slots > 0:
             wait_s = min(cfg.max_wait_s, cfg.wait_factor * predicted)
             if self.expected_arrivals(model, now_s, wait_s) < 1.0:
@@ -361,11 +368,12 @@ class BatchPolicy:
             ready_at = oldest + wait_s
             if now_s >= ready_at:
                 rank = (2, 0.0, -priority, oldest)
-                return _Candidate(key, members, FlushReason.WAIT, rank, as_full=as_full), None
+                return _Candidate(key, members, FlushReason.WAIT, rank, as_full if starving else None), None
             return None, min(ready_at, next_deadline_event)
         # With no worker idle it leaves only in place of a full batch it outranks (traffic is heavy
         # then: the full window, without the arrival rate's shortcut).
-        if may_take and now_s >= oldest + min(cfg.max_wait_s, cfg.wait_factor * predicted):
+        ready = now_s >= oldest + min(cfg.max_wait_s, cfg.wait_factor * predicted)
+        if ready and (free_slots > 0 or (may_take and starving)):
             return _Candidate(
                 key, members, FlushReason.WAIT, as_full, as_full, contender=True
             ), next_deadline_event

@@ -239,12 +239,18 @@ def test_under_overload_a_partial_batch_takes_a_slot_in_place_of_a_full_one_it_o
 def test_a_ready_partial_batch_outranks_a_full_one_however_the_slot_came_free(
     capacity: dict[str, Any],
 ) -> None:
+    """Once starving: a slot that is an idle worker, or the room beyond the slots, is what a burst's
+    full batches fill, and partial batches taking them at once cut a burst into smaller batches."""
+    from carpool.batching.policy import STARVING_AFTER_S
+
     p = policy(max_batch=4, max_wait_s=0.01, bin_edges=(16,), prefetch_s=0.03)
-    for i in range(8):
+    for i in range(40):  # more full batches than either poll lets leave
         p.add(req(8, at=1.0 + i * 0.001))
     urgent = req(100, at=2.0, priority=9)
     p.add(urgent)
-    assert [b.requests for b in p.poll(2.5, **capacity).batches][:1] == [(urgent,)]
+    first = p.poll(2.0 + STARVING_AFTER_S / 2, **capacity).batches[0]
+    assert first.flush_reason is FlushReason.FULL and urgent not in first.requests
+    assert [b.requests for b in p.poll(2.0 + STARVING_AFTER_S, **capacity).batches][:1] == [(urgent,)]
     q = policy(max_batch=4, max_wait_s=0.01, bin_edges=(16,), prefetch_s=0.03)
     for i in range(8):
         q.add(req(8, at=1.0 + i * 0.001))
