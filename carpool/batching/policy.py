@@ -21,7 +21,8 @@ Rules, in order of precedence for a (model, bin) queue:
    latency); with no more requests on their way in (``incoming``), every partial batch ready by
    then leaves in the same poll, as far as the free slots go. With every worker busy it keeps
    filling, unless a full batch of another queue is about to take a free slot: then a partial
-   batch that waited its window competes with it by priority, then by its oldest member's age.
+   batch that waited its window competes with it by priority, then by its oldest member's age
+   (for an idle worker's slot, or the room beyond the slots, once it waited ``STARVING_AFTER_S``).
    Under overload no worker is ever idle, and full batches of busy bins would otherwise take every
    freed slot while a request alone in a quiet bin waited until its deadline.
 Requests of different models never share a batch.
