@@ -80,30 +80,37 @@ def _embedded_env() -> dict[str, str]:
     return env
 
 
+def _signalled(
+    command: list[str], sig: signal.Signals, leftovers: set[int], start_s: float = 60
+) -> tuple[subprocess.Popen[str], str, set[int]]:
+    """Run ``command`` (a process that starts a harness), send it ``sig`` once it runs its redis-server,
+    coordinator and worker and a moment more; the process, its stderr and the children it had."""
+    proc = subprocess.Popen(
+        command, env=_embedded_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    leftovers.add(proc.pid)
+    try:
+        kids = _wait_for_children(proc, 3, timeout_s=start_s)  # redis-server, coordinator, worker
+        leftovers.update(kids)
+        time.sleep(2)  # into waiting for the worker, or the load
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc, err, kids
+
+
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_carpool_demo_stopped_by_a_signal_stops_its_redis_coordinator_and_worker(
     sig: signal.Signals, status: int, leftovers: set[int]
 ) -> None:
     # SIGINT to the demo alone (not its process group, as Ctrl-C would): its children get nothing
     # but what the demo sends them.
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "carpool", "demo", "--requests", "20000"],
-        env=_embedded_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    demo, err, kids = _signalled(
+        [sys.executable, "-m", "carpool", "demo", "--requests", "20000"], sig, leftovers
     )
-    leftovers.add(demo.pid)
-    try:
-        kids = _wait_for_children(demo, 3, timeout_s=60)  # redis-server, coordinator, worker
-        leftovers.update(kids)
-        time.sleep(2)  # into waiting for the worker, or the burst
-        demo.send_signal(sig)
-        _, err = demo.communicate(timeout=45)
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.communicate()
     assert demo.returncode == status, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == f"carpool demo: stopped by {sig.name}"
@@ -194,24 +201,8 @@ def test_python_dash_m_soak_stopped_by_sigterm_ends_as_carpool_soak_does(
     """``python -m carpool.tools.soak`` goes through ``carpool``'s entry point: SIGTERM stops what
     its harness started and it exits 143 with one line, as ``carpool soak`` does (a ``Terminated``
     traceback before)."""
-    soak = subprocess.Popen(
-        [sys.executable, "-m", "carpool.tools.soak", "--short", "--out", str(tmp_path / "soak")],
-        env=_embedded_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    leftovers.add(soak.pid)
-    try:
-        kids = _wait_for_children(soak, 3, timeout_s=90)  # redis-server, coordinator, worker at least
-        leftovers.update(kids)
-        time.sleep(2)
-        soak.send_signal(signal.SIGTERM)
-        _, err = soak.communicate(timeout=60)
-    finally:
-        if soak.poll() is None:
-            soak.kill()
-            soak.communicate()
+    command = [sys.executable, "-m", "carpool.tools.soak", "--short", "--out", str(tmp_path / "soak")]
+    soak, err, kids = _signalled(command, signal.SIGTERM, leftovers, start_s=90)
     assert soak.returncode == 143, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "carpool soak: stopped by SIGTERM"

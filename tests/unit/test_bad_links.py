@@ -15,8 +15,11 @@ from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.errors import InvalidInput, ModelError
 from carpool.gpu_worker.finish import apply_links
 from carpool.wire import Links
+from tests.unit import test_links
 from tests.unit.messages import message
 from tests.unit.test_coordinator_loop import Clocks, coordinator
+
+sent = test_links.sent  # the fixture: every task message the app would send, none reaching a broker
 
 # A signature dict Celery cannot rebuild: maybe_signature raises KeyError('bogus').
 BOGUS = {
@@ -26,20 +29,6 @@ BOGUS = {
     "kwargs": {},
     "options": {"task_id": "bad"},
 }
-
-
-@pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Every task message the app would send: name, args and options (nothing reaches a broker)."""
-    out: list[dict[str, Any]] = []
-
-    def send_task(name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        out.append({"name": name, "args": tuple(args or ()), **options})
-        return app.AsyncResult(options.get("task_id") or "sent")
-
-    monkeypatch.setattr(app, "send_task", send_task)
-    monkeypatch.setattr(app.backend, "add_pending_result", lambda *args, **kwargs: None)
-    return out
 
 
 @pytest.fixture
