@@ -49,8 +49,9 @@ class BinQueue:
     later, so cutting a batch costs O(batch log n), not O(n).
     """
 
-    def __init__(self, order: QueueOrder, pad_multiple: int) -> None:
+    def __init__(self, order: QueueOrder, pad_multiple: int, label: str = "") -> None:
         self.order = order
+        self.label = label  # the bin it stands for, as batches, metrics and status name it
         self._tight = order == "tight"
         self.pad_multiple = pad_multiple
         self.live: dict[str, Request] = {}  # in arrival order: dicts keep insertion order

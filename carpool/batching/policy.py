@@ -111,7 +111,6 @@ class BatchPolicy:
         self._arrivals: dict[str, deque[float]] = {}
         # Queues by (model, span of lengths), each with the label of the bin it stands for.
         self._queues: dict[tuple[str, str], BinQueue] = {}
-        self._labels: dict[tuple[str, str], str] = {}
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -120,7 +119,7 @@ class BatchPolicy:
         """Requests waiting per (model, bin label)."""
         out: dict[tuple[str, str], int] = {}
         for key, queue in self._queues.items():
-            labelled = (key[0], self._labels[key])
+            labelled = (key[0], queue.label)
             out[labelled] = out.get(labelled, 0) + len(queue)
         return out
 
@@ -163,10 +162,9 @@ class BatchPolicy:
         queue = self._queues.get(key)
         if queue is None:
             cfg = self.config_for(req.model)
-            queue = self._queues[key] = BinQueue(_queue_order(cfg), cfg.pad_multiple)
-            self._labels[key] = bins.label(index)
+            queue = self._queues[key] = BinQueue(_queue_order(cfg), cfg.pad_multiple, bins.label(index))
         elif isinstance(bins, AutoBins):  # a refit may have given this span another index
-            self._labels[key] = bins.label(index)
+            queue.label = bins.label(index)
         queue.add(req)
 
     def expected_arrivals(self, model: str, now_s: float, within_s: float) -> float:
@@ -252,7 +250,7 @@ class BatchPolicy:
             plan.batches.append(
                 Batch(
                     model=best.key[0],
-                    bin_label=self._labels[best.key],
+                    bin_label=queue.label,
                     requests=tuple(best.requests),
                     padded_len=padded_width(
                         (r.length for r in best.requests), self.config_for(best.key[0]).pad_multiple
@@ -390,7 +388,6 @@ class BatchPolicy:
 
     def _drop_empty(self) -> None:
         self._queues = {k: q for k, q in self._queues.items() if q}
-        self._labels = {k: self._labels[k] for k in self._queues}
 
 
 def _queue_order(cfg: PolicyConfig) -> QueueOrder:
