@@ -113,11 +113,38 @@ class CarpoolCelery(compat.AppWithBackendClass):
         # close theirs.
         super().close()
 
+    def _task_from_fun(self, fun: Any, name: Any = None, **options: Any) -> Any:
+        """Celery's task registration, refusing a name a batched task shares with another task.
+
+        Celery keeps the first task registered under a name and hands it to every later decorator
+        of that name, so ``@batched(name=N)`` beside a plain ``@app.task(name=N)`` would silently
+        make one of the two functions dead code.
+        """
+        task = super()._task_from_fun(fun, name=name, **options)
+        spec, known = options.get("spec"), getattr(task, "spec", None)
+        if (spec is not None or known is not None) and not _same_spec(spec, known):
+            from carpool.errors import ConfigError
+
+            plain = "a plain Celery task" if known is None or spec is None else "another task"
+            raise ConfigError(
+                f"{task.name!r} names both a @batched task and {plain}; give one of them another name"
+                " (name= in @batched or @app.task)"
+            )
+        return task
+
     def result_backend_class(self) -> type[Any]:
         from carpool.celery_edge.results import CarpoolRedisBackend, CarpoolSentinelBackend
         from carpool.redis_edge.connect import is_sentinel
 
         return CarpoolSentinelBackend if is_sentinel(str(self.conf.result_backend)) else CarpoolRedisBackend
+
+
+def _same_spec(a: Any, b: Any) -> bool:
+    """Whether two registrations are of one batched task (a module imported twice decorates the
+    same function again)."""
+    if a is None or b is None:
+        return a is b
+    return a is b or (type(a) is type(b) and getattr(a, "fn", 0) is getattr(b, "fn", 0))
 
 
 # The password of a URL's user info (scheme://[user]:password@), up to the address it guards.

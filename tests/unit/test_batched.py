@@ -3,12 +3,15 @@ coordinator's intake measures and refuses items. No broker: every refusal happen
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from carpool.batching import Request
+from carpool.celery_app import app
 from carpool.config import Settings
 from carpool.coordinator import policy_config, task_policy_config
 from carpool.coordinator.intake import take_in
@@ -65,6 +68,46 @@ def test_bad_limits_are_refused_when_the_task_is_defined(kwargs: dict[str, Any],
 def test_two_functions_under_one_name_is_a_configuration_error() -> None:
     with pytest.raises(ConfigError, match=r"two batched tasks are named 'unit\.declared'"):
         batched(name="unit.declared")(lambda items: items)
+
+
+_CLASH = """
+from carpool.celery_app import app
+from carpool.tasks import batched
+
+def one(x):
+    return x
+
+if {plain_first}:
+    app.task(name="unit.clash")(one).name
+    batched(name="unit.clash")(lambda items: items).name
+else:
+    batched(name="unit.clash")(lambda items: items).name
+    app.task(name="unit.clash")(one).name
+"""
+
+
+@pytest.mark.parametrize("plain_first", [True, False])
+def test_a_batched_task_and_a_plain_task_under_one_name_is_a_configuration_error(plain_first: bool) -> None:
+    # Celery would hand the first task registered under the name to the second decorator, silently.
+    # A process of its own: every app finalized in it afterwards would meet the clash again.
+    done = subprocess.run(
+        [sys.executable, "-c", _CLASH.format(plain_first=plain_first)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "ConfigError: 'unit.clash' names both a @batched task and a plain Celery task" in done.stderr
+
+
+def test_a_module_imported_again_decorates_the_same_function_without_a_clash() -> None:
+    def again(items: list[Any]) -> list[Any]:
+        return items
+
+    first = batched(name="unit.imported_twice")(again)
+    second = batched(name="unit.imported_twice")(again)
+    assert first.name == second.name == "unit.imported_twice"
+    assert app.tasks["unit.imported_twice"].spec.fn is again
 
 
 @pytest.mark.parametrize(
