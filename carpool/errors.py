@@ -37,10 +37,6 @@ class UnsupportedOption(InvalidInput, TypeError):
     """Raised at ``.delay()`` for a Celery option a carpool task cannot honour; the message says why."""
 
 
-class UnroutableLink(ConfigError):
-    """Raised when a chain's next step or a callback would go to the batch queue, where no worker runs it."""
-
-
 class DeadlineExceeded(CarpoolError):
     """Raised when a request's deadline passed before it could run."""
 

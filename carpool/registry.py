@@ -188,6 +188,8 @@ class BatchedSpec(TaskSpec):
 
 
 def _increasing_positive(edges: tuple[int, ...]) -> bool:
+    if not isinstance(edges, tuple):  # one number, or a string: what @batched could not read as edges
+        return False
     ok = all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in edges)
     return ok and bool(edges) and list(edges) == sorted(set(edges))
 
@@ -220,6 +222,7 @@ def routing_keys(specs: Iterable[TaskSpec], settings: Settings) -> dict[str, Tas
     """The task of each routing key; a key two tasks claim (a model named like a task) is refused."""
     out: dict[str, TaskSpec] = {}
     for spec in specs:
+        check_batch_queue(spec, settings)
         for key in spec.keys(settings):
             other = out.setdefault(key, spec)
             if other is not spec:
@@ -228,6 +231,17 @@ def routing_keys(specs: Iterable[TaskSpec], settings: Settings) -> dict[str, Tas
                     "a @batched task?); rename the task (name=) or the model"
                 )
     return out
+
+
+def check_batch_queue(spec: TaskSpec, settings: Settings) -> None:
+    """Refuse a task whose own batch queue is the request queue: workers would take the raw requests
+    off it, past the coordinators, and run them one at a time."""
+    if spec.batch_queue is not None and spec.batch_queue == settings.request_queue:
+        raise ConfigError(
+            f"batched task {spec.name!r}: batch_queue={spec.batch_queue!r} is the request queue"
+            " (CARPOOL_REQUEST_QUEUE), which the coordinators drain; give its batches a queue of their"
+            " own"
+        )
 
 
 def import_task_modules(modules: Iterable[str]) -> list[str]:

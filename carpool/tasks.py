@@ -25,14 +25,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 from celery import Task
 from celery.result import AsyncResult
 from redis.exceptions import RedisError
 
 from carpool.celery_edge.app import app, settings_of, state_of
-from carpool.celery_edge.options import check_options
+from carpool.celery_edge.options import check_options, check_send_settings
 from carpool.models.task import InferSpec
 from carpool.names import INFER_TASK, SENT_AT_HEADER
 from carpool.producer.submit import publish_tasks
@@ -72,7 +72,10 @@ class BatchedTask(Task):  # type: ignore[misc]  # Celery is untyped
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         self.validate(args, kwargs)
+        check_send_settings(self.name, self.app, self)
         check_options(self.name, options, self.app)
+        if self.priority and options.get("priority") is None:  # task_default_priority, as Celery adds it
+            options["priority"] = self.priority
         # The coordinator drains the request queue, whatever the app's default queue is.
         options.setdefault("queue", settings_of(self.app).request_queue)
         headers = dict(options.pop("headers", None) or {})
@@ -191,7 +194,8 @@ def batched(
             length=length_fn,
             max_batch=max_batch,
             max_tokens=max_tokens,
-            bin_edges=bins if bins is None or bins == "auto" else tuple(bins),
+            # Anything but a list of edges or "auto" is left for the spec to refuse, naming it.
+            bin_edges=tuple(bins) if isinstance(bins, list | tuple | range) else cast(Any, bins),
             batch_queue=batch_queue,
         )
         register(spec)

@@ -30,6 +30,7 @@ class Links(TypedDict, total=False):
     chain: list[dict[str, Any]]  # the rest of a chain, the next step last (Celery's embed order)
     root_id: str  # the id of the canvas's first task (Celery's root_id header)
     parent_id: str  # the id of the task whose result this request received
+    priority: int  # the request's own priority, for Celery's task_inherit_parent_priority (not 0)
 
 
 class RequestSlot(TypedDict):

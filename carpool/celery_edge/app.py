@@ -151,13 +151,36 @@ def _same_spec(a: Any, b: Any) -> bool:
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@;\s'\"]*:)[^@;\s'\"]+@")
 
 
-def _batched_to(request_queue: str) -> Any:
-    """A Celery router sending every ``@batched`` task's requests to the request queue."""
+_MAP_TASKS = frozenset({"celery.map", "celery.starmap"})
 
-    def route(name: str, *_: Any, **__: Any) -> dict[str, str] | None:
+
+def _batched_to(request_queue: str) -> Any:
+    """A Celery router sending every ``@batched`` task's requests to the request queue, and refusing
+    a ``.map()`` / ``.starmap()`` / ``.chunks()`` of one before it is sent."""
+
+    def route(
+        name: str, args: Any = None, kwargs: Any = None, *_: Any, task: Any = None, **__: Any
+    ) -> dict[str, str] | None:
         from carpool.registry import spec_for
 
-        return {"queue": request_queue} if spec_for(name) is not None else None
+        sent = getattr(task, "name", None) or name
+        # Celery's celery.map / celery.starmap (.map(), .starmap(), and each part of .chunks()): one
+        # message holding every item, which the coordinators cannot batch. .map() routes it as the
+        # task it calls; a group of chunks sends it under its own name, the task in its kwargs.
+        called = name
+        if name in _MAP_TASKS and isinstance(kwargs, dict) and isinstance(kwargs.get("task"), dict):
+            called = str(kwargs["task"].get("task"))
+        if spec_for(called) is None:
+            return None
+        if sent != called:
+            from carpool.errors import UnsupportedOption
+
+            raise UnsupportedOption(
+                f"{called}: .map(), .starmap() and .chunks() ({sent}) are not supported by carpool"
+                " tasks: Celery runs every item of them in one task, unbatched; send the items with"
+                " carpool.submit_many(items, task=...) and collect them with carpool.gather()"
+            )
+        return {"queue": request_queue}
 
     return route
 
@@ -179,13 +202,16 @@ def create_app(settings: Settings | None = None) -> Celery:
         # Both, whichever this process writes: results stored under the other setting stay readable.
         result_accept_content=["json", "msgpack"],
         task_routes=(
+            _batched_to(settings.request_queue),
             {
                 INFER_TASK: {"queue": settings.request_queue},
                 RUN_BATCH_TASK: {"queue": settings.batch_queue},
             },
-            _batched_to(settings.request_queue),
         ),
-        task_default_queue=settings.batch_queue,
+        # A name this process cannot route (send_task of a task whose module it does not import, a
+        # link to one) goes to the coordinators, which batch it or answer why they cannot; on the
+        # batch queue a worker's tracer would run it alone, unchecked, or leave it unanswered.
+        task_default_queue=settings.request_queue,
         result_expires=settings.result_expires_s,
         # One batch at a time per worker process: the coordinator, not the prefetch, sizes batches.
         worker_prefetch_multiplier=1,

@@ -11,8 +11,8 @@ request's result is stored, the process that stored it applies them as ``celery/
   raises instead of waiting forever), and the error callbacks are called through the backend, which
   runs new-style ``(request, exc, traceback)`` ones in this process and sends the others as tasks.
 
-A callback, error callback or chain step that cannot be sent (a carpool task refusing its arguments,
-a task that would fall to the batch queue) has its failure stored under its own id, and a chain's
+A callback, error callback or chain step that cannot be sent (a carpool task refusing its arguments)
+has its failure stored under its own id, and a chain's
 under the ids its result waits on, so whoever waits on it gets the error instead of waiting forever.
 
 Links are applied after the results are stored, outside the script that stores them: a process that
@@ -32,7 +32,7 @@ from celery.canvas import maybe_signature
 
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
-from carpool.celery_edge.options import CHORD_TASK, check_options, unroutable
+from carpool.celery_edge.options import CHORD_TASK, check_options
 from carpool.celery_edge.results import FAILURE
 from carpool.errors import InvalidInput, described
 from carpool.registry import spec_for
@@ -90,21 +90,30 @@ def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[
     them, so the callback's or the chain's result says why instead of never coming.
     """
     root_id = links.get("root_id") or request_id
+    # task_inherit_parent_priority: the tracer sends the next steps at the request's own priority.
+    inherited: dict[str, Any] = {}
+    if app.conf.task_inherit_parent_priority and "priority" in links:
+        inherited["priority"] = links["priority"]
     failed: list[Entry] = []
     callbacks = links.get("callbacks")
     if callbacks:
         signatures, failed = _sendable(app, request_id, "callback", callbacks, (result,))
         try:
-            _apply_callbacks(app, signatures, result, request_id, root_id)
+            _apply_callbacks(app, signatures, result, request_id, root_id, inherited)
         except Exception:
             log.exception("request %s: applying its callbacks failed; they are lost", request_id)
     chain = links.get("chain")
     if not chain:
         return failed
     try:
-        step = _routed(app, maybe_signature(chain[-1], app=app))
+        step = maybe_signature(chain[-1], app=app)
         step.apply_async(
-            (result,), chain=chain[:-1], parent_id=request_id, root_id=root_id, add_to_parent=False
+            (result,),
+            chain=chain[:-1],
+            parent_id=request_id,
+            root_id=root_id,
+            add_to_parent=False,
+            **inherited,
         )
     except Exception as exc:
         log.warning("request %s: the chain's next step could not be sent: %s", request_id, exc)
@@ -147,10 +156,9 @@ def _refusal(app: Celery, sig: Any, args: tuple[Any, ...]) -> Exception | None:
                 return why
         return None
     spec = spec_for(sig.task)
+    if spec is None:  # a plain Celery task's, or one the coordinators batch (their CARPOOL_IMPORTS)
+        return None
     try:
-        if spec is None:
-            _routed(app, sig)
-            return None
         merged_args, merged_kwargs, options = sig._merge(args, None, None)
         check_options(sig.task, options, app)
         spec.accept(merged_args, merged_kwargs, settings_of(app))
@@ -159,8 +167,16 @@ def _refusal(app: Celery, sig: Any, args: tuple[Any, ...]) -> Exception | None:
     return None
 
 
-def _apply_callbacks(app: Celery, signatures: list[Any], result: Any, parent_id: str, root_id: str) -> None:
+def _apply_callbacks(
+    app: Celery,
+    signatures: list[Any],
+    result: Any,
+    parent_id: str,
+    root_id: str,
+    inherited: Mapping[str, Any],
+) -> None:
     options: dict[str, Any] = {"parent_id": parent_id, "root_id": root_id, "add_to_parent": False}
+    options.update(inherited)
     if not signatures:
         return
     if len(signatures) == 1:
@@ -173,17 +189,6 @@ def _apply_callbacks(app: Celery, signatures: list[Any], result: Any, parent_id:
     plain = [sig for sig in signatures if not isinstance(sig, group)]
     if plain:
         group(plain, app=app).apply_async((result,), **options)
-
-
-def _routed(app: Celery, sig: Any) -> Any:
-    """``sig``, or raise :class:`~carpool.errors.UnroutableLink` when it would go to the batch queue
-    (see :func:`carpool.celery_edge.options.unroutable`)."""
-    if isinstance(sig, group):
-        return sig
-    refused = unroutable(app, sig.task, sig.options)
-    if refused is not None:
-        raise refused
-    return sig
 
 
 def on_failure(app: Celery, request_id: str, task_name: str | None, links: Links, exc: BaseException) -> None:

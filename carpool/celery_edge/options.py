@@ -8,16 +8,16 @@ Options it cannot honour would be dropped without a word; each is refused at the
 what to do about it. The signatures in ``link`` / ``link_error`` / ``chain`` are checked the same way
 (each carpool step's own options, a chord with a carpool task in its header): one that failed
 only when the worker applied it would fail later than the call. A step naming a task this process
-does not import is left to the process that applies it, which may know it
-(:func:`unroutable`)."""
+does not import is left to the process that applies it, which may know it; one that no process
+sending it knows goes, with no queue of its own, to the request queue (the app's default queue),
+where the coordinators batch it (their ``CARPOOL_IMPORTS``) or answer it with an error."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
-from carpool.celery_edge.app import settings_of
-from carpool.errors import ConfigError, UnroutableLink, UnsupportedOption
+from carpool.errors import ConfigError, UnsupportedOption
 from carpool.registry import spec_for
 
 if TYPE_CHECKING:
@@ -39,10 +39,35 @@ CHORD_TASK: Final = "celery.chord"
 _NESTING: Final = frozenset({"celery.group", "celery.chain"})  # their kwargs["tasks"] are signatures
 
 
+def check_send_settings(task_name: str, app: Celery, task: Any = None) -> None:
+    """Raise :class:`~carpool.errors.UnsupportedOption` for an app setting (or ``task``'s own
+    attribute) that Celery's ``apply_async`` would add to every call, and carpool cannot honour:
+    a call's own option is refused by :func:`check_options`, and the setting must not do quietly
+    what the option may not (a compressed or pickled request is unreadable to the coordinators)."""
+    conf = app.conf
+    serializer = getattr(task, "serializer", None) or conf.task_serializer
+    if serializer not in (None, "json"):
+        raise UnsupportedOption(
+            f"{task_name}: task_serializer={serializer!r} is not supported by carpool tasks: requests"
+            " are plain JSON; set task_serializer='json' on this app"
+        )
+    compression = getattr(task, "compression", None) or conf.task_compression
+    if compression:
+        raise UnsupportedOption(
+            f"{task_name}: task_compression={compression!r} is not supported by carpool tasks: requests"
+            " are plain JSON; unset task_compression on this app"
+        )
+    ignore = getattr(task, "ignore_result", None)
+    if ignore if ignore is not None else conf.task_ignore_result:
+        raise UnsupportedOption(
+            f"{task_name}: task_ignore_result=True is not supported by carpool tasks: "
+            f"{_WHY['ignore_result']}; set it False for this app"
+        )
+
+
 def check_options(task_name: str, options: Mapping[str, Any], app: Celery) -> None:
     """Raise :class:`~carpool.errors.UnsupportedOption` for the first option carpool cannot honour,
-    in ``options`` or in a signature its ``link`` / ``link_error`` / ``chain`` holds (or
-    :class:`~carpool.errors.UnroutableLink` for such a signature that would go to the batch queue)."""
+    in ``options`` or in a signature its ``link`` / ``link_error`` / ``chain`` holds."""
     for name, value in options.items():
         why = _WHY.get(name)
         if why is not None and value not in (None, False, [], ()):
@@ -91,8 +116,8 @@ def _check_step(app: Celery, where: str, step: Any) -> None:
         # only once the step's turn came, leaving its result waiting.
         check_options(f"{where} {task}", options, app)
     # Any other step is a plain Celery task's, whose worker honours its options, or a task this
-    # process does not import: the process that applies it (a worker or coordinator, with
-    # CARPOOL_IMPORTS) may know it, and stores its failure under its id if it cannot send it.
+    # process does not import: sent with no queue of its own, it goes to the request queue, whose
+    # coordinators batch it (their CARPOOL_IMPORTS) or answer it with an error under its id.
 
 
 def _carpool_tasks(step: Any) -> Iterator[str]:
@@ -113,26 +138,6 @@ def _carpool_tasks(step: Any) -> Iterator[str]:
             yield from _carpool_tasks(member)
     elif isinstance(task, str) and spec_for(task) is not None:
         yield task
-
-
-def unroutable(app: Celery, task: str, options: Mapping[str, Any]) -> UnroutableLink | None:
-    """Why a signature of ``task`` with ``options``, sent from this process, would go to the batch
-    queue, or None.
-
-    The carpool app's default queue is the batch queue, so a task this process does not know (a plain
-    Celery task whose module it does not import), sent without a queue of its own, would land where
-    batch workers reject it as unregistered, and its caller would wait forever.
-    """
-    if task in app.tasks:
-        return None
-    queue = app.amqp.router.route(dict(options), task, (), {})["queue"]
-    if queue.name != settings_of(app).batch_queue:
-        return None
-    return UnroutableLink(
-        f"{task!r} is not a task this process knows and the signature names no queue, so it "
-        f"would go to the batch queue {queue.name!r}; give it its queue (sig.set(queue=...)) or "
-        "import its module here (CARPOOL_IMPORTS)"
-    )
 
 
 def check_app_conf(app: Celery, task_names: Iterable[str]) -> None:

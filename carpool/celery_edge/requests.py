@@ -62,18 +62,31 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not task_id:
         raise MalformedMessage("Celery message without a task id")
+    inbox = headers.get(INBOX_HEADER)
+    inbox = inbox if type(inbox) is str and inbox else None
+
+    def refused(why: str) -> RefusedMessage:
+        # A message that names its task and id is answered under that id, whatever else is wrong.
+        return RefusedMessage(why, task_id=task_id, task=task, inbox=inbox)
+
     props = envelope.get("properties") or {}
     if not isinstance(props, dict):
-        raise MalformedMessage("not a Celery message: its properties are not an object")
+        raise refused("not a Celery message: its properties are not an object")
+    compression = headers.get("compression")
+    if compression:
+        raise refused(
+            f"the message body is compressed ({compression}): carpool requests are plain JSON; send"
+            " them from an app without task_compression (or compression=)"
+        )
     body = envelope.get("body")
     try:
         if props.get("body_encoding") == "base64":
             if not isinstance(body, str | bytes):
-                raise MalformedMessage("message body is missing")
+                raise refused("message body is missing")
             body = base64.b64decode(body, validate=True)
         content_type = envelope.get("content-type", "application/json")
         if not isinstance(body, str | bytes):
-            raise MalformedMessage("message body is missing")
+            raise refused("message body is missing")
         if content_type == "application/json" and envelope.get("content-encoding", "utf-8") == "utf-8":
             # What every Celery producer sends: plain JSON decoding, without kombu's registry lookups
             # (which cost as much again as the decoding, per request). kombu's type tags
@@ -85,13 +98,14 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
                 body, content_type, envelope.get("content-encoding", "utf-8"), accept={"application/json"}
             )
     except ContentDisallowed:
-        raise MalformedMessage(
-            f"content type {envelope.get('content-type')!r} refused: carpool accepts JSON only"
+        raise refused(
+            f"content type {envelope.get('content-type')!r} refused: carpool accepts JSON only (send"
+            " from an app with task_serializer='json')"
         ) from None
     except (DecodeError, binascii.Error, TypeError, ValueError) as exc:
-        raise MalformedMessage(f"message body does not decode: {exc}") from None
+        raise refused(f"message body does not decode: {exc}") from None
     if not (isinstance(decoded, list) and len(decoded) == 3):
-        raise MalformedMessage("message body is not Celery protocol 2 (args, kwargs, embed)")
+        raise refused("message body is not Celery protocol 2 (args, kwargs, embed)")
     args, kwargs, embed = decoded
     eta = headers.get("eta")
     links = None
@@ -100,8 +114,6 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         type(embed) is dict and (embed.get("callbacks") or embed.get("errbacks") or embed.get("chain"))
     ):
         links = _links(embed, headers)
-    inbox = headers.get(INBOX_HEADER)
-    inbox = inbox if type(inbox) is str and inbox else None
     # The worker decodes a batch message with kombu's type tags: a tag in a link that does not decode
     # would fail the whole batch. Its key is in the body as "__type__" or escaped (\u...).
     if links is not None and _may_hold_tag(body):
@@ -123,12 +135,15 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
             links=links,
             inbox=inbox,
         )
+    priority = _priority(props.get("priority"))
+    if links is not None and priority:
+        links["priority"] = priority
     return Incoming(
         id=task_id,
         task=task,
         args=args,
         kwargs=kwargs,
-        priority=_priority(props.get("priority")),
+        priority=priority,
         sent_at=_number(headers.get(SENT_AT_HEADER)),
         expires_at=expires_at,
         argsrepr=str(headers.get("argsrepr") or "")[:200],

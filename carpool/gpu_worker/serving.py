@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from carpool.config import Settings
 from carpool.errors import ConfigError
-from carpool.registry import TaskSpec, import_task_modules, registered
+from carpool.registry import TaskSpec, check_batch_queue, import_task_modules, registered
 
 
 def served_tasks(serve: tuple[str, ...], specs: dict[str, TaskSpec]) -> frozenset[str]:
@@ -32,6 +32,7 @@ def batch_queues(settings: Settings) -> list[str]:
     specs = registered()
     queues = []
     for task in sorted(served_tasks(settings.serve_tasks, specs)):
+        check_batch_queue(specs[task], settings)
         queue = specs[task].batch_queue or settings.batch_queue
         if queue not in queues:
             queues.append(queue)

@@ -40,6 +40,7 @@ from carpool import collector
 from carpool.celery_edge.app import settings_of, state_of
 from carpool.celery_edge.events import EventsMode
 from carpool.celery_edge.inbox import inbox_channel, mark
+from carpool.celery_edge.options import check_send_settings
 from carpool.celery_edge.result_consumer import subscribe_results, unsubscribe_results
 from carpool.celery_edge.task_messages import TaskMessageBuilder, TaskMessages
 from carpool.errors import InvalidInput, SubmitInterrupted
@@ -133,6 +134,10 @@ def submit_many(
     if task is not None and getattr(task, "name", task) != INFER_TASK:
         spec = _batched_spec(task, model)
         name = spec.name
+    task_object = task if hasattr(task, "name") else None
+    check_send_settings(name, app, task_object)
+    if options.get("priority") is None:  # task_default_priority, as .delay() adds it
+        options["priority"] = getattr(task_object, "priority", None) or app.conf.task_default_priority
     with collector.paused():  # thousands of small objects that all live on
         calls = _item_calls(payloads, spec, settings) if spec else _infer_calls(payloads, model, settings)
     headers = dict(options.pop("headers", None) or {})

@@ -115,3 +115,42 @@ def test_dedicated_workers_run_only_their_tasks(processes: Processes) -> None:
     assert {s["pid"] for s in summed} == {pairs_worker.pid}
     assert {s["pid"] for s in shouted} == {text_worker.pid}
     assert all(s["sum"] == 3 for s in summed) and all(s["out"] == "HEY" for s in shouted)
+
+
+_SEND_BY_NAME = """
+import sys
+from carpool.celery_app import app  # not the tasks' module: the name is all this producer knows
+from carpool.registry import spec_for
+
+assert spec_for(sys.argv[1]) is None
+fine = app.send_task(sys.argv[1], args=["abc"])
+too_big = app.send_task(sys.argv[1], args=[[2**70]])
+print(fine.get(timeout=60))
+try:
+    too_big.get(timeout=60)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_send_task_by_name_from_a_producer_without_the_tasks_module_is_batched(
+    processes: Processes,
+) -> None:
+    # Celery routes a name it cannot look up to the app's default queue: the request queue, whose
+    # coordinators check and batch it (the worker's tracer would run it alone, unchecked).
+    import subprocess
+    import sys
+
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, CARPOOL_IMPORTS=IMPORTS, CARPOOL_MODEL="toy")
+    done = subprocess.run(
+        [sys.executable, "-c", _SEND_BY_NAME, t.count.name],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    fine, refused = done.stdout.splitlines()
+    assert fine == "3"
+    assert refused.startswith("InvalidInput") and "64" in refused, refused

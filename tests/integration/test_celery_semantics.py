@@ -11,6 +11,7 @@ import json
 import re
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import redis
@@ -21,7 +22,7 @@ from celery.result import AsyncResult
 from carpool.celery_app import app as carpool_app
 from carpool.errors import InvalidInput, UnsupportedOption
 from carpool.redis_edge.keys import Keys
-from tests.integration.conftest import Processes, assert_same_vectors, start_stack, wait_for
+from tests.integration.conftest import Processes, assert_same_vectors, server_of, start_stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -164,10 +165,15 @@ def test_a_callback_that_cannot_be_sent_fails_under_its_own_id(processes: Proces
     refusing, counted = infer.s(), t.count.s()
     for sig in (refusing, counted):
         sig.freeze()
-    shouted = t.shout.apply_async(("hi",), link=[refusing, counted])
+    # A task no process knows, with no queue of its own: the coordinators answer it under its id.
+    unknown = carpool_app.signature("nobody.knows")
+    unknown.freeze()
+    shouted = t.shout.apply_async(("hi",), link=[refusing, counted, unknown])
     assert shouted.get(timeout=30)["out"] == "HI"
     with pytest.raises(InvalidInput, match="text must be a str"):
         carpool_app.AsyncResult(refusing.id).get(timeout=30)
+    with pytest.raises(InvalidInput, match=r"unknown task name 'nobody\.knows'.*CARPOOL_IMPORTS"):
+        carpool_app.AsyncResult(unknown.id).get(timeout=30)
     assert carpool_app.AsyncResult(counted.id).get(timeout=30) == len(shouted.get(timeout=30))
 
     # An old-style error callback is sent the failed request's id: with an argument of its own,
@@ -272,6 +278,17 @@ def test_what_cannot_be_honoured_is_refused_at_the_call(processes: Processes) ->
     # In a chain, Celery makes a group followed by a task a chord: refused too, not left waiting.
     with pytest.raises(UnsupportedOption, match="chord"):
         chain(t.shout.s("a"), group(t.count.s(), t.count.s()), t.count.s()).apply_async()
+    # Celery would send every item in one message, which no coordinator can batch.
+    mapped: list[tuple[Any, str]] = [
+        (t.count.map(["a", "bb"]), "celery.map"),
+        (t.count.starmap([["a"], ["bb"]]), "celery.starmap"),
+        (t.count.chunks([["a"], ["bb"], ["ccc"]], 2), "celery.starmap"),
+    ]
+    for canvas, sent_as in mapped:
+        with pytest.raises(UnsupportedOption, match=rf"\.chunks\(\) \({sent_as}\).*submit_many"):
+            canvas.apply_async()
+    client = redis.Redis(port=server_of(processes).port)
+    assert client.llen("carpool.requests") == 0, "nothing was sent"
 
 
 def test_a_revoke_reaches_requests_the_coordinator_holds(processes: Processes) -> None:

@@ -84,3 +84,31 @@ def test_take_finds_the_task_id_however_the_message_is_written(clean_redis: Embe
     for request_id, raw in taken[:3]:
         assert protocol.decode(raw).id == request_id
         assert client.hget(Keys("carpool.requests").inflight_raw, request_id) == raw
+
+
+def test_the_apps_default_priority_reaches_every_request(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Celery's apply_async adds task_default_priority (a task's priority attribute) to every call;
+    # carpool's direct publish and submit_many must too, or the policy never sees it.
+    import carpool
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    client = redis.Redis(port=clean_redis.port)
+    monkeypatch.setattr(infer, "priority", 7)  # what task_default_priority=7 makes it at bind
+    monkeypatch.setattr(t.count, "priority", 7)
+    monkeypatch.setitem(infer.app.conf, "task_default_priority", 7)
+    sent = [
+        infer.delay("direct"),
+        t.count.delay("direct"),
+        infer.apply_async(("celery's path",), countdown=0),
+    ]
+    sent += carpool.submit_many(["many"], subscribe=False) + carpool.submit_many(["x"], task=t.count)
+    sent.append(infer.apply_async(("its own",), priority=2))
+    decoded = {}
+    for key in Keys("carpool.requests").request_lists:
+        for raw in client.lrange(key, 0, -1):
+            msg = protocol.decode(as_bytes(raw), (infer.name, t.count.name))
+            decoded[msg.id] = msg.priority
+    assert [decoded[r.id] for r in sent] == [7, 7, 7, 7, 7, 2]

@@ -65,6 +65,13 @@ def test_bad_limits_are_refused_when_the_task_is_defined(kwargs: dict[str, Any],
         BatchedSpec("bad", lambda items: items, len, **kwargs)
 
 
+@pytest.mark.parametrize(("bins", "shown"), [(16, "16"), ("16", "'16'"), ([16, 4], r"\(16, 4\)")])
+def test_bins_that_are_no_increasing_edges_are_refused_by_the_decorator(bins: Any, shown: str) -> None:
+    refused = rf"bins must be 'auto' or increasing positive integers, not {shown}$"
+    with pytest.raises(ValueError, match=refused):
+        batched(name="unit.bad_bins", bins=bins)(lambda items: items)
+
+
 def test_two_functions_under_one_name_is_a_configuration_error() -> None:
     with pytest.raises(ConfigError, match=r"two batched tasks are named 'unit\.declared'"):
         batched(name="unit.declared")(lambda items: items)
@@ -98,6 +105,37 @@ def test_a_batched_task_and_a_plain_task_under_one_name_is_a_configuration_error
     )
     assert done.returncode != 0
     assert "ConfigError: 'unit.clash' names both a @batched task and a plain Celery task" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "match"),
+    [
+        ("task_compression", "zlib", r"task_compression='zlib' is not supported.*unset task_compression"),
+        ("serializer", "pickle", r"task_serializer='pickle' is not supported.*task_serializer='json'"),
+        ("serializer", "msgpack", r"task_serializer='msgpack' is not supported"),
+        ("ignore_result", True, r"task_ignore_result=True is not supported.*set it False"),
+    ],
+)
+def test_app_settings_a_request_cannot_honour_are_refused_before_anything_is_sent(
+    monkeypatch: pytest.MonkeyPatch, setting: str, value: Any, match: str
+) -> None:
+    # Celery adds them to every call: a compressed or pickled request is one no coordinator reads.
+    import carpool
+
+    if setting.startswith("task_"):
+        monkeypatch.setitem(app.conf, setting, value)
+    else:  # task_serializer / task_ignore_result: Celery copies them onto each task when it binds
+        for task in (shout, infer):
+            monkeypatch.setattr(task, setting, value)
+        monkeypatch.setitem(app.conf, f"task_{setting}", value)
+    for call in (
+        lambda: shout.delay("a"),
+        lambda: infer.apply_async(("a",), countdown=1),
+        lambda: carpool.submit_many(["a"], task=shout),
+        lambda: carpool.submit_many(["a"]),
+    ):
+        with pytest.raises(UnsupportedOption, match=match):
+            call()
 
 
 def test_a_module_imported_again_decorates_the_same_function_without_a_clash() -> None:

@@ -13,7 +13,7 @@ from carpool.config import Settings
 from carpool.errors import ConfigError, InputTooLong, InvalidInput
 from carpool.models.task import InferSpec
 from carpool.names import INFER_TASK
-from carpool.registry import BatchedSpec, import_task_modules, registered, routing_keys
+from carpool.registry import BatchedSpec, check_batch_queue, import_task_modules, registered, routing_keys
 from carpool.tasks import batched, infer
 from tests.unit.messages import message
 from tests.unit.test_coordinator_loop import Clocks, coordinator
@@ -46,6 +46,18 @@ def test_a_routing_key_two_tasks_claim_is_a_configuration_error() -> None:
     assert routing_keys([infer.spec, reverse.spec], settings)["toy"] is infer.spec
     with pytest.raises(ConfigError, match=r"routes requests of both carpool\.infer and pkg\.mod:Model"):
         routing_keys([infer.spec, clash], settings)
+
+
+def test_a_task_whose_batches_would_go_to_the_request_queue_is_refused_by_coordinator_and_worker() -> None:
+    settings = Settings(model="toy", request_queue="team.requests")
+    astray = BatchedSpec("unit.astray", lambda items: items, len, batch_queue="team.requests")
+    own = BatchedSpec("unit.own_queue", lambda items: items, len, batch_queue="team.batches.own")
+    assert routing_keys([own], settings) == {"unit.own_queue": own}
+    refused = r"'unit\.astray': batch_queue='team\.requests' is the request queue"
+    with pytest.raises(ConfigError, match=refused):
+        routing_keys([infer.spec, astray], settings)
+    with pytest.raises(ConfigError, match=refused):
+        check_batch_queue(astray, settings)  # what the worker's batch_queues() asks of each task
 
 
 def test_prepare_tokenizes_once_and_refuses_texts_over_the_window_in_place() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,10 +90,36 @@ def test_an_infinite_priority_counts_as_none_given(priority: float) -> None:
     assert out.admitted[0][1].priority == out.admitted[1][1].priority
 
 
-def test_properties_that_are_not_an_object_make_the_message_malformed() -> None:
-    out, _ = run([("a", rewritten(message("a", "hi"), properties=[1])), ("b", message("b", "hi"))])
-    [bad] = out.malformed
-    assert bad.id == "a" and "properties are not an object" in bad.reason
+def compressed(raw: bytes) -> bytes:
+    """``raw`` as Celery sends it with ``task_compression="zlib"``."""
+    import zlib
+
+    out = json.loads(raw)
+    out["headers"]["compression"] = "application/x-gzip"
+    out["body"] = base64.b64encode(zlib.compress(base64.b64decode(out["body"]))).decode()
+    return json.dumps(out).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (rewritten(message("a", "hi"), properties=[1]), "its properties are not an object"),
+        (compressed(message("a", "hi")), r"compressed \(application/x-gzip\).*task_compression"),
+        (
+            rewritten(message("a", "hi"), content_type="application/x-python-serialize"),
+            r"content type 'application/x-python-serialize' refused.*task_serializer='json'",
+        ),
+        (rewritten(message("a", "hi"), body="!!"), "message body does not decode"),
+    ],
+)
+def test_a_message_naming_its_id_whose_body_cannot_be_read_is_answered_under_that_id(
+    raw: bytes, why: str
+) -> None:
+    # Dead-lettered, its caller would wait for ever: the id says where the answer goes.
+    out, _ = run([("a", raw), ("b", message("b", "hi"))])
+    [refused] = out.refused
+    assert refused.id == "a" and refused.reason == "invalid" and out.malformed == []
+    assert isinstance(refused.error, InvalidInput) and re.search(why, str(refused.error))
     assert admitted_ids(out) == ["b"]
 
 

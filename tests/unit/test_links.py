@@ -10,7 +10,7 @@ from celery import group
 
 from carpool.celery_edge import links
 from carpool.celery_edge.app import app
-from carpool.errors import InvalidInput, ModelError, UnroutableLink
+from carpool.errors import InvalidInput, ModelError
 from carpool.tasks import infer
 from carpool.wire import Links
 
@@ -57,6 +57,30 @@ def test_a_callback_gets_the_result_with_the_request_as_parent(sent: list[dict[s
 def test_without_a_root_id_the_request_is_the_root(sent: list[dict[str, Any]]) -> None:
     links.on_success(app, "req", {"callbacks": [sig("other.task")]}, "out")
     assert sent[0]["root_id"] == "req"
+
+
+@pytest.mark.parametrize("inherit", [True, False])
+def test_the_next_steps_inherit_the_requests_priority_when_the_app_says_so(
+    sent: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, inherit: bool
+) -> None:
+    from carpool.celery_edge import requests as protocol
+    from tests.unit.messages import message
+
+    monkeypatch.setitem(app.conf, "task_inherit_parent_priority", inherit)
+    embed = {
+        "callbacks": [sig("callback.task")],
+        "errbacks": None,
+        "chain": [sig("next.step")],
+        "chord": None,
+    }
+    raw = message("req", "hi", embed=embed, priority=7)
+    lk = protocol.decode(raw).links
+    assert lk is not None and lk.get("priority") == 7
+    links.on_success(app, "req", lk, "out")
+    assert [(c["name"], c.get("priority")) for c in sent] == [
+        ("callback.task", 7 if inherit else None),
+        ("next.step", 7 if inherit else None),
+    ]
 
 
 def test_several_callbacks_are_sent_together(sent: list[dict[str, Any]]) -> None:
@@ -119,14 +143,14 @@ def test_new_style_error_callbacks_run_here_with_a_request_and_the_exception(
     assert sent == [] and seen_by_new_style == [("req", "boom")]
 
 
-def test_a_step_that_would_fall_to_the_batch_queue_fails_the_chain_instead(
-    sent: list[dict[str, Any]],
-) -> None:
-    # Not a task this process knows, and no queue: the app's default queue is the batch queue.
+def test_a_step_this_process_does_not_know_goes_to_the_coordinators(sent: list[dict[str, Any]]) -> None:
+    # Not a task this process knows, and no queue: the app's default queue is the request queue,
+    # whose coordinators batch it (a @batched task of their CARPOOL_IMPORTS) or answer its error.
     lk: Links = {"chain": [dict(app.signature("nobody.knows").set(task_id="t2"))]}
-    [(task_id, state, exc)] = links.on_success(app, "req", lk, "out")
-    assert sent == [] and (task_id, state) == ("t2", "FAILURE")
-    assert isinstance(exc, UnroutableLink) and "sig.set(queue=...)" in str(exc)
+    assert links.on_success(app, "req", lk, "out") == []
+    assert (sent[0]["name"], sent[0]["task_id"]) == ("nobody.knows", "t2")
+    assert app.amqp.router.route({}, "nobody.knows")["queue"].name == "carpool.requests"
+    sent.clear()
     # With a queue of its own it is sent there.
     routed: Links = {"chain": [sig("nobody.knows")]}
     assert links.on_success(app, "req", routed, "out") == []
