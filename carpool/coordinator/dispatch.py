@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,8 @@ from carpool.coordinator.answers import answer_expired
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -65,7 +68,7 @@ def _publish(c: Coordinator, batches: list[Batch], now: float) -> None:
     groups = list(c.publisher.by_queue(batches).items())
     for index, (queue, group) in enumerate(groups):
         try:
-            batch_ids = c.publisher.publish(queue, group, wall_now, c.events.take())
+            batch_ids, assigned = c.publisher.publish(queue, group, wall_now, c.events.take())
         except Exception:
             # This group and those after it, already cut from the policy, go back into it: left out,
             # their requests would stay held, their leases renewed, and never run.
@@ -77,6 +80,12 @@ def _publish(c: Coordinator, batches: list[Batch], now: float) -> None:
             raise
         for batch_id, batch in zip(batch_ids, group, strict=True):
             _dispatched(c, batch_id, batch, now)
+        # Requests reaped while this coordinator stalled past their leases were taken again, and
+        # are dispatched by whoever took them: counted there, not twice.
+        stale = sum(batch.size for batch in group) - assigned
+        if stale > 0:
+            c.stats.dispatched -= stale
+            log.info("%d requests of these batches had been reaped meanwhile; the worker skips them", stale)
 
 
 def _dispatched(c: Coordinator, batch_id: str, batch: Batch, now: float) -> None:

@@ -51,10 +51,12 @@ class BatchPublisher:
 
     def publish(
         self, queue: str, batches: list[Batch], wall_now: float, events: tuple[str, bytes] | None
-    ) -> list[str]:
+    ) -> tuple[list[str], int]:
         """Push ``batches`` to ``queue`` with ownership, lease renewal and ``events`` (published
-        first, so Flower sees requests received before started); returns the batch ids. Raises if
-        Redis did not take the call, and then nothing of it was applied."""
+        first, so Flower sees requests received before started); returns the batch ids and how many
+        of their requests were still in flight, and so assigned (a coordinator stalled past its
+        lease may hold requests another has reaped). Raises if Redis did not take the call, and
+        then nothing of it was applied."""
         batch_ids = [str(uuid.uuid4()) for _ in batches]  # Celery-style task ids: Flower lists them
         calls: list[tuple[list[Any], dict[str, Any]]] = []
         summaries: list[str] = []
@@ -88,7 +90,7 @@ class BatchPublisher:
         (queue_list, raws), *others = built.pushes.items()
         if others:
             raise RuntimeError("batch messages must all go to one list (no priorities on batches)")
-        self.store.dispatch(
+        assigned = self.store.dispatch(
             queue_list,
             [
                 (bid, [r.id for r in b.requests], raw)
@@ -97,7 +99,7 @@ class BatchPublisher:
             events,
         )
         built.published()
-        return batch_ids
+        return batch_ids, assigned
 
     def _builder(self, queue: str) -> TaskMessageBuilder:
         builder = self._builders.get(queue)

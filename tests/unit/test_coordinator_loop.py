@@ -56,6 +56,7 @@ class FakeStore:
         self.reports: list[dict[str, Any]] = []
         self.acked: list[str] = []
         self.dispatched: list[tuple[str, list[str]]] = []
+        self.reaped: set[str] = set()  # ids another coordinator reaped: dispatch no longer assigns them
         self.wait_error: Exception | None = None  # what a wait in Redis answers
 
     def take(
@@ -100,7 +101,8 @@ class FakeStore:
         self, queue_list: str, batches: Sequence[tuple[str, Sequence[str], Any]], events: Any
     ) -> int:
         self.dispatched.extend((batch_id, list(ids)) for batch_id, ids, _ in batches)
-        return sum(len(ids) for _, ids, _ in batches)
+        # dispatch.lua assigns only what is still in flight: a request reaped meanwhile is not.
+        return sum(1 for _, ids, _ in batches for i in ids if i not in self.reaped)
 
 
 class FakeBackend:
@@ -762,6 +764,19 @@ def test_refused_credentials_are_logged_as_the_settings_to_change_and_retried(
     assert "invalid username-password pair" in record.getMessage()
     assert "CARPOOL_BROKER_URL and CARPOOL_RESULT_BACKEND" in record.getMessage()
     assert "redis unavailable" not in record.getMessage()
+
+
+def test_requests_reaped_while_the_coordinator_stalled_are_not_counted_dispatched(clocks: Clocks) -> None:
+    # Another coordinator reaped them past their leases, took them again and dispatches them: its
+    # count holds them, so taken = dispatched + requeued still adds up across the two.
+    c = coordinator(clocks, workers=1)
+    c.store.queue += [(i, message(i, "one two three")) for i in ("a", "b", "c")]
+    c.store.reaped = {"b", "c"}
+    for _ in range(10):
+        c.step()
+        clocks.advance(0.05)
+    assert [ids for _, ids in c.store.dispatched] == [["a", "b", "c"]]
+    assert c.stats.dispatched == 1 and c.stats.batches == 1
 
 
 def test_shutdown_writes_the_counts_of_this_run_before_it_ends(clocks: Clocks) -> None:
