@@ -97,9 +97,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = settings_of(app)
     decode_json_fast()
     # This process consumes the batch queue, onto which anyone may push anything: its kombu consumer
-    # logs and drops a list element that is no message instead of stopping. Set here, not for every
-    # app: Flower names its broker by the transport's URI, which would then be this class's path.
-    app.conf.update(compat.worker_broker_conf(settings.broker_url, app.conf.broker_use_ssl))
+    # logs and drops a list element that is no message instead of stopping. Set here, for this
+    # process only, not in every process that imports the app.
+    compat.guard_broker_transports()
     argv = [
         "worker",
         "--pool",

@@ -279,37 +279,21 @@ def new_client(channel: Any) -> Any:
 # --- kombu's Redis consumer (kombu.transport.redis.Channel._brpop_read) -------------------------
 
 
-def worker_broker_conf(url: str, use_ssl: Any) -> dict[str, Any]:
-    """The Celery settings that give a worker consuming the broker at ``url`` the guarded transport
-    (:func:`broker_transport`), with TLS as kombu itself gives a ``rediss://`` URL: kombu turns TLS
-    on for a URL without ``ssl_*`` options only when the transport is named ``rediss``, not a class
-    (``use_ssl``: the app's ``broker_use_ssl``, which takes precedence, as in kombu)."""
-    transport = broker_transport(url)
-    conf: dict[str, Any] = {"broker_transport": transport}
-    if transport is not None and url.startswith("rediss://") and not use_ssl:
-        from kombu.utils.url import parse_url
+def guard_broker_transports() -> None:
+    """In this process, kombu's Redis and Sentinel transports are the guarded ones (:func:`_guarded`),
+    under kombu's own names: a broker URL keeps its scheme, so kombu still gives ``rediss://`` its
+    TLS and ``redis+socket://`` its socket, and Celery's banner and logs name the URL as given.
+    For a worker's process only: every kombu connection it makes to Redis is then guarded."""
+    import kombu.transport
 
-        if not parse_url(url).get("ssl"):
-            import ssl
-
-            log.warning(
-                "Secure redis scheme specified (rediss) with no ssl options, defaulting to insecure SSL "
-                "behaviour (as kombu does): add ?ssl_cert_reqs=required to CARPOOL_BROKER_URL"
-            )
-            conf["broker_use_ssl"] = {"ssl_cert_reqs": ssl.CERT_NONE}
-    return conf
-
-
-def broker_transport(url: str) -> str | None:
-    """The kombu transport for a broker at ``url``: kombu's Redis (or Sentinel) transport whose
-    consumer sets aside a list element that is not a kombu message (:func:`_guarded`), or None
-    for any other URL (kombu then picks the transport from its scheme)."""
-    scheme = url.partition("://")[0]
-    if scheme in ("redis", "rediss"):
-        return f"{__name__}:GuardedRedisTransport"
-    if scheme == "sentinel":
-        return f"{__name__}:GuardedSentinelTransport"
-    return None
+    guarded = {
+        "redis": f"{__name__}:GuardedRedisTransport",
+        "rediss": f"{__name__}:GuardedRedisTransport",
+        "sentinel": f"{__name__}:GuardedSentinelTransport",
+    }
+    kombu.transport.TRANSPORT_ALIASES.update(guarded)
+    for name in guarded:  # kombu keeps each name's class once resolved
+        getattr(kombu.transport, "_transport_cache", {}).pop(name, None)
 
 
 def _guarded(base: Any) -> Any:
@@ -373,12 +357,12 @@ def _dropped(source: Any, item: Any, exc: BaseException) -> None:
 
 
 class GuardedRedisTransport(kombu_redis.Transport):
-    """kombu's Redis transport with :func:`_guarded`'s channel (:func:`broker_transport`)."""
+    """kombu's Redis transport with :func:`_guarded`'s channel (:func:`guard_broker_transports`)."""
 
     Channel = _guarded(kombu_redis.Channel)
 
 
 class GuardedSentinelTransport(kombu_redis.SentinelTransport):
-    """kombu's Redis Sentinel transport with :func:`_guarded`'s channel (:func:`broker_transport`)."""
+    """kombu's Redis Sentinel transport with :func:`_guarded`'s channel (:func:`guard_broker_transports`)."""
 
     Channel = _guarded(kombu_redis.SentinelChannel)

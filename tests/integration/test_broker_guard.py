@@ -1,4 +1,4 @@
-"""kombu's Redis consumer with carpool's guard (:func:`carpool.celery_edge.compat.broker_transport`):
+"""kombu's Redis consumer with carpool's guard (:func:`carpool.celery_edge.compat.guard_broker_transports`):
 a list element that is no kombu message is dropped and the messages after it are delivered; an
 error raised while a readable message is handled still propagates."""
 

@@ -71,10 +71,11 @@ def test_a_stack_on_a_unix_socket_serves_every_path_and_a_plain_celery_client(tm
             assert processes.procs["worker0"].poll() is None
 
 
-def test_flower_on_a_unix_socket_lists_the_requests_and_counts_the_batch_queue(tmp_path: Path) -> None:
+def test_flower_on_a_unix_socket_lists_the_requests_and_counts_a_queue(tmp_path: Path) -> None:
     """Flower, given carpool's app and the socket's URLs as every other process is: its event
     receiver (Redis pub/sub on the socket) lists each request as SUCCESS, and its broker API counts
-    the batch queue's messages, which it reads through its own socket client."""
+    a queue's messages (with no worker up, the app's default queue: the request queue), which it reads
+    through its own socket client."""
     import carpool.tasks  # noqa: F401  # registers carpool.infer on every app
 
     def api(path: str) -> Any:
@@ -92,8 +93,8 @@ def test_flower_on_a_unix_socket_lists_the_requests_and_counts_the_batch_queue(t
         )
         deadline = time.monotonic() + 60
         with redis.Redis(unix_socket_path=server.socket_path) as client:
-            # the batch queue, before anything consumes it: what Flower's broker page shows
-            client.rpush("carpool.batches", b"not-a-message-1", b"not-a-message-2")
+            # the request queue, before anything consumes it: what Flower's broker page shows
+            client.rpush("carpool.requests", b"not-a-message-1", b"not-a-message-2")
             while True:
                 assert flower.poll() is None, processes.log("flower")
                 try:
@@ -102,8 +103,8 @@ def test_flower_on_a_unix_socket_lists_the_requests_and_counts_the_batch_queue(t
                 except (urllib.error.URLError, ConnectionError):
                     assert time.monotonic() < deadline, processes.log("flower")
                     time.sleep(0.3)
-            client.delete("carpool.batches")
-        assert {"name": "carpool.batches", "messages": 2} in queues, queues
+            client.delete("carpool.requests")
+        assert {"name": "carpool.requests", "messages": 2} in queues, queues
         settings = load_settings(broker_url=server.url(0), result_backend=server.url(1))
         app = create_app(settings.model_copy(update=TOY))
         processes.start_stack(1, wait=True, **toy)

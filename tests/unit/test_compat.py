@@ -139,20 +139,13 @@ def test_revokes_read_from_redis_keep_their_age_in_a_celery_limited_set() -> Non
     assert "recent" not in heard and "heard-here" in heard
 
 
-def test_the_broker_transport_is_kombus_redis_one_with_the_guard_for_redis_urls_only() -> None:
+def test_the_guarded_transports_are_kombus_redis_ones_and_only_a_worker_has_them() -> None:
     from kombu.transport import redis as kombu_redis
 
     from carpool.celery_edge.app import create_app
     from carpool.config import load_settings
 
-    assert compat.broker_transport("redis://h:6379/0") == "carpool.celery_edge.compat:GuardedRedisTransport"
-    assert compat.broker_transport("rediss://h:6380/0") == "carpool.celery_edge.compat:GuardedRedisTransport"
-    assert (
-        compat.broker_transport("sentinel://h:26379") == "carpool.celery_edge.compat:GuardedSentinelTransport"
-    )
-    assert compat.broker_transport("redis+socket:///tmp/r.sock") is None  # kombu picks it from the URL
-    assert compat.broker_transport("memory://") is None
-    # Only carpool worker's app has it (Flower names its broker by the transport's URI).
+    # Only carpool worker's process has them (cmd_worker); an app imported elsewhere has kombu's.
     fresh = create_app(load_settings(broker_url="redis://h:6379/0"))
     assert not isinstance(fresh.connection_for_read().transport, compat.GuardedRedisTransport)
     for guarded, base in (
@@ -170,22 +163,31 @@ def test_the_broker_transport_is_kombus_redis_one_with_the_guard_for_redis_urls_
         "redis://:pw@h:6379/0",
         "rediss://:pw@h:6380/0",  # kombu turns TLS on for the rediss transport by its name only
         "rediss://:pw@h:6380/0?ssl_cert_reqs=required",
+        "redis+socket:///tmp/carpool-test.sock",
         "sentinel://h:26379",
     ],
 )
-def test_the_workers_guarded_broker_keeps_the_tls_kombus_own_transport_has(url: str) -> None:
+def test_the_workers_guarded_broker_is_kombus_own_under_its_name(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kombu.transport
     from celery import Celery
 
     theirs = Celery(broker=url).connection_for_read()
-    app = Celery(broker=url)
-    app.conf.update(compat.worker_broker_conf(url, app.conf.broker_use_ssl))
-    ours = app.connection_for_read()
+    kombus, their_ssl, their_uri = type(theirs.transport), theirs.ssl, theirs.as_uri()  # resolved now
+    # The worker's process changes kombu's own tables: here, copies of them, left after the test.
+    monkeypatch.setattr(kombu.transport, "TRANSPORT_ALIASES", dict(kombu.transport.TRANSPORT_ALIASES))
+    monkeypatch.setattr(kombu.transport, "_transport_cache", dict(kombu.transport._transport_cache))
+    compat.guard_broker_transports()
+    ours = Celery(broker=url).connection_for_read()
     assert isinstance(ours.transport, compat.GuardedRedisTransport | compat.GuardedSentinelTransport)
-    assert ours.ssl == theirs.ssl
-    assert bool(ours.ssl) == url.startswith("rediss://")
-    # With the app's own broker_use_ssl, what kombu makes of it and of the URL's options, unchanged.
-    apps = Celery(broker=url), Celery(broker=url)
-    for configured in apps:
-        configured.conf.broker_use_ssl = {"ssl_cert_reqs": "required"}
-    apps[1].conf.update(compat.worker_broker_conf(url, apps[1].conf.broker_use_ssl))
-    assert apps[1].connection_for_read().ssl == apps[0].connection_for_read().ssl
+    assert type(ours.transport).__mro__[1] is kombus
+    assert ours.ssl == their_ssl and bool(ours.ssl) == url.startswith("rediss://")
+    assert ours.as_uri() == their_uri  # what Celery's banner and logs show
+    # With an app's own broker_use_ssl, what kombu makes of it and of the URL's options, unchanged.
+    configured = Celery(broker=url)
+    configured.conf.broker_use_ssl = {"ssl_cert_reqs": "required"}
+    monkeypatch.undo()
+    plain = Celery(broker=url)
+    plain.conf.broker_use_ssl = {"ssl_cert_reqs": "required"}
+    assert configured.connection_for_read().ssl == plain.connection_for_read().ssl
