@@ -12,6 +12,8 @@ from typing import Any
 
 from carpool.errors import CONFIG_ERROR_EXIT, ConfigError
 
+_LEVELS = ("debug", "info", "warning", "error", "critical")  # what logging and Celery both take
+
 
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -83,23 +85,24 @@ def celery_worker_options(extra: Sequence[str]) -> list[str]:
     return rest
 
 
+def _guard_broker(**_: Any) -> None:
+    from carpool.celery_edge import compat
+
+    compat.guard_broker_transports()
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     extra = celery_worker_options(args.celery_args)
     _task_flags(args)
     import click
     from celery import signals
 
-    from carpool.celery_edge import compat
     from carpool.celery_edge.app import app, decode_json_fast, settings_of
     from carpool.gpu_worker import task  # noqa: F401  (registers carpool.run_batch)
     from carpool.gpu_worker.serving import batch_queues
 
     settings = settings_of(app)
     decode_json_fast()
-    # This process consumes the batch queue, onto which anyone may push anything: its kombu consumer
-    # logs and drops a list element that is no message instead of stopping. Set here, for this
-    # process only, not in every process that imports the app.
-    compat.guard_broker_transports()
     argv = [
         "worker",
         "--pool",
@@ -124,6 +127,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # worker_main drops Celery's exit status: a supervisor must see 1 after an unrecoverable error,
     # and 2 when the runtime stopped the worker on a ConfigError.
     signals.worker_shutdown.connect(_exit_status, weak=False)
+    # This process consumes the batch queue, onto which anyone may push anything: its kombu consumer
+    # logs and drops a list element that is no message instead of stopping. Set once the worker
+    # starts (its options accepted), for this process only, not in every process importing the app.
+    signals.worker_init.connect(_guard_broker, weak=False)
     try:
         app.worker_main(argv)  # click's standalone_mode=False: its usage errors come out as exceptions
     except click.ClickException as exc:  # a celery worker option it refused (-O fiar, --no-such-flag...)
@@ -131,6 +138,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return exc.exit_code  # 2 for a usage error, as `celery worker` itself exits
     finally:
         signals.worker_shutdown.disconnect(_exit_status)
+        signals.worker_init.disconnect(_guard_broker)
     return stopped_with[-1] if stopped_with else 0
 
 
@@ -156,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     imports_help = "modules defining @batched tasks, comma separated (default: CARPOOL_IMPORTS)"
     p = sub.add_parser("coordinator", help="drain the request queue into length-binned micro-batches")
-    p.add_argument("--loglevel", default="info")
+    p.add_argument("--loglevel", default="info", type=str.lower, choices=_LEVELS)
     p.add_argument("--imports", help=imports_help)
     p.set_defaults(func=cmd_coordinator)
     p = sub.add_parser(
@@ -167,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         "except those carpool sets itself: --pool, --concurrency, --autoscale, --queues, --exclude-queues, "
         "--hostname, --max-tasks/memory-per-child (refused, with what to do instead).",
     )
-    p.add_argument("--loglevel", default="info")
+    p.add_argument("--loglevel", default="info", type=str.lower, choices=_LEVELS)
     p.add_argument("--imports", help=imports_help)
     p.add_argument(
         "--tasks",

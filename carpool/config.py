@@ -6,7 +6,11 @@ pass it down; nothing else reads the environment.
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
 import re
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -14,6 +18,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from carpool.errors import ConfigError
 from carpool.names import DEFAULT_BIN_EDGES, PolicyName
+
+log = logging.getLogger(__name__)
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 
@@ -113,7 +119,9 @@ class Settings(BaseSettings):
         ),
     )
     device: DeviceName = Field("auto", description="auto picks CUDA when available, else CPU.")
-    torch_threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default.")
+    torch_threads: int = Field(
+        0, ge=0, le=1024, description="CPU threads for torch; 0 leaves torch's default."
+    )
     autocast_bf16: bool = Field(False, description="Run CUDA batches under bf16 autocast.")
     overlap_finish: bool = Field(
         True,
@@ -370,22 +378,61 @@ class Settings(BaseSettings):
         return self
 
 
+# CARPOOL_* variables read outside the settings (the bench's simulated device, its task mode).
+_OTHER_VARIABLES = frozenset(
+    {
+        "CARPOOL_SIM_DEVICE",
+        "CARPOOL_SIM_DEVICE_LOG",
+        "CARPOOL_REDIS_SERVER",
+        "CARPOOL_BENCH_TASK",
+        "CARPOOL_BENCH_MODEL_DIR",
+    }
+)
+
+
+_WARNED: set[str] = set()
+
+
 def load_settings(**overrides: object) -> Settings:
     """Build settings from the environment (and explicit overrides), or raise a readable ConfigError."""
     try:
-        return Settings(**overrides)  # type: ignore[arg-type]
+        settings = Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise ConfigError(_explain(exc)) from None
+    _warn_misspelled(os.environ)
+    return settings
+
+
+def _warn_misspelled(environ: Mapping[str, str]) -> None:
+    """Warn of a CARPOOL_* variable that is no setting but nearly names one (CARPOOL_MAX_BACH): the
+    setting keeps its default, which nothing else would say. Others (a deployment's own) pass."""
+    known = {f"CARPOOL_{name.upper()}" for name in Settings.model_fields}
+    for name in environ:
+        if not name.startswith("CARPOOL_") or name in known or name in _OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close and name not in _WARNED:
+            _WARNED.add(name)  # once per process, however often settings are loaded
+            log.warning("%s is not a carpool setting and is ignored: did you mean %s?", name, close[0])
 
 
 def _explain(exc: ValidationError) -> str:
-    lines = ["invalid carpool settings:"]
+    """One line per setting: pydantic's messages (one per member of a union, as for ``true``,
+    ``false`` or ``auto``, joined), and the value given, its passwords hidden."""
+    problems: dict[str, tuple[list[str], object]] = {}
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"])
+        field = str(err["loc"][0]) if err["loc"] else ""  # the rest names pydantic's union branches
+        messages, got = problems.setdefault(field, ([], err.get("input")))
+        messages.append(err["msg"])
+    lines = ["invalid carpool settings:"]
+    for field, (messages, got) in problems.items():
         name = f"CARPOOL_{field.upper()}" if field else "settings"
-        got = err.get("input")
+        if isinstance(got, str) and field == "sentinel_password":
+            got = "***"
+        elif isinstance(got, str):
+            got = redact_url(got)
         got_text = "" if isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"  {name}: {err['msg']}{got_text}")
+        lines.append(f"  {name}: {'; or '.join(messages)}{got_text}")
     return "\n".join(lines)
 
 

@@ -51,7 +51,7 @@ from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, UnknownModel
 from carpool.names import coordinator_hostname
-from carpool.redis_edge.connect import client_for, refused_credentials
+from carpool.redis_edge.connect import client_for, missing_database, refused_credentials
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore, Taken, acl_refusal, refused_by_acl
@@ -183,6 +183,9 @@ class Coordinator:
             except Exception as exc:
                 if refused_by_acl(exc):  # a deployment error too, whichever step met it
                     raise acl_refusal("coordinator", self.client, exc) from exc
+                missing = missing_database(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
+                if missing is not None:
+                    raise missing from exc
                 # A bug or a surprise must not take the queue down with it: what we hold stays
                 # leased (and is recovered if this repeats until the process is replaced).
                 log.exception("coordinator step failed; retrying in %.1fs", backoff)

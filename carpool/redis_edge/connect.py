@@ -263,6 +263,19 @@ def _sentinel_target(url: str, settings: SentinelSettings | None) -> tuple[Senti
         raise ConfigError(f"Sentinel URL {_redacted(url)!r}: {exc}") from None
 
 
+def missing_database(error: BaseException, *settings: str) -> Exception | None:
+    """The deployment error a SELECT of a database the server lacks is (a URL's /DB past the server's
+    ``databases``, 16 by default): retrying cannot mend it. None for any other error."""
+    from carpool.errors import ConfigError
+
+    if not (isinstance(error, redis.ResponseError) and "DB index is out of range" in str(error)):
+        return None
+    return ConfigError(
+        f"Redis has no such database ({error}): {' and '.join(settings)} must name a database number"
+        " below the server's `databases` setting (16 by default: 0 to 15)"
+    )
+
+
 def refused_credentials(error: BaseException, *settings: str) -> str | None:
     """What to change when Redis refused a connection's user and password (or wanted a password none
     was given): a sentence naming ``settings``, the variables that hold the URLs; None for any

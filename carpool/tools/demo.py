@@ -20,7 +20,7 @@ from carpool import tasks as _tasks  # noqa: F401  (registers carpool.infer on e
 from carpool.celery_edge.app import create_app, settings_of
 from carpool.config import Settings, load_settings, redact_url
 from carpool.names import INFER_TASK
-from carpool.tools.harness import Harness, release_result_consumer
+from carpool.tools.harness import Harness, ProcessExited, release_result_consumer
 from carpool.tools.stats import percentile
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ def send_burst(app: Celery, texts: Sequence[str], progress: object | None = None
     """Send every text with ``app``'s ``infer.delay()``, get every result in submission order, measure."""
     infer = app.tasks[INFER_TASK]
     settings = settings_of(app)
+    # The coordinator writes its counters every quarter second: the warm-up's must be in before.
+    time.sleep(0.6)
     before = coordinator_stats(settings)
     t0 = time.time()
     sent = [(time.time(), infer.delay(text)) for text in texts]
@@ -164,12 +166,13 @@ def _burst(
 def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: bool = False) -> int:
     from kombu.exceptions import OperationalError
     from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ResponseError as RedisResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
     from rich.console import Console
     from rich.table import Table
 
-    from carpool.errors import InvalidInput
-    from carpool.redis_edge.connect import refused_credentials
+    from carpool.errors import CONFIG_ERROR_EXIT, InvalidInput
+    from carpool.redis_edge.connect import missing_database, refused_credentials
     from carpool.tools.workload import describe, mixed_texts
 
     if requests < 1 or workers < 1:
@@ -196,6 +199,16 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
             file=sys.stderr,
         )
         return 1
+    except ProcessExited as exc:  # a coordinator or worker that stopped (a setting it refused)
+        print(f"carpool demo: {exc.summary}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT if exc.returncode == CONFIG_ERROR_EXIT else 1
+    except TimeoutError as exc:  # what the demo waited for (workers up) never came
+        print(f"carpool demo: {exc}", file=sys.stderr)
+        return 1
+    except RedisResponseError as exc:  # a database the server lacks, say
+        missing = missing_database(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
+        print(f"carpool demo: {missing or exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT if missing is not None else 1
     except (RedisConnectionError, RedisTimeoutError, OperationalError) as exc:
         # One line, as `carpool status` says it, rather than the client's traceback; the children the
         # harness started are stopped by now.

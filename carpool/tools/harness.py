@@ -35,7 +35,14 @@ LOG_TAIL_CHARS = 4000
 
 
 class ProcessExited(RuntimeError):
-    """Raised when a child the harness started has exited while it was still needed."""
+    """Raised when a child the harness started has exited while it was still needed: the message
+    has the end of its log; ``returncode`` and ``summary`` (one line: who, how, where its log is,
+    and the log's last line) are for callers that print one line."""
+
+    def __init__(self, message: str, returncode: int | None = None, summary: str = "") -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.summary = summary or message.partition("\n")[0]
 
 
 class Terminated(KeyboardInterrupt):
@@ -278,8 +285,11 @@ class Harness:
         """Raise :class:`ProcessExited`, with the end of its log, if any running child has exited."""
         for name, proc in self.procs.items():
             if proc.poll() is not None:
+                log = self.log(name)
+                last = next((line for line in reversed(log.splitlines()) if line.strip()), "")
+                where = f"{name} exited with {proc.returncode}; see {self.log_dir / name}.log"
                 raise ProcessExited(
-                    f"{name} exited with {proc.returncode}; see {self.log_dir / name}.log:\n{self.log(name)}"
+                    f"{where}:\n{log}", proc.returncode, f"{where}: {last.strip()}" if last else where
                 )
 
     def wait_workers(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -219,7 +220,7 @@ def test_results_are_stored_once(clean_redis: EmbeddedRedis) -> None:
 
 def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
-    env.update(CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    env.update(CARPOOL_MODEL="toy", CARPOOL_MODELS="toy", COLUMNS="300")  # a row per line
     proc = subprocess.run(
         [sys.executable, "-m", "carpool", "demo", "--requests", "80"],
         env=env,
@@ -231,6 +232,35 @@ def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
     out = proc.stdout
     for needle in ("end-to-end throughput", "offline limit", "latency p99", "batch sizes", "padding ratio"):
         assert needle in out
+    # The burst's batches hold its 80 texts, and not the warm-up request sent before it.
+    [sizes] = [line for line in out.splitlines() if "batch sizes" in line]
+    assert sum(int(k) * int(v) for k, v in re.findall(r"(\d+)x(\d+)", sizes)) == 80, sizes
+
+
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ({"CARPOOL_MODEL": "nosuch.mod:Cls"}, "coordinator exited with 2; see "),
+        ({"CARPOOL_BROKER_URL": "redis://127.0.0.1:{port}/99"}, "Redis has no such database"),
+    ],
+)
+def test_the_demo_says_in_one_line_why_its_stack_did_not_come_up(
+    clean_redis: EmbeddedRedis, setting: dict[str, str], said: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
+    env.update(CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    env.update({k: v.format(port=clean_redis.port) for k, v in setting.items()})
+    if "CARPOOL_BROKER_URL" in setting:
+        env["CARPOOL_RESULT_BACKEND"] = clean_redis.url(1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "carpool", "demo", "--requests", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and said in proc.stderr, proc.stderr[-3000:]
 
 
 def _commands(client: redis.Redis, *names: str) -> int:

@@ -270,3 +270,11 @@ def test_demo_against_a_deployment_refusing_its_texts_says_so_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("carpool demo: the deployment refused a demo text (text is 612 tokens")
     assert "CARPOOL_TRUNCATE=true" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["coordinator", "worker"])
+def test_an_unknown_log_level_is_a_usage_error(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--loglevel", "VERBOSE"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'verbose' (choose from 'debug', 'info'" in capsys.readouterr().err

@@ -129,3 +129,43 @@ def test_an_unknown_model_name_lists_every_builtin_one() -> None:
         load_settings(model="no such model")
     for name in BUILTIN:  # sim-v100 and sim-h100 included: the README names them
         assert name in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:s3cretpw@redis:abc/0",
+        "redis://user:s3cretpw@redis:6379/results",
+        "redis://:s3cretpw@redis:6379/0?db=1",
+        "sentinel://:s3cretpw@s1:26379;sentinel://:s3cretpw2@s2:26379/0",  # credentials that differ
+    ],
+)
+def test_a_settings_error_never_shows_a_password(url: str) -> None:
+    # The message goes to stderr, and from there to docker's or journald's logs.
+    with pytest.raises(ConfigError) as raised:
+        load_settings(broker_url=url, sentinel_master="m", sentinel_password="s3cretpw", max_batch=0)
+    assert "CARPOOL_BROKER_URL" in str(raised.value) and "s3cretpw" not in str(raised.value)
+
+
+def test_a_settings_error_names_the_variable_once_with_every_value_it_takes() -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_settings(events="on2")
+    [line] = str(raised.value).splitlines()[1:]
+    assert line.startswith("  CARPOOL_EVENTS: Input should be a valid boolean")
+    assert "; or Input should be 'auto' (got 'on2')" in line
+
+
+def test_a_misspelled_setting_is_named_with_the_one_it_nearly_is(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from carpool import config
+
+    monkeypatch.setattr(config, "_WARNED", set())
+
+    environ = {"CARPOOL_MAX_BACH": "4", "CARPOOL_SIM_DEVICE": "v100", "CARPOOL_MY_APP_FLAG": "1"}
+    with caplog.at_level("WARNING", logger="carpool.config"):
+        config._warn_misspelled(environ)
+        config._warn_misspelled(environ)  # settings loaded again: said once
+    assert [r.getMessage() for r in caplog.records] == [
+        "CARPOOL_MAX_BACH is not a carpool setting and is ignored: did you mean CARPOOL_MAX_BATCH?"
+    ]

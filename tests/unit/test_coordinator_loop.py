@@ -741,6 +741,19 @@ def test_a_received_event_carries_the_messages_eta_and_canvas_ids_also_when_refu
     assert events.of("child") == ["received", "failed"]
 
 
+def test_a_database_the_server_lacks_stops_the_loop_naming_the_settings(clocks: Clocks) -> None:
+    # A traceback per retry, for ever, would hide what only a changed URL (or server) can mend.
+    c = coordinator(clocks, workers=1)
+
+    def step() -> Wait:
+        raise redis.ResponseError("DB index is out of range")
+
+    c.step = step
+    c.stopping.wait = lambda _s=None: False
+    with pytest.raises(ConfigError, match=r"no such database.*CARPOOL_BROKER_URL and CARPOOL_RESULT_BACKEND"):
+        c._loop()
+
+
 def test_refused_credentials_are_logged_as_the_settings_to_change_and_retried(
     clocks: Clocks, caplog: pytest.LogCaptureFixture
 ) -> None:
