@@ -103,7 +103,9 @@ def _replicated(app: Any, result: AsyncResult, replicas: int, timeout_s: float) 
     """Raise :class:`~carpool.errors.NotReplicated` unless ``replicas`` replicas have the message
     Celery just published (on a kombu connection of its own: a WAIT after a write of ours covers it)."""
     try:
-        acked = fence(state_of(app).publisher(), replicas, timeout_s)
+        state = state_of(app)
+        with state.publishing():
+            acked = fence(state.publisher(), replicas, timeout_s)
     except RedisError as exc:
         error = not_replicated(f"request {result.id} ({exc})", 0, replicas, timeout_s)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
     import redis
 
 
+_PUBLISH_SLOTS = 1024  # at most, whatever the pool allows
+
+
 class AppState:
     """What carpool keeps per Celery app: its settings, and producer helpers built on first use."""
 
@@ -33,6 +37,8 @@ class AppState:
         self._channel: Any = None
         self._publisher: redis.Redis | None = None
         self._dispatcher: tuple[int, Any] | None = None  # (pid, dispatcher)
+        self._slots: tuple[int, threading.BoundedSemaphore] | None = None  # (pid, publishing slots)
+        self._slots_lock = threading.Lock()
         #: message builders kept between publishes (see carpool.producer.submit), per thread and options
         self.builders: dict[tuple[Any, ...], Any] = {}
         #: (pid, channel) of this process's result inbox (see carpool.celery_edge.inbox)
@@ -58,6 +64,17 @@ class AppState:
             client.set_retry(client_options(self.settings)["retry"])
             self._publisher = client
         return self._publisher
+
+    def publishing(self) -> threading.BoundedSemaphore:
+        """Held around each use of :meth:`publisher`: its pool (kombu's) raises past its connections
+        (10) where Celery's producer pool waits, so a thread beyond them waits here instead."""
+        pid = os.getpid()  # a forked child counts its own (a parent's thread may have held one)
+        with self._slots_lock:
+            if self._slots is None or self._slots[0] != pid:
+                pool = self.publisher().connection_pool
+                slots = getattr(pool, "max_connections", None) or _PUBLISH_SLOTS
+                self._slots = (pid, threading.BoundedSemaphore(min(slots, _PUBLISH_SLOTS)))
+            return self._slots[1]
 
     def close(self) -> None:
         """Disconnect what was built on first use (the next use builds it again)."""

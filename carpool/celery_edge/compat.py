@@ -114,6 +114,16 @@ def forget_result_pubsub(consumer: Any) -> None:
     consumer._pubsub = None
 
 
+def forget_pending(consumer: Any) -> None:
+    """Empty the consumer's (its backend's) pending results and buffered result messages, Celery's
+    ``_pending_results`` (concrete and weak maps) and ``_pending_messages``, and its buckets."""
+    pending = consumer._pending_results
+    pending.concrete.clear()
+    pending.weak.clear()
+    consumer._pending_messages.clear()
+    consumer.buckets.clear()
+
+
 def subscribed_keys(consumer: Any) -> set[Any]:
     """The consumer's own set of subscribed result keys (changing it changes what Celery resubscribes
     after a reconnection)."""

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from carpool import collector
 from carpool.celery_edge.compat import (
+    forget_pending,
     forget_result_pubsub,
     join_will_block,
     new_result_pubsub,
@@ -41,6 +44,9 @@ _SUBSCRIBE_CHUNK = 5000  # channels per (UN)SUBSCRIBE command
 _MESSAGE_READ_S = 1.0  # time allowed for the rest of a result message that has started to arrive
 _MGET_CHUNK = 5000  # keys per MGET when re-reading stored results
 _SETTLED_KEPT = 256  # settled results' channels left subscribed at most, awaiting one UNSUBSCRIBE
+
+
+_CONSUMERS: weakref.WeakSet[PromptResultConsumer] = weakref.WeakSet()  # this process's, for a fork
 
 
 class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is untyped
@@ -59,6 +65,21 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     _stale = False  # the connection was, or is to be, replaced: stored results must be re-read
 
     on_message: Any  # Celery's: the callback of the .get() in progress, if it passed one
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _CONSUMERS.add(self)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: let go of the parent's pub/sub connection, whose socket the child
+        shares (reading it would take the parent's result messages, and the parent the child's),
+        without a word on it; and of what the parent subscribed to and waited on. The child's next
+        wait subscribes on a connection of its own, after reading the stored result first."""
+        forget_result_pubsub(self)
+        subscribed_keys(self).clear()
+        forget_pending(self)
+        self._deferred = self._settled = None
+        self._watched, self._stale = None, False
 
     def _wait_for_pending(
         self,
@@ -251,6 +272,14 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         forget_result_pubsub(self)
         subscribed_keys(self).clear()
         self._watched, self._stale = None, False
+
+
+def _after_fork_in_child() -> None:
+    for consumer in list(_CONSUMERS):
+        consumer.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def deferring_cancels(consumer: Any) -> contextlib.AbstractContextManager[None]:

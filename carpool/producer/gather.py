@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.result import assert_will_not_block
 
 from carpool import collector
 from carpool.celery_edge.compat import cached_meta, set_cached_meta
@@ -329,7 +330,9 @@ def gather(
     no gap over 50 ms; once they flow, a second at a time), so it walks them once, after gather.
     Results sent from any thread of one app can be gathered together: gather reads them with the
     calling thread's result backend (Celery makes one per thread), and refuses results of different
-    apps. One gather at a time per thread, like Celery's result consumer it uses.
+    apps. One gather at a time per thread, like Celery's result consumer it uses. Inside a Celery
+    task it refuses to wait (``RuntimeError``), as ``.get()`` does, unless within
+    ``allow_join_result()``.
 
     ``as_array=True`` returns one numpy array instead of a list: a row per result, of ``dtype``
     (default float32), for results that are numbers of one shape (embeddings). A model's float32 or
@@ -378,6 +381,8 @@ def _gather(
     state = Gathering(results, timeout, return_exceptions, rows, backend if consumer else None)
     if state.done:  # eager results, or settled before: nothing to read (there may be no backend)
         return state.values()
+    # Inside a task, as .get() and ResultSet.join: a worker waiting on other tasks may deadlock.
+    assert_will_not_block()
     decode = None if rows is None else rows.decode  # None: the backend's own
     inboxes, plain = _by_channel(state) if isinstance(consumer, PromptResultConsumer) else ({}, None)
     # Subscribed before the stored results are read: a result stored later is published to it.
@@ -599,6 +604,7 @@ async def gather_async(
     state = Gathering(results, timeout, return_exceptions, rows)
     if state.done:  # eager results, or settled before: nothing to read (there may be no backend)
         return state.values()
+    assert_will_not_block()  # as in gather
     decode = backend.decode_result if rows is None else rows.decode  # no other waiters read here
     unsubscribe_results(backend, state.pending())
     client, recheck_s = _async_client(backend)

@@ -274,7 +274,7 @@ def publish_tasks(
         raise ValueError(f"chunk_size must be a positive number of messages, not {chunk_size!r}")
     builder, header_values = _builder(app, name, queue, priority, expires, headers, sent_events, inbox)
     state = state_of(app)
-    publisher = state.publisher()
+    publisher, slots = state.publisher(), state.publishing()
     settings = settings_of(app)
     events_when = _events_when(builder.sent_events, sent_events is not None, settings.events)
     replicas, wait_s = settings.wait_replicas, settings.wait_timeout_s
@@ -289,12 +289,15 @@ def publish_tasks(
             subscribe_results(backend, built.ids)
         acked = replicas
         try:
-            if replicas:
-                replies, acked = transaction_then_wait(publisher, partial(_queue, built), replicas, wait_s)
-            else:
-                with publisher.pipeline(transaction=True) as pipe:
-                    _queue(built, pipe)
-                    replies = pipe.execute()
+            with slots:
+                if replicas:
+                    replies, acked = transaction_then_wait(
+                        publisher, partial(_queue, built), replicas, wait_s
+                    )
+                else:
+                    with publisher.pipeline(transaction=True) as pipe:
+                        _queue(built, pipe)
+                        replies = pipe.execute()
         except BaseException as exc:
             if subscribe:
                 unsubscribe_results(backend, built.ids)

@@ -97,3 +97,32 @@ def test_gather_async_collects_results_sent_from_other_threads(sent_from_threads
     finally:
         worker.join()
     _left_nothing_behind(results)
+
+
+def test_submit_many_from_more_threads_than_the_publishers_connections(clean_redis: EmbeddedRedis) -> None:
+    # kombu's pool under the publisher holds 10 connections and raises past them; Celery's producer
+    # pool waits. So do carpool's sends: every thread's messages arrive, none raises.
+    import redis
+
+    from carpool.producer.submit import submit_many
+    from carpool.redis_edge.keys import Keys
+
+    errors: list[BaseException] = []
+    threads_n, calls, items = 32, 8, 100
+
+    def send(i: int) -> None:
+        try:
+            for j in range(calls):
+                submit_many([f"t{i} c{j} {k}" for k in range(items)], model="toy", subscribe=False)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    client = redis.Redis(port=clean_redis.port)
+    queued = sum(client.llen(key) for key in Keys("carpool.requests").request_lists)
+    assert queued == threads_n * calls * items

@@ -234,3 +234,21 @@ def test_eager_results_are_returned_without_reading_redis() -> None:
         asyncio.run(gather_async([*results, failed]))
     mixed = asyncio.run(gather_async([failed, *results], return_exceptions=True))
     assert isinstance(mixed[0], ModelError) and mixed[1:] == [vector.get(), [1.0, 2.0]]
+
+
+def test_gather_inside_a_task_refuses_to_wait_as_get_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker waiting on other tasks may deadlock: Celery refuses .get() there, unless the task
+    # says it may (allow_join_result).
+    import asyncio
+
+    from celery import _state
+
+    from carpool.celery_edge.app import app
+    from carpool.producer.gather import gather, gather_async
+
+    monkeypatch.setattr(_state, "_task_join_will_block", True)  # what a worker's process sets
+    pending = [app.AsyncResult("never-answered")]
+    with pytest.raises(RuntimeError, match=r"Never call result\.get"):
+        gather(pending, timeout=1)
+    with pytest.raises(RuntimeError, match=r"Never call result\.get"):
+        asyncio.run(gather_async(pending, timeout=1))
