@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from carpool.batching import Batch, Plan
+from carpool.batching import Batch, Plan, Request
 from carpool.batching.capacity import Capacity, pool_capacity
-from carpool.coordinator.answers import answer_expired
+from carpool.coordinator.answers import answer_expired, fail
+from carpool.coordinator.intake import Refused
+from carpool.errors import ModelError, described
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
+    from carpool.wire import RequestSlot
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +72,22 @@ def _publish(c: Coordinator, batches: list[Batch], now: float) -> None:
     for index, (queue, group) in enumerate(groups):
         try:
             batch_ids, assigned = c.publisher.publish(queue, group, wall_now, c.events.take())
-        except Exception:
+        except Exception as exc:
             # This group and those after it, already cut from the policy, go back into it: left out,
             # their requests would stay held, their leases renewed, and never run.
-            for _, unsent in groups[index:]:
-                for batch in unsent:
-                    for req in batch.requests:
-                        c.policy.add(req)
+            unsent = [req for _, later in groups[index:] for batch in later for req in batch.requests]
+            # ...but for a request whose message cannot be written (a custom model's encode() that
+            # returned numpy ids, say): it would fail every plan it rode in, and the rest with it.
+            unwritable = [r for r in unsent if not _writable(r.payload)] if _encoding(exc) else []
+            if unwritable:
+                _fail_unwritable(c, unwritable, exc)
+            failed = {r.id for r in unwritable}
+            for req in unsent:
+                if req.id not in failed:
+                    c.policy.add(req)
             c.pacer.changed()
+            if unwritable:
+                return
             raise
         for batch_id, batch in zip(batch_ids, group, strict=True):
             _dispatched(c, batch_id, batch, now)
@@ -86,6 +97,45 @@ def _publish(c: Coordinator, batches: list[Batch], now: float) -> None:
         if stale > 0:
             c.stats.dispatched -= stale
             log.info("%d requests of these batches had been reaped meanwhile; the worker skips them", stale)
+
+
+def _encoding(exc: BaseException) -> bool:
+    """Whether ``exc`` is a message that could not be written as JSON, not a Redis failure."""
+    from kombu.exceptions import EncodeError
+
+    return isinstance(exc, EncodeError | TypeError | ValueError)
+
+
+def _writable(payload: object) -> bool:
+    from kombu.utils.json import dumps
+
+    try:
+        dumps(payload)  # type: ignore[no-untyped-call]  # kombu is untyped
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _fail_unwritable(c: Coordinator, requests: list[Request], exc: BaseException) -> None:
+    error = ModelError(
+        f"this request's part of its batch message could not be written as JSON ({described(exc)}):"
+        " its model's encode() must give each text's token ids as a list of ints"
+    )
+    c.held.difference_update(r.id for r in requests)
+    fail(
+        c,
+        [
+            Refused(
+                r.id,
+                "model",
+                error,
+                task=c.task_name(r.model),
+                links=cast("RequestSlot", r.payload).get("links"),
+                inbox=cast("RequestSlot", r.payload).get("inbox"),
+            )
+            for r in requests
+        ],
+    )
 
 
 def _dispatched(c: Coordinator, batch_id: str, batch: Batch, now: float) -> None:

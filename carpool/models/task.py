@@ -11,6 +11,7 @@ The model protocol is :mod:`carpool.models.base`; nothing here imports torch.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class InferSpec(TaskSpec):
             if refused:
                 texts = [text for i, text in enumerate(texts) if i not in refused]
         rows = model.encode(texts)
+        if model.needs_token_ids and not _plain(rows):
+            rows = [_as_ints(row) for row in rows]
         lengths: list[int | InvalidInput] = [len(row) for row in rows]
         items: list[Any] = rows if model.needs_token_ids else [None] * len(rows)
         for i in sorted(refused):  # back into place, so positions match the values given
@@ -102,3 +105,19 @@ class InferSpec(TaskSpec):
         if getattr(model, "launch", None) is None:
             return None
         return partial(launch_padded, model, serializer=settings.result_serializer)
+
+
+def _plain(rows: Any) -> bool:
+    """Whether ``rows`` are lists of Python ints, as the built-in tokenizers give them (each row's
+    first id looked at: the check runs per request)."""
+    return type(rows) is list and all(type(r) is list and (not r or type(r[0]) is int) for r in rows)
+
+
+def _as_ints(row: Any) -> Any:
+    """A custom model's row of ids (a numpy array, numpy ints, a tuple) as a list of Python ints,
+    the JSON its batch message carries; a row of anything else stays as it is, and the coordinator
+    answers its request with the error writing it raises."""
+    try:
+        return [operator.index(token) for token in row]
+    except TypeError:
+        return row

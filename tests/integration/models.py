@@ -72,8 +72,18 @@ class BrokenLoad(ToyModel):
         raise RuntimeError("weights file missing")
 
 
+class NumpyLetters(Letters):
+    """Letters whose encode returns numpy rows of numpy ints, as many tokenizers do; a text holding
+    "?" gets a row no batch message can carry (ids that are no integers)."""
+
+    def encode(self, texts: Sequence[str]) -> list[Any]:
+        rows: list[Any] = [np.asarray(row, dtype=np.int64) for row in super().encode(texts)]
+        return [[object()] if "?" in text else row for text, row in zip(texts, rows, strict=True)]
+
+
 SLOW = f"{__name__}:SlowToy"
 EXPLODING = f"{__name__}:Exploding"
 LETTERS = f"{__name__}:Letters"
 UNSTORABLE = f"{__name__}:Unstorable"
 BROKEN_LOAD = f"{__name__}:BrokenLoad"
+NUMPY_LETTERS = f"{__name__}:NumpyLetters"

@@ -130,6 +130,27 @@ def test_a_user_model_class_is_served_beside_a_builtin_and_refuses_texts_over_it
     assert len(infer.delay("y" * 17, model="toy").get(timeout=30)) == 32  # toy's window is 256
 
 
+def test_a_models_numpy_ids_travel_and_ids_no_message_can_carry_fail_their_request_alone(
+    processes: Processes,
+) -> None:
+    # Unchecked, such a row failed every publish it rode in, and every request behind it waited
+    # until its deadline, whatever its model.
+    from carpool.errors import ModelError
+    from carpool.tasks import infer
+    from tests.integration.models import NUMPY_LETTERS
+
+    start_stack(processes, CARPOOL_MODEL=NUMPY_LETTERS, CARPOOL_MODELS=f"{NUMPY_LETTERS},toy")
+    bad = infer.delay("what?")
+    texts = ["a", "hello", "x" * 16]
+    good = [infer.delay(t) for t in texts]
+    toy = [infer.delay(t, model="toy") for t in texts]
+    refused = r"could not be written as JSON.*encode\(\) must give each text's token ids"
+    with pytest.raises(ModelError, match=refused):
+        bad.get(timeout=30)
+    assert [r.get(timeout=30) for r in good] == [{"sum": sum(map(ord, t)), "len": len(t)} for t in texts]
+    assert all(len(r.get(timeout=30)) == 32 for r in toy)
+
+
 def test_a_task_id_of_any_characters_is_answered_under_that_id(processes: Processes) -> None:
     """Celery takes any ``task_id=``; kombu's JSON escapes what is not printable ASCII, and quotes."""
     from celery.result import AsyncResult
