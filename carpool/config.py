@@ -106,7 +106,7 @@ class Settings(BaseSettings):
         description="minilm, toy, null, sim-v100/sim-h100 (a simulated accelerator) or package.module:Class.",
     )
     models: Annotated[tuple[str, ...], NoDecode] = Field(
-        (), description="Every model this deployment serves, comma separated; empty = just `model`."
+        (), description="Models served beside `model` (always served, the default), comma separated."
     )
     imports: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="Modules defining @batched tasks, comma separated (like Celery's `imports`)."

@@ -163,6 +163,13 @@ class BatchedSpec(TaskSpec):
             for value in values:
                 try:
                     raw.append(self.length(value))
+                except ConfigError as exc:  # the coordinator's, not the item's
+                    raw.append(
+                        InvalidInput(
+                            f"{self.name}: length() raised {described(exc)}; the coordinators"
+                            " cannot measure items"
+                        )
+                    )
                 except Exception as exc:
                     raw.append(InvalidInput(f"{self.name}: length() raised {described(exc)}; fix the item"))
         out: list[int | InvalidInput] = []
@@ -175,6 +182,14 @@ class BatchedSpec(TaskSpec):
             except InvalidInput as exc:
                 out.append(exc)
         return out
+
+    def warm_up(self, settings: Settings) -> None:
+        """Build what the function's own ``length`` needs when it has a ``warm_up`` (adapters do: a
+        model directory missing or damaged on the coordinator stops it at start, naming the path,
+        rather than failing every request)."""
+        warm_up = getattr(self.fn, "warm_up", None)
+        if callable(warm_up) and getattr(self.length, "__self__", None) is self.fn:
+            warm_up()
 
     def load(self, device: str, settings: Settings | None = None) -> None:
         """Build the function's heavy state on ``device`` when it has a ``load`` (adapters do)."""

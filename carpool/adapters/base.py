@@ -37,6 +37,8 @@ def read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
+    except (ValueError, OSError) as exc:  # not JSON (a truncated copy), unreadable
+        raise ConfigError(f"{path} could not be read as JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
     return data
@@ -105,6 +107,14 @@ class Adapter(ABC):
             raise ConfigError(f"{self!r}: {self.path} is not a directory; adapters load local models only")
         return self.path
 
+    def warm_up(self) -> None:
+        """What ``length`` needs, built now (coordinator start): the window, and the tokenizer when
+        lengths are counted in tokens. Raises :class:`~carpool.errors.ConfigError` naming the path
+        when the model directory is missing or damaged on this host."""
+        _ = self.max_length
+        if self.length_by == "tokens":
+            self._token_counter()
+
     def length(self, item: Any) -> int:
         """The item's token count (capped at ``max_length``); cheap enough for the coordinator."""
         return self.lengths([item])[0]
@@ -154,8 +164,9 @@ class Adapter(ABC):
     # --- worker side ---
 
     def load(self, device: str | None = None) -> None:
-        """Build the model on ``device`` (default: the adapter's ``device``, "auto" picks CUDA when
-        present). Idempotent and thread-safe; call it after any fork."""
+        """Build the model on the adapter's own ``device`` when it names one (``cpu`` keeps a model off
+        the GPU), else on ``device`` (the worker's, ``CARPOOL_DEVICE``), else "auto": CUDA when
+        present. Idempotent and thread-safe; call it after any fork."""
         if self._model is not None:
             return
         with self._load_lock:
@@ -167,7 +178,10 @@ class Adapter(ABC):
 
             # A progress bar per worker start is noise in logs.
             hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-            resolved = pick_device(device or self.device_setting)
+            if self.device_setting != "auto":
+                resolved = pick_device(self.device_setting, f"{self!r}'s device")
+            else:
+                resolved = pick_device(device or "auto")
             model_dir = self.model_dir
             log.info("loading %r on %s", self, resolved)
             self._model = self._build(model_dir, resolved)

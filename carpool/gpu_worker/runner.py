@@ -29,7 +29,8 @@ _loaded: dict[str, BatchModel] = {}
 _load_lock = threading.Lock()
 
 
-def pick_device(setting: str) -> str:
+def pick_device(setting: str, name: str = "CARPOOL_DEVICE") -> str:
+    """The device ``setting`` (auto, cpu, cuda) stands for here; ``name`` is where it was set."""
     import torch
 
     if setting == "auto":
@@ -37,7 +38,7 @@ def pick_device(setting: str) -> str:
     if setting == "cuda" and not torch.cuda.is_available():
         from carpool.errors import ConfigError
 
-        raise ConfigError("CARPOOL_DEVICE=cuda but torch sees no CUDA device; use auto or cpu")
+        raise ConfigError(f"{name}=cuda but torch sees no CUDA device; use auto or cpu")
     return setting
 
 

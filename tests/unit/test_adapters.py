@@ -222,6 +222,49 @@ def test_a_missing_directory_is_refused_not_downloaded() -> None:
         adapter(["text"])
 
 
+def test_a_coordinator_missing_the_model_stops_at_start_naming_the_path(
+    tmp_path: Path, reranker_dir: Path
+) -> None:
+    # Unchecked, it started and failed every request with "length() raised ...; fix the item".
+    from carpool.config import Settings
+    from carpool.registry import BatchedSpec
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text('{"max_position_embeddings": 64}')
+    for path, why in (
+        (tmp_path / "absent", r"absent is not a directory"),
+        (broken, r"broken/config\.json could not be read as JSON"),
+        (no_tokenizer, r"no .*no-tokenizer/tokenizer\.json to count tokens with"),
+    ):
+        adapter = reranker(path)
+        with pytest.raises(ConfigError, match=why):
+            BatchedSpec("unit.rerank", adapter, adapter.length).warm_up(Settings())
+        # A length of the task's own needs nothing of the model on the coordinator.
+        BatchedSpec("unit.rerank", adapter, len).warm_up(Settings())
+    good = reranker(reranker_dir)
+    BatchedSpec("unit.rerank", good, good.length).warm_up(Settings())
+
+
+def test_an_adapters_own_device_wins_over_the_workers(reranker_dir: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("asks for CUDA where there is none")
+    pinned = reranker(reranker_dir, device="cpu")  # kept off the GPU whatever CARPOOL_DEVICE says
+    pinned.load("cuda")
+    assert pinned.device == "cpu"
+    wanting = reranker(reranker_dir, device="cuda")
+    with pytest.raises(ConfigError, match=r"reranker\('.*'\)'s device=cuda but torch sees no CUDA"):
+        wanting.load("cpu")
+    worker_s = reranker(reranker_dir)  # "auto": the worker's device
+    worker_s.load("cpu")
+    assert worker_s.device == "cpu"
+
+
 @pytest.mark.parametrize(
     ("kind", "item", "message"),
     [
