@@ -447,7 +447,10 @@ def redact_url(url: str) -> str:
     query parameter, ``;``-separated multi-host lists such as kombu's sentinel URLs, and a
     ``module:Class+redis://`` backend prefix. The host, port, path and other parameters stay readable.
     """
-    return ";".join(_redact_one(part) for part in url.split(";"))
+    parts = url.split(";")
+    if len(parts) > 1 and not all("://" in part for part in parts):
+        return _redact_one(url)  # a ';' inside a password, not between hosts
+    return ";".join(_redact_one(part) for part in parts)
 
 
 def _redact_one(url: str) -> str:

@@ -38,7 +38,7 @@ class AppState:
         self._publisher: redis.Redis | None = None
         self._dispatcher: tuple[int, Any] | None = None  # (pid, dispatcher)
         self._slots: tuple[int, threading.BoundedSemaphore] | None = None  # (pid, publishing slots)
-        self._slots_lock = threading.Lock()
+        self._slots_lock = (os.getpid(), threading.Lock())
         #: message builders kept between publishes (see carpool.producer.submit), per thread and options
         self.builders: dict[tuple[Any, ...], Any] = {}
         #: (pid, channel) of this process's result inbox (see carpool.celery_edge.inbox)
@@ -69,11 +69,16 @@ class AppState:
         """Held around each use of :meth:`publisher`: its pool (kombu's) raises past its connections
         (10) where Celery's producer pool waits, so a thread beyond them waits here instead."""
         pid = os.getpid()  # a forked child counts its own (a parent's thread may have held one)
-        with self._slots_lock:
+        made = self._slots
+        if made is not None and made[0] == pid:
+            return made[1]
+        if self._slots_lock[0] != pid:  # ...and its own lock, which a parent's thread may have held
+            self._slots_lock = (pid, threading.Lock())
+        pool = self.publisher().connection_pool
+        slots = min(getattr(pool, "max_connections", None) or _PUBLISH_SLOTS, _PUBLISH_SLOTS)
+        with self._slots_lock[1]:
             if self._slots is None or self._slots[0] != pid:
-                pool = self.publisher().connection_pool
-                slots = getattr(pool, "max_connections", None) or _PUBLISH_SLOTS
-                self._slots = (pid, threading.BoundedSemaphore(min(slots, _PUBLISH_SLOTS)))
+                self._slots = (pid, threading.BoundedSemaphore(slots))
             return self._slots[1]
 
     def close(self) -> None:
@@ -171,9 +176,12 @@ _PASSWORD_IN_URL = re.compile(r"(://[^:/@;\s'\"]*:)[^@;\s'\"]+@")
 _MAP_TASKS = frozenset({"celery.map", "celery.starmap"})
 
 
-def _batched_to(request_queue: str) -> Any:
-    """A Celery router sending every ``@batched`` task's requests to the request queue, and refusing
-    a ``.map()`` / ``.starmap()`` / ``.chunks()`` of one before it is sent."""
+def _router(app: Celery, settings: Settings) -> Any:
+    """A Celery router: every ``@batched`` task's requests to the request queue (a ``.map()`` /
+    ``.starmap()`` / ``.chunks()`` of one refused before it is sent); any other task this process
+    knows, with no route of its own, to the batch queue, whose workers run it as Celery would; a
+    name it does not know to the app's default queue, the request queue, whose coordinators batch
+    it (a ``@batched`` task of their ``CARPOOL_IMPORTS``) or answer why they cannot."""
 
     def route(
         name: str, args: Any = None, kwargs: Any = None, *_: Any, task: Any = None, **__: Any
@@ -188,7 +196,7 @@ def _batched_to(request_queue: str) -> Any:
         if name in _MAP_TASKS and isinstance(kwargs, dict) and isinstance(kwargs.get("task"), dict):
             called = str(kwargs["task"].get("task"))
         if spec_for(called) is None:
-            return None
+            return {"queue": settings.batch_queue} if called in app.tasks else None
         if sent != called:
             from carpool.errors import UnsupportedOption
 
@@ -197,7 +205,7 @@ def _batched_to(request_queue: str) -> Any:
                 " tasks: Celery runs every item of them in one task, unbatched; send the items with"
                 " carpool.submit_many(items, task=...) and collect them with carpool.gather()"
             )
-        return {"queue": request_queue}
+        return {"queue": settings.request_queue}
 
     return route
 
@@ -219,7 +227,7 @@ def create_app(settings: Settings | None = None) -> Celery:
         # Both, whichever this process writes: results stored under the other setting stay readable.
         result_accept_content=["json", "msgpack"],
         task_routes=(
-            _batched_to(settings.request_queue),
+            _router(app, settings),
             {
                 INFER_TASK: {"queue": settings.request_queue},
                 RUN_BATCH_TASK: {"queue": settings.batch_queue},

@@ -128,8 +128,9 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         # here by mistake: its caller learns why at once instead of waiting on a dead letter.
         raise RefusedMessage(
             f"unknown task name {task!r}: this deployment's coordinators serve only {TASK_NAME} and the"
-            " @batched tasks of CARPOOL_IMPORTS (add the task's module to CARPOOL_IMPORTS on the"
-            " coordinators and workers, or route the task to a queue a Celery worker serves)",
+            " @batched tasks of CARPOOL_IMPORTS (for a @batched task, add its module to CARPOOL_IMPORTS"
+            " on the coordinators and workers; a plain Celery task sent from a process that does not"
+            " import it needs its own route: queue= or task_routes, to a queue a Celery worker serves)",
             task_id=task_id,
             task=task,
             links=links,

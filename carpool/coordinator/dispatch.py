@@ -127,7 +127,7 @@ def _fail_unwritable(c: Coordinator, requests: list[Request], exc: BaseException
         [
             Refused(
                 r.id,
-                "model",
+                "unwritable",
                 error,
                 task=c.task_name(r.model),
                 links=cast("RequestSlot", r.payload).get("links"),

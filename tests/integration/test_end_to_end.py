@@ -149,6 +149,14 @@ def test_a_models_numpy_ids_travel_and_ids_no_message_can_carry_fail_their_reque
         bad.get(timeout=30)
     assert [r.get(timeout=30) for r in good] == [{"sum": sum(map(ord, t)), "len": len(t)} for t in texts]
     assert all(len(r.get(timeout=30)) == 32 for r in toy)
+    # Counted as the coordinator's own failure, so taken = dispatched + failed + requeued holds.
+    import redis
+
+    from carpool.redis_edge.keys import Keys
+
+    client = redis.Redis(port=server_of(processes).port)
+    stats = Keys("carpool.requests").stats
+    assert int(wait_for("the failure counted", lambda: client.hget(stats, "failed:unwritable"))) == 1
 
 
 def test_a_task_id_of_any_characters_is_answered_under_that_id(processes: Processes) -> None:
@@ -256,6 +264,24 @@ def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
     # The burst's batches hold its 80 texts, and not the warm-up request sent before it.
     [sizes] = [line for line in out.splitlines() if "batch sizes" in line]
     assert sum(int(k) * int(v) for k, v in re.findall(r"(\d+)x(\d+)", sizes)) == 80, sizes
+
+
+def test_celery_purge_empties_the_request_queue_and_the_batch_queue_when_named(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    # What OPERATIONS' "Emptying the queues" says: the app's default queue is the request queue.
+    import redis
+
+    client = redis.Redis(port=clean_redis.port)
+    client.rpush("carpool.requests", b"a request")
+    client.rpush("carpool.requests\x06\x169", b"an urgent one")
+    client.rpush("carpool.batches", b"a batch")
+    purge = [sys.executable, "-m", "celery", "-A", "carpool.celery_app", "purge", "-f"]
+    subprocess.run(purge, check=True, capture_output=True, timeout=120)
+    assert (client.llen("carpool.requests"), client.llen("carpool.requests\x06\x169")) == (0, 0)
+    assert client.llen("carpool.batches") == 1
+    subprocess.run([*purge, "-Q", "carpool.batches"], check=True, capture_output=True, timeout=120)
+    assert client.llen("carpool.batches") == 0
 
 
 @pytest.mark.parametrize(

@@ -220,7 +220,7 @@ def test_intake_fails_only_the_requests_whose_length_is_wrong() -> None:
     assert "exactly one item" in reasons["two"]
     # A task no coordinator serves (a module not in CARPOOL_IMPORTS yet): answered, not dead-lettered.
     assert out.malformed == [] and "unknown task name 'someone.else'" in reasons["unknown"]
-    assert "add the task's module to CARPOOL_IMPORTS" in reasons["unknown"]
+    assert "add its module to CARPOOL_IMPORTS" in reasons["unknown"]
     assert next(r for r in out.refused if r.id == "unknown").task == "someone.else"
 
 

@@ -143,6 +143,10 @@ def test_new_style_error_callbacks_run_here_with_a_request_and_the_exception(
     assert sent == [] and seen_by_new_style == [("req", "boom")]
 
 
+def _known_plain(value: Any) -> Any:
+    return value
+
+
 def test_a_step_this_process_does_not_know_goes_to_the_coordinators(sent: list[dict[str, Any]]) -> None:
     # Not a task this process knows, and no queue: the app's default queue is the request queue,
     # whose coordinators batch it (a @batched task of their CARPOOL_IMPORTS) or answer its error.
@@ -150,6 +154,10 @@ def test_a_step_this_process_does_not_know_goes_to_the_coordinators(sent: list[d
     assert links.on_success(app, "req", lk, "out") == []
     assert (sent[0]["name"], sent[0]["task_id"]) == ("nobody.knows", "t2")
     assert app.amqp.router.route({}, "nobody.knows")["queue"].name == "carpool.requests"
+    # A plain task this process knows, with no queue of its own, goes where carpool's workers run
+    # it, as Celery's workers would.
+    app.task(name="unit.links.known_plain")(_known_plain)
+    assert app.amqp.router.route({}, "unit.links.known_plain")["queue"].name == "carpool.batches"
     sent.clear()
     # With a queue of its own it is sent there.
     routed: Links = {"chain": [sig("nobody.knows")]}

@@ -35,6 +35,9 @@ from carpool.config import redact_url
             "carpool.celery_edge.results:CarpoolRedisBackend+redis://u:***@h/1",
         ),
         ("not a url", "not a url"),
+        # A ';' in a password (unescaped) is no list of hosts.
+        ("redis://:s3cr;et@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("redis://u:a;b;c@redis:abc/0?x=1", "redis://u:***@redis:abc/0?x=1"),
     ],
 )
 def test_redact_url(url: str, expected: str) -> None:
