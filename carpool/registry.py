@@ -185,8 +185,8 @@ class BatchedSpec(TaskSpec):
 
     def warm_up(self, settings: Settings) -> None:
         """Build what the function's own ``length`` needs when it has a ``warm_up`` (adapters do: a
-        model directory missing or damaged on the coordinator stops it at start, naming the path,
-        rather than failing every request)."""
+        model directory missing or damaged on the coordinator raises ConfigError naming the path,
+        which the coordinator logs at start; its requests are answered with that error)."""
         warm_up = getattr(self.fn, "warm_up", None)
         if callable(warm_up) and getattr(self.length, "__self__", None) is self.fn:
             warm_up()

@@ -202,6 +202,12 @@ class Coordinator:
                 spec.warm_up(self.settings)
             except UnknownModel as exc:  # a model setting no process could serve: stop, saying so
                 raise ConfigError(f"{spec.name}: {exc} (CARPOOL_MODEL/CARPOOL_MODELS)") from None
+            except ConfigError as exc:  # one task's model missing here: the other tasks are served
+                log.error(
+                    "%s cannot measure its requests on this host (%s); they are answered with this error",
+                    spec.name,
+                    exc,
+                )
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop, which then hands back what it holds."""

@@ -6,6 +6,7 @@ import json
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -739,6 +740,22 @@ def test_a_received_event_carries_the_messages_eta_and_canvas_ids_also_when_refu
     assert fields["due"]["eta"] == due
     assert (fields["child"]["root_id"], fields["child"]["parent_id"]) == ("root-1", "parent-1")
     assert events.of("child") == ["received", "failed"]
+
+
+def test_a_task_whose_model_is_missing_here_is_logged_at_start_and_the_others_served(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    from carpool.adapters import reranker
+    from carpool.registry import BatchedSpec
+
+    c = coordinator(clocks, workers=1)
+    missing = reranker(tmp_path / "not-mounted-here")
+    c.specs = {**c.specs, "unit.rerank": BatchedSpec("unit.rerank", missing, missing.length)}
+    with caplog.at_level(logging.ERROR, logger="carpool.coordinator.loop"):
+        c.warm_up()  # no raise: carpool.infer is still served
+    [record] = caplog.records
+    assert "unit.rerank cannot measure its requests" in record.getMessage()
+    assert "not-mounted-here is not a directory" in record.getMessage()
 
 
 def test_a_database_the_server_lacks_stops_the_loop_naming_the_settings(clocks: Clocks) -> None:
