@@ -247,16 +247,22 @@ def test_results_are_stored_once(clean_redis: EmbeddedRedis) -> None:
     assert app.AsyncResult("once-1").get(timeout=5) == "first"
 
 
-def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
-    env.update(CARPOOL_MODEL="toy", CARPOOL_MODELS="toy", COLUMNS="300")  # a row per line
-    proc = subprocess.run(
-        [sys.executable, "-m", "carpool", "demo", "--requests", "80"],
-        env=env,
+def _demo(requests: int, **env: str) -> subprocess.CompletedProcess[str]:
+    """``carpool demo`` on the toy model, with none of this session's CARPOOL_* but ``env``."""
+    given = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
+    given.update(CARPOOL_MODEL="toy", CARPOOL_MODELS="toy", COLUMNS="300")  # a table row per line
+    given.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "carpool", "demo", "--requests", str(requests)],
+        env=given,
         capture_output=True,
         text=True,
         timeout=240,
     )
+
+
+def test_the_demo_command_runs_on_a_fresh_embedded_redis() -> None:
+    proc = _demo(80)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     for needle in ("end-to-end throughput", "offline limit", "latency p99", "batch sizes", "padding ratio"):
@@ -294,18 +300,10 @@ def test_celery_purge_empties_the_request_queue_and_the_batch_queue_when_named(
 def test_the_demo_says_in_one_line_why_its_stack_did_not_come_up(
     clean_redis: EmbeddedRedis, setting: dict[str, str], said: str
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CARPOOL_")}
-    env.update(CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
-    env.update({k: v.format(port=clean_redis.port) for k, v in setting.items()})
+    env = {k: v.format(port=clean_redis.port) for k, v in setting.items()}
     if "CARPOOL_BROKER_URL" in setting:
         env["CARPOOL_RESULT_BACKEND"] = clean_redis.url(1)
-    proc = subprocess.run(
-        [sys.executable, "-m", "carpool", "demo", "--requests", "3"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = _demo(3, **env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and said in proc.stderr, proc.stderr[-3000:]
 
