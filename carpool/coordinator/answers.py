@@ -12,7 +12,7 @@ from carpool.batching import Request
 from carpool.celery_edge import links
 from carpool.celery_edge.results import FAILURE, REVOKED
 from carpool.coordinator.intake import Malformed, Refused
-from carpool.errors import DeadlineExceeded
+from carpool.errors import CarpoolError, DeadlineExceeded
 from carpool.redis_edge.store import dead_letter_reason
 from carpool.wire import Links, RequestSlot
 
@@ -64,23 +64,39 @@ def answer_expired(c: Coordinator, expired: list[Request], now: float) -> None:
     if not defaulted:
         return
     wall = c.wall()
-    c.held.difference_update(r.id for r in defaulted)
-    fail(
+    fail_held(
         c,
         [
-            Refused(
-                r.id,
-                "deadline",
+            (
+                r,
                 DeadlineExceeded.waited(
                     now - r.deadline_s,
                     "in the coordinator's queue",
                     wall - cast("RequestSlot", r.payload)["sent_at"],
                 ),
+            )
+            for r in defaulted
+        ],
+        "deadline",
+    )
+
+
+def fail_held(c: Coordinator, failures: list[tuple[Request, CarpoolError]], reason: str) -> None:
+    """Answer requests the coordinator held (their messages no longer at hand: their task, links and
+    result inbox are in their slots) with their errors, counted under ``reason``."""
+    c.held.difference_update(r.id for r, _ in failures)
+    fail(
+        c,
+        [
+            Refused(
+                r.id,
+                reason,
+                error,
                 task=c.task_name(r.model),
                 links=cast("RequestSlot", r.payload).get("links"),
                 inbox=cast("RequestSlot", r.payload).get("inbox"),
             )
-            for r in defaulted
+            for r, error in failures
         ],
     )
 

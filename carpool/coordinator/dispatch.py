@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from carpool.batching import Batch, Plan, Request
 from carpool.batching.capacity import Capacity, pool_capacity
-from carpool.coordinator.answers import answer_expired, fail
-from carpool.coordinator.intake import Refused
+from carpool.coordinator.answers import answer_expired, fail_held
 from carpool.errors import ModelError, described
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
-    from carpool.wire import RequestSlot
 
 log = logging.getLogger(__name__)
 
@@ -121,21 +119,7 @@ def _fail_unwritable(c: Coordinator, requests: list[Request], exc: BaseException
         f"this request's part of its batch message could not be written as JSON ({described(exc)}):"
         " its model's encode() must give each text's token ids as a list of ints"
     )
-    c.held.difference_update(r.id for r in requests)
-    fail(
-        c,
-        [
-            Refused(
-                r.id,
-                "unwritable",
-                error,
-                task=c.task_name(r.model),
-                links=cast("RequestSlot", r.payload).get("links"),
-                inbox=cast("RequestSlot", r.payload).get("inbox"),
-            )
-            for r in requests
-        ],
-    )
+    fail_held(c, [(r, error) for r in requests], "unwritable")
 
 
 def _dispatched(c: Coordinator, batch_id: str, batch: Batch, now: float) -> None:
