@@ -65,28 +65,27 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     inbox = headers.get(INBOX_HEADER)
     inbox = inbox if type(inbox) is str and inbox else None
 
-    def refused(why: str) -> RefusedMessage:
-        # A message that names its task and id is answered under that id, whatever else is wrong.
-        return RefusedMessage(why, task_id=task_id, task=task, inbox=inbox)
-
     props = envelope.get("properties") or {}
     if not isinstance(props, dict):
-        raise refused("not a Celery message: its properties are not an object")
+        raise _refused(task_id, task, inbox, "not a Celery message: its properties are not an object")
     compression = headers.get("compression")
     if compression:
-        raise refused(
+        raise _refused(
+            task_id,
+            task,
+            inbox,
             f"the message body is compressed ({compression}): carpool requests are plain JSON; send"
-            " them from an app without task_compression (or compression=)"
+            " them from an app without task_compression (or compression=)",
         )
     body = envelope.get("body")
     try:
         if props.get("body_encoding") == "base64":
             if not isinstance(body, str | bytes):
-                raise refused("message body is missing")
+                raise _refused(task_id, task, inbox, "message body is missing")
             body = base64.b64decode(body, validate=True)
         content_type = envelope.get("content-type", "application/json")
         if not isinstance(body, str | bytes):
-            raise refused("message body is missing")
+            raise _refused(task_id, task, inbox, "message body is missing")
         if content_type == "application/json" and envelope.get("content-encoding", "utf-8") == "utf-8":
             # What every Celery producer sends: plain JSON decoding, without kombu's registry lookups
             # (which cost as much again as the decoding, per request). kombu's type tags
@@ -98,14 +97,17 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
                 body, content_type, envelope.get("content-encoding", "utf-8"), accept={"application/json"}
             )
     except ContentDisallowed:
-        raise refused(
+        raise _refused(
+            task_id,
+            task,
+            inbox,
             f"content type {envelope.get('content-type')!r} refused: carpool accepts JSON only (send"
-            " from an app with task_serializer='json')"
+            " from an app with task_serializer='json')",
         ) from None
     except (DecodeError, binascii.Error, TypeError, ValueError) as exc:
-        raise refused(f"message body does not decode: {exc}") from None
+        raise _refused(task_id, task, inbox, f"message body does not decode: {exc}") from None
     if not (isinstance(decoded, list) and len(decoded) == 3):
-        raise refused("message body is not Celery protocol 2 (args, kwargs, embed)")
+        raise _refused(task_id, task, inbox, "message body is not Celery protocol 2 (args, kwargs, embed)")
     args, kwargs, embed = decoded
     eta = headers.get("eta")
     links = None
@@ -153,6 +155,11 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         links=links,
         inbox=inbox,
     )
+
+
+def _refused(task_id: str, task: str, inbox: str | None, why: str) -> RefusedMessage:
+    """A message that names its task and id is answered under that id, whatever else is wrong."""
+    return RefusedMessage(why, task_id=task_id, task=task, inbox=inbox)
 
 
 def inbox_in(raw: bytes) -> str | None:
