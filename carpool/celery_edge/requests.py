@@ -132,7 +132,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
             f"unknown task name {task!r}: this deployment's coordinators serve only {TASK_NAME} and the"
             " @batched tasks of CARPOOL_IMPORTS (for a @batched task, add its module to CARPOOL_IMPORTS"
             " on the coordinators and workers; a plain Celery task sent from a process that does not"
-            " import it needs its own route: queue= or task_routes, to a queue a Celery worker serves)",
+            " import it needs a queue a Celery worker serves, on its signature: sig.set(queue=...))",
             task_id=task_id,
             task=task,
             links=links,

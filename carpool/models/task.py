@@ -65,10 +65,13 @@ class InferSpec(TaskSpec):
             refused = {i: too_long(n, window, key) for i, n in enumerate(counts) if n > window}
             if refused:
                 texts = [text for i, text in enumerate(texts) if i not in refused]
-        rows = model.encode(texts)
+        rows: list[Any] = model.encode(texts)
+        lengths: list[int | InvalidInput] = [len(row) for row in rows]
         if model.needs_token_ids and not _plain(rows):
             rows = [_as_ints(row) for row in rows]
-        lengths: list[int | InvalidInput] = [len(row) for row in rows]
+            for i, row in enumerate(rows):
+                if row is None:
+                    lengths[i] = not_ids(key)
         items: list[Any] = rows if model.needs_token_ids else [None] * len(rows)
         for i in sorted(refused):  # back into place, so positions match the values given
             lengths.insert(i, refused[i])
@@ -113,11 +116,18 @@ def _plain(rows: Any) -> bool:
     return type(rows) is list and all(type(r) is list and (not r or type(r[0]) is int) for r in rows)
 
 
-def _as_ints(row: Any) -> Any:
+def _as_ints(row: Any) -> list[int] | None:
     """A custom model's row of ids (a numpy array, numpy ints, a tuple) as a list of Python ints,
-    the JSON its batch message carries; a row of anything else stays as it is, and the coordinator
-    answers its request with the error writing it raises."""
+    the JSON its batch message carries; None for a row of anything but integers (a float is no id:
+    padded, it would be cut to one)."""
     try:
         return [operator.index(token) for token in row]
     except TypeError:
-        return row
+        return None
+
+
+def not_ids(model_name: str) -> InvalidInput:
+    return InvalidInput(
+        f"{model_name}: encode() gave this text token ids that are not integers; a model's encode()"
+        " must give each text's ids as a list of ints (numpy integer arrays are converted)"
+    )

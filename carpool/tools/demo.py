@@ -192,10 +192,18 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
     try:
         settings, stats = _burst(harness, settings, texts, workers, external, console)
     except InvalidInput as exc:  # a deployment's settings refuse some of the demo's texts
+        # Past the model's window, truncation is the fix; past CARPOOL_MAX_INPUT_BYTES, the error
+        # names that setting itself.
+        past_window = "window" in str(exc)
         print(
             f"carpool demo: the deployment refused a demo text ({exc}); the demo sends mixed texts "
-            "up to a few hundred tokens, some past the model's window: run it against a deployment "
-            "that truncates them (CARPOOL_TRUNCATE=true, the default)",
+            "of up to about 1,600 bytes and a few hundred tokens"
+            + (
+                ", some past the model's window: run it against a deployment that truncates them"
+                " (CARPOOL_TRUNCATE=true, the default)"
+                if past_window
+                else ""
+            ),
             file=sys.stderr,
         )
         return 1

@@ -74,11 +74,20 @@ class BrokenLoad(ToyModel):
 
 class NumpyLetters(Letters):
     """Letters whose encode returns numpy rows of numpy ints, as many tokenizers do; a text holding
-    "?" gets a row no batch message can carry (ids that are no integers)."""
+    "?" gets ids that are no integers (floats)."""
 
     def encode(self, texts: Sequence[str]) -> list[Any]:
-        rows: list[Any] = [np.asarray(row, dtype=np.int64) for row in super().encode(texts)]
-        return [[object()] if "?" in text else row for text, row in zip(texts, rows, strict=True)]
+        rows = [np.asarray(row, dtype=np.int64) for row in super().encode(texts)]
+        return [row + 0.5 if "?" in text else row for text, row in zip(texts, rows, strict=True)]
+
+
+class SneakyLetters(Letters):
+    """Letters, except that a text holding "!" gets a row that starts with ids as the built-in
+    tokenizers give them and ends with something no batch message can carry."""
+
+    def encode(self, texts: Sequence[str]) -> list[list[Any]]:
+        rows = super().encode(texts)
+        return [[*row, object()] if "!" in text else row for text, row in zip(texts, rows, strict=True)]
 
 
 SLOW = f"{__name__}:SlowToy"
@@ -87,3 +96,4 @@ LETTERS = f"{__name__}:Letters"
 UNSTORABLE = f"{__name__}:Unstorable"
 BROKEN_LOAD = f"{__name__}:BrokenLoad"
 NUMPY_LETTERS = f"{__name__}:NumpyLetters"
+SNEAKY_LETTERS = f"{__name__}:SneakyLetters"

@@ -253,23 +253,31 @@ def test_python_dash_m_of_a_tool_ends_as_its_carpool_command_does(command: str) 
     assert usage.stdout.startswith(f"usage: carpool {command} "), usage.stdout[:200]
 
 
+@pytest.mark.parametrize(
+    ("why", "advice"),
+    [
+        ("text is 612 tokens, over minilm's window of 256: shorten it", True),
+        ("text is 1606 bytes of UTF-8, over CARPOOL_MAX_INPUT_BYTES=1024; ...", False),
+    ],
+)
 def test_demo_against_a_deployment_refusing_its_texts_says_so_in_one_line(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, why: str, advice: bool
 ) -> None:
     """``CARPOOL_TRUNCATE=false`` on the deployment: its longest texts are refused (a traceback
-    before), and the demo says what to change."""
+    before), and the demo says what to change; truncation is no help past a byte limit."""
     from carpool.errors import InputTooLong
     from carpool.tools import demo
 
     def refused(*_: object) -> None:
-        raise InputTooLong("text is 612 tokens, over minilm's window of 256: shorten it")
+        raise InputTooLong(why)
 
     monkeypatch.setenv("CARPOOL_BROKER_URL", "redis://127.0.0.1:1/0")
     monkeypatch.setattr(demo, "_burst", refused)
     assert main(["demo", "--external", "--requests", "3"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("carpool demo: the deployment refused a demo text (text is 612 tokens")
-    assert "CARPOOL_TRUNCATE=true" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith(f"carpool demo: the deployment refused a demo text ({why}")
+    assert ("CARPOOL_TRUNCATE=true" in err) is advice
+    assert "Traceback" not in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("command", ["coordinator", "worker"])
