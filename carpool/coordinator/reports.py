@@ -37,14 +37,20 @@ def apply_reports(c: Coordinator, reports: list[dict[str, Any]]) -> None:
 
 
 def give_up_unreported(c: Coordinator, now: float) -> None:
-    """Forget the batches that no report closed within a lease (and four predicted run times)."""
-    # Such a batch died with its worker; the reap (here or in another coordinator) brings its
-    # requests back.
+    """Forget the batches that no report closed within a lease (and four predicted run times).
+
+    Most died with their worker: the reap (here or in another coordinator) brings their requests
+    back. One still running (a slow function) keeps its requests leased by its worker, and reports
+    when it ends."""
     horizon = c.settings.recovery_timeout_s
     for batch_id, out in list(c.outstanding.items()):
         if now - out.dispatched_s > horizon + 4 * out.predicted_s:
             log.warning(
-                "batch %s (%d requests) never reported; leaving it to recovery", batch_id, len(out.ids)
+                "batch %s (%d requests) not reported within %.0f s; no longer counted as its worker's"
+                " work (still running, it keeps its requests; if its worker died, recovery returns them)",
+                batch_id,
+                len(out.ids),
+                now - out.dispatched_s,
             )
             del c.outstanding[batch_id]
 

@@ -758,6 +758,25 @@ def test_a_task_whose_model_is_missing_here_is_logged_at_start_and_the_others_se
     assert "not-mounted-here is not a directory" in record.getMessage()
 
 
+def test_a_batch_unreported_past_its_lease_is_let_go_without_saying_it_died(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A slow function's batch still runs, its requests leased by its worker: the log says both cases.
+    from carpool.coordinator.dispatch import OutstandingBatch
+    from carpool.coordinator.reports import give_up_unreported
+
+    c = coordinator(clocks, workers=1)
+    c.outstanding["slow"] = OutstandingBatch(["a", "b"], "toy", 0.5, 100.0)
+    c.outstanding["recent"] = OutstandingBatch(["c"], "toy", 0.5, 100.0 + 40)
+    with caplog.at_level(logging.WARNING, logger="carpool.coordinator.reports"):
+        give_up_unreported(c, 100.0 + c.settings.recovery_timeout_s + 5)
+    assert list(c.outstanding) == ["recent"]
+    [record] = caplog.records
+    waited = c.settings.recovery_timeout_s + 5
+    assert f"batch slow (2 requests) not reported within {waited:.0f} s" in record.getMessage()
+    assert "still running, it keeps its requests" in record.getMessage()
+
+
 def test_a_database_the_server_lacks_stops_the_loop_naming_the_settings(clocks: Clocks) -> None:
     # A traceback per retry, for ever, would hide what only a changed URL (or server) can mend.
     c = coordinator(clocks, workers=1)
