@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from carpool.batching import Batch, Plan, Request
 from carpool.batching.capacity import Capacity, pool_capacity
+from carpool.codec import kombu_json
 from carpool.coordinator.answers import answer_expired, fail_held
 from carpool.errors import ModelError, described
 
@@ -76,7 +77,7 @@ def _publish(c: Coordinator, batches: list[Batch], now: float) -> None:
             unsent = [req for _, later in groups[index:] for batch in later for req in batch.requests]
             # ...but for a request whose message cannot be written (a custom model's encode() that
             # returned numpy ids, say): it would fail every plan it rode in, and the rest with it.
-            unwritable = [r for r in unsent if not _writable(r.payload)] if _encoding(exc) else []
+            unwritable = [r for r in unsent if not kombu_json(r.payload)] if _encoding(exc) else []
             if unwritable:
                 _fail_unwritable(c, unwritable, exc)
             failed = {r.id for r in unwritable}
@@ -102,16 +103,6 @@ def _encoding(exc: BaseException) -> bool:
     from kombu.exceptions import EncodeError
 
     return isinstance(exc, EncodeError | TypeError | ValueError)
-
-
-def _writable(payload: object) -> bool:
-    from kombu.utils.json import dumps
-
-    try:
-        dumps(payload)  # type: ignore[no-untyped-call]  # kombu is untyped
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def _fail_unwritable(c: Coordinator, requests: list[Request], exc: BaseException) -> None:
