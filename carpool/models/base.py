@@ -8,6 +8,11 @@ A model has two halves that run in different processes:
   (written straight from the array; float32 rows in their shortest float32 form, which reads back as
   the same float32 values: see :mod:`carpool.codec`).
 
+Optionally, ``plain_ids = True`` says that ``encode`` gives lists of Python ints within int64, as the
+built-in tokenizers do, and carpool skips checking each id. Without it each row is converted (numpy
+integer arrays and tuples become lists of ints), and a row holding anything else (a float, an id past
+int64) fails its own request at intake with ``InvalidInput``.
+
 Optionally, ``count_tokens(texts) -> list[int]`` gives untruncated lengths; with it carpool can
 reject over-long texts (``CARPOOL_TRUNCATE=false``) instead of truncating them.
 

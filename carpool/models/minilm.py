@@ -46,6 +46,7 @@ def _head(text: str, limit: int) -> str:
 class MiniLM:
     pad_id = 0
     needs_token_ids = True
+    plain_ids = True  # encode gives lists of Python ints (see carpool.models.base)
     #: set by ``load`` on CUDA, where kernels and copies are asynchronous (see carpool.models.base)
     launch: Launch | None = None
 

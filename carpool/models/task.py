@@ -67,7 +67,7 @@ class InferSpec(TaskSpec):
                 texts = [text for i, text in enumerate(texts) if i not in refused]
         rows: list[Any] = model.encode(texts)
         lengths: list[int | InvalidInput] = [len(row) for row in rows]
-        if model.needs_token_ids and not _plain(rows):
+        if model.needs_token_ids and not getattr(model, "plain_ids", False):
             rows = [_as_ints(row) for row in rows]
             for i, row in enumerate(rows):
                 if row is None:
@@ -110,24 +110,25 @@ class InferSpec(TaskSpec):
         return partial(launch_padded, model, serializer=settings.result_serializer)
 
 
-def _plain(rows: Any) -> bool:
-    """Whether ``rows`` are lists of Python ints, as the built-in tokenizers give them (each row's
-    first id looked at: the check runs per request)."""
-    return type(rows) is list and all(type(r) is list and (not r or type(r[0]) is int) for r in rows)
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _as_ints(row: Any) -> list[int] | None:
-    """A custom model's row of ids (a numpy array, numpy ints, a tuple) as a list of Python ints,
-    the JSON its batch message carries; None for a row of anything but integers (a float is no id:
-    padded, it would be cut to one)."""
+    """A custom model's row of ids (a list, a numpy array, numpy ints, a tuple) as a list of Python
+    ints, the JSON its batch message carries; None for a row holding anything but integers that
+    the worker's int64 padding holds (a float is no id: padded, it would be cut to one)."""
     try:
-        return [operator.index(token) for token in row]
+        ids = [operator.index(token) for token in row]
     except TypeError:
         return None
+    if ids and not (_INT64[0] <= min(ids) and max(ids) <= _INT64[1]):
+        return None
+    return ids
 
 
 def not_ids(model_name: str) -> InvalidInput:
     return InvalidInput(
-        f"{model_name}: encode() gave this text token ids that are not integers; a model's encode()"
-        " must give each text's ids as a list of ints (numpy integer arrays are converted)"
+        f"{model_name}: encode() gave this text token ids that are not all integers within int64;"
+        " a model's encode() must give each text's ids as a list of ints (numpy integer arrays are"
+        " converted)"
     )

@@ -23,6 +23,7 @@ class ToyModel:
     max_length = 256
     pad_id = 0
     needs_token_ids = True
+    plain_ids = True  # encode gives lists of Python ints (see carpool.models.base)
 
     def __init__(self) -> None:
         self._net: Any = None

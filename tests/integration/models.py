@@ -82,8 +82,10 @@ class NumpyLetters(Letters):
 
 
 class SneakyLetters(Letters):
-    """Letters, except that a text holding "!" gets a row that starts with ids as the built-in
-    tokenizers give them and ends with something no batch message can carry."""
+    """Letters, vouching for its ids as the built-in tokenizers do (``plain_ids``), except that a
+    text holding "!" gets a row that ends with something no batch message can carry."""
+
+    plain_ids = True
 
     def encode(self, texts: Sequence[str]) -> list[list[Any]]:
         rows = super().encode(texts)

@@ -144,8 +144,8 @@ def test_a_models_numpy_ids_travel_and_ids_no_message_can_carry_fail_their_reque
     start_stack(processes, CARPOOL_MODEL=name, CARPOOL_MODELS=f"{name},toy")
     error: type[Exception]
     if model == "NUMPY_LETTERS":  # numpy float ids: refused at intake (padded, cut to integers)
-        bad, error, why = infer.delay("what?"), InvalidInput, r"token ids that are not integers"
-    else:  # a row that passes intake's look at its first id: refused when its batch is written
+        bad, error, why = infer.delay("what?"), InvalidInput, r"token ids that are not all integers"
+    else:  # a row its model vouched for (unchecked at intake): refused when its batch is written
         bad, error, why = infer.delay("hey!"), ModelError, r"could not be written as JSON.*encode\(\)"
     texts = ["a", "hello", "x" * 16]
     good = [infer.delay(t) for t in texts]

@@ -4,8 +4,10 @@ prepared and run by the same code as a ``@batched`` task, on the coordinator and
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from carpool.codec import loads
@@ -72,6 +74,56 @@ def test_prepare_tokenizes_once_and_refuses_texts_over_the_window_in_place() -> 
         assert f"text is {count} tokens, over the 4-token window of toy" in str(lengths[i])
     lengths, items = spec.prepare("toy", texts, Settings(model="toy"))  # truncation on: all cut to fit
     assert lengths == [2, 4, 1, 4]
+
+
+class OddIds(Words):
+    """Words, except that each text names the row its encode gives: a user's tokenizer of any kind."""
+
+    ROWS: dict[str, Any] = {
+        "plain": [5, 6],
+        "numpy": np.array([5, 6], dtype=np.int32),
+        "mixed": [5, np.int64(6)],
+        "tuple": (5, 6),
+        "late float": [5, 6.5],
+        "numpy floats": np.array([5.0, 6.0]),
+        "past int64": [5, 2**63],
+        "below int64": [-(2**63) - 1, 5],
+        "an object": [5, object()],
+        "empty": [],
+    }
+
+    def encode(self, texts: Sequence[str]) -> list[Any]:
+        return [self.ROWS[t] for t in texts]
+
+
+def test_prepare_checks_every_id_of_a_models_rows_and_refuses_only_the_rows_no_worker_can_pad() -> None:
+    # Only a row's first id was looked at: a later float rode on and the worker's padding cut it to
+    # an integer, so its request succeeded on ids its model never gave.
+    spec = InferSpec(INFER_TASK, model_of=lambda name: OddIds())
+    texts = list(OddIds.ROWS)
+    lengths, items = spec.prepare("toy", texts, Settings(model="toy"))
+    got = dict(zip(texts, zip(lengths, items, strict=True), strict=True))
+    for text in ("plain", "numpy", "mixed", "tuple"):
+        length, row = got[text]
+        assert length == 2 and row == [5, 6] and all(type(i) is int for i in row), text
+    assert got["empty"] == (0, [])
+    for text in ("late float", "numpy floats", "past int64", "below int64", "an object"):
+        length, _ = got[text]
+        assert isinstance(length, InvalidInput), text
+        assert "token ids that are not all integers within int64" in str(length)
+
+
+def test_a_model_that_vouches_for_its_ids_is_not_checked() -> None:
+    """The built-in tokenizers give lists of Python ints; checking each id would cost per request."""
+    from carpool.models.minilm import MiniLM
+    from carpool.models.toy import ToyModel
+
+    assert MiniLM.plain_ids and ToyModel.plain_ids
+    vouching = OddIds()
+    vouching.plain_ids = True  # type: ignore[attr-defined]
+    spec = InferSpec(INFER_TASK, model_of=lambda name: vouching)
+    lengths, items = spec.prepare("toy", ["mixed"], Settings(model="toy"))
+    assert lengths == [2] and items[0] is OddIds.ROWS["mixed"]
 
 
 def test_infer_and_a_batched_task_go_through_one_coordinator_and_one_worker_path() -> None:
