@@ -50,6 +50,8 @@ def answer_revoked(
         c.metrics.failed("deadline", len(ids))
         log.info("%d requests expired (their expires= passed) before they ran", len(ids))
     else:
+        c.stats.failed["revoked"] += len(ids)
+        c.metrics.failed("revoked", len(ids))
         log.info("revoked %d requests before they were batched", len(ids))
 
 

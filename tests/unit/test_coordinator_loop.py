@@ -549,6 +549,7 @@ def test_revoked_requests_held_here_are_answered_revoked_and_never_batched(clock
     assert [(i, state) for i, state, _ in c.backend.stored] == [("later", "REVOKED"), ("held", "REVOKED")]
     assert all(isinstance(error, TaskRevokedError) for _, _, error in c.backend.stored)
     assert c.store.acked == ["later", "held"]
+    assert c.stats.failed["revoked"] == 2, "counted, so taken = dispatched + failed + requeued holds"
     # One revoked before it was taken is answered when it is, without being decoded or batched.
     c.store.queue.append(("unknown", b"not even a message"))
     c.store.workers = 1
@@ -558,6 +559,7 @@ def test_revoked_requests_held_here_are_answered_revoked_and_never_batched(clock
         clocks.advance(0.05)
     assert c.backend.stored[-1][:2] == ("unknown", "REVOKED")
     assert [ids for _, ids in c.store.dispatched] == [["kept"]]
+    assert c.stats.failed["revoked"] == 3
 
 
 def test_a_revoke_broadcast_names_its_task_ids() -> None:
