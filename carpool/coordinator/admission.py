@@ -66,6 +66,8 @@ def admit_finished(c: Coordinator) -> None:
 
 
 def admit(c: Coordinator, intake: Intake, now: float) -> None:
+    c.stats.prepare_cpu_ns += intake.prepare_cpu_ns
+    c.stats.prepared += intake.prepared
     for bad in intake.malformed:
         dead_letter(c, bad)
     refused = intake.refused

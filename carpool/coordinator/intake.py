@@ -14,6 +14,7 @@ the failures.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,10 @@ class Intake:
     admitted: list[tuple[Incoming, Request]] = field(default_factory=list)
     refused: list[Refused] = field(default_factory=list)
     malformed: list[Malformed] = field(default_factory=list)
+    #: CPU time of the thread that ran the tasks' ``prepare`` calls (tokenization, for infer), and
+    #: how many values they were given: the stats hash's ``prepare_cpu_ns`` and ``prepared``
+    prepare_cpu_ns: int = 0
+    prepared: int = 0
 
 
 def decode_taken(request_id: str, raw: bytes, tasks: Any = (INFER_TASK,)) -> Incoming:
@@ -247,7 +252,10 @@ def take_in(
 
     deadline_s = settings.default_deadline_s
     for key, (spec, entries) in by_key.items():
+        started = time.thread_time_ns()
         lengths, items = prepared(spec, key, [value for _, value in entries], settings)
+        out.prepare_cpu_ns += time.thread_time_ns() - started
+        out.prepared += len(entries)
         for (msg, _), length, item in zip(entries, lengths, items, strict=True):
             if isinstance(length, InvalidInput):
                 reason = "too_long" if isinstance(length, InputTooLong) else "invalid"

@@ -43,6 +43,10 @@ class CoordinatorStats:
     requeued: Counter[str] = field(default_factory=Counter)
     flush: Counter[str] = field(default_factory=Counter)
     sizes: Counter[int] = field(default_factory=Counter)
+    # CPU of the tasks' prepare calls (infer: tokenization), on whichever thread ran them, and the
+    # values prepared: a benchmark reads tokenization's share of the coordinator's CPU from these.
+    prepare_cpu_ns: int = 0
+    prepared: int = 0
 
 
 class StatsWriter:
@@ -143,6 +147,8 @@ def _counters(stats: CoordinatorStats) -> dict[str, int]:
         "dispatched": stats.dispatched,
         "padded_tokens": stats.padded_tokens,
         "real_tokens": stats.real_tokens,
+        "prepare_cpu_ns": stats.prepare_cpu_ns,
+        "prepared": stats.prepared,
     }
     counters.update({f"flush:{k}": v for k, v in stats.flush.items()})
     counters.update({f"failed:{k}": v for k, v in stats.failed.items()})

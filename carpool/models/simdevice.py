@@ -116,7 +116,10 @@ class SimulatedDevice:
     """MiniLM's tokenization and window; a sleeping device; MiniLM-sized outputs."""
 
     pad_id = 0
-    needs_token_ids = False
+    # The ids travel to the worker and are padded there, as MiniLM's are, though the sleep reads only
+    # the batch's shape: the pipeline's CPU per request is measured as a real model would cost it.
+    needs_token_ids = True
+    plain_ids = True
     profile_name = ""  # empty: read CARPOOL_SIM_DEVICE
 
     def __init__(self) -> None:

@@ -73,6 +73,11 @@ def test_counters_go_as_the_totals_that_moved_and_emptied_bins_as_zero() -> None
     w.write(stats, {}, {"pending": 0})
     assert totals_sent(client) == []  # nothing moved: no script call
 
+    stats.prepare_cpu_ns += 12_345_000
+    stats.prepared += 7
+    w.write(stats, {}, {"pending": 0})
+    assert totals_sent(client) == [(keys, (COORDINATORS_KEPT_S, "prepare_cpu_ns", 12_345_000, "prepared", 7))]
+
 
 def test_a_failed_write_sends_its_totals_again_with_the_next() -> None:
     class FailingOnce(RecordingClient):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -221,3 +222,24 @@ def test_callbacks_that_are_not_signatures_make_the_message_malformed() -> None:
     embed = {"callbacks": "carpool.infer", "errbacks": None, "chain": None, "chord": None}
     out, _ = run([("a", message("a", "hi", embed=embed))])
     assert not out.admitted and "callbacks" in out.malformed[0].reason
+
+
+class Burning(Words):
+    """Words whose encode burns a known stretch of this thread's CPU, as a tokenizer does."""
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        started = time.thread_time()
+        while time.thread_time() - started < 0.02:
+            pass
+        return super().encode(texts)
+
+
+def test_a_take_counts_the_cpu_its_prepare_calls_spent_and_the_values_they_prepared() -> None:
+    """``carpool bench --accelerator`` reads tokenization's share of the coordinator's CPU from these
+    (the stats hash's prepare_cpu_ns and prepared), not from a tokenizer timed elsewhere."""
+    taken = [(f"r{i}", message(f"r{i}", "one two", model="toy" if i % 2 else "null")) for i in range(6)]
+    out, _ = run(taken, models={"toy": Burning(), "null": Burning()})
+    assert len(out.admitted) == 6 and out.prepared == 6
+    assert 0.04e9 <= out.prepare_cpu_ns < 5e9  # two encode calls (one per model), 20 ms each
+    refused_only, _ = run([("bad", message("bad", 7))])
+    assert refused_only.prepared == 0 and refused_only.prepare_cpu_ns == 0

@@ -31,6 +31,8 @@ def test_forward_sleeps_for_the_device_time_and_returns_minilm_sized_rows(
     model.load("cpu")
     ids = model.encode(["a short text", "a somewhat longer text with more words in it"])
     assert ids[0][0] == 101 and ids[0][-1] == 102  # MiniLM's [CLS] ... [SEP]
+    # Its ids travel to the worker and are padded there, as MiniLM's: the pipeline costs what it would.
+    assert model.needs_token_ids and model.plain_ids and all(type(i) is int for row in ids for i in row)
     mask = np.ones((2, 16), dtype=np.int64)
     started = time.perf_counter()
     rows = model.forward(mask, mask)

@@ -4,7 +4,8 @@ the device alone does with the same workload.
 One invocation, in order:
 
 1. the workload (``ACCELERATOR_MIX``) tokenized in this process, single-threaded: the tokenizer's
-   CPU per text, and the token lengths;
+   CPU per text (a reference; the report's tokenization is what the coordinators counted of their
+   own prepare calls, the stats hash's ``prepare_cpu_ns``), and the token lengths;
 2. the device's capacity on it (:func:`~carpool.tools.bench.device.device_capacity`);
 3. carpool serving ``sim-<profile>`` (``--coordinators`` coordinators, one by default, and
    ``--workers`` workers, default settings):
@@ -267,6 +268,8 @@ def run_accelerator(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     n = option(args, "requests")
     if n < 2:
         raise ValueError("--requests must be at least 2")
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
     light, pipeline_n = option(args, "light"), option(args, "pipeline")
     defaults = load_settings()  # the service's settings, as a user's processes would read them
     max_batch = args.max_batch if args.max_batch is not None else defaults.max_batch
@@ -375,6 +378,7 @@ def _simulated_device(
     """carpool on the simulated device: the burst, its batches, CPU and the device's busy time."""
     from carpool.models.simdevice import DEVICE_LOG_ENV
     from carpool.tools.bench.device import busy_summary, nominal_device_s, read_device_log
+    from carpool.tools.bench.systems.base import counters_since
     from carpool.tools.bench.systems.carpool import CarpoolSystem
 
     system = CarpoolSystem(env, args.timeout, extra_env={**sim_env, DEVICE_LOG_ENV: str(device_log)})
@@ -388,7 +392,8 @@ def _simulated_device(
         _log(f"carpool on {env.model}: a burst of {len(texts)} texts")
         run = burst(env, texts, args.timeout, timeline=True, as_array=getattr(args, "as_array", False))
         time.sleep(0.6)  # batch counters reach Redis a moment after the last result
-        sizes, padded, real = system.batches_since(before, ())
+        after = system.snapshot()
+        sizes, padded, real = counters_since(before, after)
     except Exception as exc:
         _error(report, f"carpool {phase}", exc)
         return
@@ -396,8 +401,13 @@ def _simulated_device(
         system.stop()  # the workers write the rest of the device log as they exit
         env.flush()
     cpu = run["cpu_us_per_request"]
-    cpu["tokenization"] = round(tokenizer_us, 1)
-    cpu["coordinator_besides_tokenization"] = round(cpu["coordinator"] - tokenizer_us, 1)
+    # Tokenization as the coordinators counted it (their prepare calls' thread CPU: stats hash),
+    # over the same requests as their whole CPU; the bench's own one-thread figure only if absent.
+    prepare_ns = after.get("prepare_cpu_ns", 0.0) - before.get("prepare_cpu_ns", 0.0)
+    tokenization = prepare_ns / 1e3 / len(texts) if prepare_ns > 0 else tokenizer_us
+    cpu["tokenization"] = round(tokenization, 1)
+    cpu["coordinator_besides_tokenization"] = round(cpu["coordinator"] - tokenization, 1)
+    run["tokenization_counted_by"] = "coordinator" if prepare_ns > 0 else "bench"
     run["ratio_to_capacity"] = run["throughput_rps"] / capacity["texts_per_s"]
     run["batches"] = sum(sizes.values())
     run["mean_batch"] = (sum(k * v for k, v in sizes.items()) / run["batches"]) if run["batches"] else None
@@ -406,7 +416,6 @@ def _simulated_device(
     forwards = [f for f in read_device_log(device_log) if run["wall_start"] <= f.start < end]
     busy = busy_summary(forwards, run["wall_start"], end)
     profile = report["device"]
-    busy["device_s_logged"] = sum(f.end - f.start for f in forwards)
     busy["device_s_nominal"] = nominal_device_s(forwards, profile["a_s"], profile["b_s"])
     # The device's own time on carpool's batches against the sorted ideal: what batching alone costs.
     run["batching_efficiency"] = capacity["device_s"] / busy["device_s_nominal"] if forwards else None

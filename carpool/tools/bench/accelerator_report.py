@@ -11,15 +11,16 @@ Schema ``carpool-bench-accelerator/1``::
                  "events"},
       "workload": {"requests", "seed", "length_distribution", "chars_mean", "token_lengths",
                    "at_window_share"},
-      "tokenizer_cpu_us_per_text": float,        # in the bench's process, one thread
+      "tokenizer_cpu_us_per_text": float,        # in the bench's process, one thread (a reference)
       "capacity": {"texts_per_s", "device_s", "batches", "padded_tokens", "real_tokens", "padding_ratio"},
       "carpool": null | {"requests", "wall_s", "submit_s", "gather_s", "throughput_rps",
                          "ratio_to_capacity", "batches", "mean_batch", "padding_ratio",
                          "batching_efficiency", "cpu_us_per_request" {COMPONENTS...},
+                         "tokenization_counted_by": "coordinator" | "bench",
                          "background_cpu_cores", "redis_commands_per_request", "wall_start"},
       "device_busy": null | {"bucket_s", "window_s", "devices", "forwards", "overall",
                              "while_working", "first_start_s", "last_end_s", "buckets": [float],
-                             "buckets_p10_p50_p90", "device_s_logged", "device_s_nominal"},
+                             "buckets_p10_p50_p90", "device_s_nominal"},
       "cpu_over_run": absent | {"bucket_s", "machine_cores", "whole_run" {"total_cores", "cores"},
                                 "components" {producer, coordinator, worker, redis: [cores per
                                 bucket of device_busy]}, "total": [cores],
@@ -50,7 +51,7 @@ COMPONENTS = (
     ("producer_gather", "producer gather"),
     ("redis", "Redis"),
     ("coordinator", "coordinator"),
-    ("tokenization", "  tokenization (in-process, one thread)"),
+    ("tokenization", "  tokenization (its prepare calls' thread CPU)"),
     ("coordinator_besides_tokenization", "  coordinator besides tokenization"),
     ("worker", "worker"),
 )

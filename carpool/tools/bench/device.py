@@ -68,7 +68,8 @@ def device_capacity(
 
 
 def nominal_device_s(forwards: Iterable[Forward], a_s: float, b_s: float) -> float:
-    """What ``forwards`` should have taken by the device's time rule (sleeps overshoot a little)."""
+    """The device time of ``forwards`` by the device's time rule: what its log's intervals add up to
+    (the simulated device logs each batch's place on its timeline, not when a sleep woke)."""
     return sum(a_s + b_s * f.rows * f.width for f in forwards)
 
 
