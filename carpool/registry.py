@@ -65,6 +65,9 @@ class TaskSpec(ABC):
     #: whether an exception the batch function raises is stored as raised (as Celery stores a
     #: task's), rather than as a ModelError naming it
     raises_as_raised: ClassVar[bool] = True
+    #: whether the batch function may change its items (user code may): a batch that fails is then
+    #: split from a copy of its items taken before the call, not from what the call left of them
+    may_change_items: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         for field, value in (("max_batch", self.max_batch), ("max_tokens", self.max_tokens)):
@@ -158,7 +161,7 @@ class BatchedSpec(TaskSpec):
             raw: Sequence[Any] = self.lengths(values)
             if len(raw) != len(values):
                 raise ValueError(f"lengths() gave {len(raw)} values for {len(values)} items")
-        except Exception:
+        except (Exception, SystemExit):  # sys.exit() in user code fails its items, not the coordinator
             raw = []
             for value in values:
                 try:
@@ -170,7 +173,7 @@ class BatchedSpec(TaskSpec):
                             " cannot measure items"
                         )
                     )
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:
                     raw.append(InvalidInput(f"{self.name}: length() raised {described(exc)}; fix the item"))
         out: list[int | InvalidInput] = []
         for value in raw:

@@ -174,7 +174,7 @@ def prepared(spec: TaskSpec, key: str, values: list[Any], settings: Settings) ->
         raise ValueError(
             f"prepare gave {len(out.lengths)} lengths, {len(out.items)} items for {len(values)} values"
         )
-    except Exception:
+    except (Exception, SystemExit):  # sys.exit() in a model's or task's code fails its requests only
         log.warning(
             "%s: preparing %d requests for %s raised; preparing each alone to refuse only those it fails for",
             spec.name,
@@ -189,7 +189,7 @@ def prepared(spec: TaskSpec, key: str, values: list[Any], settings: Settings) ->
             [length], [item] = spec.prepare(key, [value], settings)
         except InvalidInput as exc:
             length, item = exc, None
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             length = InvalidInput(
                 f"{spec.name}: preparing this request's input for {key} raised {described(exc)}"
             )

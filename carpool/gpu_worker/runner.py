@@ -20,7 +20,7 @@ import numpy as np
 
 from carpool.batching.bins import padded_length
 from carpool.codec import float32_rows
-from carpool.errors import described
+from carpool.errors import ModelError, described
 from carpool.models import BatchModel, get_model
 
 log = logging.getLogger(__name__)
@@ -163,31 +163,72 @@ def one_per_item(outputs: Any, count: int) -> list[Any]:
 
 
 def run_call_isolating(
-    call: Callable[[Any, Any], Sequence[Any]], items: Sequence[Any], lengths: Sequence[int]
+    call: Callable[[Any, Any], Sequence[Any]],
+    items: Sequence[Any],
+    lengths: Sequence[int],
+    pristine: Callable[[], list[Any]] | None = None,
 ) -> list[tuple[bool, Any]]:
     """Per item (ok, output-or-exception): a batch that raises is split in halves until failures are
     alone (out-of-memory errors too: smaller halves fit). A wrong number of outputs fails the whole
-    batch: splitting cannot say which output is whose."""
+    batch: splitting cannot say which output is whose.
+
+    Each call gets a list of its own, so a function that sorts its batch in place does not reorder
+    the items the halves are cut from. ``pristine``: the items as they were before any call
+    (:func:`pristine_items`), for a function that may change an item itself: the halves are cut from
+    those, not from what the failed call left. ``sys.exit()`` in the function fails its items, not
+    the process (Celery's own shutdown exceptions, subclasses of SystemExit, pass through)."""
     try:
-        return [(True, out) for out in run_call(call, items, lengths)]
+        return [(True, out) for out in run_call(call, list(items), lengths)]
     except OutputCountMismatch as exc:
         return [(False, exc)] * len(lengths)
-    except Exception as exc:
+    except (Exception, SystemExit) as raised:
+        if isinstance(raised, SystemExit) and type(raised) is not SystemExit:
+            raise  # Celery's WorkerShutdown / WorkerTerminate: the worker is stopping
+        failure = _exited(raised) if type(raised) is SystemExit else raised
         if len(lengths) == 1:
-            return [(False, exc)]
-        log.warning("batch of %d failed (%s); splitting to isolate", len(lengths), described(exc))
+            return [(False, failure)]
+        log.warning("batch of %d failed (%s); splitting to isolate", len(lengths), described(failure))
     # Split outside the handler: a failure in a half is then its own exception, its traceback the
     # raise alone, not chained to each larger batch's failure (nor holding their items alive).
     _free_accelerator_memory()
+    if pristine is not None:
+        items = pristine()
     half = len(lengths) // 2
-    return run_call_isolating(call, items[:half], lengths[:half]) + run_call_isolating(
-        call, items[half:], lengths[half:]
+    first = second = None
+    if pristine is not None:
+        outer = pristine
+        first, second = (lambda: outer()[:half]), (lambda: outer()[half:])
+    return run_call_isolating(call, items[:half], lengths[:half], first) + run_call_isolating(
+        call, items[half:], lengths[half:], second
+    )
+
+
+def pristine_items(items: Sequence[Any]) -> Callable[[], list[Any]]:
+    """A function giving a fresh copy of ``items`` as they are now, whatever is done to them later:
+    a batch's JSON items are kept as orjson's bytes (anything else as a deep copy)."""
+    import copy
+
+    import orjson
+
+    try:
+        kept = orjson.dumps(items, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
+    except TypeError:
+        frozen = copy.deepcopy(list(items))
+        return lambda: copy.deepcopy(frozen)
+    return lambda: cast("list[Any]", orjson.loads(kept))
+
+
+def _exited(raised: SystemExit) -> ModelError:
+    return ModelError(
+        f"the batch function called sys.exit({raised.code!r}) (raised SystemExit); raise an exception"
+        " for the items that cannot be run instead, and the others run on"
     )
 
 
 def run_items_isolating(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[tuple[bool, Any]]:
     """:func:`run_call_isolating` of a function of the items alone, as a ``@batched`` task's."""
-    return run_call_isolating(lambda batch, _lengths: fn(batch), items, [0] * len(items))
+    call = lambda batch, _lengths: fn(batch)  # noqa: E731
+    return run_call_isolating(call, items, [0] * len(items), pristine_items(items))
 
 
 def _free_accelerator_memory() -> None:

@@ -56,7 +56,13 @@ from carpool.codec import storable
 from carpool.errors import CONFIG_ERROR_EXIT, ConfigError, DeadlineExceeded, ModelError, WireError, described
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
 from carpool.gpu_worker.finish import apply_links, batch_chain_failures, count_rejected, retrying
-from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item, pick_device, run_call_isolating
+from carpool.gpu_worker.runner import (
+    OutputCountMismatch,
+    one_per_item,
+    pick_device,
+    pristine_items,
+    run_call_isolating,
+)
 from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks
 from carpool.gpu_worker.stage import DeviceStage, Finisher
 from carpool.names import RUN_BATCH_TASK
@@ -644,7 +650,9 @@ class WorkerRuntime:
             spec = served_spec(self.specs, self.served, batch["task"])
             t0 = time.perf_counter()
             call = spec.batch_function(batch["model"], self.device, self.settings)
-            outcomes = run_call_isolating(call, [r["item"] for r in live], lengths)
+            items = [r["item"] for r in live]
+            pristine = pristine_items(items) if spec.may_change_items else None
+            outcomes = run_call_isolating(call, items, lengths, pristine)
             if spec.checks_outputs:
                 outcomes = _checked(spec.name, outcomes, self.settings.result_serializer)
             elapsed = time.perf_counter() - t0

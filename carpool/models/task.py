@@ -46,6 +46,7 @@ class InferSpec(TaskSpec):
     # A model's outputs are its own to make JSON-ready (protocol); checking each would cost per request.
     checks_outputs: ClassVar[bool] = False
     raises_as_raised: ClassVar[bool] = False  # a model's failure reaches infer's callers as ModelError
+    may_change_items: ClassVar[bool] = False  # forward_padded only reads the ids
 
     def keys(self, settings: Settings) -> tuple[str, ...]:
         return settings.served_models

@@ -368,6 +368,79 @@ def test_a_failure_isolated_by_splitting_carries_its_own_traceback_once() -> Non
     assert text.count('raise ValueError("boom is not a word I take")') == 1, text
 
 
+def _sorting(items: list[dict[str, Any]]) -> list[int]:
+    """Sorts its batch in place (to cut padding), answers in the order given; refuses x == 0."""
+    order = list(items)
+    items.sort(key=lambda item: item["x"])
+    if any(item["x"] == 0 for item in items):
+        raise ValueError("x must not be 0")
+    return [10 * item["x"] for item in order]
+
+
+def _doubling(items: list[dict[str, Any]]) -> list[int]:
+    """Changes each item in place before it looks at them all; refuses x == 0."""
+    for item in items:
+        item["x"] *= 2
+    if any(item["x"] == 0 for item in items):
+        raise ValueError("x must not be 0")
+    return [item["x"] for item in items]
+
+
+@pytest.mark.parametrize(("fn", "expected"), [(_sorting, lambda x: 10 * x), (_doubling, lambda x: 2 * x)])
+def test_a_batch_split_after_a_failure_runs_the_items_as_sent_whatever_the_failed_call_did_to_them(
+    fn: Callable[[list[dict[str, Any]]], list[int]], expected: Callable[[int], int]
+) -> None:
+    # The halves were cut from the list the failed call had sorted (requests got each other's
+    # outputs, a good one the error) or from items it had changed (doubled again on each retry).
+    from carpool.gpu_worker.runner import run_items_isolating
+
+    xs = [5, 3, 9, 1, 7, 2, 0]
+    outcomes = run_items_isolating(fn, [{"x": x} for x in xs])
+    for x, (ok, out) in zip(xs, outcomes, strict=True):
+        if x == 0:
+            assert not ok and isinstance(out, ValueError)
+        else:
+            assert ok and out == expected(x), (x, out)
+
+
+def test_sys_exit_in_a_batch_function_fails_its_items_and_celerys_shutdown_passes_through() -> None:
+    from celery.exceptions import WorkerTerminate
+
+    from carpool.errors import ModelError
+    from carpool.gpu_worker.runner import run_items_isolating
+
+    def exits(items: list[str]) -> list[str]:
+        if "exit" in items:
+            sys.exit(3)  # a library giving up the way scripts do
+        return [item.upper() for item in items]
+
+    outcomes = run_items_isolating(exits, ["a", "exit", "b", "c"])
+    assert [out for ok, out in outcomes if ok] == ["A", "B", "C"]
+    [(_, error)] = [o for o in outcomes if not o[0]]
+    assert isinstance(error, ModelError) and "called sys.exit(3)" in str(error)
+
+    def terminated(items: list[str]) -> list[str]:
+        raise WorkerTerminate(1)  # Celery's hard shutdown, raised in the worker's main thread
+
+    with pytest.raises(WorkerTerminate):
+        run_items_isolating(terminated, ["a", "b"])
+
+
+def test_sys_exit_in_a_length_function_fails_only_that_request_at_intake() -> None:
+    spec = BatchedSpec("unit.exiting_length", fn=lambda items: items, length=_exiting_length)
+    assert [str(x) if isinstance(x, Exception) else x for x in spec.measured(["ab", "exit", "abc"])] == [
+        2,
+        "unit.exiting_length: length() raised SystemExit: 3; fix the item",
+        3,
+    ]
+
+
+def _exiting_length(item: str) -> int:
+    if item == "exit":
+        sys.exit(3)
+    return len(item)
+
+
 @pytest.mark.parametrize("name", ["unit.raise", "unit.my-task", "unit.2nd", "plain name"])
 def test_any_task_name_makes_a_task_celery_can_call(name: str) -> None:
     """Celery compiles a function named after the task to check its calls: a name whose last part is
