@@ -131,11 +131,15 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             meta = result_meta(self, self.encode_result(exc, state), state)
             meta["task_id"] = task_id
             payload = kombu_dumps(meta).encode("utf-8")  # type: ignore[no-untyped-call]  # kombu is untyped
-            self.store_encoded(
-                ResultWrites([self.get_key_for_task(task_id)], [payload], int(self.expires or 86400))
-            )
+            self.store_encoded(ResultWrites([self.get_key_for_task(task_id)], [payload], self.expiry_s))
         if request is not None and request.chord:
             self.on_chord_part_return(request, state, exc)
+
+    @property
+    def expiry_s(self) -> int:
+        """How long a stored result lives, in seconds; 0 for ever, as Celery's Redis backend stores
+        with ``result_expires=None`` (or 0)."""
+        return int(self.expires) if self.expires else 0
 
     @property
     def inbox_prefix(self) -> bytes:
@@ -154,7 +158,7 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         becomes that failure in ``entries`` too when it is a list, so that what the caller does
         next (task events, links) agrees with what is stored; the batch's other results are stored
         as they are."""
-        expiry_s = int(self.expires or 86400)
+        expiry_s = self.expiry_s
         if not entries:
             return ResultWrites((), (), expiry_s)
         date_done = self.app.now().isoformat()

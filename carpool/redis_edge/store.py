@@ -43,7 +43,8 @@ Taken = tuple[list[tuple[str, bytes]], list[dict[str, Any]]]
 
 @dataclass(frozen=True, slots=True)
 class ResultWrites:
-    """Encoded results to store write-once: ``payloads[i]`` under ``keys[i]``, each for ``expiry_s``;
+    """Encoded results to store write-once: ``payloads[i]`` under ``keys[i]``, each for ``expiry_s``
+    (0: for good);
     with ``inboxes`` (one per result, ``""`` for none), each result stored is also published in its
     inbox's one message, when that channel starts with ``inbox_prefix``."""
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pytest
@@ -252,6 +252,29 @@ def test_results_are_stored_once(clean_redis: EmbeddedRedis) -> None:
     second = app.backend.store_many([("once-1", SUCCESS, "second"), ("once-2", SUCCESS, "x")])
     assert first == ["once-1"] and second == ["once-2"]
     assert app.AsyncResult("once-1").get(timeout=5) == "first"
+
+
+@pytest.mark.parametrize(("expires", "ttl"), [(None, -1), (0, -1), (3600, 3600), ("default", 86400)])
+def test_results_live_as_long_as_result_expires_says(
+    clean_redis: EmbeddedRedis, expires: Any, ttl: int
+) -> None:
+    """``result_expires=None`` (or 0) keeps results for good, as Celery's Redis backend does; it was
+    stored for a day."""
+    import redis
+
+    from carpool.celery_edge.app import create_app
+    from carpool.celery_edge.results import SUCCESS
+    from carpool.config import load_settings
+
+    app = create_app(load_settings())
+    if expires != "default":
+        app.conf.result_expires = expires
+    app.backend.store_many([("lives-1", SUCCESS, "answer")])
+    app.backend.mark_as_revoked("lives-2", "revoked")
+    results = redis.Redis.from_url(app.conf.result_backend)
+    for key in (b"celery-task-meta-lives-1", b"celery-task-meta-lives-2"):
+        assert results.exists(key)
+        assert results.ttl(key) == ttl if ttl < 0 else ttl - 5 <= results.ttl(key) <= ttl
 
 
 def _demo(requests: int, **env: str) -> subprocess.CompletedProcess[str]:

@@ -18,13 +18,15 @@
 -- KEYS[n+2] raw HASH, KEYS[n+3] owner HASH, KEYS[n+4] claimed HASH, KEYS[n+5] origin HASH,
 -- KEYS[n+6] report list.
 -- ARGV[1] n, ARGV[2] results db ('' = the caller's), ARGV[3] broker db ('' = the caller's),
--- ARGV[4] result expiry s, ARGV[5..4+n] encoded results, then ARGV[5+n] report json
+-- ARGV[4] result expiry s (0 = none), ARGV[5..4+n] encoded results, then ARGV[5+n] report json
 -- ('' = none), ARGV[6+n] reports kept, ARGV[7+n] reports ttl s, ARGV[8+n] events topic ('' = none),
 -- ARGV[9+n] events message, ARGV[10+n] m: inboxes given (0, or n: one per result), ARGV[11+n] the
 -- prefix every inbox channel starts with (others are not published to), ARGV[12+n..11+n+m] each
 -- result's inbox channel ('' = none), ARGV[12+n+m..] ids to acknowledge.
 -- Returns the 1-based indexes of the results stored, by this call or by its first sending.
 local n = tonumber(ARGV[1])
+-- An expiry of 0 stores for good, as Celery's backend does with result_expires=None.
+local forever = ARGV[4] == '0'
 local m = tonumber(ARGV[10 + n])
 -- SELECT in a script switches only the script's database, never the caller's (Redis >= 2.8.12).
 if ARGV[2] ~= '' then redis.call('SELECT', ARGV[2]) end
@@ -36,7 +38,13 @@ local allowed = {}  -- inbox channel -> whether it starts with the prefix
 for i = 1, n do
   local key = KEYS[i]
   local meta = ARGV[4 + i]
-  if redis.call('SET', key, meta, 'NX', 'EX', ARGV[4]) then
+  local set
+  if forever then
+    set = redis.call('SET', key, meta, 'NX')
+  else
+    set = redis.call('SET', key, meta, 'NX', 'EX', ARGV[4])
+  end
+  if set then
     redis.call('PUBLISH', key, meta)
     stored[#stored + 1] = i
     if m > 0 then
