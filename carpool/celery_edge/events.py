@@ -332,7 +332,7 @@ class TaskEvents:
             msg.id,
             msg.argsrepr,
             msg.kwargsrepr,
-            name=msg.task,
+            name=msg.shadow or msg.task,  # as a Celery worker names a shadowed task's events
             root_id=links.get("root_id"),
             parent_id=links.get("parent_id"),
             eta=_iso(msg.eta_at),

@@ -44,6 +44,7 @@ class Incoming:
     eta_at: float | None = None  # wall clock: not to run before (countdown= / eta=)
     links: Links | None = None  # callbacks, chain, root and parent ids: None when it has none
     inbox: str | None = None  # the producer's result inbox channel, when it named one
+    shadow: str | None = None  # the name the caller gave it for logs and monitors (shadow=)
 
 
 def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
@@ -154,6 +155,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         eta_at=eta_at,
         links=links,
         inbox=inbox,
+        shadow=shadow if isinstance(shadow := headers.get("shadow"), str) and shadow else None,
     )
 
 

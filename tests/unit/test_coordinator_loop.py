@@ -736,11 +736,14 @@ def test_a_received_event_carries_the_messages_eta_and_canvas_ids_also_when_refu
     c.store.queue += [
         ("due", message("due", "hello", eta=due)),
         ("child", message("child", "word " * 400, extra_headers=canvas)),  # refused: too long
+        ("shadowed", message("shadowed", "hi", extra_headers={"shadow": "embed-for-tenant-a"})),
     ]
     c.step()
     fields = {task_id: f for kind, task_id, f in events.sent if kind == "received"}
     assert fields["due"]["eta"] == due
     assert (fields["child"]["root_id"], fields["child"]["parent_id"]) == ("root-1", "parent-1")
+    # shadow= names the task in monitors, as a Celery worker's events name it.
+    assert fields["shadowed"]["name"] == "embed-for-tenant-a" and fields["due"]["name"] == "carpool.infer"
     assert events.of("child") == ["received", "failed"]
 
 
