@@ -31,6 +31,10 @@ class Links(TypedDict, total=False):
     root_id: str  # the id of the canvas's first task (Celery's root_id header)
     parent_id: str  # the id of the task whose result this request received
     priority: int  # the request's own priority, for Celery's task_inherit_parent_priority (not 0)
+    # With error callbacks only: the request's args and kwargs, which Celery hands an error callback
+    # in its request (``errback(request, exc, traceback)``)
+    args: list[Any]
+    kwargs: dict[str, Any]
 
 
 class RequestSlot(TypedDict):

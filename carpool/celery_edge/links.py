@@ -211,6 +211,8 @@ def on_failure(app: Celery, request_id: str, task_name: str | None, links: Links
     request = Context(
         id=request_id,
         task=task_name,
+        args=links.get("args"),
+        kwargs=links.get("kwargs"),
         errbacks=errbacks,
         root_id=links.get("root_id"),
         parent_id=links.get("parent_id"),

@@ -63,6 +63,17 @@ def check_send_settings(task_name: str, app: Celery, task: Any = None) -> None:
             f"{task_name}: task_ignore_result=True is not supported by carpool tasks: "
             f"{_WHY['ignore_result']}; set it False for this app"
         )
+    rate = getattr(task, "rate_limit", None)
+    if rate:
+        raise UnsupportedOption(f"{task_name}: {_rate_limit_refusal(rate)}")
+
+
+def _rate_limit_refusal(rate: Any) -> str:
+    return (
+        f"rate_limit={rate!r} is not supported by carpool tasks: Celery's worker would space each"
+        " task out, and carpool runs them in batches as fast as the device allows; bound the"
+        " batches with max_batch (CARPOOL_MAX_BATCH) and unset rate_limit (task_annotations too)"
+    )
 
 
 def check_options(task_name: str, options: Mapping[str, Any], app: Celery) -> None:
@@ -151,6 +162,8 @@ def check_app_conf(app: Celery, task_names: Iterable[str]) -> None:
         )
     for name in task_names:
         task = app.tasks.get(name)
+        if task is not None and getattr(task, "rate_limit", None):
+            raise ConfigError(f"{name}: {_rate_limit_refusal(task.rate_limit)}")
         if task is not None and task.track_started:
             raise ConfigError(
                 f"{name}: track_started (task_track_started) is not supported by carpool: a request's"

@@ -117,6 +117,8 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         type(embed) is dict and (embed.get("callbacks") or embed.get("errbacks") or embed.get("chain"))
     ):
         links = _links(embed, headers)
+        if "errbacks" in links and isinstance(args, list) and isinstance(kwargs, dict):
+            links["args"], links["kwargs"] = args, kwargs
     # The worker decodes a batch message with kombu's type tags: a tag in a link that does not decode
     # would fail the whole batch. Its key is in the body as "__type__" or escaped (\u...).
     if links is not None and _may_hold_tag(body):

@@ -134,7 +134,8 @@ def submit_many(
     if task is not None and getattr(task, "name", task) != INFER_TASK:
         spec = _batched_spec(task, model)
         name = spec.name
-    task_object = task if hasattr(task, "name") else None
+    # The task itself, where Celery keeps what it copies onto each call (rate_limit, priority...).
+    task_object = task if hasattr(task, "name") else app.tasks.get(name)
     check_send_settings(name, app, task_object)
     if options.get("priority") is None:  # task_default_priority, as .delay() adds it
         options["priority"] = getattr(task_object, "priority", None) or app.conf.task_default_priority

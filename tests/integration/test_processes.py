@@ -55,6 +55,8 @@ def test_a_coordinator_whose_model_cannot_be_imported_stops_at_start_saying_so()
     [
         ("app.conf.result_extended = True", "result_extended=True"),
         ("app.conf.task_track_started = True", "track_started"),
+        # Celery's worker would space the tasks out; annotations reach the tasks as they bind.
+        ("app.conf.task_annotations = {'carpool.infer': {'rate_limit': '10/m'}}", "rate_limit='10/m'"),
     ],
 )
 def test_celery_settings_carpool_cannot_honour_stop_the_coordinator_at_start(

@@ -114,6 +114,7 @@ def test_a_batched_task_and_a_plain_task_under_one_name_is_a_configuration_error
         ("serializer", "pickle", r"task_serializer='pickle' is not supported.*task_serializer='json'"),
         ("serializer", "msgpack", r"task_serializer='msgpack' is not supported"),
         ("ignore_result", True, r"task_ignore_result=True is not supported.*set it False"),
+        ("rate_limit", "10/m", r"rate_limit='10/m' is not supported by carpool tasks.*max_batch"),
     ],
 )
 def test_app_settings_a_request_cannot_honour_are_refused_before_anything_is_sent(
@@ -127,7 +128,8 @@ def test_app_settings_a_request_cannot_honour_are_refused_before_anything_is_sen
     else:  # task_serializer / task_ignore_result: Celery copies them onto each task when it binds
         for task in (shout, infer):
             monkeypatch.setattr(task, setting, value)
-        monkeypatch.setitem(app.conf, f"task_{setting}", value)
+        if setting != "rate_limit":  # a task's own (or task_annotations'); task_default_rate_limit is
+            monkeypatch.setitem(app.conf, f"task_{setting}", value)  # copied onto each task as it binds
     for call in (
         lambda: shout.delay("a"),
         lambda: infer.apply_async(("a",), countdown=1),

@@ -17,10 +17,14 @@ from carpool.wire import Links
 seen_by_new_style: list[tuple[str, str]] = []
 
 
+seen_requests: list[Any] = []
+
+
 @app.task(name="unit.links.on_error")  # type: ignore[untyped-decorator, unused-ignore]
 def on_error(request: Any, exc: Any, traceback: Any) -> None:
     """A new-style error callback: Celery calls it in the process that stored the failure."""
     seen_by_new_style.append((request.id, str(exc)))
+    seen_requests.append(request)
 
 
 @pytest.fixture
@@ -141,6 +145,29 @@ def test_new_style_error_callbacks_run_here_with_a_request_and_the_exception(
         app, "req", "carpool.infer", {"errbacks": [sig("unit.links.on_error")]}, ModelError("boom")
     )
     assert sent == [] and seen_by_new_style == [("req", "boom")]
+
+
+def test_a_new_style_error_callback_gets_the_failed_requests_args_and_kwargs(
+    sent: list[dict[str, Any]],
+) -> None:
+    # An errback that logs or re-queues request.args[0] got None: only the id and task travelled.
+    from carpool.celery_edge.requests import decode
+    from tests.unit.messages import message
+
+    raw = message("req", "the text", model="toy", embed={"errbacks": [sig("unit.links.on_error")]})
+    incoming = decode(raw)
+    assert incoming.links is not None
+    seen_requests.clear()
+    links.on_failure(app, "req", "carpool.infer", incoming.links, ModelError("boom"))
+    [request] = seen_requests
+    assert (request.id, request.task, request.args, request.kwargs) == (
+        "req",
+        "carpool.infer",
+        ["the text"],
+        {"model": "toy"},
+    )
+    without = decode(message("plain", "the text", embed={"callbacks": [sig("other.task")]}))
+    assert without.links is not None and "args" not in without.links  # carried only for errbacks
 
 
 def _known_plain(value: Any) -> Any:

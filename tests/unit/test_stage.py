@@ -314,6 +314,7 @@ class LaunchingSpec:
     name = "carpool.infer"
     checks_outputs = False
     raises_as_raised = False
+    may_change_items = False
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
