@@ -51,7 +51,7 @@ from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, UnknownModel
 from carpool.names import coordinator_hostname
-from carpool.redis_edge.connect import client_for, missing_database, refused_credentials
+from carpool.redis_edge.connect import check_server, client_for, missing_database, refused_credentials
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore, Taken, acl_refusal, refused_by_acl
@@ -144,6 +144,7 @@ class Coordinator:
             self.settings.max_tokens,
         )
         check_app_conf(self.app, self.specs)
+        check_server(self.client, getattr(self.backend, "client", None), "coordinator")
         self.warm_up()
         self.events.start()
         self.revokes = revokes.listen(self.app, self.settings)

@@ -66,7 +66,7 @@ from carpool.gpu_worker.runner import (
 from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks
 from carpool.gpu_worker.stage import DeviceStage, Finisher
 from carpool.names import RUN_BATCH_TASK
-from carpool.redis_edge.connect import client_for
+from carpool.redis_edge.connect import check_server, client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import Claimed, RequestStore, ResultWrites, acl_refusal, refused_by_acl
@@ -137,6 +137,7 @@ class WorkerRuntime:
     def start(self) -> None:
         """Load every served task (``carpool.infer``: its models), then start announcing this worker."""
         check_app_conf(self.app, self.specs)
+        check_server(self.client, getattr(self.backend, "client", None), "worker")
         for name, spec in self.specs.items():
             t0 = time.perf_counter()
             spec.load(self.device, self.settings)

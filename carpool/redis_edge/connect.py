@@ -315,3 +315,51 @@ def _redacted(url: str) -> str:
     from carpool.config import redact_url
 
     return redact_url(url)
+
+
+#: The oldest Redis carpool's scripts run on: RPOP with a count, ZMSCORE and BLMOVE came in 6.2.
+MIN_REDIS = (6, 2)
+
+
+def check_server(broker: Any, results: Any, role: str) -> None:
+    """At a coordinator's or worker's start: raise :class:`~carpool.errors.ConfigError` for a Redis
+    carpool cannot run on (older than 6.2, or a results database the server lacks), and log an
+    error for one that may lose requests (a ``maxmemory-policy`` that evicts keys). A server not
+    reachable yet, or that refuses INFO (renamed away, or not in an ACL user's grants), is passed
+    over: the process retries as it runs, and the checks need INFO."""
+    import logging
+
+    from carpool.errors import ConfigError
+
+    log = logging.getLogger("carpool")
+    try:
+        server = broker.info("server")
+        memory = broker.info("memory")
+    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+        server = memory = None
+    if server:
+        text = str(server.get("redis_version", ""))
+        version = tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+        if len(version) == 2 and version < MIN_REDIS:
+            raise ConfigError(
+                f"Redis {text} at CARPOOL_BROKER_URL is too old: carpool needs Redis 6.2 or newer"
+                " (its scripts use RPOP with a count, ZMSCORE and BLMOVE)"
+            )
+    policy = str((memory or {}).get("maxmemory_policy", "noeviction"))
+    if policy != "noeviction":
+        log.error(
+            "%s: this Redis's maxmemory-policy is %s: when it reaches maxmemory it evicts keys, and"
+            " carpool's queued and in-flight requests and stored results are keys, lost without an"
+            " error to anyone; set maxmemory-policy noeviction (writes are then refused and retried)",
+            role,
+            policy,
+        )
+    if results is not None:
+        try:
+            results.ping()
+        except redis.ResponseError as exc:
+            missing = missing_database(exc, "CARPOOL_RESULT_BACKEND")
+            if missing is not None:
+                raise missing from exc
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass

@@ -1,0 +1,78 @@
+"""What a coordinator and a worker check of their Redis server at start (``connect.check_server``):
+a server too old or a results database it lacks stops them; an evicting memory policy is an error
+in their logs. Against a real redis-server."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import redis
+
+from carpool.errors import ConfigError
+from carpool.redis_edge.connect import check_server
+from carpool.tools.embedded import EmbeddedRedis
+
+
+def test_a_server_as_carpool_needs_it_passes_silently(
+    clean_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker, results = redis.Redis(port=clean_redis.port, db=0), redis.Redis(port=clean_redis.port, db=1)
+    with caplog.at_level(logging.WARNING, logger="carpool"):
+        check_server(broker, results, "coordinator")
+    assert caplog.records == []
+
+
+def test_an_evicting_memory_policy_is_logged_as_an_error_naming_the_fix(
+    clean_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With allkeys-lru (or volatile-lru, the default of managed services) Redis under pressure
+    # evicted the in-flight keys and stored results: requests vanished without a log line.
+    broker = redis.Redis(port=clean_redis.port)
+    before = str(broker.config_get("maxmemory-policy")["maxmemory-policy"])
+    broker.config_set("maxmemory-policy", "volatile-lru")
+    try:
+        with caplog.at_level(logging.ERROR, logger="carpool"):
+            check_server(broker, None, "worker")
+    finally:
+        broker.config_set("maxmemory-policy", before)
+    [record] = caplog.records
+    assert "worker: this Redis's maxmemory-policy is volatile-lru" in record.getMessage()
+    assert "set maxmemory-policy noeviction" in record.getMessage()
+
+
+def test_a_results_database_the_server_lacks_stops_the_process_at_start(clean_redis: EmbeddedRedis) -> None:
+    # It was met only when a result was first stored: the worker re-ran its batch on every lease.
+    broker = redis.Redis(port=clean_redis.port)
+    databases = int(str(broker.config_get("databases")["databases"]))
+    with pytest.raises(ConfigError, match=r"no such database.*CARPOOL_RESULT_BACKEND must name"):
+        check_server(broker, redis.Redis(port=clean_redis.port, db=databases), "worker")
+
+
+class _Old:
+    """A client of a Redis older than carpool's scripts need (none is installed here to start)."""
+
+    def info(self, section: str) -> dict[str, Any]:
+        return {"redis_version": "6.0.16"} if section == "server" else {"maxmemory_policy": "noeviction"}
+
+
+def test_a_redis_older_than_6_2_stops_the_process_at_start_naming_the_version() -> None:
+    with pytest.raises(ConfigError, match=r"Redis 6\.0\.16 at CARPOOL_BROKER_URL is too old.*6\.2 or newer"):
+        check_server(_Old(), None, "coordinator")
+
+
+def test_an_unreachable_server_or_one_refusing_info_is_passed_over() -> None:
+    """The process retries as it runs; a server that renamed INFO away cannot be checked."""
+    check_server(redis.Redis(port=1, socket_connect_timeout=0.2), None, "coordinator")
+
+
+@pytest.mark.parametrize("role", ["coordinator", "worker"])
+def test_a_coordinator_and_a_worker_check_their_server_at_start(processes: Any, role: str) -> None:
+    from tests.integration.conftest import server_of
+
+    port = server_of(processes).port
+    proc = processes.start(role, role, CARPOOL_RESULT_BACKEND=f"redis://127.0.0.1:{port}/99")
+    assert proc.wait(timeout=60) == 2, "a configuration error, seen by the supervisor"
+    log = (processes.log_dir / f"{role}.log").read_text(errors="replace")
+    assert "no such database" in log and "CARPOOL_RESULT_BACKEND" in log, log[-3000:]
