@@ -121,8 +121,13 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         task_id = meta["task_id"]
         try:
             result = self._get_pending_result(task_id)
-        except KeyError:  # the result got here before its AsyncResult was waited on: kept for it
-            self._pending_messages.put(task_id, meta)
+        except KeyError:
+            # The result got here before its AsyncResult was waited on: kept for it, while it is
+            # subscribed (sent from here, not yet settled or forgotten). A result settled already
+            # comes back here too (Celery reads the stored meta of one it took from this buffer):
+            # kept again, it stayed for good, up to the buffer's 8,192 per thread.
+            if self.backend.get_key_for_task(task_id) in subscribed_keys(self):
+                self._pending_messages.put(task_id, meta)
         else:
             result._maybe_set_cache(meta)
             bucket = self.buckets.pop(result, None)
