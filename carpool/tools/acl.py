@@ -206,6 +206,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 "take requests into flight, requeue, dead-letter, read reports, write stats, record revokes",
                 _CONNECTION
                 + _commands("time rpop rpush lpush ltrim blmove hset hsetnx hget hmget hdel hincrby")
+                + _commands("info")  # the server's checks at start: its version, its memory policy
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore zremrangebyrank"),
                 (
                     *_exact(requests),
@@ -261,6 +262,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 "claim, renew and acknowledge requests, report to coordinators, heartbeat",
                 _CONNECTION
                 + _commands("time hset hsetnx hget hmget hdel lpush ltrim expire")
+                + _commands("info")  # the server's checks at start: its version, its memory policy
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
                 (*_exact([*inflight, keys.workers]), f"~{reports}"),
             ),
