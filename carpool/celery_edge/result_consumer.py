@@ -213,6 +213,19 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     ) -> Iterator[None]:
         if p.ready:
             return iter(())
+        if timeout and type(self.drainer) is Drainer:
+            # Celery's loop reads for up to a second before it looks at its clock again: .get(timeout=
+            # 0.1) raised a second late, or returned a result that came after it. Each read here ends
+            # by the deadline, and the loop's next look raises Celery's timeout.
+            deadline = time.monotonic() + timeout
+
+            def wait(timeout: float | None = None) -> None:
+                self.drain_events(timeout=max(0.0, min(timeout or 1.0, deadline - time.monotonic())))
+
+            bounded: Iterator[None] = self.drainer.drain_events_until(
+                p, timeout=timeout, on_interval=on_interval, wait=wait
+            )
+            return bounded
         it: Iterator[None] = super().drain_events_until(p, timeout=timeout, on_interval=on_interval)
         return it
 

@@ -1197,3 +1197,27 @@ def test_results_returned_or_forgotten_are_not_kept_in_the_consumers_buffer(
     app.backend.store_many([(later.id, SUCCESS, 1.5), (last.id, SUCCESS, 2.5)])
     assert (last.get(timeout=10), later.get(timeout=10)) == (2.5, 1.5)
     assert [i for i in (later.id, last.id) if i in consumer._pending_messages] == []
+
+
+def test_get_keeps_its_timeout_and_does_not_return_a_result_that_came_after_it(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    # Celery's drainer read for up to a second before it looked at its clock: .get(timeout=0.1)
+    # returned a result stored 0.4 s later, or raised a second late.
+    from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.results import SUCCESS
+    from carpool.tasks import infer
+
+    late = infer.delay("answered after the caller's timeout", "toy")  # no coordinator: never batched
+    storer = threading.Timer(0.4, lambda: app.backend.store_many([(late.id, SUCCESS, 1.5)]))
+    storer.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CeleryTimeoutError):
+            late.get(timeout=0.1)
+        assert time.monotonic() - t0 < 2.0  # a bound that catches a hang, not a timing
+    finally:
+        storer.join()
+    assert late.get(timeout=5) == 1.5  # the result itself is there for a later call
