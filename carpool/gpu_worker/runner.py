@@ -184,7 +184,7 @@ def run_call_isolating(
     except (Exception, SystemExit) as raised:
         if isinstance(raised, SystemExit) and type(raised) is not SystemExit:
             raise  # Celery's WorkerShutdown / WorkerTerminate: the worker is stopping
-        failure = _exited(raised) if type(raised) is SystemExit else raised
+        failure = exited(raised) if type(raised) is SystemExit else raised
         if len(lengths) == 1:
             return [(False, failure)]
         log.warning("batch of %d failed (%s); splitting to isolate", len(lengths), described(failure))
@@ -218,7 +218,8 @@ def pristine_items(items: Sequence[Any]) -> Callable[[], list[Any]]:
     return lambda: cast("list[Any]", orjson.loads(kept))
 
 
-def _exited(raised: SystemExit) -> ModelError:
+def exited(raised: SystemExit) -> ModelError:
+    """The failure ``sys.exit()`` in a batch function is for its items."""
     return ModelError(
         f"the batch function called sys.exit({raised.code!r}) (raised SystemExit); raise an exception"
         " for the items that cannot be run instead, and the others run on"

@@ -324,19 +324,13 @@ MIN_REDIS = (6, 2)
 def check_server(broker: Any, results: Any, role: str) -> None:
     """At a coordinator's or worker's start: raise :class:`~carpool.errors.ConfigError` for a Redis
     carpool cannot run on (older than 6.2, or a results database the server lacks), and log an
-    error for one that may lose requests (a ``maxmemory-policy`` that evicts keys). A server not
-    reachable yet, or that refuses INFO (renamed away, or not in an ACL user's grants), is passed
-    over: the process retries as it runs, and the checks need INFO."""
-    import logging
-
+    error for one that may lose requests or results (a ``maxmemory-policy`` that evicts keys, on
+    the broker's server and on the results' when it is another). A server not reachable yet, or that
+    refuses INFO (renamed away, or not in an ACL user's grants), is passed over: the process
+    retries as it runs, and the checks need INFO."""
     from carpool.errors import ConfigError
 
-    log = logging.getLogger("carpool")
-    try:
-        server = broker.info("server")
-        memory = broker.info("memory")
-    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-        server = memory = None
+    server, memory = _info(broker)
     if server:
         text = str(server.get("redis_version", ""))
         version = tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
@@ -345,21 +339,45 @@ def check_server(broker: Any, results: Any, role: str) -> None:
                 f"Redis {text} at CARPOOL_BROKER_URL is too old: carpool needs Redis 6.2 or newer"
                 " (its scripts use RPOP with a count, ZMSCORE and BLMOVE)"
             )
+    _check_eviction(memory, role, "CARPOOL_BROKER_URL", "queued and in-flight requests")
+    if results is None:
+        return
+    try:
+        results.ping()
+    except redis.ResponseError as exc:
+        missing = missing_database(exc, "CARPOOL_RESULT_BACKEND")
+        if missing is not None:
+            raise missing from exc
+    except (redis.ConnectionError, redis.TimeoutError):
+        return
+    results_server, results_memory = _info(results)
+    if results_server and results_server.get("run_id") != (server or {}).get("run_id"):
+        _check_eviction(results_memory, role, "CARPOOL_RESULT_BACKEND", "stored results")
+
+
+def _info(client: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """INFO server and INFO memory of ``client``'s server; (None, None) where it cannot be read."""
+    try:
+        return client.info("server"), client.info("memory")
+    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+        return None, None
+
+
+def _check_eviction(memory: dict[str, Any] | None, role: str, setting: str, what: str) -> None:
+    import logging
+
     policy = str((memory or {}).get("maxmemory_policy", "noeviction"))
-    if policy != "noeviction":
-        log.error(
-            "%s: this Redis's maxmemory-policy is %s: when it reaches maxmemory it evicts keys, and"
-            " carpool's queued and in-flight requests and stored results are keys, lost without an"
-            " error to anyone; set maxmemory-policy noeviction (writes are then refused and retried)",
-            role,
-            policy,
-        )
-    if results is not None:
-        try:
-            results.ping()
-        except redis.ResponseError as exc:
-            missing = missing_database(exc, "CARPOOL_RESULT_BACKEND")
-            if missing is not None:
-                raise missing from exc
-        except (redis.ConnectionError, redis.TimeoutError):
-            pass
+    if policy == "noeviction":
+        return
+    limited = int((memory or {}).get("maxmemory", 0) or 0) > 0
+    logging.getLogger("carpool").log(
+        logging.ERROR if limited else logging.WARNING,
+        "%s: the Redis at %s has maxmemory-policy %s: %s it evicts keys, and carpool's %s are keys,"
+        " lost without an error to anyone; set maxmemory-policy noeviction (writes are then refused"
+        " and retried)",
+        role,
+        setting,
+        policy,
+        "when it reaches maxmemory" if limited else "once a maxmemory is set",
+        what,
+    )

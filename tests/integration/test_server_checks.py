@@ -30,16 +30,37 @@ def test_an_evicting_memory_policy_is_logged_as_an_error_naming_the_fix(
     # With allkeys-lru (or volatile-lru, the default of managed services) Redis under pressure
     # evicted the in-flight keys and stored results: requests vanished without a log line.
     broker = redis.Redis(port=clean_redis.port)
-    before = str(broker.config_get("maxmemory-policy")["maxmemory-policy"])
+    before = {k: str(v) for k, v in broker.config_get("maxmemory*").items()}
     broker.config_set("maxmemory-policy", "volatile-lru")
     try:
-        with caplog.at_level(logging.ERROR, logger="carpool"):
+        with caplog.at_level(logging.WARNING, logger="carpool"):
+            check_server(broker, None, "worker")  # no memory limit: eviction would start with one
+            broker.config_set("maxmemory", "512mb")
             check_server(broker, None, "worker")
     finally:
-        broker.config_set("maxmemory-policy", before)
+        broker.config_set("maxmemory", before["maxmemory"])
+        broker.config_set("maxmemory-policy", before["maxmemory-policy"])
+    unlimited, limited = caplog.records
+    assert unlimited.levelno == logging.WARNING and "once a maxmemory is set" in unlimited.getMessage()
+    assert limited.levelno == logging.ERROR
+    message = limited.getMessage()
+    assert "worker: the Redis at CARPOOL_BROKER_URL has maxmemory-policy volatile-lru" in message
+    assert "when it reaches maxmemory" in message and "set maxmemory-policy noeviction" in message
+
+
+def test_a_results_server_of_its_own_is_checked_for_eviction_too(
+    clean_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A results-only Redis is the one most often run as a cache, evicting least recently used keys."""
+    with EmbeddedRedis() as other:
+        results = redis.Redis(port=other.port, db=1)
+        results.config_set("maxmemory", "512mb")
+        results.config_set("maxmemory-policy", "allkeys-lru")
+        with caplog.at_level(logging.WARNING, logger="carpool"):
+            check_server(redis.Redis(port=clean_redis.port), results, "coordinator")
     [record] = caplog.records
-    assert "worker: this Redis's maxmemory-policy is volatile-lru" in record.getMessage()
-    assert "set maxmemory-policy noeviction" in record.getMessage()
+    assert "the Redis at CARPOOL_RESULT_BACKEND has maxmemory-policy allkeys-lru" in record.getMessage()
+    assert "stored results" in record.getMessage()
 
 
 def test_a_results_database_the_server_lacks_stops_the_process_at_start(clean_redis: EmbeddedRedis) -> None:

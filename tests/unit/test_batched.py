@@ -319,6 +319,11 @@ def raises(texts: list[str]) -> list[str]:
     raise ValueError("no such word")
 
 
+@batched(length=len, name="unit.quits")
+def quits(texts: list[str]) -> list[str]:
+    sys.exit(3)
+
+
 def test_eager_mode_runs_an_item_as_a_batch_worker_would() -> None:
     """task_always_eager and .apply() keep the worker's contract: load() once, one output per item,
     outputs JSON carries, failures as ModelError, inputs checked as .delay() checks them."""
@@ -348,6 +353,9 @@ def test_eager_mode_runs_an_item_as_a_batch_worker_would() -> None:
         assert scaled.delay(6).get() == 60 and shout.delay("hi").get() == "HI"
         with pytest.raises(ModelError, match="OutputCountMismatch"):
             miscounts.delay("a").get()
+        # sys.exit() in the function fails the request, as on a batch worker; the caller runs on.
+        with pytest.raises(ModelError, match=r"called sys\.exit\(3\)"):
+            quits.delay("a").get()
     finally:
         app.conf.task_always_eager = False
 
