@@ -191,8 +191,17 @@ def _apply_callbacks(
         group(plain, app=app).apply_async((result,), **options)
 
 
-def on_failure(app: Celery, request_id: str, task_name: str | None, links: Links, exc: BaseException) -> None:
-    """Call ``links``' error callbacks for the failed request ``request_id``, as the backend does.
+def on_failure(
+    app: Celery,
+    request_id: str,
+    task_name: str | None,
+    links: Links,
+    exc: BaseException,
+    hostname: str | None = None,
+) -> None:
+    """Call ``links``' error callbacks for the failed request ``request_id``, as the backend does;
+    ``hostname``: the process calling them, as its task events name it (a Celery worker's request
+    holds its node name).
 
     An error callback that cannot be sent has its failure stored here under its own id (write-once:
     a result stored already stays), since the callers store only the request's own outcome.
@@ -213,6 +222,7 @@ def on_failure(app: Celery, request_id: str, task_name: str | None, links: Links
         task=task_name,
         args=links.get("args"),
         kwargs=links.get("kwargs"),
+        hostname=hostname,
         errbacks=errbacks,
         root_id=links.get("root_id"),
         parent_id=links.get("parent_id"),

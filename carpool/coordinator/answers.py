@@ -136,7 +136,7 @@ def fail(c: Coordinator, refused: list[Refused]) -> None:
         for r, task, lk in linked:
             if r.id in answered:
                 try:
-                    links.on_failure(c.app, r.id, task, lk, r.error)
+                    links.on_failure(c.app, r.id, task, lk, r.error, c.hostname)
                 except Exception:  # one request's links do not stop the others'
                     log.exception("request %s: applying its error callbacks failed", r.id)
 

@@ -86,6 +86,7 @@ def apply_links(
     entries: list[tuple[str, str, Any]],
     stored: list[int],
     linked: dict[str, Links],
+    hostname: str | None = None,
 ) -> None:
     """Apply the callbacks, chains and error callbacks of the requests whose results this run
     stored (see :mod:`carpool.celery_edge.links`: after the results, so at most once)."""
@@ -102,7 +103,7 @@ def apply_links(
                 result = stored_form(value, backend.serializer)
                 unsent += links.on_success(app, task_id, request_links, result)
             elif state == FAILURE:
-                links.on_failure(app, task_id, task, request_links, value)
+                links.on_failure(app, task_id, task, request_links, value, hostname)
         except Exception:
             log.exception("request %s: applying its callbacks or error callbacks failed", task_id)
     if unsent:

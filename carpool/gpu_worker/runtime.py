@@ -103,9 +103,11 @@ class WorkerRuntime:
         self.backend = app.backend
         self.device = pick_device(self.settings.device)
         self.hostname = f"{socket.gethostname()}:{os.getpid()}"
+        # Its name in task events (Flower) and in the requests its error callbacks get.
+        self.nodename = f"carpool-gpu-{os.getpid()}@{socket.gethostname()}"
         self.events = TaskEvents(
             app,
-            f"carpool-gpu-{os.getpid()}@{socket.gethostname()}",
+            self.nodename,
             mode=self.settings.events,
             client=self.client,
         )
@@ -504,7 +506,7 @@ class WorkerRuntime:
         if len(stored) < len(writes):
             count_rejected(self.client, self.store.keys.stats, batch_id, writes, stored)
         if linked:
-            apply_links(self.app, self.backend, batch["task"], entries, stored, linked)
+            apply_links(self.app, self.backend, batch["task"], entries, stored, linked, self.nodename)
         return report
 
     def _claim(self, batch_id: str, ids: list[str], take: bool) -> Claimed:

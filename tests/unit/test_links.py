@@ -158,13 +158,14 @@ def test_a_new_style_error_callback_gets_the_failed_requests_args_and_kwargs(
     incoming = decode(raw)
     assert incoming.links is not None
     seen_requests.clear()
-    links.on_failure(app, "req", "carpool.infer", incoming.links, ModelError("boom"))
+    links.on_failure(app, "req", "carpool.infer", incoming.links, ModelError("boom"), "carpool-gpu-1@host")
     [request] = seen_requests
-    assert (request.id, request.task, request.args, request.kwargs) == (
+    assert (request.id, request.task, request.args, request.kwargs, request.hostname) == (
         "req",
         "carpool.infer",
         ["the text"],
         {"model": "toy"},
+        "carpool-gpu-1@host",  # the process, as its task events name it
     )
     without = decode(message("plain", "the text", embed={"callbacks": [sig("other.task")]}))
     assert without.links is not None and "args" not in without.links  # carried only for errbacks

@@ -72,7 +72,15 @@ def applied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
         out.append(("success", request_id, result))
         return []
 
-    def on_failure(app: Any, request_id: str, task: str | None, lk: Links, exc: BaseException) -> None:
+    def on_failure(
+        app: Any,
+        request_id: str,
+        task: str | None,
+        lk: Links,
+        exc: BaseException,
+        hostname: str | None = None,
+    ) -> None:
+        assert hostname is not None and hostname.startswith("carpool-gpu-"), "the worker's node name"
         out.append(("failure", request_id, exc))
 
     monkeypatch.setattr(links, "on_success", on_success)
