@@ -117,10 +117,13 @@ _INT64 = (-(2**63), 2**63 - 1)
 def _as_ints(row: Any) -> list[int] | None:
     """A custom model's row of ids (a list, a numpy array, numpy ints, a tuple) as a list of Python
     ints, the JSON its batch message carries; None for a row holding anything but integers that
-    the worker's int64 padding holds (a float is no id: padded, it would be cut to one)."""
+    the worker's int64 padding holds (a float is no id: padded, it would be cut to one; nor is a
+    bool, though Python counts it an int)."""
     try:
         ids = [operator.index(token) for token in row]
     except TypeError:
+        return None
+    if any(type(token) is bool for token in row):
         return None
     if ids and not (_INT64[0] <= min(ids) and max(ids) <= _INT64[1]):
         return None

@@ -89,6 +89,8 @@ class OddIds(Words):
         "past int64": [5, 2**63],
         "below int64": [-(2**63) - 1, 5],
         "an object": [5, object()],
+        "a bool": [5, True],  # an int to Python, but no tokenizer's id: a mask or a flag mixed in
+        "numpy bools": np.array([True, False]),
         "empty": [],
     }
 
@@ -107,7 +109,15 @@ def test_prepare_checks_every_id_of_a_models_rows_and_refuses_only_the_rows_no_w
         length, row = got[text]
         assert length == 2 and row == [5, 6] and all(type(i) is int for i in row), text
     assert got["empty"] == (0, [])
-    for text in ("late float", "numpy floats", "past int64", "below int64", "an object"):
+    for text in (
+        "late float",
+        "numpy floats",
+        "past int64",
+        "below int64",
+        "an object",
+        "a bool",
+        "numpy bools",
+    ):
         length, _ = got[text]
         assert isinstance(length, InvalidInput), text
         assert "token ids that are not all integers within int64" in str(length)
