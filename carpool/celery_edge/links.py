@@ -17,14 +17,16 @@ under the ids its result waits on, so whoever waits on it gets the error instead
 
 Links are applied after the results are stored, outside the script that stores them: a process that
 dies in between loses them (at most once). Only the run whose result was stored applies them, so a
-request run twice (a rerun after recovery) does not apply them twice.
+request run twice (a rerun after recovery) does not apply them twice. A worker retries each send while
+Redis is unreachable (``send``), within one window per batch: a send whose reply was lost may then be
+sent twice.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from celery import Celery, group
 from celery.app.task import Context
@@ -35,12 +37,18 @@ from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.options import CHORD_TASK, check_options
 from carpool.celery_edge.results import FAILURE
 from carpool.errors import InvalidInput, described
+from carpool.redis_edge.connect import UNREACHABLE
 from carpool.registry import spec_for
 from carpool.wire import Links
 
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, str, Any]  # (task id, state, result or exception), as the backend stores them
+T = TypeVar("T")
+
+
+def _once(call: Callable[[], T]) -> T:
+    return call()
 
 
 def chain_failures(links: Links | None, exc: BaseException) -> list[Entry]:
@@ -82,12 +90,16 @@ def _result_ids(step: Any, into: dict[str, None]) -> None:
         _result_ids(kwargs.get("tasks"), into)  # a list of members (anything else holds no id)
 
 
-def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[Entry]:
-    """Apply ``links``' callbacks and the chain's next step with ``result``, as the tracer does.
+def on_success(
+    app: Celery, request_id: str, links: Links, result: Any, send: Callable[[Callable[[], Any]], Any] = _once
+) -> list[Entry]:
+    """Apply ``links``' callbacks and the chain's next step with ``result``, as the tracer does;
+    ``send(call)`` makes each sending call (retrying it while Redis is unreachable, on a worker).
 
     Returns failure entries for the callbacks that cannot be sent, and for the chain's steps when its
     next step cannot be (a carpool task that refuses the result as its input, say): the caller stores
-    them, so the callback's or the chain's result says why instead of never coming.
+    them, so the callback's or the chain's result says why instead of never coming; so do those that
+    Redis did not take while ``send`` retried (stored if a server takes them: the results' own, say).
     """
     root_id = links.get("root_id") or request_id
     # task_inherit_parent_priority: the tracer sends the next steps at the request's own priority.
@@ -99,7 +111,10 @@ def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[
     if callbacks:
         signatures, failed = _sendable(app, request_id, "callback", callbacks, (result,))
         try:
-            _apply_callbacks(app, signatures, result, request_id, root_id, inherited)
+            send(lambda: _apply_callbacks(app, signatures, result, request_id, root_id, inherited))
+        except UNREACHABLE as exc:
+            log.error("request %s: its callbacks could not be sent, Redis unreachable (%s)", request_id, exc)
+            failed += _steps_failed(signatures, exc)
         except Exception:
             log.exception("request %s: applying its callbacks failed; they are lost", request_id)
     chain = links.get("chain")
@@ -107,14 +122,21 @@ def on_success(app: Celery, request_id: str, links: Links, result: Any) -> list[
         return failed
     try:
         step = maybe_signature(chain[-1], app=app)
-        step.apply_async(
-            (result,),
-            chain=chain[:-1],
-            parent_id=request_id,
-            root_id=root_id,
-            add_to_parent=False,
-            **inherited,
+        send(
+            lambda: step.apply_async(
+                (result,),
+                chain=chain[:-1],
+                parent_id=request_id,
+                root_id=root_id,
+                add_to_parent=False,
+                **inherited,
+            )
         )
+    except UNREACHABLE as exc:
+        log.error(
+            "request %s: the chain's next step could not be sent, Redis unreachable (%s)", request_id, exc
+        )
+        return failed + _steps_failed(chain, exc)
     except Exception as exc:
         log.warning("request %s: the chain's next step could not be sent: %s", request_id, exc)
         return failed + _steps_failed(chain, exc)
@@ -198,10 +220,12 @@ def on_failure(
     links: Links,
     exc: BaseException,
     hostname: str | None = None,
+    send: Callable[[Callable[[], Any]], Any] = _once,
 ) -> None:
     """Call ``links``' error callbacks for the failed request ``request_id``, as the backend does;
     ``hostname``: the process calling them, as its task events name it (a Celery worker's request
-    holds its node name).
+    holds its node name); ``send``: as for :func:`on_success` (a retry after a lost reply may call
+    an error callback twice).
 
     An error callback that cannot be sent has its failure stored here under its own id (write-once:
     a result stored already stays), since the callers store only the request's own outcome.
@@ -212,7 +236,7 @@ def on_failure(
     )
     if failed:
         try:
-            app.backend.store_many(failed)
+            send(lambda: app.backend.store_many(failed))
         except Exception:
             log.exception("request %s: storing its error callbacks' failures failed", request_id)
     if not errbacks:
@@ -229,6 +253,12 @@ def on_failure(
         delivery_info={},
     )
     try:
-        compat.call_errbacks(app.backend, request, exc, compat.traceback_of(exc))
+        send(lambda: compat.call_errbacks(app.backend, request, exc, compat.traceback_of(exc)))
+    except UNREACHABLE as error:
+        log.error(
+            "request %s: its error callbacks could not be called, Redis unreachable (%s); they are lost",
+            request_id,
+            error,
+        )
     except Exception:
         log.exception("request %s: calling its error callbacks failed", request_id)

@@ -23,6 +23,7 @@ from celery import Celery
 from carpool.celery_edge import links
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import stored_form
+from carpool.redis_edge.connect import UNREACHABLE
 from carpool.redis_edge.keys import REJECTED_WRITES
 from carpool.wire import Links
 
@@ -42,22 +43,37 @@ def batch_chain_failures(
     return out
 
 
-def retrying(call: Callable[[], T], attempts: int = 8, first_pause_s: float = 0.1) -> T:
-    """``call()``, retried while Redis is unreachable; pauses double from 0.1 s to 5 s, about 11 s in all.
+RETRY_WINDOW_S = 25.0  # how long a worker keeps handing over what it computed while Redis is away
+
+
+def retrying(call: Callable[[], T], window_s: float = RETRY_WINDOW_S, first_pause_s: float = 0.1) -> T:
+    """``call()``, retried while Redis is unreachable (:data:`~carpool.redis_edge.connect.UNREACHABLE`)
+    for up to ``window_s``; pauses double from 0.1 s to 5 s. ``window_s=0``: one try.
 
     A call that ran but lost its reply runs again, so ``call`` must bear that: a finish does, its
     results encoded once (``finish.lua`` knows them as its own and answers as the first time)."""
+    until = time.monotonic() + window_s
     pause = first_pause_s
-    for attempt in range(attempts):
+    while True:
         try:
             return call()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if attempt == attempts - 1:
+        except UNREACHABLE as exc:
+            if time.monotonic() + pause > until:
                 raise
             log.warning("redis unavailable (%s); retrying in %.1fs", exc, pause)
             time.sleep(pause)
             pause = min(5.0, pause * 2)
-    raise AssertionError("unreachable")
+
+
+class Retries:
+    """One retry window shared by every call it makes: a batch's links, sent one request after
+    another, wait for Redis at most ``window_s`` in all, not that long each."""
+
+    def __init__(self, window_s: float = RETRY_WINDOW_S) -> None:
+        self.until = time.monotonic() + window_s
+
+    def __call__(self, call: Callable[[], T]) -> T:
+        return retrying(call, window_s=max(0.0, self.until - time.monotonic()))
 
 
 def count_rejected(
@@ -89,7 +105,9 @@ def apply_links(
     hostname: str | None = None,
 ) -> None:
     """Apply the callbacks, chains and error callbacks of the requests whose results this run
-    stored (see :mod:`carpool.celery_edge.links`: after the results, so at most once)."""
+    stored (see :mod:`carpool.celery_edge.links`: after the results, so at most once), each send
+    retried while Redis is unreachable, within one window for the batch."""
+    send = Retries()
     unsent: list[tuple[str, str, Any]] = []
     for i in stored:
         if i > len(entries):  # a chain step's propagated failure
@@ -101,13 +119,13 @@ def apply_links(
         try:  # one request's links do not stop the others'
             if state == SUCCESS:  # the next steps get the result as .get() returns it
                 result = stored_form(value, backend.serializer)
-                unsent += links.on_success(app, task_id, request_links, result)
+                unsent += links.on_success(app, task_id, request_links, result, send)
             elif state == FAILURE:
-                links.on_failure(app, task_id, task, request_links, value, hostname)
+                links.on_failure(app, task_id, task, request_links, value, hostname, send)
         except Exception:
             log.exception("request %s: applying its callbacks or error callbacks failed", task_id)
     if unsent:
         try:  # the results are stored: a failure here is the links' alone
-            retrying(lambda: backend.store_many(unsent))
+            send(lambda: backend.store_many(unsent))
         except Exception:
             log.exception("storing the failures of %d links that could not be sent failed", len(unsent))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis
+from kombu.exceptions import OperationalError
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -28,6 +29,9 @@ SOCKET_SCHEME = "redis+socket"  # how kombu's broker and Celery's backend name a
 _SOCKET_SCHEMES = (SOCKET_SCHEME, "socket", "unix")
 # Options of TCP connections only: redis-py's UnixDomainSocketConnection refuses them.
 _TCP_ONLY = ("socket_keepalive", "socket_keepalive_options")
+#: What a call raises while Redis cannot be reached (restarting, a dropped connection), whether it went
+#: through redis-py or through kombu, which wraps redis-py's connection errors once its own retries end.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OperationalError)
 
 
 class SentinelSettings(Protocol):

@@ -81,7 +81,7 @@ def test_the_worker_applies_every_requests_links_whatever_one_requests_raise(
 ) -> None:
     applied: list[str] = []
 
-    def on_success(app_: Any, request_id: str, lk: Links, result: Any) -> list[Any]:
+    def on_success(app_: Any, request_id: str, lk: Links, result: Any, send: Any = None) -> list[Any]:
         if request_id == "r1":
             raise KeyError("a defect in one request's links")
         applied.append(request_id)

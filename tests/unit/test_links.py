@@ -191,3 +191,107 @@ def test_a_step_this_process_does_not_know_goes_to_the_coordinators(sent: list[d
     routed: Links = {"chain": [sig("nobody.knows")]}
     assert links.on_success(app, "req", routed, "out") == []
     assert sent[0]["name"] == "nobody.knows" and sent[0]["queue"] == "plain"
+
+
+class Clock:
+    """A monotonic clock that only ``sleep`` moves: retry windows run without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr("carpool.gpu_worker.finish.time.monotonic", fake.monotonic)
+    monkeypatch.setattr("carpool.gpu_worker.finish.time.sleep", fake.sleep)
+    return fake
+
+
+@pytest.fixture
+def outage(sent: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Sends fail as kombu fails them while Redis restarts, as many times as the list's one number
+    says (then they go through, recorded in ``sent``)."""
+    from kombu.exceptions import OperationalError
+
+    recording = app.send_task
+    left = [0]
+
+    def send_task(*args: Any, **kwargs: Any) -> Any:
+        if left[0] > 0:
+            left[0] -= 1
+            raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        return recording(*args, **kwargs)
+
+    monkeypatch.setattr(app, "send_task", send_task)
+    return left
+
+
+def test_the_worker_sends_a_requests_links_once_redis_is_back(
+    sent: list[dict[str, Any]], outage: list[int], clock: Clock
+) -> None:
+    """Redis restarting while a worker sends a request's callbacks and chain step: found by the
+    chaos review, where the callback never ran and the chain failed for good with the error."""
+    from carpool.gpu_worker.finish import Retries
+
+    outage[0] = 3
+    lk: Links = {"callbacks": [sig("cb.task", task_id="cb")], "chain": [sig("next.task", task_id="t2")]}
+    assert links.on_success(app, "req", lk, "out", Retries()) == []  # nothing failed
+    assert [(c["name"], c["task_id"], c["args"]) for c in sent] == [
+        ("cb.task", "cb", ("out",)),
+        ("next.task", "t2", ("out",)),
+    ]
+    assert clock.slept == [0.1, 0.2, 0.4]
+    outage[0] = 2
+    links.on_failure(
+        app, "req", "carpool.infer", {"errbacks": [sig("errors.task")]}, ModelError("x"), None, Retries()
+    )
+    assert sent[-1]["name"] == "errors.task" and sent[-1]["args"] == ("req",)
+
+
+def test_links_redis_never_takes_are_logged_lost_within_one_window_per_batch(
+    sent: list[dict[str, Any]], outage: list[int], clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    from carpool.gpu_worker.finish import RETRY_WINDOW_S, Retries
+
+    outage[0] = 10**6
+    send = Retries()
+    lk: Links = {"callbacks": [sig("cb.task", task_id="cb")], "chain": [sig("next.task", task_id="t2")]}
+    for request_id in ("req", "req2"):
+        # Their failures are for the caller to store, so that whoever waits on them is told, where a
+        # server takes them (the results' own, say).
+        failed = links.on_success(app, request_id, lk, "out", send)
+        assert [(task_id, state) for task_id, state, _ in failed] == [("cb", "FAILURE"), ("t2", "FAILURE")]
+        assert all("Connection refused" in str(exc) for _, _, exc in failed)
+    assert sent == []
+    # The first request's sends used the window; the second's got one try each.
+    assert RETRY_WINDOW_S - 5 <= sum(clock.slept) <= RETRY_WINDOW_S
+    assert "request req: its callbacks could not be sent, Redis unreachable" in caplog.text
+    assert "request req2: the chain's next step could not be sent, Redis unreachable" in caplog.text
+
+
+def test_a_finish_waits_for_redis_about_25_seconds(clock: Clock) -> None:
+    """RELIABILITY.md: a worker keeps handing over computed results for about 25 s (it gave up
+    after 11 s before, found by the chaos review)."""
+    from redis import ConnectionError as RedisConnectionError
+
+    from carpool.gpu_worker.finish import retrying
+
+    calls = []
+
+    def finish() -> None:
+        calls.append(clock.now)
+        raise RedisConnectionError("Connection refused")
+
+    with pytest.raises(RedisConnectionError):
+        retrying(finish)
+    assert 20 <= calls[-1] <= 25 and len(calls) >= 9
+    assert max(clock.slept) == 5.0

@@ -68,7 +68,8 @@ def applied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
     """The links the worker applies: ("success", id, result) and ("failure", id, exception)."""
     out: list[tuple[str, str, Any]] = []
 
-    def on_success(app: Any, request_id: str, lk: Links, result: Any) -> list[Any]:
+    def on_success(app: Any, request_id: str, lk: Links, result: Any, send: Any = None) -> list[Any]:
+        assert callable(send), "the worker retries its sends while Redis is unreachable"
         out.append(("success", request_id, result))
         return []
 
@@ -79,8 +80,10 @@ def applied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
         lk: Links,
         exc: BaseException,
         hostname: str | None = None,
+        send: Any = None,
     ) -> None:
         assert hostname is not None and hostname.startswith("carpool-gpu-"), "the worker's node name"
+        assert callable(send), "the worker retries its sends while Redis is unreachable"
         out.append(("failure", request_id, exc))
 
     monkeypatch.setattr(links, "on_success", on_success)
