@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from carpool.errors import ConfigError
-from carpool.names import DEFAULT_BIN_EDGES, PolicyName
+from carpool.names import DEFAULT_BIN_EDGES, MAX_BATCH_LIMIT, PolicyName
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class Settings(BaseSettings):
 
     # --- batching policy ---------------------------------------------------------------------
     policy: PolicyName = Field("binned", description="Queueing strategy of the coordinator.")
-    max_batch: int = Field(32, ge=1, le=4096, description="Most requests in one batch.")
+    max_batch: int = Field(32, ge=1, le=MAX_BATCH_LIMIT, description="Most requests in one batch.")
     max_tokens: int = Field(8192, ge=8, description="Most padded tokens (count x longest) in one batch.")
     max_wait_s: float = Field(0.05, ge=0, le=60, description="Longest a partial batch waits for company.")
     wait_factor: float = Field(

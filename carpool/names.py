@@ -36,3 +36,5 @@ POLICY_NAMES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
 
 # Token-length bin edges used when a deployment names none: a bin per range, the last one open.
 DEFAULT_BIN_EDGES: Final[tuple[int, ...]] = (16, 32, 48, 64, 96, 128, 192)
+#: The most requests one batch may hold (``CARPOOL_MAX_BATCH``, a @batched task's ``max_batch=``).
+MAX_BATCH_LIMIT: Final = 4096

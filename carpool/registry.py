@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
-from carpool.batching.bins import PAD_MULTIPLE
 from carpool.errors import ConfigError, InvalidInput, described
+from carpool.names import MAX_BATCH_LIMIT
 from carpool.validation import bind_item, checked_length, validate_item
 
 if TYPE_CHECKING:
@@ -68,6 +68,9 @@ class TaskSpec(ABC):
     #: whether the batch function may change its items (user code may): a batch that fails is then
     #: split from a copy of its items taken before the call, not from what the call left of them
     may_change_items: ClassVar[bool] = True
+    #: what a batch's lengths are rounded up to in its cost (``max_tokens``): the multiple its worker
+    #: pads to; 1 where nothing is padded (a @batched function gets its items as they were sent)
+    pad_multiple: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         for field, value in (("max_batch", self.max_batch), ("max_tokens", self.max_tokens)):
@@ -75,10 +78,15 @@ class TaskSpec(ABC):
                 raise ValueError(
                     f"batched task {self.name!r}: {field} must be an integer >= 1, not {value!r}"
                 )
-        if self.max_tokens is not None and self.max_tokens < PAD_MULTIPLE:
+        if self.max_batch is not None and self.max_batch > MAX_BATCH_LIMIT:
             raise ValueError(
-                f"batched task {self.name!r}: max_tokens must be >= {PAD_MULTIPLE} (batches pad lengths"
-                f" to multiples of {PAD_MULTIPLE}), not {self.max_tokens!r}"
+                f"batched task {self.name!r}: max_batch must be <= {MAX_BATCH_LIMIT}, as CARPOOL_MAX_BATCH"
+                f" must, not {self.max_batch!r}"
+            )
+        if self.max_tokens is not None and self.max_tokens < self.pad_multiple:
+            raise ValueError(
+                f"batched task {self.name!r}: max_tokens must be >= {self.pad_multiple} (batches pad"
+                f" lengths to multiples of {self.pad_multiple}), not {self.max_tokens!r}"
             )
         edges = self.bin_edges
         if edges is not None and edges != "auto" and not _increasing_positive(edges):
@@ -209,7 +217,7 @@ def _increasing_positive(edges: tuple[int, ...]) -> bool:
     if not isinstance(edges, tuple):  # one number, or a string: what @batched could not read as edges
         return False
     ok = all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in edges)
-    return ok and bool(edges) and list(edges) == sorted(set(edges))
+    return ok and list(edges) == sorted(set(edges))  # () is one bin, as CARPOOL_BIN_EDGES='' is
 
 
 _SPECS: dict[str, TaskSpec] = {}

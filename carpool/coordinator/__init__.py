@@ -36,8 +36,9 @@ def policy_config(settings: Settings) -> PolicyConfig:
 
 
 def task_policy_config(base: PolicyConfig, spec: TaskSpec) -> PolicyConfig:
-    """``base`` with the limits and bins a task names for itself."""
-    changes: dict[str, object] = {}
+    """``base`` with the limits and bins a task names for itself, and its lengths rounded up to the
+    multiple its worker pads to."""
+    changes: dict[str, object] = {"pad_multiple": spec.pad_multiple}
     if spec.max_batch is not None:
         changes["max_batch"] = spec.max_batch
     if spec.max_tokens is not None:

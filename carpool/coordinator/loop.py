@@ -95,6 +95,15 @@ class Coordinator:
         # Requests are batched per routing key: infer's model, else the task's name.
         self.task_of_key = routing_keys(self.specs.values(), settings)
         base = policy_config(settings)
+        if base.kind != "binned":
+            for spec in self.specs.values():
+                if spec.bin_edges is not None:
+                    log.warning(
+                        "task %s names bins=%r, which CARPOOL_POLICY=%s leaves unused (only binned bins)",
+                        spec.name,
+                        spec.bin_edges,
+                        base.kind,
+                    )
         self.policy = BatchPolicy(
             base, self.latency, per_key={k: task_policy_config(base, s) for k, s in self.task_of_key.items()}
         )

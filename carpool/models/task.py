@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from carpool.batching.bins import PAD_MULTIPLE
 from carpool.errors import InputTooLong, InvalidInput
 from carpool.models import BatchModel, get_model
 from carpool.registry import BatchCall, LaunchCall, Prepared, TaskSpec
@@ -47,6 +48,7 @@ class InferSpec(TaskSpec):
     checks_outputs: ClassVar[bool] = False
     raises_as_raised: ClassVar[bool] = False  # a model's failure reaches infer's callers as ModelError
     may_change_items: ClassVar[bool] = False  # forward_padded only reads the ids
+    pad_multiple: ClassVar[int] = PAD_MULTIPLE  # forward_padded pads to it
 
     def keys(self, settings: Settings) -> tuple[str, ...]:
         return settings.served_models

@@ -3,6 +3,7 @@ coordinator's intake measures and refuses items. No broker: every refusal happen
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Callable
@@ -10,12 +11,15 @@ from typing import Any
 
 import pytest
 
-from carpool.batching import Request
+from carpool.batching import BatchPolicy, LatencyModel, Request
+from carpool.batching.bins import PAD_MULTIPLE
 from carpool.celery_app import app
 from carpool.config import Settings
 from carpool.coordinator import policy_config, task_policy_config
 from carpool.coordinator.intake import take_in
 from carpool.errors import ConfigError, InputTooLong, InvalidInput, UnsupportedOption
+from carpool.models.task import InferSpec
+from carpool.names import INFER_TASK
 from carpool.registry import BatchedSpec, registered, spec_for
 from carpool.tasks import batched, infer
 from tests.unit.messages import message
@@ -46,9 +50,26 @@ def test_the_tasks_own_limits_override_the_deployment_settings() -> None:
     base = policy_config(Settings(max_batch=32, bin_edges=(16, 64)))
     mine = task_policy_config(base, shout.spec)
     assert (mine.max_batch, mine.bin_edges, mine.max_tokens) == (4, (8, 32), base.max_tokens)
-    assert task_policy_config(base, declared.spec) == base
+    # A @batched function's items are not padded: its lengths count as they are, where infer's are
+    # rounded up to the multiple its worker pads to.
+    assert task_policy_config(base, declared.spec) == dataclasses.replace(base, pad_multiple=1)
+    assert task_policy_config(base, InferSpec(INFER_TASK)).pad_multiple == PAD_MULTIPLE == 8
     auto = task_policy_config(base, BatchedSpec("auto", lambda items: items, len, bin_edges="auto"))
     assert auto.auto_bins == 6
+
+
+def test_max_tokens_counts_a_batched_tasks_lengths_unrounded() -> None:
+    """``count x longest length`` as TASKS.md says: with max_tokens=30, ten items of length 3 make a
+    batch (the policy review found three: each length was rounded up to 8, as infer's ids are padded)."""
+    spec = BatchedSpec("unit.tokens30", lambda items: items, len, max_tokens=30, bin_edges=())
+    assert BatchedSpec("unit.tokens1", lambda items: items, len, max_tokens=1).max_tokens == 1
+    config = task_policy_config(policy_config(Settings()), spec)
+    policy = BatchPolicy(config, LatencyModel(prior_base_s=0.01, prior_per_token_s=1e-4))
+    for i in range(25):
+        policy.add(Request(id=f"r{i}", model=spec.name, length=3, arrival_s=0.0, deadline_s=100.0))
+    plan = policy.poll(1.0, free_workers=3, free_slots=3)
+    assert [b.size for b in plan.batches] == [10, 10, 5]
+    assert [b.padded_len for b in plan.batches] == [3, 3, 3]
 
 
 @pytest.mark.parametrize(
@@ -56,8 +77,8 @@ def test_the_tasks_own_limits_override_the_deployment_settings() -> None:
     [
         ({"max_batch": 0}, "max_batch must be an integer >= 1"),
         ({"max_tokens": 2.5}, "max_tokens must be an integer >= 1"),
-        ({"max_tokens": 4}, r"max_tokens must be >= 8 \(batches pad lengths to multiples of 8\), not 4"),
         ({"bin_edges": (32, 8)}, "bins must be 'auto' or increasing"),
+        ({"max_batch": 10**9}, r"max_batch must be <= 4096, as CARPOOL_MAX_BATCH must, not 1000000000"),
     ],
 )
 def test_bad_limits_are_refused_when_the_task_is_defined(kwargs: dict[str, Any], match: str) -> None:
