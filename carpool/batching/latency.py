@@ -61,6 +61,11 @@ class LatencyModel:
         fit.n += 1
         self._coefficients.pop(model, None)
 
+    def observed(self, model: str) -> bool:
+        """Whether ``model`` has had a batch's run time observed (else its predictions are the prior's)."""
+        fit = self._fits.get(model)
+        return fit is not None and fit.n > 0
+
     def coefficients(self, model: str) -> tuple[float, float]:
         """(base seconds, seconds per padded token) currently used for ``model``."""
         cached = self._coefficients.get(model)

@@ -285,7 +285,7 @@ class BatchPolicy:
             if not queue:
                 continue
             cfg = self.config_for(model)
-            if queue_room > 0 and ahead_s < cfg.prefetch_s:
+            if queue_room > 0 and ahead_s < cfg.prefetch_s and self.latency.observed(model):
                 return None
             longest_s = self.latency.predict(model, queue.head_tokens_bound(cfg))
             urgent_from = queue.earliest_deadline() - ahead_s - longest_s - DEADLINE_GUARD_S
@@ -347,7 +347,12 @@ class BatchPolicy:
             return _Candidate(key, reqs, FlushReason.DEADLINE, (0, urgent_at, -priority, oldest)), None
         # Past the point where a deadline flush helps, the next event for this queue is its expiry.
         next_deadline_event = urgent_at if now_s < urgent_at else deadline
-        may_take = free_slots > 0 or (queue_room > 0 and ahead_s < cfg.prefetch_s)
+        # The room beyond the slots is measured in predicted time, so only once this key's run time
+        # was observed: the prior's guess could commit a whole backlog to the batch queue, where no
+        # deadline flush or expiry reaches it.
+        may_take = free_slots > 0 or (
+            queue_room > 0 and ahead_s < cfg.prefetch_s and self.latency.observed(model)
+        )
         if limited:
             if may_take:
                 return _Candidate(key, members, FlushReason.FULL, (1, 0.0, -priority, oldest)), None
