@@ -62,6 +62,21 @@ _FIXED_WORKER_OPTIONS: dict[tuple[str, ...], tuple[str | None, str]] = {
         "a worker's batch queues follow the tasks it serves: `carpool worker --tasks` "
         "(CARPOOL_SERVE_TASKS) chooses them",
     ),
+    ("--time-limit",): (
+        None,
+        "a batch runs to its end on the worker's device thread, where no pool enforces a time limit;"
+        " bound the wait with .get(timeout=...) or expires=",
+    ),
+    ("--soft-time-limit",): (
+        None,
+        "a batch runs to its end on the worker's device thread, where no pool enforces a time limit;"
+        " bound the wait with .get(timeout=...) or expires=",
+    ),
+    ("--prefetch-multiplier",): (
+        "1",
+        "carpool's worker takes one batch message at a time, so that the coordinators' policy, not a"
+        " prefetch buffer, decides which batch runs next (CARPOOL_PREFETCH_BATCHES sets how many wait)",
+    ),
     ("-n", "--hostname"): (
         None,
         "carpool names its worker carpool-gpu-<pid>@<host>, the name its task events and "

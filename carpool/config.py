@@ -193,7 +193,8 @@ class Settings(BaseSettings):
         description=(
             "Full batches are also queued beyond CARPOOL_PREFETCH_BATCHES while the predicted work queued "
             "per worker is under this many seconds (a fast device runs a batch in a few ms: a count of "
-            "batches alone leaves it waiting on the hand-off); 0 = the count only."
+            "batches alone leaves it waiting on the hand-off), once a batch of the task or model has run "
+            "(its run time is then measured, not guessed); 0 = the count only."
         ),
     )
 
@@ -248,7 +249,7 @@ class Settings(BaseSettings):
         description=(
             "How long an idle coordinator waits in Redis before looking at the priority lists and batch "
             "reports again (an idle Redis may stretch it to 0.1 s); a request at the default priority "
-            "wakes it at once (Redis 6.2+; older servers are polled every 2 ms)."
+            "wakes it at once."
         ),
     )
     events: bool | Literal["auto"] = Field(

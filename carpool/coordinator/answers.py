@@ -130,7 +130,7 @@ def fail(c: Coordinator, refused: list[Refused]) -> None:
         if r.message is not None:  # refused at intake: Flower has not seen it received yet
             c.events.received_of(r.message)
         c.events.failed(r.id, r.error)
-        log.info("request %s failed (%s): %s", r.id, r.reason, r.error)
+    _log_refusals(refused)
     if linked:
         answered = set(stored)
         for r, task, lk in linked:
@@ -139,6 +139,24 @@ def fail(c: Coordinator, refused: list[Refused]) -> None:
                     links.on_failure(c.app, r.id, task, lk, r.error, c.hostname)
                 except Exception:  # one request's links do not stop the others'
                     log.exception("request %s: applying its error callbacks failed", r.id)
+
+
+#: Refusals of one reason logged one by one per call; past this, one line counts the rest (under
+#: overload every request past CARPOOL_MAX_PENDING is refused, and a line each would flood the log).
+LOGGED_REFUSALS = 3
+
+
+def _log_refusals(refused: list[Refused]) -> None:
+    by_reason: dict[str, list[Refused]] = {}
+    for r in refused:
+        by_reason.setdefault(r.reason, []).append(r)
+    for reason, group in by_reason.items():
+        for r in group[:LOGGED_REFUSALS]:
+            log.info("request %s failed (%s): %s", r.id, reason, r.error)
+        if len(group) > LOGGED_REFUSALS:
+            log.info("%d more requests failed (%s)", len(group) - LOGGED_REFUSALS, reason)
+        for r in group[LOGGED_REFUSALS:]:
+            log.debug("request %s failed (%s): %s", r.id, reason, r.error)
 
 
 def _inboxes(slots: Iterable[object]) -> dict[str, str]:

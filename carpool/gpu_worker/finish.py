@@ -23,6 +23,7 @@ from celery import Celery
 from carpool.celery_edge import links
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import stored_form
+from carpool.errors import DeadlineExceeded, described
 from carpool.redis_edge.connect import UNREACHABLE
 from carpool.redis_edge.keys import REJECTED_WRITES
 from carpool.wire import Links
@@ -74,6 +75,31 @@ class Retries:
 
     def __call__(self, call: Callable[[], T]) -> T:
         return retrying(call, window_s=max(0.0, self.until - time.monotonic()))
+
+
+#: Failures a batch logs one by one (with their tracebacks); past this, one line counts the rest.
+LOGGED_FAILURES = 5
+
+
+def log_failures(task: str, batch_id: str, entries: list[tuple[str, str, Any]]) -> None:
+    """Log the requests of a batch that failed, as a Celery worker logs a task that raised: at ERROR
+    with the traceback, the task's name and the request's id (a deadline passed: at WARNING, no
+    traceback); the first :data:`LOGGED_FAILURES`, then one line for the rest, so a batch of bad
+    inputs does not flood the log."""
+    failed = [(task_id, value) for task_id, state, value in entries if state == FAILURE]
+    for task_id, exc in failed[:LOGGED_FAILURES]:
+        if isinstance(exc, DeadlineExceeded):
+            log.warning("Task %s[%s] failed: %s", task, task_id, described(exc))
+        else:
+            log.error("Task %s[%s] raised: %s", task, task_id, described(exc), exc_info=exc)
+    if len(failed) > LOGGED_FAILURES:
+        log.error(
+            "batch %s: %d more requests of %s failed (%s)",
+            batch_id,
+            len(failed) - LOGGED_FAILURES,
+            task,
+            ", ".join(sorted({type(exc).__name__ for _, exc in failed[LOGGED_FAILURES:]})),
+        )
 
 
 def count_rejected(

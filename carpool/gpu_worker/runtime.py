@@ -55,7 +55,13 @@ from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
 from carpool.codec import storable
 from carpool.errors import CONFIG_ERROR_EXIT, ConfigError, DeadlineExceeded, ModelError, WireError, described
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
-from carpool.gpu_worker.finish import apply_links, batch_chain_failures, count_rejected, retrying
+from carpool.gpu_worker.finish import (
+    apply_links,
+    batch_chain_failures,
+    count_rejected,
+    log_failures,
+    retrying,
+)
 from carpool.gpu_worker.runner import (
     OutputCountMismatch,
     one_per_item,
@@ -475,6 +481,7 @@ class WorkerRuntime:
         if chain:  # the steps after a failed request fail with it, in the same store (rare: encoded again)
             writes = entries + chain
             encoded = self.backend.store_args(writes, inboxes)
+        log_failures(batch["task"], batch_id, entries)
         # Each request's runtime is its batch's, also when a failure split the batch (then run_s, for
         # the coordinator's latency model, is None): Flower leaves a runtime of 0 out of its figures.
         events.outcomes(entries, claimed.ran_s or 0.0)

@@ -31,6 +31,9 @@ def test_celery_options_carpool_does_not_set_pass_on_in_order() -> None:
         (["--concurrency=2"], "--concurrency 2", "solo pool"),
         (["--autoscale", "4,1"], "--autoscale 4,1", "one `carpool worker` per GPU"),
         (["--max-tasks-per-child", "10"], "--max-tasks-per-child 10", "prefork pool's children"),
+        (["--time-limit", "1"], "--time-limit 1", ".get(timeout=...)"),
+        (["--soft-time-limit=5"], "--soft-time-limit 5", "no pool enforces a time limit"),
+        (["--prefetch-multiplier", "8"], "--prefetch-multiplier 8", "CARPOOL_PREFETCH_BATCHES"),
         (["-Q", "mine"], "--queues mine", "CARPOOL_SERVE_TASKS"),
         (["-X", "gpu.a"], "--exclude-queues gpu.a", "--tasks"),
         (["-O", "fair", "-n", "me@host"], "--hostname me@host", "carpool-gpu-<pid>@<host>"),
@@ -77,7 +80,7 @@ def test_other_commands_still_refuse_options_they_do_not_know() -> None:
     [
         (["-O", "fiar"], "Invalid value for '-O' / '--optimization': 'fiar' is not one of"),
         (["--bogus-flag"], "No such option '--bogus-flag'"),
-        (["--prefetch-multiplier", "abc"], "Invalid value for '--prefetch-multiplier': 'abc'"),
+        (["--heartbeat-interval", "abc"], "Invalid value for '--heartbeat-interval': 'abc'"),
     ],
 )
 def test_a_celery_worker_option_celery_refuses_is_a_usage_error_not_a_traceback(

@@ -497,6 +497,27 @@ def test_held_requests_count_toward_max_pending(clocks: Clocks) -> None:
     assert request_id == "c" and state == "FAILURE" and isinstance(error, QueueFull)
 
 
+def test_an_overload_of_refusals_logs_a_few_and_counts_the_rest(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the ops review: past CARPOOL_MAX_PENDING each refused request took an INFO line,
+    2,990 of them for 3,000 requests sent, just when the coordinator was busiest."""
+    from carpool.coordinator.answers import LOGGED_REFUSALS
+
+    caplog.set_level("INFO", logger="carpool.coordinator.answers")
+    c = coordinator(clocks, workers=0, max_pending=2)
+    c.store.queue += [(f"r{i}", message(f"r{i}", "x")) for i in range(40)]
+    c.step()
+    assert sum(1 for _, state, error in c.backend.stored if isinstance(error, QueueFull)) == 38
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "INFO" and "failed (queue_full)" in r.getMessage()
+    ]
+    assert len(lines) == LOGGED_REFUSALS + 1
+    assert lines[-1] == f"{38 - LOGGED_REFUSALS} more requests failed (queue_full)"
+
+
 def test_a_request_expiring_before_its_eta_is_answered_expired_at_once_as_celery_would_at_its_eta(
     clocks: Clocks, monkeypatch: pytest.MonkeyPatch
 ) -> None:

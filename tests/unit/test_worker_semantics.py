@@ -224,7 +224,7 @@ class _SetForFirst:
 
 
 def test_an_output_that_cannot_be_stored_fails_its_request_in_the_store_events_report_and_links(
-    runtime: Any, applied: list[Any], monkeypatch: pytest.MonkeyPatch
+    runtime: Any, applied: list[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from carpool.celery_edge.events import TaskEvents
     from carpool.errors import ModelError
@@ -253,6 +253,34 @@ def test_an_output_that_cannot_be_stored_fails_its_request_in_the_store_events_r
         ("success", "fine"),
     ]
     assert isinstance(applied[0][2], ModelError)
+    # The worker's log names it as a Celery worker names a task that raised (found by the ops
+    # review: a failed request left no line in the worker's log).
+    [logged] = [r for r in caplog.records if r.levelname == "ERROR" and "[odd]" in r.getMessage()]
+    assert logged.getMessage().startswith("Task carpool.infer[odd] raised: ModelError: ")
+    assert "fine" not in caplog.text
+
+
+def test_a_batchs_failures_are_logged_one_by_one_up_to_a_bound(caplog: pytest.LogCaptureFixture) -> None:
+    from carpool.errors import DeadlineExceeded, InvalidInput
+    from carpool.gpu_worker.finish import LOGGED_FAILURES, log_failures
+
+    def raised() -> ValueError:
+        try:
+            raise ValueError("boom in batch")
+        except ValueError as exc:
+            return exc
+
+    entries = [("ok", "SUCCESS", 1), ("late", "FAILURE", DeadlineExceeded("deadline passed"))]
+    entries += [(f"bad{i}", "FAILURE", raised()) for i in range(LOGGED_FAILURES + 2)]
+    entries += [("odd", "FAILURE", InvalidInput("not a text"))]
+    log_failures("my.task", "b1", entries)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines[0] == ("WARNING", "Task my.task[late] failed: DeadlineExceeded: deadline passed")
+    assert lines[1] == ("ERROR", "Task my.task[bad0] raised: ValueError: boom in batch")
+    assert len(lines) == LOGGED_FAILURES + 1
+    assert lines[-1] == ("ERROR", "batch b1: 4 more requests of my.task failed (InvalidInput, ValueError)")
+    assert 'raise ValueError("boom in batch")' in caplog.text, "with its traceback"
+    assert "[ok]" not in caplog.text
 
 
 class _Unreadable(Exception):
