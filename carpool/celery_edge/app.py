@@ -215,8 +215,16 @@ def create_app(settings: Settings | None = None) -> Celery:
     # include: a plain `celery worker` on the request queue (the one-task-per-request baseline of
     # `carpool bench`) must know carpool.infer; importing carpool.tasks pulls no torch.
     app = CarpoolCelery(
-        "carpool", broker=settings.broker_url, backend=settings.result_backend, include=["carpool.tasks"]
+        "carpool",
+        broker=settings.broker_url,
+        backend=settings.result_backend,
+        include=["carpool.tasks"],
+        set_as_current=False,
     )
+    # Celery's app-less APIs (current_app, AsyncResult(id), shared_task's .delay()) keep using an
+    # application's own app made before carpool was imported; carpool's is current where none is.
+    if not compat.has_current_app():
+        app.set_current()
     sockets = celery_options(settings)  # timeouts, keepalive, health checks: a dead peer is noticed
     app.conf.update(
         sockets,

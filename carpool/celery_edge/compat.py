@@ -138,6 +138,14 @@ def reconnecting(consumer: Any) -> AbstractContextManager[None]:
     return manager
 
 
+def has_current_app() -> bool:
+    """Whether this thread has a current Celery app (one made with Celery's default,
+    ``set_as_current=True``, or set current), rather than Celery's fallback."""
+    from celery import _state
+
+    return _state._tls.current_app is not None
+
+
 def join_will_block() -> bool:
     """True inside a worker's task, where Celery refuses to wait for (or subscribe to) results."""
     return bool(task_join_will_block())

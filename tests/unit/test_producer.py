@@ -93,3 +93,36 @@ def test_submit_many_in_eager_mode_runs_each_request_as_delay_would() -> None:
     finally:
         app.conf.task_always_eager = False
         app.conf.task_eager_propagates = False
+
+
+_CURRENT_APP_PROBE = """
+import celery
+from celery.result import AsyncResult
+{user}
+import carpool.tasks
+from carpool.celery_edge.app import app as carpool_app
+print(celery.current_app.main, AsyncResult("x").app.main, carpool.tasks.infer.app is carpool_app)
+"""
+
+
+@pytest.mark.parametrize(
+    ("user", "current"),
+    [
+        ("user = celery.Celery('userapp')", "userapp"),  # the application's own app stays current
+        ("", "carpool"),  # a process with no app of its own gets carpool's, as Celery's first app
+    ],
+)
+def test_importing_carpool_leaves_an_applications_own_celery_app_current(user: str, current: str) -> None:
+    """Found by the producer review: importing carpool made its app Celery's current one, so an
+    application's @shared_task .delay() went to carpool's broker and failed NotRegistered there."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _CURRENT_APP_PROBE.format(user=user)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [current, current, "True"]
