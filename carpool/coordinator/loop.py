@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from celery import Celery
@@ -51,13 +51,20 @@ from carpool.coordinator.stats import CoordinatorStats, StatsWriter
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, UnknownModel
 from carpool.names import coordinator_hostname
-from carpool.redis_edge.connect import check_server, client_for, missing_database, refused_credentials
+from carpool.redis_edge.connect import (
+    UNREACHABLE,
+    check_server,
+    client_for,
+    missing_database,
+    refused_credentials,
+)
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore, Taken, acl_refusal, refused_by_acl
 from carpool.registry import import_task_modules, registered, routing_keys
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
 
@@ -156,8 +163,10 @@ class Coordinator:
         check_server(self.client, getattr(self.backend, "client", None), "coordinator")
         self.warm_up()
         self.events.start()
-        self.revokes = revokes.listen(self.app, self.settings)
-        self.revoked_ids.load()  # after subscribing: a revoke is either recorded already or heard
+        # No request is taken before the revokes are heard: a revoke broadcast while nobody listens
+        # reaches nobody. So a coordinator started before its Redis waits for it here.
+        self.revokes = self._until_redis(lambda: revokes.listen(self.app, self.settings))
+        self._until_redis(self.revoked_ids.load)  # after subscribing: a revoke is recorded or heard
         collector.freeze_startup()  # full collections mid-burst walked the tokenizers and Celery
         try:
             self._loop()
@@ -166,6 +175,23 @@ class Coordinator:
             if self.revokes is not None:
                 self.revokes.stop()
             self.shutdown()
+
+    def _until_redis(self, call: Callable[[], T]) -> T | None:
+        """``call()``, asked again while Redis cannot be reached; None if the process stops first."""
+        backoff = 0.1
+        while True:
+            try:
+                return call()
+            except UNREACHABLE as exc:
+                if self.stopping.is_set():
+                    return None
+                log.warning(
+                    "redis unavailable (%s); taking no request until it answers, retrying in %.1fs",
+                    exc,
+                    backoff,
+                )
+                self.stopping.wait(backoff)
+                backoff = min(5.0, backoff * 2)
 
     def _loop(self) -> None:
         backoff = 0.1

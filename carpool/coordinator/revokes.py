@@ -34,7 +34,7 @@ from carpool.celery_edge import compat
 from carpool.celery_edge.app import state_of
 from carpool.codec import loads
 from carpool.config import Settings
-from carpool.redis_edge.connect import client_for
+from carpool.redis_edge.connect import UNREACHABLE, client_for
 from carpool.redis_edge.socket_options import client_options, drop, silent
 from carpool.redis_edge.store import RequestStore
 
@@ -175,9 +175,13 @@ class Revoked:
 
 
 def listen(app: Celery, settings: Settings) -> RevokeListener | None:
-    """A started listener for ``app``'s remote-control broadcasts; None (logged) if it cannot start."""
+    """A started listener for ``app``'s remote-control broadcasts; None (logged) if it cannot start.
+    Raises what an unreachable Redis raises (:data:`~carpool.redis_edge.connect.UNREACHABLE`): the
+    caller waits for Redis and asks again."""
     try:
         topic = compat.publish_topic(state_of(app).message_channel(), app.control.mailbox.exchange.name, "")
+    except UNREACHABLE:
+        raise
     except Exception as exc:
         log.warning("cannot hear revokes (%s); only workers will check them", exc)
         return None

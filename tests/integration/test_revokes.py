@@ -68,3 +68,40 @@ def test_revokes_are_recorded_in_redis_for_processes_that_start_later(clean_redi
     later = revokes.Revoked(store)  # a coordinator started afterwards
     assert "heard-by-the-first" not in later
     assert later.load() == 1 and "heard-by-the-first" in later
+
+
+def test_a_coordinator_started_before_its_redis_hears_revokes_once_redis_is_up() -> None:
+    """Found by the ops review: a coordinator that met no Redis at start logged "cannot hear
+    revokes" once and served for the rest of its life without listening, so a request revoked
+    while it held it ran and answered SUCCESS. It now waits for Redis before taking any."""
+    from carpool.celery_edge.app import create_app
+    from carpool.config import load_settings
+    from carpool.redis_edge.keys import Keys
+    from carpool.tools.embedded import free_port
+    from carpool.tools.harness import Harness, release_result_consumer
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}"
+    server = EmbeddedRedis(port=port)
+    producer = create_app(load_settings(broker_url=f"{url}/0", result_backend=f"{url}/1"))
+    try:
+        with Harness(broker_url=f"{url}/0", result_backend=f"{url}/1") as h:
+            coordinator = h.start("coordinator", "coordinator", CARPOOL_MODEL="toy")
+            # Until its first try at subscribing met no Redis (kombu retries a connection a while).
+            wait_for(
+                "the coordinator's subscription refused",
+                lambda: any(s in h.log("coordinator") for s in ("until it answers", "cannot hear revokes")),
+                timeout_s=120,
+            )
+            server.start()
+            h.wait_coordinator(coordinator.pid, timeout_s=60)
+            held = producer.send_task(
+                "carpool.infer", args=("held: no worker runs",), kwargs={"model": "toy"}
+            )
+            leases = Keys("carpool.requests").inflight_lease
+            wait_for("the request held", lambda: h.redis_client().zcard(leases) == 1)
+            held.revoke()
+            assert wait_for("the revoke heard", lambda: held.state == "REVOKED", timeout_s=20)
+    finally:
+        release_result_consumer(producer)
+        server.cleanup()
