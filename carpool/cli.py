@@ -106,6 +106,24 @@ def _guard_broker(**_: Any) -> None:
     compat.guard_broker_transports()
 
 
+def _check_broker_database(settings: Any) -> None:
+    """Stop now (``ConfigError``) if the broker's server lacks the URL's database: Celery's consumer
+    would retry that connection for ever. A Redis not up yet is left to Celery's retries, as ever."""
+    import redis
+
+    from carpool.redis_edge.connect import client_for, missing_database
+
+    client = client_for(settings.broker_url, settings, socket_connect_timeout=2, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        missing = missing_database(exc, "CARPOOL_BROKER_URL")
+        if missing is not None:
+            raise missing from None
+    finally:
+        client.close()
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     extra = celery_worker_options(args.celery_args)
     _task_flags(args)
@@ -117,6 +135,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from carpool.gpu_worker.serving import batch_queues
 
     settings = settings_of(app)
+    _check_broker_database(settings)
     decode_json_fast()
     argv = [
         "worker",

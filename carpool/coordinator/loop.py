@@ -183,11 +183,14 @@ class Coordinator:
             try:
                 return call()
             except UNREACHABLE as exc:
+                missing = missing_database(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
+                if missing is not None:
+                    raise missing from None
                 if self.stopping.is_set():
                     return None
                 log.warning(
                     "redis unavailable (%s); taking no request until it answers, retrying in %.1fs",
-                    exc,
+                    refused_credentials(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND") or exc,
                     backoff,
                 )
                 self.stopping.wait(backoff)

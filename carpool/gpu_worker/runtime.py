@@ -53,7 +53,15 @@ from carpool.celery_edge.options import check_app_conf
 from carpool.celery_edge.received import accepted, marker, read_task
 from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
 from carpool.codec import storable
-from carpool.errors import CONFIG_ERROR_EXIT, ConfigError, DeadlineExceeded, ModelError, WireError, described
+from carpool.errors import (
+    CONFIG_ERROR_EXIT,
+    ConfigError,
+    DeadlineExceeded,
+    ModelError,
+    UnknownModel,
+    WireError,
+    described,
+)
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
 from carpool.gpu_worker.finish import (
     apply_links,
@@ -148,7 +156,10 @@ class WorkerRuntime:
         check_server(self.client, getattr(self.backend, "client", None), "worker")
         for name, spec in self.specs.items():
             t0 = time.perf_counter()
-            spec.load(self.device, self.settings)
+            try:
+                spec.load(self.device, self.settings)
+            except UnknownModel as exc:  # a model setting this worker cannot serve, as a coordinator says
+                raise ConfigError(f"{name}: {exc} (CARPOOL_MODEL/CARPOOL_MODELS)") from None
             log.info("task %s ready on %s in %.1fs", name, self.device, time.perf_counter() - t0)
         if self.settings.overlap_finish:
             self._finisher = Finisher()

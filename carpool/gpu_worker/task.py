@@ -52,10 +52,16 @@ def _on_worker_ready(**_: Any) -> None:
     # would stay up serving nothing, never heartbeating, and no supervisor would restart it.
     try:
         runtime().start()
-    except Exception as exc:
-        status = CONFIG_ERROR_EXIT if isinstance(exc, ConfigError) else EX_FAILURE
-        log.critical("this worker could not start serving; it stops (exit status %d)", status, exc_info=True)
-        worker_state.should_stop = status
+    except ConfigError as exc:  # a deployment error, said in a line: its traceback is carpool's own
+        log.critical(
+            "this worker could not start serving: %s; it stops (exit status %d)", exc, CONFIG_ERROR_EXIT
+        )
+        worker_state.should_stop = CONFIG_ERROR_EXIT
+    except Exception:
+        log.critical(
+            "this worker could not start serving; it stops (exit status %d)", EX_FAILURE, exc_info=True
+        )
+        worker_state.should_stop = EX_FAILURE
 
 
 @signals.worker_shutting_down.connect  # type: ignore[untyped-decorator]

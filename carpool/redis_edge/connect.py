@@ -272,8 +272,14 @@ def missing_database(error: BaseException, *settings: str) -> Exception | None:
     ``databases``, 16 by default): retrying cannot mend it. None for any other error."""
     from carpool.errors import ConfigError
 
-    if not (isinstance(error, redis.ResponseError) and "DB index is out of range" in str(error)):
+    found: BaseException | None = error
+    while found is not None and not (
+        isinstance(found, redis.ResponseError | OperationalError) and "DB index is out of range" in str(found)
+    ):
+        found = found.__cause__ or found.__context__  # kombu wraps redis-py's errors
+    if found is None:
         return None
+    error = found
     return ConfigError(
         f"Redis has no such database ({error}): {' and '.join(settings)} must name a database number"
         " below the server's `databases` setting (16 by default: 0 to 15)"

@@ -519,3 +519,12 @@ def test_status_with_a_wrong_password_names_the_setting_to_change(role_users: re
         assert done.returncode == 2, done
         assert "Redis refused the credentials" in done.stderr and "CARPOOL_BROKER_URL" in done.stderr
         assert "not-its-password" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    # A role's user, or a database the server lacks: settings to change too (exit 2), not an outage
+    # (found by the docs review: both said "redis unavailable", exit 1).
+    as_producer = status(f"{user('producer')}:{PASSWORDS['producer']}@")
+    assert as_producer.returncode == 2, as_producer
+    assert "run it as the default user" in as_producer.stderr and "Traceback" not in as_producer.stderr
+    env = {"CARPOOL_BROKER_URL": f"redis://127.0.0.1:{server_port}/99", "PATH": "/usr/bin:/bin"}
+    no_db = subprocess.run([*status_command(), "--once"], env=env, capture_output=True, text=True, timeout=60)
+    assert no_db.returncode == 2, no_db
+    assert "no such database" in no_db.stderr and "CARPOOL_BROKER_URL" in no_db.stderr

@@ -89,11 +89,25 @@ def test_an_unreachable_server_or_one_refusing_info_is_passed_over() -> None:
 
 
 @pytest.mark.parametrize("role", ["coordinator", "worker"])
-def test_a_coordinator_and_a_worker_check_their_server_at_start(processes: Any, role: str) -> None:
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("CARPOOL_RESULT_BACKEND", "no such database"),
+        # The worker's Celery consumer retried this one for ever (found by the docs and ops reviews).
+        ("CARPOOL_BROKER_URL", "no such database"),
+        # The worker stopped with a traceback and exit status 1 (the ops review).
+        ("CARPOOL_MODEL", "model 'nosuch.mod:Cls' cannot be imported"),
+    ],
+)
+def test_a_coordinator_and_a_worker_check_their_settings_and_server_at_start(
+    processes: Any, role: str, setting: str, said: str
+) -> None:
     from tests.integration.conftest import server_of
 
     port = server_of(processes).port
-    proc = processes.start(role, role, CARPOOL_RESULT_BACKEND=f"redis://127.0.0.1:{port}/99")
+    value = "nosuch.mod:Cls" if setting == "CARPOOL_MODEL" else f"redis://127.0.0.1:{port}/99"
+    proc = processes.start(role, role, **{setting: value})
     assert proc.wait(timeout=60) == 2, "a configuration error, seen by the supervisor"
     log = (processes.log_dir / f"{role}.log").read_text(errors="replace")
-    assert "no such database" in log and "CARPOOL_RESULT_BACKEND" in log, log[-3000:]
+    assert said in log and (setting in log or "CARPOOL_MODEL" in log), log[-3000:]
+    assert "Traceback" not in log, log[-3000:]

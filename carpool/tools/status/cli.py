@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from carpool.config import redact_url
-from carpool.redis_edge.connect import client_for, refused_credentials
+from carpool.redis_edge.connect import client_for, missing_database, refused_credentials
 from carpool.redis_edge.keys import Keys
 from carpool.tools.status.snapshot import Rates, Snapshot, as_dict, collect, rates
 from carpool.tools.status.view import render
@@ -93,6 +93,15 @@ def _print_once(
         snap, rate = _sample(client, keys, interval)
     except redis.RedisError as exc:
         hint = refused_credentials(exc, "CARPOOL_BROKER_URL")
+        missing = missing_database(exc, "CARPOOL_BROKER_URL")
+        if missing is not None:
+            hint = str(missing)
+        elif isinstance(exc, redis.exceptions.NoPermissionError):
+            hint = (
+                f"Redis refused a command status reads with ({exc}): carpool status reads every queue and"
+                " coordinator key, which no role of `carpool acl` may; run it as the default user"
+                " (docs/OPERATIONS.md)"
+            )
         if hint is not None:  # a setting to change, not an outage to wait out
             print(f"carpool status: {redact_url(broker)}: {hint}", file=sys.stderr)
             return 2
