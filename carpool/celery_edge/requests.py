@@ -47,6 +47,30 @@ class Incoming:
     shadow: str | None = None  # the name the caller gave it for logs and monitors (shadow=)
 
 
+def _refuse_protocol_1(envelope: dict[str, Any]) -> None:
+    """Raise a refusal to answer under its id if ``envelope`` is a task message of Celery's protocol
+    1 (``task_protocol=1``: the task's name and id in a JSON body, no task header); else nothing."""
+    props = envelope.get("properties")
+    body = envelope.get("body")
+    if not (isinstance(props, dict) and props.get("body_encoding") == "base64" and isinstance(body, str)):
+        return
+    try:
+        decoded = json_loads(base64.b64decode(body, validate=True))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return
+    if not isinstance(decoded, dict):
+        return
+    task, task_id = decoded.get("task"), decoded.get("id")
+    if isinstance(task, str) and isinstance(task_id, str) and task_id:
+        raise _refused(
+            task_id,
+            task,
+            None,
+            "sent with Celery's task message protocol 1 (task_protocol=1): carpool reads protocol 2,"
+            " Celery's default since 4.0; send from an app with task_protocol=2",
+        )
+
+
 def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     """Decode ``raw``, a message for one of ``tasks``, or raise :class:`MalformedMessage` naming what
     is wrong with it."""
@@ -59,6 +83,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     headers = envelope["headers"]
     task = headers.get("task")
     if not isinstance(task, str):
+        _refuse_protocol_1(envelope)
         raise MalformedMessage(f"not a Celery task message: its task name is {task!r}")
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not task_id:

@@ -123,6 +123,33 @@ def test_a_message_naming_its_id_whose_body_cannot_be_read_is_answered_under_tha
     assert admitted_ids(out) == ["b"]
 
 
+def _protocol_1(task_id: str, text: str) -> bytes:
+    """A request as a Celery app with ``task_protocol=1`` sends it (Celery's own v1 renderer)."""
+    import base64
+    import json
+
+    from celery import Celery
+
+    v1 = Celery("protocol-1", set_as_current=False).amqp.as_task_v1(task_id, "carpool.infer", (text,), {})
+    envelope = {
+        "body": base64.b64encode(json.dumps(v1.body).encode()).decode(),
+        "content-type": "application/json",
+        "content-encoding": "utf-8",
+        "headers": v1.headers,
+        "properties": {**v1.properties, "body_encoding": "base64"},
+    }
+    return json.dumps(envelope).encode()
+
+
+def test_a_protocol_1_message_is_answered_under_its_id_saying_to_send_protocol_2() -> None:
+    """Found by the docs review: dead-lettered as "not a Celery task message", its caller waited for ever."""
+    out, _ = run([("a", _protocol_1("a", "hi")), ("b", message("b", "hi"))])
+    [refused] = out.refused
+    assert refused.id == "a" and refused.reason == "invalid" and out.malformed == []
+    assert "task_protocol=2" in str(refused.error) and "protocol 1" in str(refused.error)
+    assert admitted_ids(out) == ["b"]
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "named"), [(["hi"], [1], "kwargs"), (["hi"], "model", "kwargs"), (5, {}, "args")]
 )
