@@ -76,8 +76,10 @@ class BatchedTask(Task):  # type: ignore[misc]  # Celery is untyped
         check_options(self.name, options, self.app)
         if self.priority and options.get("priority") is None:  # task_default_priority, as Celery adds it
             options["priority"] = self.priority
-        # The coordinator drains the request queue, whatever the app's default queue is.
-        options.setdefault("queue", settings_of(self.app).request_queue)
+        # The coordinators drain the request queue, whatever the app's default queue is (or the
+        # queue the application's own routes name for this task).
+        if "queue" not in options:
+            options["queue"] = state_of(self.app).request_queue(self.name, args, kwargs)
         headers = dict(options.pop("headers", None) or {})
         headers.setdefault(SENT_AT_HEADER, time.time())
         if (

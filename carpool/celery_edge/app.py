@@ -45,6 +45,17 @@ class AppState:
         self.inbox: tuple[int, str] | None = None
         #: whether the task-sent events published last reached anyone (CARPOOL_EVENTS=auto)
         self.sent_heard = Heard()
+        #: the task_routes carpool's app set: while they stand, a carpool task goes to the request queue
+        self.routes: Any = app.conf.task_routes
+
+    def request_queue(self, name: str, args: Any = (), kwargs: Any = None) -> str:
+        """The queue a request for carpool task ``name`` goes to: the request queue, unless routes
+        the application set ahead of carpool's route it elsewhere (a second pool of coordinators)."""
+        default = self.settings.request_queue
+        if self._app.conf.task_routes is self.routes:
+            return default
+        queue = self._app.amqp.router.route({}, name, args, kwargs).get("queue")
+        return getattr(queue, "name", None) or default
 
     def message_channel(self) -> Any:
         """A kombu Redis channel of the broker, used only to build messages (no I/O), kept because

@@ -143,7 +143,9 @@ def submit_many(
         calls = _item_calls(payloads, spec, settings) if spec else _infer_calls(payloads, model, settings)
     headers = dict(options.pop("headers", None) or {})
     headers.setdefault(SENT_AT_HEADER, time.time())
-    options.setdefault("queue", settings.request_queue)
+    if "queue" not in options:  # routed by name, as Celery routes each call (a router's args: the first)
+        first = calls[0] if calls else ((), {})
+        options["queue"] = state_of(app).request_queue(name, *first)
     if app.conf.task_always_eager:
         return _run_eagerly(app, name, calls, headers, options)
     inbox = inbox_channel(app) if subscribe else None

@@ -126,3 +126,21 @@ def test_importing_carpool_leaves_an_applications_own_celery_app_current(user: s
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == [current, current, "True"]
+
+
+def test_a_route_the_application_puts_ahead_of_carpools_sends_a_carpool_task_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the producer review: .delay() and submit_many sent to the request queue whatever
+    the app's task_routes said, so a second pool of coordinators never got its requests."""
+    from carpool.celery_app import app
+    from carpool.celery_edge.app import state_of
+
+    state = state_of(app)
+    assert state.request_queue("carpool.infer", ("hi",), {}) == "carpool.requests"
+    routes = ({"carpool.infer": {"queue": "pool-b.requests"}}, *app.conf.task_routes)
+    monkeypatch.setitem(app.conf, "task_routes", routes)
+    monkeypatch.setattr(app.amqp, "_rtable", None, raising=False)
+    monkeypatch.setattr(app.amqp, "router", app.amqp.Router(), raising=False)
+    assert state.request_queue("carpool.infer", ("hi",), {}) == "pool-b.requests"
+    assert state.request_queue("unit.other", ("hi",), {}) == "carpool.requests"  # carpool's router: no match
