@@ -109,6 +109,9 @@ def submit_many(
     (they will run) and the rest were not sent. ``chunk_size=None`` sends every message in one
     MULTI/EXEC: the coordinator sees none of them until the last is built, and a failure sends none.
 
+    Inside a Celery task (a worker's), each request is sent as its ``.delay()`` there would be, one
+    publish each, through Celery's own send: a child of that task, as Celery links one.
+
     With Celery's ``task_always_eager`` (eager mode, as in a test suite) nothing is sent: after the
     same validation, each request runs here, in order, exactly as its ``.delay()`` would run it, and
     an EagerResult comes back for each (``gather`` returns their values without Redis).
@@ -148,6 +151,12 @@ def submit_many(
         options["queue"] = state_of(app).request_queue(name, *first)
     if app.conf.task_always_eager:
         return _run_eagerly(app, name, calls, headers, options)
+    if app.current_worker_task is not None and task_object is not None:
+        # Inside a Celery task each goes as its .delay() there goes, through Celery's own send, which
+        # makes it a child of that task (parent_id, root_id, its children, task_inherit_parent_priority).
+        sent = {key: value for key, value in options.items() if value is not None}
+        send = task_object.apply_async
+        return [send(args, kwargs, headers=dict(headers), **sent) for args, kwargs in calls]
     inbox = inbox_channel(app) if subscribe else None
     return publish_tasks(
         name,

@@ -544,3 +544,25 @@ def test_intake_refuses_alone_a_raw_item_holding_a_type_tag_or_an_integer_past_6
         declared.delay({"n": 1, "x": big})
     assert errors["big"] == str(at_delay.value)
     assert "cannot travel as JSON unchanged (Integer exceeds 64-bit range)" in errors["big"]
+
+
+def test_submit_many_inside_a_celery_task_sends_each_item_as_its_delay_there_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the producer review: inside a task, submit_many's requests had no parent_id and did
+    not inherit the task's priority, where .delay() (Celery's own send there) links them."""
+    import carpool
+
+    sent: list[tuple[Any, Any, dict[str, Any]]] = []
+    monkeypatch.setattr(type(app), "current_worker_task", property(lambda self: object()))
+
+    def apply_async(args: Any, kwargs: Any, **options: Any) -> str:
+        sent.append((args, kwargs, options))
+        return "sent"
+
+    monkeypatch.setattr(shout, "apply_async", apply_async)
+    assert carpool.submit_many(["a", "b"], task=shout) == ["sent", "sent"]
+    assert [(args, kwargs) for args, kwargs, _ in sent] == [(["a"], {}), (["b"], {})]
+    for _, _, options in sent:
+        assert "priority" not in options, "None would keep Celery from inheriting the parent's"
+        assert options["queue"] == "carpool.requests" and "carpool_sent_at" in options["headers"]
