@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -68,7 +69,24 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._start_lock = threading.Lock()
         _CONSUMERS.add(self)
+
+    def start(self, initial_task_id: str, **kwargs: Any) -> None:
+        """Celery's first subscription, made once: AsyncResults sent from one thread and waited on
+        from several (``submit_many``'s, whose sending thread subscribed nothing of its own) would
+        each make a pub/sub connection, the last replacing the others and their subscriptions."""
+        with self._start_lock:
+            if result_pubsub(self) is None:
+                super().start(initial_task_id, **kwargs)
+                return
+        self._consume_from(initial_task_id)
+
+    def consume_from(self, task_id: str) -> None:
+        if result_pubsub(self) is None:
+            self.start(task_id)
+            return
+        self._consume_from(task_id)
 
     def forget_after_fork(self) -> None:
         """In a forked child: let go of the parent's pub/sub connection, whose socket the child
@@ -76,6 +94,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         without a word on it; and of what the parent subscribed to and waited on. The child's next
         wait subscribes on a connection of its own, after reading the stored result first."""
         forget_result_pubsub(self)
+        self._start_lock = threading.Lock()  # a lock held in the parent at the fork stays held here
         subscribed_keys(self).clear()
         forget_pending(self)
         self._deferred = self._settled = None
@@ -288,6 +307,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             self.stop()
         self._settled = None
         forget_result_pubsub(self)
+        self._start_lock = threading.Lock()  # a lock held in the parent at the fork stays held here
         subscribed_keys(self).clear()
         self._watched, self._stale = None, False
 

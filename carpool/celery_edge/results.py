@@ -13,6 +13,7 @@ too, one message per inbox.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,28 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         # when debug is off: for a 7 KB embedding that costs more than decoding the result.
         self.connparams.setdefault("protocol", 2)
         self._store_once = lua.register(self.client, "finish")  # the write-once rule lives there
+        self._thread = threading.get_ident()
+
+    def _of_this_thread(self) -> Any:
+        """The calling thread's backend (Celery's app makes one per thread): an AsyncResult keeps
+        the backend of the thread that made it, and a result consumer's pub/sub connection serves
+        one thread at a time, so a ``.get()`` from another thread waits on that thread's own."""
+        if threading.get_ident() == self._thread:
+            return self
+        here = self.app.backend
+        return here if isinstance(here, CarpoolRedisBackend) else self
+
+    def add_pending_result(self, result: Any, *args: Any, **kwargs: Any) -> Any:
+        here = self._of_this_thread()
+        if here is not self:
+            return here.add_pending_result(result, *args, **kwargs)
+        return super().add_pending_result(result, *args, **kwargs)
+
+    def wait_for_pending(self, result: Any, *args: Any, **kwargs: Any) -> Any:
+        here = self._of_this_thread()
+        if here is not self:
+            return here.wait_for_pending(result, *args, **kwargs)
+        return super().wait_for_pending(result, *args, **kwargs)
 
     def get_key_for_task(self, task_id: Any, key: Any = "") -> Any:
         """Celery's key (``<global prefix>celery-task-meta-<id>``), built without its generic joins:

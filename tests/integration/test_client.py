@@ -1221,3 +1221,26 @@ def test_get_keeps_its_timeout_and_does_not_return_a_result_that_came_after_it(
     finally:
         storer.join()
     assert late.get(timeout=5) == 1.5  # the result itself is there for a later call
+
+
+def test_results_sent_from_one_thread_can_be_waited_on_from_many_at_once(processes: Processes) -> None:
+    """Found by the producer review: eight threads each .get()-ing a slice of one submit_many's
+    results shared the sending thread's result consumer, whose pub/sub connection they each
+    replaced or read at once: some waited out their timeout for results already stored, others
+    met InvalidResponse. Each now waits on its own thread's consumer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from carpool.producer.submit import submit_many
+
+    start_stack(processes, **TOY)
+    threads = 8
+    for attempt in range(3):  # the race it met was lost in most rounds, not all
+        results = submit_many([f"round {attempt} text {i}" for i in range(400)], model="toy")
+        with ThreadPoolExecutor(threads) as pool:
+            slices = list(pool.map(lambda part: [r.get(timeout=15) for r in part], _dealt(results, threads)))
+        assert sum(len(s) for s in slices) == 400
+        assert all(isinstance(v, list) and len(v) == 32 for s in slices for v in s)
+
+
+def _dealt(items: list[Any], hands: int) -> list[list[Any]]:
+    return [items[k::hands] for k in range(hands)]
