@@ -104,8 +104,15 @@ def validate_item(task_name: str, item: Any, settings: Settings) -> int:
     try:
         encoded = dumps_exact(item)
     except (TypeError, ValueError) as exc:
+        why = str(exc)
+        if why.startswith("Type is not JSON serializable"):  # a subclass of str, int or float too
+            why += (
+                ": it would reach the function as another type (a str or number subclass as the plain"
+                " type, a numpy scalar as a Python number); convert it first: str(v), int(v), float(v)"
+                " or v.item()"
+            )
         raise InvalidInput(
-            f"{task_name}: the item cannot travel as JSON unchanged ({exc}); pass strings, finite numbers, "
+            f"{task_name}: the item cannot travel as JSON unchanged ({why}); pass strings, finite numbers, "
             "integers within 64 bits (else a string), lists and dicts with string keys"
         ) from None
     size = len(encoded)

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from carpool.batching import BatchPolicy, LatencyModel, Request
@@ -566,3 +567,16 @@ def test_submit_many_inside_a_celery_task_sends_each_item_as_its_delay_there_wou
     for _, _, options in sent:
         assert "priority" not in options, "None would keep Celery from inheriting the parent's"
         assert options["queue"] == "carpool.requests" and "carpool_sent_at" in options["headers"]
+
+
+class _Label(str):
+    pass
+
+
+@pytest.mark.parametrize("item", [_Label("a"), {"score": np.float32(0.5)}, [np.str_("a")]])
+def test_a_value_that_would_arrive_as_another_type_is_refused_saying_how_to_convert_it(item: Any) -> None:
+    """The producer review found "pass strings" said of a str subclass, which is a string."""
+    with pytest.raises(
+        InvalidInput, match=r"would reach the function as another type.*str\(v\).*v\.item\(\)"
+    ):
+        shout.delay(item)
