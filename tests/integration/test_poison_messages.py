@@ -73,6 +73,35 @@ def test_poison_messages_fail_alone_and_the_requests_taken_with_them_are_answere
     assert client.llen(Keys("carpool.requests").dead_letter) == 0
 
 
+def test_a_request_sent_with_celerys_protocol_1_is_answered_under_its_id_through_a_real_take(
+    processes: Processes,
+) -> None:
+    """A protocol-1 envelope has no id header: the take named it garbage and intake dead-lettered
+    it, its caller waiting for ever (found by the review of the fix that answered it in a unit
+    test that skipped the take). Real messages from an app with task_protocol=1, one with a priority."""
+    from celery import Celery
+
+    from carpool.errors import InvalidInput
+    from carpool.tasks import infer
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    url = processes.broker_url
+    old = Celery("protocol-1", broker=url, backend=processes.result_backend, set_as_current=False)
+    old.conf.task_protocol = 1
+    sent = [
+        old.send_task("carpool.infer", args=("hello there",), queue="carpool.requests"),
+        old.send_task("carpool.infer", args=("hello there",), queue="carpool.requests", priority=9),
+    ]
+    good = infer.delay("hello there")
+    for request in sent:
+        with pytest.raises(InvalidInput, match=r"protocol 1 \(task_protocol=1\).*task_protocol=2"):
+            infer.AsyncResult(request.id).get(timeout=30)
+    assert len(good.get(timeout=30)) == 32
+    client = redis.Redis(port=server_of(processes).port)
+    assert client.llen(Keys("carpool.requests").dead_letter) == 0
+    old.close()
+
+
 def test_a_task_id_that_is_not_utf8_is_dead_lettered_alone_and_the_requests_taken_with_it_answered(
     processes: Processes,
 ) -> None:

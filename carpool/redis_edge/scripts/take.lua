@@ -83,6 +83,9 @@ for i = 5, #KEYS do
         -- unambiguous: taken as is
       elseif ok and type(msg) == 'table' and type(msg['headers']) == 'table' then
         id = msg['headers']['id']
+        -- Celery's task message protocol 1 has no id header: its id is the correlation id (and in its
+        -- body). Taken under it, the request is answered there (refused: carpool reads protocol 2).
+        if id == nil and type(msg['properties']) == 'table' then id = msg['properties']['correlation_id'] end
       elseif not ok then
         -- cjson refuses some valid JSON (a lone surrogate escape in the text); find the id by pattern
         -- so the request still gets its stored error instead of being dead-lettered unanswered.
