@@ -75,6 +75,14 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
             return here.add_pending_result(result, *args, **kwargs)
         return super().add_pending_result(result, *args, **kwargs)
 
+    def remove_pending_result(self, result: Any) -> Any:
+        """Celery's, here and in the calling thread's backend, where a ``.get()`` from that thread
+        registered ``result`` (a settled result's entry would otherwise stay there for good)."""
+        here = self._of_this_thread()
+        if here is not self:
+            here.remove_pending_result(result)
+        return super().remove_pending_result(result)
+
     def wait_for_pending(self, result: Any, *args: Any, **kwargs: Any) -> Any:
         here = self._of_this_thread()
         if here is not self:

@@ -1237,10 +1237,23 @@ def test_results_sent_from_one_thread_can_be_waited_on_from_many_at_once(process
     for attempt in range(3):  # the race it met was lost in most rounds, not all
         results = submit_many([f"round {attempt} text {i}" for i in range(400)], model="toy")
         with ThreadPoolExecutor(threads) as pool:
-            slices = list(pool.map(lambda part: [r.get(timeout=15) for r in part], _dealt(results, threads)))
-        assert sum(len(s) for s in slices) == 400
-        assert all(isinstance(v, list) and len(v) == 32 for s in slices for v in s)
+            slices = list(pool.map(_got_and_left, _dealt(results, threads)))
+        assert sum(len(values) for values, _ in slices) == 400
+        assert all(isinstance(v, list) and len(v) == 32 for values, _ in slices for v in values)
+        # Nothing settled is left registered in any thread's backend (the review of the fix found
+        # every result kept for good in the waiting thread's).
+        assert [left for _, left in slices] == [0] * threads
 
 
 def _dealt(items: list[Any], hands: int) -> list[list[Any]]:
     return [items[k::hands] for k in range(hands)]
+
+
+def _got_and_left(results: list[Any]) -> tuple[list[Any], int]:
+    """Each result's value by ``.get()``, and how many results this thread's backend still holds
+    as pending afterwards."""
+    from carpool.celery_edge.app import app
+
+    values = [r.get(timeout=15) for r in results]
+    pending = app.backend._pending_results
+    return values, len(pending.concrete) + len(pending.weak)
