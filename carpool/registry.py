@@ -68,9 +68,6 @@ class TaskSpec(ABC):
     #: whether the batch function may change its items (user code may): a batch that fails is then
     #: split from a copy of its items taken before the call, not from what the call left of them
     may_change_items: ClassVar[bool] = True
-    #: what a batch's lengths are rounded up to in its cost (``max_tokens``): the multiple its worker
-    #: pads to; 1 where nothing is padded (a @batched function gets its items as they were sent)
-    pad_multiple: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         for field, value in (("max_batch", self.max_batch), ("max_tokens", self.max_tokens)):
@@ -94,6 +91,12 @@ class TaskSpec(ABC):
                 f"batched task {self.name!r}: bins must be 'auto' or increasing positive integers, "
                 f"not {edges!r}"
             )
+
+    @property
+    def pad_multiple(self) -> int:
+        """What a batch's lengths are rounded up to in its cost (``max_tokens``): the multiple its
+        worker pads to; 1 where nothing is padded (a @batched function gets its items as sent)."""
+        return 1
 
     def keys(self, settings: Settings) -> tuple[str, ...]:
         """Every routing key ``accept`` can give under ``settings``."""
@@ -142,6 +145,17 @@ class BatchedSpec(TaskSpec):
                 "(e.g. length=len for texts)"
             )
         TaskSpec.__post_init__(self)
+
+    @property
+    def pad_multiple(self) -> int:
+        """The batch function's own ``pad_multiple`` where it pads its batch (the reranker and
+        classifier adapters pad to multiples of 8), else 1."""
+        multiple = getattr(self.fn, "pad_multiple", 1)
+        if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+            raise ValueError(
+                f"batched task {self.name!r}: pad_multiple must be an integer >= 1, not {multiple!r}"
+            )
+        return multiple
 
     def accept(self, args: Any, kwargs: Any, settings: Settings) -> tuple[str, Any]:
         item = bind_item(self.name, args, kwargs)

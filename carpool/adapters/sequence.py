@@ -29,6 +29,9 @@ class _Loaded:
 
 
 class _SequenceModel(Adapter):
+    #: the multiple each batch is padded to (its max_tokens counts lengths rounded up to it)
+    pad_multiple = PAD_MULTIPLE
+
     def _build(self, model_dir: Path, device: str) -> _Loaded:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer

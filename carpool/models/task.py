@@ -48,7 +48,10 @@ class InferSpec(TaskSpec):
     checks_outputs: ClassVar[bool] = False
     raises_as_raised: ClassVar[bool] = False  # a model's failure reaches infer's callers as ModelError
     may_change_items: ClassVar[bool] = False  # forward_padded only reads the ids
-    pad_multiple: ClassVar[int] = PAD_MULTIPLE  # forward_padded pads to it
+
+    @property
+    def pad_multiple(self) -> int:
+        return PAD_MULTIPLE  # forward_padded pads to it
 
     def keys(self, settings: Settings) -> tuple[str, ...]:
         return settings.served_models

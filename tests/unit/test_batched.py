@@ -580,3 +580,30 @@ def test_a_value_that_would_arrive_as_another_type_is_refused_saying_how_to_conv
         InvalidInput, match=r"would reach the function as another type.*str\(v\).*v\.item\(\)"
     ):
         shout.delay(item)
+
+
+class _PadsToEight:
+    """A batch function that pads its batch to multiples of 8 (as pad_batch does), and says so."""
+
+    pad_multiple = 8
+
+    def __call__(self, items: list[Any]) -> list[Any]:
+        return items
+
+
+def test_a_batch_function_that_pads_has_its_lengths_rounded_up_as_its_worker_pads() -> None:
+    """The reranker and classifier adapters pad to multiples of 8: counted unrounded, a batch the
+    policy held to max_tokens=64 padded to 112 (found by the review of 1788106)."""
+    from carpool.adapters.sequence import Classifier, Reranker
+
+    assert Reranker.pad_multiple == Classifier.pad_multiple == 8
+    spec = BatchedSpec("unit.pads8", _PadsToEight(), len, max_tokens=64, bin_edges=())
+    assert spec.pad_multiple == 8
+    config = task_policy_config(policy_config(Settings()), spec)
+    policy = BatchPolicy(config, LatencyModel(prior_base_s=0.01, prior_per_token_s=1e-4))
+    for i in range(16):
+        policy.add(Request(id=f"r{i}", model=spec.name, length=9, arrival_s=0.0, deadline_s=100.0))
+    plan = policy.poll(1.0, free_workers=4, free_slots=4)
+    assert [(b.size, b.padded_len) for b in plan.batches] == [(4, 16)] * 4  # 4 x 16 = 64, not 7 x 9
+    with pytest.raises(ValueError, match="max_tokens must be >= 8"):
+        BatchedSpec("unit.pads8.small", _PadsToEight(), len, max_tokens=4)
