@@ -105,7 +105,7 @@ def validate_item(task_name: str, item: Any, settings: Settings) -> int:
         encoded = dumps_exact(item)
     except (TypeError, ValueError) as exc:
         why = str(exc)
-        if why.startswith("Type is not JSON serializable"):  # a subclass of str, int or float too
+        if _converts(item):  # a str, int or float subclass, or a numpy scalar, that orjson refuses
             why += (
                 ": it would reach the function as another type (a str or number subclass as the plain"
                 " type, a numpy scalar as a Python number); convert it first: str(v), int(v), float(v)"
@@ -124,6 +124,24 @@ def validate_item(task_name: str, item: Any, settings: Settings) -> int:
     if encoded.find(b'"__type__"') >= 0:  # orjson never escapes a key's letters: an exact first check
         _no_type_tags(task_name, item)
     return size
+
+
+def _converts(value: Any) -> bool:
+    """Whether ``value`` holds, at any depth, a value that would cross as another type: a subclass
+    of str, int or float (JSON carries the plain type), or a numpy scalar (a Python number)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        kind = type(v)
+        if kind in (str, int, float, bool) or v is None:
+            continue
+        if isinstance(v, str | int | float) or (kind.__module__ == "numpy" and hasattr(v, "item")):
+            return True
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return False
 
 
 def checked_length(task_name: str, value: Any) -> int:

@@ -582,6 +582,13 @@ def test_a_value_that_would_arrive_as_another_type_is_refused_saying_how_to_conv
         shout.delay(item)
 
 
+@pytest.mark.parametrize("item", [b"bytes", {1, 2}, {"at": object()}])
+def test_a_value_no_conversion_mends_is_refused_without_that_advice(item: Any) -> None:
+    with pytest.raises(InvalidInput, match="cannot travel as JSON unchanged") as info:
+        shout.delay(item)
+    assert "another type" not in str(info.value)
+
+
 class _PadsToEight:
     """A batch function that pads its batch to multiples of 8 (as pad_batch does), and says so."""
 
