@@ -109,17 +109,11 @@ def _guard_broker(**_: Any) -> None:
 def _check_broker_database(settings: Any) -> None:
     """Stop now (``ConfigError``) if the broker's server lacks the URL's database: Celery's consumer
     would retry that connection for ever. A Redis not up yet is left to Celery's retries, as ever."""
-    import redis
-
-    from carpool.redis_edge.connect import client_for, missing_database
+    from carpool.redis_edge.connect import client_for, database_answers
 
     client = client_for(settings.broker_url, settings, socket_connect_timeout=2, socket_timeout=2)
     try:
-        client.ping()
-    except redis.RedisError as exc:
-        missing = missing_database(exc, "CARPOOL_BROKER_URL")
-        if missing is not None:
-            raise missing from None
+        database_answers(client, "CARPOOL_BROKER_URL")
     finally:
         client.close()
 

@@ -352,17 +352,27 @@ def check_server(broker: Any, results: Any, role: str) -> None:
     _check_eviction(memory, role, "CARPOOL_BROKER_URL", "queued and in-flight requests")
     if results is None:
         return
-    try:
-        results.ping()
-    except redis.ResponseError as exc:
-        missing = missing_database(exc, "CARPOOL_RESULT_BACKEND")
-        if missing is not None:
-            raise missing from exc
-    except (redis.ConnectionError, redis.TimeoutError):
+    if not database_answers(results, "CARPOOL_RESULT_BACKEND"):
         return
     results_server, results_memory = _info(results)
     if results_server and results_server.get("run_id") != (server or {}).get("run_id"):
         _check_eviction(results_memory, role, "CARPOOL_RESULT_BACKEND", "stored results")
+
+
+def database_answers(client: Any, setting: str) -> bool:
+    """PING ``client``: whether its server answered (a refusal is an answer); raises
+    :class:`~carpool.errors.ConfigError` naming ``setting`` where the server lacks the URL's
+    database (no retry mends that). False where the server cannot be reached (a process retries as
+    it runs)."""
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False
+    except redis.ResponseError as exc:
+        missing = missing_database(exc, setting)
+        if missing is not None:
+            raise missing from None
+    return True
 
 
 def _info(client: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
