@@ -307,7 +307,6 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             self.stop()
         self._settled = None
         forget_result_pubsub(self)
-        self._start_lock = threading.Lock()  # a lock held in the parent at the fork stays held here
         subscribed_keys(self).clear()
         self._watched, self._stale = None, False
 
