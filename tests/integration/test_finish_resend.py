@@ -215,7 +215,7 @@ def applied(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The request ids whose success links the worker applies."""
     out: list[str] = []
 
-    def on_success(app: Any, request_id: str, lk: Links, result: Any) -> list[Any]:
+    def on_success(app: Any, request_id: str, lk: Links, result: Any, send: Any = None) -> list[Any]:
         out.append(request_id)
         return []
 
