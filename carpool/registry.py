@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
@@ -144,6 +145,7 @@ class BatchedSpec(TaskSpec):
                 f"batched task {self.name!r}: length= must be a function item -> int "
                 "(e.g. length=len for texts)"
             )
+        _ = self.pad_multiple  # refused here, at decoration, rather than by every coordinator at start
         TaskSpec.__post_init__(self)
 
     @property
@@ -151,11 +153,12 @@ class BatchedSpec(TaskSpec):
         """The batch function's own ``pad_multiple`` where it pads its batch (the reranker and
         classifier adapters pad to multiples of 8), else 1."""
         multiple = getattr(self.fn, "pad_multiple", 1)
-        if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+        if not isinstance(multiple, numbers.Integral) or isinstance(multiple, bool) or multiple < 1:
             raise ValueError(
-                f"batched task {self.name!r}: pad_multiple must be an integer >= 1, not {multiple!r}"
+                f"batched task {self.name!r}: the batch function's pad_multiple must be an integer >= 1"
+                f" (the multiple it pads its batch to), not {multiple!r}"
             )
-        return multiple
+        return int(multiple)
 
     def accept(self, args: Any, kwargs: Any, settings: Settings) -> tuple[str, Any]:
         item = bind_item(self.name, args, kwargs)

@@ -6,6 +6,7 @@ change; nothing here imports torch.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -135,7 +136,7 @@ def _converts(value: Any) -> bool:
         kind = type(v)
         if kind in (str, int, float, bool) or v is None:
             continue
-        if isinstance(v, str | int | float) or (kind.__module__ == "numpy" and hasattr(v, "item")):
+        if isinstance(v, str | int | float) or (kind.__module__ == "numpy" and isinstance(v, numbers.Number)):
             return True
         if isinstance(v, dict):
             stack.extend(v.values())

@@ -86,10 +86,21 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         _refuse_protocol_1(envelope)
         raise MalformedMessage(f"not a Celery task message: its task name is {task!r}")
     task_id = headers.get("id")
-    if not isinstance(task_id, str) or not task_id:
-        raise MalformedMessage("Celery message without a task id")
     inbox = headers.get(INBOX_HEADER)
     inbox = inbox if type(inbox) is str and inbox else None
+    if not isinstance(task_id, str) or not task_id:
+        # The take found the request under its correlation id, which its caller waits on: answer there.
+        props = envelope.get("properties")
+        named = props.get("correlation_id") if isinstance(props, dict) else None
+        if isinstance(named, str) and named:
+            raise _refused(
+                named,
+                task,
+                inbox,
+                "the message has no task id header (only a correlation id): send it with Celery's own"
+                " send (apply_async, send_task), which writes one",
+            )
+        raise MalformedMessage("Celery message without a task id")
 
     props = envelope.get("properties") or {}
     if not isinstance(props, dict):

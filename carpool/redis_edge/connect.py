@@ -372,6 +372,8 @@ def database_answers(client: Any, setting: str) -> bool:
         missing = missing_database(exc, setting)
         if missing is not None:
             raise missing from None
+    except redis.RedisError:  # no Redis answering there (a protocol error): the process says so as it runs
+        return False
     return True
 
 

@@ -582,7 +582,9 @@ def test_a_value_that_would_arrive_as_another_type_is_refused_saying_how_to_conv
         shout.delay(item)
 
 
-@pytest.mark.parametrize("item", [b"bytes", {1, 2}, {"at": object()}])
+@pytest.mark.parametrize(
+    "item", [b"bytes", {1, 2}, {"at": object()}, {"v": np.array([1.5, 2.5])}, np.datetime64("2026-01-01")]
+)
 def test_a_value_no_conversion_mends_is_refused_without_that_advice(item: Any) -> None:
     with pytest.raises(InvalidInput, match="cannot travel as JSON unchanged") as info:
         shout.delay(item)
@@ -614,3 +616,20 @@ def test_a_batch_function_that_pads_has_its_lengths_rounded_up_as_its_worker_pad
     assert [(b.size, b.padded_len) for b in plan.batches] == [(4, 16)] * 4  # 4 x 16 = 64, not 7 x 9
     with pytest.raises(ValueError, match="max_tokens must be >= 8"):
         BatchedSpec("unit.pads8.small", _PadsToEight(), len, max_tokens=4)
+
+
+@pytest.mark.parametrize(("multiple", "ok"), [(np.int64(8), True), (0, False), ("8", False), (True, False)])
+def test_a_batch_functions_pad_multiple_is_checked_when_the_task_is_defined(multiple: Any, ok: bool) -> None:
+    """A bad one passed @batched and .delay(), then stopped every coordinator with a traceback."""
+
+    class Pads:
+        pad_multiple = multiple
+
+        def __call__(self, items: list[Any]) -> list[Any]:
+            return items
+
+    if ok:
+        assert BatchedSpec("unit.pads.ok", Pads(), len).pad_multiple == 8
+        return
+    with pytest.raises(ValueError, match="pad_multiple must be an integer >= 1"):
+        BatchedSpec("unit.pads.bad", Pads(), len)

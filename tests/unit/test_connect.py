@@ -201,3 +201,37 @@ def test_refused_credentials_name_the_settings_and_nothing_else_does() -> None:
         assert refused_credentials(wrapped, "A", "B") == hint.replace("CARPOOL_BROKER_URL", "A and B")
     assert refused_credentials(redis.ConnectionError("Connection refused"), "CARPOOL_BROKER_URL") is None
     assert refused_credentials(ValueError("no"), "CARPOOL_BROKER_URL") is None
+
+
+class _Pings:
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+
+    def ping(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+@pytest.mark.parametrize(
+    ("error", "answers"),
+    [
+        (None, True),
+        (redis.ResponseError("NOPERM this user has no permissions to run the 'ping' command"), True),
+        (redis.ConnectionError("Error 111 connecting"), False),
+        # Something else answering on the port: the worker's check crashed on it with a traceback
+        # (found by the review of the check), where Celery's consumer says so and retries.
+        (redis.exceptions.InvalidResponse('Protocol error, got "<" as reply type byte'), False),
+    ],
+)
+def test_database_answers_tells_an_answer_from_no_redis(error: Exception | None, answers: bool) -> None:
+    from carpool.redis_edge.connect import database_answers
+
+    assert database_answers(_Pings(error), "CARPOOL_BROKER_URL") is answers
+
+
+def test_database_answers_stops_on_a_database_the_server_lacks() -> None:
+    from carpool.redis_edge.connect import database_answers
+
+    with pytest.raises(ConfigError, match=r"no such database.*CARPOOL_BROKER_URL must name"):
+        database_answers(_Pings(redis.ResponseError("DB index is out of range")), "CARPOOL_BROKER_URL")

@@ -141,6 +141,20 @@ def _protocol_1(task_id: str, text: str) -> bytes:
     return json.dumps(envelope).encode()
 
 
+def test_a_message_without_an_id_header_is_answered_under_its_correlation_id() -> None:
+    """The take finds such a request under its correlation id (its caller's): it was dead-lettered
+    there, its caller waiting for ever (found by a review of the take's protocol-1 fallback)."""
+    import json
+
+    envelope = json.loads(message("a", "hi"))
+    del envelope["headers"]["id"]
+    envelope["properties"]["correlation_id"] = "a"
+    out, _ = run([("a", json.dumps(envelope).encode()), ("b", message("b", "hi"))])
+    [refused] = out.refused
+    assert refused.id == "a" and out.malformed == [] and "no task id header" in str(refused.error)
+    assert admitted_ids(out) == ["b"]
+
+
 def test_a_protocol_1_message_is_answered_under_its_id_saying_to_send_protocol_2() -> None:
     """Found by the docs review: dead-lettered as "not a Celery task message", its caller waited for ever."""
     out, _ = run([("a", _protocol_1("a", "hi")), ("b", message("b", "hi"))])
