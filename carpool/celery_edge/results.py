@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from celery import states
@@ -82,6 +82,16 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         if here is not self:
             here.remove_pending_result(result)
         return super().remove_pending_result(result)
+
+    def iter_native(self, result: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """Celery's join of a result set (``ResultSet.get``, ``join_native``), with its unsettled
+        members registered here first: this is the joining thread's backend, and members sent or
+        gathered into the set in another thread were registered in that thread's, so this
+        thread's consumer would drop their messages."""
+        for node in getattr(result, "results", None) or ():
+            if hasattr(node, "_cache") and not node._cache:
+                self.add_pending_result(node)
+        yield from super().iter_native(result, *args, **kwargs)
 
     def wait_for_pending(self, result: Any, *args: Any, **kwargs: Any) -> Any:
         here = self._of_this_thread()

@@ -27,6 +27,7 @@ from tests.integration.conftest import (
     server_of,
     start_stack,
     store_later,
+    wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -1243,6 +1244,24 @@ def test_results_sent_from_one_thread_can_be_waited_on_from_many_at_once(process
         # Nothing settled is left registered in any thread's backend (the review of the fix found
         # every result kept for good in the waiting thread's).
         assert [left for _, left in slices] == [0] * threads
+
+
+def test_a_result_set_built_in_one_thread_is_joined_from_another(processes: Processes) -> None:
+    """Found by the review of the mend above: ResultSet.get() in another thread than the one that
+    sent its members and built it timed out with every result stored (plain Celery does the same)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from celery.result import ResultSet
+
+    from carpool.tasks import infer
+
+    start_stack(processes, **TOY)
+    sent = [infer.delay(f"set member {i}", model="toy") for i in range(5)]
+    wait_for("every member stored", lambda: all(r.ready() for r in sent))
+    members = ResultSet([infer.AsyncResult(r.id) for r in sent])  # nothing settled on these objects
+    with ThreadPoolExecutor(1) as pool:
+        values = pool.submit(lambda: members.get(timeout=10)).result()
+    assert len(values) == 5 and all(len(v) == 32 for v in values)
 
 
 def _dealt(items: list[Any], hands: int) -> list[list[Any]]:
