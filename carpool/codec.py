@@ -38,6 +38,7 @@ there too, so a row reads the same under either serializer but for the digits of
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import math
@@ -380,6 +381,25 @@ def dumps_exact(value: Any) -> bytes:
     if not finite(value):
         raise ValueError(_NON_FINITE)
     return encoded
+
+
+def crosses_as_another(value: Any) -> str | None:
+    """What in ``value`` orjson writes as JSON that decodes to another type (a UUID as its text,
+    an Enum member as its value; kombu's JSON tags a UUID and decodes it back), or None."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if type(v) in _SCALARS:
+            continue
+        if isinstance(v, uuid.UUID):
+            return f"a UUID ({v}) would reach the function as a str; pass str(v)"
+        if isinstance(v, enum.Enum):
+            return f"an Enum member ({v!r}) would reach the function as its value; pass v.value"
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return None
 
 
 _NON_FINITE = "a non-finite float (inf or nan), which JSON cannot write"

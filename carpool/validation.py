@@ -6,12 +6,13 @@ change; nothing here imports torch.
 
 from __future__ import annotations
 
+import enum
 import numbers
 import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from carpool.codec import brief, dumps_exact, kombu_tags, tag_failure
+from carpool.codec import brief, crosses_as_another, dumps_exact, kombu_tags, tag_failure
 from carpool.config import Settings
 from carpool.errors import InputTooLong, InvalidInput, UnknownModel
 
@@ -104,6 +105,10 @@ def validate_item(task_name: str, item: Any, settings: Settings) -> int:
     """Check that ``item`` travels as JSON and decodes to an equal value; returns its size in bytes."""
     try:
         encoded = dumps_exact(item)
+        # What orjson writes natively but JSON gives back as another type (kombu gives a UUID back).
+        other = None if type(item) in (str, int, float, bool) else crosses_as_another(item)
+        if other is not None:
+            raise TypeError(other)
     except (TypeError, ValueError) as exc:
         why = str(exc)
         if _converts(item):  # a str, int or float subclass, or a numpy scalar, that orjson refuses
@@ -134,7 +139,7 @@ def _converts(value: Any) -> bool:
     while stack:
         v = stack.pop()
         kind = type(v)
-        if kind in (str, int, float, bool) or v is None:
+        if kind in (str, int, float, bool) or v is None or isinstance(v, enum.Enum):  # an Enum: codec says
             continue
         if isinstance(v, str | int | float) or (kind.__module__ == "numpy" and isinstance(v, numbers.Number)):
             return True

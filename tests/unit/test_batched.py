@@ -4,8 +4,10 @@ coordinator's intake measures and refuses items. No broker: every refusal happen
 from __future__ import annotations
 
 import dataclasses
+import enum
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -633,3 +635,33 @@ def test_a_batch_functions_pad_multiple_is_checked_when_the_task_is_defined(mult
         return
     with pytest.raises(ValueError, match="pad_multiple must be an integer >= 1"):
         BatchedSpec("unit.pads.bad", Pads(), len)
+
+
+class _Colour(enum.StrEnum):
+    RED = "red"
+
+
+class _Level(enum.IntEnum):
+    HIGH = 1
+
+
+@pytest.mark.parametrize(
+    ("item", "said"),
+    [
+        (
+            uuid.UUID(int=1),
+            r"a UUID \(00000000-0000-0000-0000-000000000001\) would reach the function as a str",
+        ),
+        (
+            {"colour": [_Colour.RED]},
+            r"an Enum member .* would reach the function as its value; pass v\.value",
+        ),
+        (_Level.HIGH, "an Enum member"),
+    ],
+)
+def test_a_uuid_or_an_enum_member_is_refused_saying_what_it_would_arrive_as(item: Any, said: str) -> None:
+    """orjson writes them natively, so they passed and arrived as a str or a plain value, where a
+    Celery worker's kombu JSON gives a UUID back (found by the review of the conversion advice)."""
+    with pytest.raises(InvalidInput, match=said) as info:
+        shout.delay(item)
+    assert str(info.value).count("would reach the function") == 1
