@@ -42,6 +42,7 @@ import enum
 import functools
 import json
 import math
+import numbers
 import re
 import reprlib
 import sys
@@ -384,17 +385,25 @@ def dumps_exact(value: Any) -> bytes:
 
 
 def crosses_as_another(value: Any) -> str | None:
-    """What in ``value`` orjson writes as JSON that decodes to another type (a UUID as its text,
-    an Enum member as its value; kombu's JSON tags a UUID and decodes it back), or None."""
+    """What in ``value`` JSON would give back as another type, or None: a UUID as its text and an
+    Enum member as its value (orjson writes both; kombu's JSON tags a UUID and decodes it back), a
+    str, int or float subclass as the plain type, a numpy scalar as a Python number."""
     stack = [value]
     while stack:
         v = stack.pop()
-        if type(v) in _SCALARS:
+        kind = type(v)
+        if kind in _SCALARS:
             continue
         if isinstance(v, uuid.UUID):
             return f"a UUID ({v}) would reach the function as a str; pass str(v)"
         if isinstance(v, enum.Enum):
             return f"an Enum member ({v!r}) would reach the function as its value; pass v.value"
+        if isinstance(v, str | int | float) or (kind.__module__ == "numpy" and isinstance(v, numbers.Number)):
+            return (
+                "it would reach the function as another type (a str or number subclass as the plain"
+                " type, a numpy scalar as a Python number); convert it first: str(v), int(v), float(v)"
+                " or v.item()"
+            )
         if isinstance(v, dict):
             stack.extend(v.values())
         elif isinstance(v, list | tuple):

@@ -6,8 +6,6 @@ change; nothing here imports torch.
 
 from __future__ import annotations
 
-import enum
-import numbers
 import operator
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -105,22 +103,13 @@ def validate_item(task_name: str, item: Any, settings: Settings) -> int:
     """Check that ``item`` travels as JSON and decodes to an equal value; returns its size in bytes."""
     try:
         encoded = dumps_exact(item)
-        # What orjson writes natively but JSON gives back as another type (kombu gives a UUID back).
-        other = None if type(item) in (str, int, float, bool) else crosses_as_another(item)
-        if other is not None:
-            raise TypeError(other)
     except (TypeError, ValueError) as exc:
-        why = str(exc)
-        if _converts(item):  # a str, int or float subclass, or a numpy scalar, that orjson refuses
-            why += (
-                ": it would reach the function as another type (a str or number subclass as the plain"
-                " type, a numpy scalar as a Python number); convert it first: str(v), int(v), float(v)"
-                " or v.item()"
-            )
-        raise InvalidInput(
-            f"{task_name}: the item cannot travel as JSON unchanged ({why}); pass strings, finite numbers, "
-            "integers within 64 bits (else a string), lists and dicts with string keys"
-        ) from None
+        other = crosses_as_another(item)  # how to convert it, where it can be
+        raise _not_json(task_name, f"{exc}: {other}" if other is not None else str(exc)) from None
+    # What orjson writes natively but JSON gives back as another type (kombu gives a UUID back).
+    other = None if type(item) in (str, int, float, bool) else crosses_as_another(item)
+    if other is not None:
+        raise _not_json(task_name, other)
     size = len(encoded)
     if size > settings.max_input_bytes:
         raise InputTooLong(
@@ -132,22 +121,11 @@ def validate_item(task_name: str, item: Any, settings: Settings) -> int:
     return size
 
 
-def _converts(value: Any) -> bool:
-    """Whether ``value`` holds, at any depth, a value that would cross as another type: a subclass
-    of str, int or float (JSON carries the plain type), or a numpy scalar (a Python number)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        kind = type(v)
-        if kind in (str, int, float, bool) or v is None or isinstance(v, enum.Enum):  # an Enum: codec says
-            continue
-        if isinstance(v, str | int | float) or (kind.__module__ == "numpy" and isinstance(v, numbers.Number)):
-            return True
-        if isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list | tuple):
-            stack.extend(v)
-    return False
+def _not_json(task_name: str, why: str) -> InvalidInput:
+    return InvalidInput(
+        f"{task_name}: the item cannot travel as JSON unchanged ({why}); pass strings, finite numbers, "
+        "integers within 64 bits (else a string), lists and dicts with string keys"
+    )
 
 
 def checked_length(task_name: str, value: Any) -> int:
