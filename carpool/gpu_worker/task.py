@@ -46,6 +46,18 @@ def run_batch(self: Any, batch: Any) -> str:
     return f"{outcome}; batches its claims took: {taken}" if taken else outcome
 
 
+class _NotReadyWhenStopping(logging.Filter):
+    """Drops the "<hostname> ready." line Celery logs right after ``worker_ready``'s handlers when
+    one of them failed to start the runtime: that worker is stopping, and an operator reading its
+    log should not see it announce itself ready after its CRITICAL line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (worker_state.should_stop is not None and record.msg == "%s ready.")
+
+
+logging.getLogger("celery.apps.worker").addFilter(_NotReadyWhenStopping())
+
+
 @signals.worker_ready.connect  # type: ignore[untyped-decorator]
 def _on_worker_ready(**_: Any) -> None:
     # Celery logs a signal handler's exception and goes on: a worker whose models failed to load

@@ -89,6 +89,7 @@ def test_a_worker_whose_model_fails_to_load_stops_instead_of_staying_up_serving_
     assert proc.wait(timeout=60) == 1, "a failed start, seen by the worker's supervisor"
     log = (processes.log_dir / "worker0.log").read_text(errors="replace")
     assert "could not start serving" in log and "weights file missing" in log, log
+    assert " ready." not in log.split("could not start serving", 1)[1], "a stopping worker is not ready"
 
 
 def test_a_worker_refuses_a_celery_setting_carpool_cannot_honour(processes: Processes) -> None:
@@ -96,3 +97,4 @@ def test_a_worker_refuses_a_celery_setting_carpool_cannot_honour(processes: Proc
     assert proc.wait(timeout=60) == 2, "a configuration error, seen by the worker's supervisor"
     log = (processes.log_dir / "worker0.log").read_text(errors="replace")
     assert "result_extended=True is not supported by carpool" in log, log
+    assert " ready." not in log, log
