@@ -131,10 +131,39 @@ class NotReplicated(CarpoolError):
 
 
 def described(exc: BaseException) -> str:
-    """``"Type: message"`` of an exception a user's code raised, for the error carpool stores in its
-    place; never raising, since a message that cannot be read (a ``__str__`` that raises) must not
-    cost the other requests of the batch their answers."""
+    """``"Type: message"`` (``"Type"`` where the message is empty) of an exception a user's code
+    raised, for the error carpool stores in its place; never raising, since a message that cannot be
+    read (a ``__str__`` that raises) must not cost the other requests of the batch their answers."""
     try:
-        return f"{type(exc).__name__}: {exc}"
+        message = str(exc)
+        return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     except Exception:
         return f"{type(exc).__name__} (its message could not be read)"
+
+
+def stops_the_process(raised: BaseException) -> bool:
+    """Whether ``raised``, out of a user's model, task or length function, must go on up and stop
+    the process: Ctrl-C, a generator closing, and Celery's WorkerShutdown / WorkerTerminate (the
+    worker stopping; subclasses of SystemExit). Anything else fails only the items it was raised
+    for: a plain ``sys.exit()`` or an ``asyncio.CancelledError`` out of a function's
+    ``asyncio.run`` must not stop a coordinator or worker, and then the next one its requests
+    reach through lease recovery."""
+    if isinstance(raised, KeyboardInterrupt | GeneratorExit):
+        return True
+    return isinstance(raised, SystemExit) and type(raised) is not SystemExit
+
+
+def user_failure(raised: BaseException, what: str = "the batch function") -> Exception:
+    """The failure that ``raised`` (not one that :func:`stops_the_process`) stands for: an
+    Exception as it is; ``sys.exit()`` and another BaseException as a ModelError saying what to do
+    instead (Celery stores and raises Exceptions)."""
+    if isinstance(raised, Exception):
+        return raised
+    if type(raised) is SystemExit:
+        happened = f"called sys.exit({raised.code!r}) (raised SystemExit)"
+    else:
+        happened = f"raised {described(raised)}, a BaseException that is not an Exception"
+    return ModelError(
+        f"{what} {happened}; raise an Exception for the items that cannot be run instead, and the"
+        " others run on"
+    )

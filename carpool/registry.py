@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
-from carpool.errors import ConfigError, InvalidInput, described
+from carpool.errors import ConfigError, InvalidInput, described, stops_the_process
 from carpool.names import MAX_BATCH_LIMIT
 from carpool.validation import bind_item, checked_length, validate_item
 
@@ -186,7 +186,9 @@ class BatchedSpec(TaskSpec):
             raw: Sequence[Any] = self.lengths(values)
             if len(raw) != len(values):
                 raise ValueError(f"lengths() gave {len(raw)} values for {len(values)} items")
-        except (Exception, SystemExit):  # sys.exit() in user code fails its items, not the coordinator
+        except BaseException as raised:  # sys.exit() in user code fails its items, not the coordinator
+            if stops_the_process(raised):
+                raise
             raw = []
             for value in values:
                 try:
@@ -198,7 +200,9 @@ class BatchedSpec(TaskSpec):
                             " cannot measure items"
                         )
                     )
-                except (Exception, SystemExit) as exc:
+                except BaseException as exc:
+                    if stops_the_process(exc):
+                        raise
                     raw.append(InvalidInput(f"{self.name}: length() raised {described(exc)}; fix the item"))
         out: list[int | InvalidInput] = []
         for value in raw:

@@ -239,8 +239,8 @@ def _run_alone(spec: BatchedSpec, item: Any) -> Any:
     :class:`~carpool.errors.ModelError`, as a batched request's caller gets it); what the function
     raises propagates as raised."""
     from carpool.codec import storable
-    from carpool.errors import InvalidInput, ModelError, described
-    from carpool.gpu_worker.runner import OutputCountMismatch, exited, one_per_item, pick_device
+    from carpool.errors import InvalidInput, ModelError, described, stops_the_process, user_failure
+    from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item, pick_device
 
     [length] = spec.measured([item])  # what the coordinator would refuse the request for
     if isinstance(length, InvalidInput):
@@ -254,10 +254,12 @@ def _run_alone(spec: BatchedSpec, item: Any) -> Any:
         (out,) = one_per_item(spec.fn([item]), 1)
     except OutputCountMismatch as exc:
         raise ModelError(described(exc)) from None
-    except SystemExit as raised:  # sys.exit() in the function: its item's failure, as on a batch worker
-        if type(raised) is not SystemExit:
-            raise  # Celery's WorkerShutdown / WorkerTerminate
-        raise exited(raised) from None
+    except Exception:
+        raise
+    except BaseException as raised:  # sys.exit() or CancelledError: its item's failure, as on a worker
+        if stops_the_process(raised):
+            raise
+        raise user_failure(raised) from None
     [(ok, value)] = storable(spec.name, [(True, out)], settings.result_serializer)
     if not ok:
         raise ModelError(described(value))

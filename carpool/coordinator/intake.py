@@ -31,6 +31,7 @@ from carpool.errors import (
     QueueFull,
     RefusedMessage,
     described,
+    stops_the_process,
 )
 from carpool.names import INFER_TASK
 from carpool.registry import Prepared, TaskSpec
@@ -174,7 +175,9 @@ def prepared(spec: TaskSpec, key: str, values: list[Any], settings: Settings) ->
         raise ValueError(
             f"prepare gave {len(out.lengths)} lengths, {len(out.items)} items for {len(values)} values"
         )
-    except (Exception, SystemExit):  # sys.exit() in a model's or task's code fails its requests only
+    except BaseException as raised:  # sys.exit() in a model's or task's code fails its requests only
+        if stops_the_process(raised):
+            raise
         log.warning(
             "%s: preparing %d requests for %s raised; preparing each alone to refuse only those it fails for",
             spec.name,
@@ -189,7 +192,9 @@ def prepared(spec: TaskSpec, key: str, values: list[Any], settings: Settings) ->
             [length], [item] = spec.prepare(key, [value], settings)
         except InvalidInput as exc:
             length, item = exc, None
-        except (Exception, SystemExit) as exc:
+        except BaseException as exc:
+            if stops_the_process(exc):
+                raise
             length = InvalidInput(
                 f"{spec.name}: preparing this request's input for {key} raised {described(exc)}"
             )

@@ -20,7 +20,7 @@ import numpy as np
 
 from carpool.batching.bins import padded_length
 from carpool.codec import float32_rows
-from carpool.errors import ModelError, described
+from carpool.errors import described, stops_the_process, user_failure
 from carpool.models import BatchModel, get_model
 
 log = logging.getLogger(__name__)
@@ -175,16 +175,16 @@ def run_call_isolating(
     Each call gets a list of its own, so a function that sorts its batch in place does not reorder
     the items the halves are cut from. ``pristine``: the items as they were before any call
     (:func:`pristine_items`), for a function that may change an item itself: the halves are cut from
-    those, not from what the failed call left. ``sys.exit()`` in the function fails its items, not
-    the process (Celery's own shutdown exceptions, subclasses of SystemExit, pass through)."""
+    those, not from what the failed call left. ``sys.exit()`` or another BaseException in the function
+    fails its items, not the process (see :func:`~carpool.errors.stops_the_process`)."""
     try:
         return [(True, out) for out in run_call(call, list(items), lengths)]
     except OutputCountMismatch as exc:
         return [(False, exc)] * len(lengths)
-    except (Exception, SystemExit) as raised:
-        if isinstance(raised, SystemExit) and type(raised) is not SystemExit:
-            raise  # Celery's WorkerShutdown / WorkerTerminate: the worker is stopping
-        failure = exited(raised) if type(raised) is SystemExit else raised
+    except BaseException as raised:
+        if stops_the_process(raised):
+            raise
+        failure = user_failure(raised)
         if len(lengths) == 1:
             return [(False, failure)]
         log.warning("batch of %d failed (%s); splitting to isolate", len(lengths), described(failure))
@@ -216,14 +216,6 @@ def pristine_items(items: Sequence[Any]) -> Callable[[], list[Any]]:
         frozen = copy.deepcopy(list(items))
         return lambda: copy.deepcopy(frozen)
     return lambda: cast("list[Any]", orjson.loads(kept))
-
-
-def exited(raised: SystemExit) -> ModelError:
-    """The failure ``sys.exit()`` in a batch function is for its items."""
-    return ModelError(
-        f"the batch function called sys.exit({raised.code!r}) (raised SystemExit); raise an exception"
-        " for the items that cannot be run instead, and the others run on"
-    )
 
 
 def run_items_isolating(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[tuple[bool, Any]]:

@@ -61,6 +61,7 @@ from carpool.errors import (
     UnknownModel,
     WireError,
     described,
+    stops_the_process,
 )
 from carpool.gpu_worker.claimed import ClaimedBatch, claimed_batch
 from carpool.gpu_worker.finish import (
@@ -454,7 +455,9 @@ class WorkerRuntime:
                 launched_at = time.perf_counter()
                 collect = launch([r["item"] for r in live], [r["len"] for r in live])
                 return partial(self._collect, claimed, live, collect, launched_at), True
-            except Exception as exc:
+            except BaseException as exc:  # the model's own, which the synchronous run fails items for
+                if stops_the_process(exc):
+                    raise
                 log.warning(
                     "batch %s: launch failed (%s: %s); running it synchronously",
                     batch["id"],
@@ -604,7 +607,9 @@ class WorkerRuntime:
             outputs = one_per_item(collect(), len(live))
         except OutputCountMismatch as exc:  # splitting cannot say which output is whose
             mismatch, outputs = exc, []
-        except Exception as exc:
+        except BaseException as exc:
+            if stops_the_process(exc):
+                raise
             log.warning(
                 "batch %s failed on the device (%s: %s); running it again synchronously",
                 batch["id"],

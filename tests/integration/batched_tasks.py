@@ -6,6 +6,7 @@ can check how requests were binned and where they ran.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -34,6 +35,20 @@ def fragile(texts: list[str]) -> list[str]:
     if "boom" in texts:
         raise ValueError("boom is not a word I take")
     return [t[::-1] for t in texts]
+
+
+def _cancelling_length(text: str) -> int:
+    if text == "cancel-length":
+        raise asyncio.CancelledError  # what escapes an asyncio.run() whose task was cancelled
+    return len(text)
+
+
+@batched(length=_cancelling_length)
+def cancelling(texts: list[str]) -> list[str]:
+    """Raises a BaseException that is no Exception for the batch holding "cancel"."""
+    if "cancel" in texts:
+        raise asyncio.CancelledError
+    return [t.upper() for t in texts]
 
 
 @batched(length=len)

@@ -100,6 +100,19 @@ def test_bad_items_and_failing_functions_fail_alone(processes: Processes) -> Non
         wrong.get(timeout=60)
     assert good.get(timeout=30) == 3.0
 
+    # A BaseException that is no Exception (asyncio's CancelledError out of asyncio.run) fails its
+    # own request; it stopped the worker, then each worker its batch reached, or the coordinator.
+    before = [t.cancelling.delay(w) for w in ("x", "yy")]
+    cancelled, cancelled_length = t.cancelling.delay("cancel"), t.cancelling.delay("cancel-length")
+    after = [t.cancelling.delay(w) for w in ("zzz", "w")]
+    with pytest.raises(ModelError, match="raised CancelledError, a BaseException that is not an Exception"):
+        cancelled.get(timeout=60)
+    with pytest.raises(InvalidInput, match=r"cancelling: length\(\) raised CancelledError"):
+        cancelled_length.get(timeout=60)
+    assert [r.get(timeout=30) for r in before + after] == ["X", "YY", "ZZZ", "W"]
+    processes.check_alive()
+    assert t.cancelling.delay("later").get(timeout=30) == "LATER"
+
 
 def test_dedicated_workers_run_only_their_tasks(processes: Processes) -> None:
     import carpool

@@ -3,6 +3,7 @@ coordinator's intake measures and refuses items. No broker: every refusal happen
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import subprocess
@@ -348,6 +349,11 @@ def quits(texts: list[str]) -> list[str]:
     sys.exit(3)
 
 
+@batched(length=len, name="unit.cancels")
+def cancels(texts: list[str]) -> list[str]:
+    raise asyncio.CancelledError
+
+
 def test_eager_mode_runs_an_item_as_a_batch_worker_would() -> None:
     """task_always_eager and .apply() keep the worker's contract: load() once, one output per item,
     outputs JSON carries, failures as ModelError, inputs checked as .delay() checks them."""
@@ -380,6 +386,8 @@ def test_eager_mode_runs_an_item_as_a_batch_worker_would() -> None:
         # sys.exit() in the function fails the request, as on a batch worker; the caller runs on.
         with pytest.raises(ModelError, match=r"called sys\.exit\(3\)"):
             quits.delay("a").get()
+        with pytest.raises(ModelError, match="raised CancelledError, a BaseException that is not"):
+            cancels.delay("a").get()
     finally:
         app.conf.task_always_eager = False
 
@@ -458,6 +466,60 @@ def test_sys_exit_in_a_batch_function_fails_its_items_and_celerys_shutdown_passe
 
     with pytest.raises(WorkerTerminate):
         run_items_isolating(terminated, ["a", "b"])
+
+
+class _OwnBaseException(BaseException):
+    """A library's own BaseException subclass, as some define for "stop now"."""
+
+
+@pytest.mark.parametrize("raised", [asyncio.CancelledError(), _OwnBaseException("give up")])
+def test_a_base_exception_in_a_batch_function_fails_its_items_and_ctrl_c_passes_through(
+    raised: BaseException,
+) -> None:
+    # CancelledError out of a function's asyncio.run() stopped the worker, then each worker the
+    # batch reached through lease recovery.
+    from carpool.errors import ModelError
+    from carpool.gpu_worker.runner import run_items_isolating
+
+    def cancels(items: list[str]) -> list[str]:
+        if "cancel" in items:
+            raise raised
+        return [item.upper() for item in items]
+
+    outcomes = run_items_isolating(cancels, ["a", "cancel", "b", "c"])
+    assert [out for ok, out in outcomes if ok] == ["A", "B", "C"]
+    [(_, error)] = [o for o in outcomes if not o[0]]
+    assert isinstance(error, ModelError)
+    assert f"raised {type(raised).__name__}" in str(error) and "not an Exception" in str(error)
+
+    def interrupted(items: list[str]) -> list[str]:
+        raise KeyboardInterrupt  # the operator's Ctrl-C stops the worker
+
+    with pytest.raises(KeyboardInterrupt):
+        run_items_isolating(interrupted, ["a", "b"])
+
+
+def test_a_base_exception_in_a_length_function_or_prepare_fails_only_that_request_at_intake() -> None:
+    from carpool.config import Settings
+    from carpool.coordinator.intake import prepared
+
+    def cancelling_length(item: str) -> int:
+        if item == "cancel":
+            raise asyncio.CancelledError
+        return len(item)
+
+    spec = BatchedSpec("unit.cancelling_length", fn=lambda items: items, length=cancelling_length)
+    measured = spec.measured(["ab", "cancel", "abc"])
+    assert measured[0] == 2 and measured[2] == 3
+    assert str(measured[1]) == "unit.cancelling_length: length() raised CancelledError; fix the item"
+    out = prepared(spec, spec.name, ["ab", "cancel", "abc"], Settings())
+    assert out.lengths[0] == 2 and out.lengths[2] == 3 and isinstance(out.lengths[1], InvalidInput)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C still stops the coordinator
+
+        def interrupted(item: str) -> int:
+            raise KeyboardInterrupt
+
+        BatchedSpec("unit.interrupted_length", fn=lambda items: items, length=interrupted).measured(["a"])
 
 
 def test_sys_exit_in_a_length_function_fails_only_that_request_at_intake() -> None:
