@@ -138,9 +138,8 @@ def run_call(
     is loaded (a batch function that never imported torch needs none)."""
     torch = sys.modules.get("torch")
     context = torch.inference_mode() if torch is not None else contextlib.nullcontext()
-    with context:
-        outputs = call(items, lengths)
-    return one_per_item(outputs, len(lengths))
+    with context:  # a generator's outputs are computed as they are listed: in the context too
+        return one_per_item(call(items, lengths), len(lengths))
 
 
 def one_per_item(outputs: Any, count: int) -> list[Any]:
@@ -152,11 +151,14 @@ def one_per_item(outputs: Any, count: int) -> list[Any]:
             f"returned {type(outputs).__name__}, not a list with one output per item, in the items' order"
         )
     try:
-        listed: list[Any] = list(outputs)
+        iterator = iter(outputs)
     except TypeError:
         raise OutputCountMismatch(
             f"returned {type(outputs).__name__}, not a list with one output per item"
         ) from None
+    # Outside the check: what a generator or map raises as it runs is the function's own failure,
+    # split to its items as any other, not a batch that returned the wrong thing.
+    listed: list[Any] = list(iterator)
     if len(listed) != count:
         raise OutputCountMismatch(f"returned {len(listed)} outputs for {count} items")
     return listed

@@ -53,7 +53,9 @@ def _build(name: str) -> BatchModel:
     except (ImportError, AttributeError) as exc:
         raise UnknownModel(f"model {name!r} cannot be imported: {exc}") from None
     model = cls()
-    missing = [m for m in ("encode", "load", "forward", "max_length") if not hasattr(model, m)]
+    # Every member of BatchModel: one missing failed each request as if its input were wrong.
+    members = ("encode", "load", "forward", "max_length", "pad_id", "needs_token_ids")
+    missing = [m for m in members if not hasattr(model, m)]
     if missing:
         raise ConfigError(f"model {name!r} lacks {', '.join(missing)}: see carpool.models.base.BatchModel")
     return model  # type: ignore[no-any-return]

@@ -295,6 +295,26 @@ def test_outputs_as_a_string_mapping_or_set_are_refused_whatever_their_size(outp
     assert len(one_per_item(np.zeros((2, 3)), 2)) == 2
 
 
+@pytest.mark.parametrize("lazy", ["generator", "map"])
+def test_a_type_error_a_lazy_output_raises_as_it_runs_fails_only_its_item(lazy: str) -> None:
+    """It failed the whole batch as "returned generator, not a list": the check for something
+    that cannot be iterated caught what the function raised while it was listed."""
+    import torch
+
+    from carpool.gpu_worker.runner import run_items_isolating
+
+    def exclaim(item: Any) -> Any:
+        assert not torch.is_grad_enabled()  # listed inside the worker's inference_mode too
+        return item + "!"  # a TypeError for an item that is no str
+
+    def lazily(items: list[Any]) -> Any:
+        return (exclaim(i) for i in items) if lazy == "generator" else map(exclaim, items)
+
+    outcomes = run_items_isolating(lazily, ["ab", ["no"], "cd"])
+    assert outcomes[0] == (True, "ab!") and outcomes[2] == (True, "cd!")
+    assert not outcomes[1][0] and isinstance(outcomes[1][1], TypeError), outcomes[1]
+
+
 def test_an_async_function_is_refused_when_the_task_is_defined() -> None:
     async def embed(texts: list[str]) -> list[int]:
         return [len(t) for t in texts]

@@ -117,6 +117,28 @@ def test_unknown_model_names_the_choices() -> None:
         get_model("no_such_package.mod:Thing")
 
 
+class LacksTwoMembers:
+    """A user model without ``pad_id`` and ``needs_token_ids``: each request failed as InvalidInput."""
+
+    max_length = 16
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [[1] for _ in texts]
+
+    def load(self, device: str) -> None:
+        pass
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[int]:
+        return [1] * len(input_ids)
+
+
+def test_a_user_model_lacking_a_member_of_batchmodel_is_a_configuration_error_naming_it() -> None:
+    from carpool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lacks pad_id, needs_token_ids: see carpool.models.base"):
+        get_model(f"{__name__}:LacksTwoMembers")
+
+
 class RunsOutOfMemory:
     """A model whose batches of more than 4 rows do not fit in (pretend) accelerator memory."""
 
