@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
+def batch_queue_for(request_queue: str) -> str:
+    """The batch queue a deployment with ``request_queue`` uses unless CARPOOL_BATCH_QUEUE says."""
+    name = request_queue.removesuffix(".requests") if request_queue.endswith(".requests") else request_queue
+    return f"{name}.batches"
+
+
 class Settings(BaseSettings):
     """Every knob carpool has. Environment variable = ``CARPOOL_`` + field name in upper case."""
 
@@ -90,7 +96,13 @@ class Settings(BaseSettings):
 
     # --- queues ------------------------------------------------------------------------------
     request_queue: str = Field("carpool.requests", min_length=1, description="List `.delay()` writes to.")
-    batch_queue: str = Field("carpool.batches", min_length=1, description="Queue of micro-batch tasks.")
+    batch_queue: str = Field(
+        "carpool.batches",
+        min_length=1,
+        description="Queue of micro-batch tasks. Unset, it follows CARPOOL_REQUEST_QUEUE: NAME.requests"
+        " gives NAME.batches, any other QUEUE gives QUEUE.batches (two deployments sharing a Redis"
+        " database with their own request queues must not share a batch queue).",
+    )
     result_inbox: bool = Field(
         True,
         description=(
@@ -276,6 +288,15 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError("must be comma-separated integers, for example 16,32,64,128") from None
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _batch_queue_follows_request_queue(cls, data: object) -> object:
+        # A deployment given its own request queue and the default batch queue ran another
+        # deployment's batches, whose requests its workers skipped as belonging elsewhere.
+        if isinstance(data, dict) and data.get("request_queue") and not data.get("batch_queue"):
+            data = {**data, "batch_queue": batch_queue_for(str(data["request_queue"]))}
+        return data
 
     @model_validator(mode="before")
     @classmethod

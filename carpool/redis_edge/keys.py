@@ -1,6 +1,7 @@
 """Every Redis key carpool writes besides Celery's own, named from the request queue.
 
-Deployments that share a Redis db but use different request queues never touch each other's keys.
+Deployments that share a Redis db but use different request queues never touch each other's keys
+(nor, unless CARPOOL_BATCH_QUEUE names one for both, each other's batch queue).
 Every request id below is a Celery task id; an in-flight request has an entry in ``inflight_lease``
 and ``inflight_raw``, one in ``inflight_origin`` if it came from a priority list, once dispatched one
 in ``inflight_owner``, once claimed one in ``inflight_claimed``; every step that forgets a request

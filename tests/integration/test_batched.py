@@ -130,6 +130,26 @@ def test_dedicated_workers_run_only_their_tasks(processes: Processes) -> None:
     assert all(s["sum"] == 3 for s in summed) and all(s["out"] == "HEY" for s in shouted)
 
 
+def test_two_deployments_with_their_own_request_queues_share_one_redis_database(processes: Processes) -> None:
+    # With the batch queue left at its default both ran each other's batches, whose requests
+    # their workers skipped as belonging elsewhere: not one request of either was answered.
+    from tests.integration import batched_tasks as t
+
+    env: dict[str, Any] = {"CARPOOL_IMPORTS": IMPORTS, "CARPOOL_MODEL": "toy"}
+    workers = {}
+    for name in ("app_a", "app_b"):
+        queue = f"{name}.requests"
+        processes.start(f"{name}_coordinator", "coordinator", CARPOOL_REQUEST_QUEUE=queue, **env)
+        workers[queue] = processes.start(f"{name}_worker", "worker", CARPOOL_REQUEST_QUEUE=queue, **env)
+    for queue in workers:
+        processes.wait_workers(1, request_queue=queue)
+    sent = {q: [t.shout.apply_async(args=(f"{q}-{i}",), queue=q) for i in range(10)] for q in workers}
+    for queue, results in sent.items():
+        outs = [r.get(timeout=60) for r in results]
+        assert [o["out"] for o in outs] == [f"{queue}-{i}".upper() for i in range(10)]
+        assert {o["pid"] for o in outs} == {workers[queue].pid}, "each deployment's own worker"
+
+
 _SEND_BY_NAME = """
 import sys
 from carpool.celery_app import app  # not the tasks' module: the name is all this producer knows

@@ -19,6 +19,27 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.policy == "binned"
 
 
+@pytest.mark.parametrize(
+    ("request_queue", "batch_queue", "expected"),
+    [
+        ("carpool.requests", None, "carpool.batches"),
+        ("app_a.requests", None, "app_a.batches"),
+        ("jobs", None, "jobs.batches"),
+        ("app_a.requests", "gpu.batches", "gpu.batches"),
+    ],
+)
+def test_the_batch_queue_follows_the_request_queue_unless_set(
+    monkeypatch: pytest.MonkeyPatch, request_queue: str, batch_queue: str | None, expected: str
+) -> None:
+    """Two deployments sharing a database with their own request queues and the default batch
+    queue ran each other's batches and answered nothing."""
+    monkeypatch.delenv("CARPOOL_BATCH_QUEUE", raising=False)
+    monkeypatch.setenv("CARPOOL_REQUEST_QUEUE", request_queue)
+    if batch_queue is not None:
+        monkeypatch.setenv("CARPOOL_BATCH_QUEUE", batch_queue)
+    assert load_settings().batch_queue == expected
+
+
 def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CARPOOL_MAX_BATCH", "64")
     monkeypatch.setenv("CARPOOL_BIN_EDGES", "8, 24,100")
