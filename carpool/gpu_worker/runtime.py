@@ -99,6 +99,7 @@ DEVICE_SWITCH_INTERVAL_S = 0.0005  # the GIL's switch interval in a worker with 
 # A Celery task that runs the batches its claims take keeps the worker's Celery thread from Celery's
 # event loop (remote control, revokes, heartbeats) for at most about this long, plus one batch.
 TAKE_FOR_S = 0.25
+SHUTDOWN_REPORT_S = 30.0  # a warm shutdown waiting for its batches says so this often
 
 
 class WorkerRuntime:
@@ -197,11 +198,13 @@ class WorkerRuntime:
         self._take = False
 
     def stop(self) -> None:
-        """Let the batches claimed run and their results be stored, then leave."""
-        if self._stage is not None and not self._stage.drain():
-            log.warning("batches still running at shutdown return through lease recovery")
-        if self._finisher is not None:
-            self._finisher.drain()
+        """Let the batches claimed run and their results be stored, then leave: Celery's warm
+        shutdown, which waits for the task it runs however long, and leaves a limit to the
+        supervisor (compose's ``stop_grace_period``, then SIGKILL and lease recovery). The heartbeat
+        renews their leases meanwhile; a batch given up after 30 s ran again on another worker."""
+        for stage, what in ((self._stage, "batches on the device"), (self._finisher, "batches' results")):
+            while stage is not None and not stage.drain(SHUTDOWN_REPORT_S):
+                log.info("stopping once %d %s are done", stage.held(), what)
         self._stop.set()
         self.events.close()
         with contextlib.suppress(redis.RedisError):

@@ -95,8 +95,8 @@ class Stage:
         with self._changed:
             return [i for _, ids in self._held for i in ids]
 
-    def drain(self, timeout_s: float = 30.0) -> bool:
-        """Wait for every job held to finish; False if they did not in time."""
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for every job held to finish; False if they did not within ``timeout_s``."""
         with self._changed:
             return self._changed.wait_for(lambda: not self._held, timeout_s)
 

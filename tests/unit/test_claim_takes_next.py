@@ -62,6 +62,9 @@ class FakeStore:
     def heartbeat(self, hostname: str, ttl_s: float) -> None:
         pass
 
+    def leave(self, hostname: str) -> None:
+        pass
+
     def renew_running(self, ids: list[str]) -> None:
         pass
 
@@ -177,6 +180,29 @@ def test_no_batch_is_taken_once_the_worker_is_shutting_down(runtime: Any) -> Non
     runtime.shutting_down()
     runtime.run(batch("b1", "a"))
     assert runtime.store.takes == [""] and len(runtime.store.queue) == 1
+
+
+def test_a_warm_shutdown_waits_for_the_batch_on_the_device_however_long_saying_so(
+    runtime: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It gave a batch on the device thread up after 30 s; the worker exited 0 and the batch ran
+    again on another worker. Celery's warm shutdown waits for the task it runs."""
+    import threading
+
+    from carpool.gpu_worker import runtime as module
+
+    monkeypatch.setattr(module, "SHUTDOWN_REPORT_S", 0.05)
+    release, ran = threading.Event(), []
+    runtime._stage.submit(lambda: ran.append(release.wait(HANG_S)), ["r1"])
+    stopping = threading.Thread(target=runtime.stop)
+    with caplog.at_level(logging.INFO, logger=module.__name__):
+        stopping.start()
+        stopping.join(0.5)  # ten report intervals
+        assert stopping.is_alive() and not ran, "stop() waits for the batch on the device"
+        release.set()
+        stopping.join(HANG_S)
+    assert not stopping.is_alive() and ran == [True], "the batch ran to its end before the worker left"
+    assert "stopping once 1 batches on the device are done" in caplog.text
 
 
 def test_a_task_takes_batches_for_a_bounded_time_then_returns_to_celery(
