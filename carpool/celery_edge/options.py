@@ -23,7 +23,9 @@ from carpool.registry import spec_for
 if TYPE_CHECKING:
     from celery import Celery
 
-_WHY: Final[Mapping[str, str]] = {
+# Why each option that batch workers cannot honour is refused: at the call, and at intake when
+# another app sent it.
+UNSUPPORTED_OPTIONS: Final[Mapping[str, str]] = {
     "chord": (
         "a chord's body waits on a counter that Celery's tracer advances per header task, which batch "
         "workers do not run; gather() the header's results and call the body with them"
@@ -61,11 +63,27 @@ def check_send_settings(task_name: str, app: Celery, task: Any = None) -> None:
     if ignore if ignore is not None else conf.task_ignore_result:
         raise UnsupportedOption(
             f"{task_name}: task_ignore_result=True is not supported by carpool tasks: "
-            f"{_WHY['ignore_result']}; set it False for this app"
+            f"{UNSUPPORTED_OPTIONS['ignore_result']}; set it False for this app"
         )
     rate = getattr(task, "rate_limit", None)
     if rate:
         raise UnsupportedOption(f"{task_name}: {_rate_limit_refusal(rate)}")
+    limit = _time_limit_refusal(task, app)
+    if limit:
+        raise UnsupportedOption(f"{task_name}: {limit}")
+
+
+def _time_limit_refusal(task: Any, app: Celery) -> str | None:
+    """Why a time limit the task (its class, ``task_annotations``) or the app's settings give every
+    call cannot hold, or None: Celery's worker enforces them, whatever the message says."""
+    for option in ("time_limit", "soft_time_limit"):
+        limit = getattr(task, option, None) or app.conf.get(f"task_{option}")
+        if limit:
+            return (
+                f"{option}={limit!r} (the task's, task_annotations' or task_{option}) is not supported"
+                f" by carpool tasks: {UNSUPPORTED_OPTIONS[option]}; unset it for carpool's tasks"
+            )
+    return None
 
 
 def _rate_limit_refusal(rate: Any) -> str:
@@ -80,7 +98,7 @@ def check_options(task_name: str, options: Mapping[str, Any], app: Celery) -> No
     """Raise :class:`~carpool.errors.UnsupportedOption` for the first option carpool cannot honour,
     in ``options`` or in a signature its ``link`` / ``link_error`` / ``chain`` holds."""
     for name, value in options.items():
-        why = _WHY.get(name)
+        why = UNSUPPORTED_OPTIONS.get(name)
         if why is not None and value not in (None, False, [], ()):
             raise UnsupportedOption(f"{task_name}: {name}= is not supported by carpool tasks: {why}")
         if name in _JSON_ONLY and value not in (None, "json"):
@@ -115,7 +133,7 @@ def _check_step(app: Celery, where: str, step: Any) -> None:
         if carpool is not None:
             raise UnsupportedOption(
                 f"{where} is a chord (in a chain, Celery makes a group followed by a task one) whose "
-                f"header runs {carpool}, a carpool task: {_WHY['chord']}"
+                f"header runs {carpool}, a carpool task: {UNSUPPORTED_OPTIONS['chord']}"
             )
         _check_step(app, where, header)
         _check_step(app, where, kwargs.get("body"))
@@ -164,6 +182,9 @@ def check_app_conf(app: Celery, task_names: Iterable[str]) -> None:
         task = app.tasks.get(name)
         if task is not None and getattr(task, "rate_limit", None):
             raise ConfigError(f"{name}: {_rate_limit_refusal(task.rate_limit)}")
+        limit = _time_limit_refusal(task, app) if task is not None else None
+        if limit:
+            raise ConfigError(f"{name}: {limit}")
         if task is not None and task.track_started:
             raise ConfigError(
                 f"{name}: track_started (task_track_started) is not supported by carpool: a request's"

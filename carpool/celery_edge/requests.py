@@ -17,6 +17,7 @@ from typing import Any
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
 
+from carpool.celery_edge.options import UNSUPPORTED_OPTIONS
 from carpool.codec import brief, kombu_tags, tag_failure
 from carpool.codec import loads as json_loads
 from carpool.codec import loads_numbers_loosely as envelope_loads
@@ -55,7 +56,7 @@ def _refuse_protocol_1(envelope: dict[str, Any]) -> None:
     if not (isinstance(props, dict) and props.get("body_encoding") == "base64" and isinstance(body, str)):
         return
     try:
-        decoded = json_loads(base64.b64decode(body, validate=True))
+        decoded = json_loads(base64.b64decode(body))
     except (binascii.Error, ValueError, UnicodeDecodeError):
         return
     if not isinstance(decoded, dict):
@@ -119,7 +120,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         if props.get("body_encoding") == "base64":
             if not isinstance(body, str | bytes):
                 raise _refused(task_id, task, inbox, "message body is missing")
-            body = base64.b64decode(body, validate=True)
+            body = base64.b64decode(body)  # as kombu decodes it: wrapped lines too
         content_type = envelope.get("content-type", "application/json")
         if not isinstance(body, str | bytes):
             raise _refused(task_id, task, inbox, "message body is missing")
@@ -164,6 +165,22 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         eta_at = None if eta is None else _when(eta, "eta")
     except ValueError as exc:  # readable enough to answer its caller with the reason
         raise RefusedMessage(str(exc), task_id=task_id, task=task, links=links, inbox=inbox) from None
+    unsupported = _unsupported_option(headers, embed)
+    if unsupported is not None:
+        option, why = unsupported
+        if option == "chord":
+            # The chord's body waits on a counter no batch worker advances: its caller is answered
+            # with the refusal stored under the body's ids, as a failed chain step's are.
+            links = links if links is not None else _links(embed, headers)
+            links["chain"] = [*links.get("chain", []), embed["chord"]]
+        raise RefusedMessage(
+            f"{option}= is not supported by carpool tasks: {why} (the message was sent from an app"
+            " that does not refuse it at the call, as carpool's own does)",
+            task_id=task_id,
+            task=task,
+            links=links,
+            inbox=inbox,
+        )
     if task not in tasks:
         # A task of a module the coordinators do not import yet (a rolling deploy), or one routed
         # here by mistake: its caller learns why at once instead of waiting on a dead letter.
@@ -195,6 +212,22 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         inbox=inbox,
         shadow=shadow if isinstance(shadow := headers.get("shadow"), str) and shadow else None,
     )
+
+
+def _unsupported_option(headers: dict[str, Any], embed: Any) -> tuple[str, str] | None:
+    """The first option in a message that carpool's own ``apply_async`` would have refused, and
+    why: a message from another app (``send_task``, a plain Celery client) carries it unchecked."""
+    chord = embed.get("chord") if type(embed) is dict else None
+    if isinstance(chord, dict):
+        return "chord", UNSUPPORTED_OPTIONS["chord"]
+    limits = headers.get("timelimit")
+    if isinstance(limits, list | tuple):
+        for option, limit in zip(("time_limit", "soft_time_limit"), limits, strict=False):
+            if limit is not None:
+                return option, UNSUPPORTED_OPTIONS[option]
+    if headers.get("ignore_result"):
+        return "ignore_result", UNSUPPORTED_OPTIONS["ignore_result"]
+    return None
 
 
 def _refused(task_id: str, task: str, inbox: str | None, why: str) -> RefusedMessage:

@@ -102,6 +102,47 @@ def test_a_request_sent_with_celerys_protocol_1_is_answered_under_its_id_through
     old.close()
 
 
+_PLAIN_CHORD = """
+import sys
+from celery import Celery, chord
+
+plain = Celery("plain", broker=sys.argv[1], backend=sys.argv[2])
+plain.conf.update(
+    task_default_queue="carpool.requests", result_serializer="msgpack", result_accept_content=["msgpack"]
+)
+header = [plain.signature("carpool.infer", args=(f"text {i}",)) for i in range(3)]
+result = chord(header)(plain.signature("plain.summarise", queue="nobody.listens"))
+for waited in (result, *result.parent.results):
+    try:
+        print("got", waited.get(timeout=30))
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def test_a_chord_a_plain_celery_app_sends_with_carpool_tasks_in_its_header_answers_its_caller(
+    processes: Processes,
+) -> None:
+    """Another app's chord skips carpool's refusal at the call: its body waited for ever on a counter
+    no batch worker advances, and nothing was logged (found by the review of foreign messages).
+    The other app runs in a process of its own, as another application's would."""
+    import subprocess
+    import sys
+
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_MODELS="toy")
+    done = subprocess.run(
+        [sys.executable, "-c", _PLAIN_CHORD, processes.broker_url, processes.result_backend],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 4, (done.stdout, done.stderr)
+    # The chord's body, then each header request: answered with the refusal, none left waiting.
+    refusal = "chord= is not supported by carpool tasks"
+    assert all(line.startswith("InvalidInput") and refusal in line for line in lines), lines
+
+
 def test_a_task_id_that_is_not_utf8_is_dead_lettered_alone_and_the_requests_taken_with_it_answered(
     processes: Processes,
 ) -> None:

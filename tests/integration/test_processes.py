@@ -57,6 +57,8 @@ def test_a_coordinator_whose_model_cannot_be_imported_stops_at_start_saying_so()
         ("app.conf.task_track_started = True", "track_started"),
         # Celery's worker would space the tasks out; annotations reach the tasks as they bind.
         ("app.conf.task_annotations = {'carpool.infer': {'rate_limit': '10/m'}}", "rate_limit='10/m'"),
+        ("app.conf.task_annotations = {'carpool.infer': {'time_limit': 2}}", "time_limit=2"),
+        ("app.conf.task_soft_time_limit = 1", "soft_time_limit=1"),
     ],
 )
 def test_celery_settings_carpool_cannot_honour_stop_the_coordinator_at_start(

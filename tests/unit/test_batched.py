@@ -140,6 +140,10 @@ def test_a_batched_task_and_a_plain_task_under_one_name_is_a_configuration_error
         ("serializer", "msgpack", r"task_serializer='msgpack' is not supported"),
         ("ignore_result", True, r"task_ignore_result=True is not supported.*set it False"),
         ("rate_limit", "10/m", r"rate_limit='10/m' is not supported by carpool tasks.*max_batch"),
+        # Celery's worker enforces them without a header; carpool's ran past them without a word.
+        ("time_limit", 2, r"time_limit=2 \(the task's, task_annotations' or task_time_limit\) is not"),
+        ("task_time_limit", 60, r"time_limit=60 .*is not supported by carpool tasks.*\.get\(timeout="),
+        ("task_soft_time_limit", 1, r"soft_time_limit=1 .*unset it for carpool's tasks"),
     ],
 )
 def test_app_settings_a_request_cannot_honour_are_refused_before_anything_is_sent(

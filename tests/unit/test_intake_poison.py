@@ -164,6 +164,49 @@ def test_a_protocol_1_message_is_answered_under_its_id_saying_to_send_protocol_2
     assert admitted_ids(out) == ["b"]
 
 
+_CHORD_BODY: dict[str, Any] = {
+    "task": "plain.tsum",
+    "args": [],
+    "kwargs": {},
+    "options": {"task_id": "chord-body"},
+    "subtask_type": None,
+    "immutable": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("headers", "embed", "option"),
+    [
+        ({"timelimit": [2, None]}, None, "time_limit="),
+        ({"timelimit": [None, 1]}, None, "soft_time_limit="),
+        ({"ignore_result": True}, None, "ignore_result="),
+        ({}, {"callbacks": None, "errbacks": None, "chain": None, "chord": _CHORD_BODY}, "chord="),
+    ],
+)
+def test_an_option_another_app_sent_unchecked_is_refused_as_carpools_own_call_refuses_it(
+    headers: dict[str, Any], embed: dict[str, Any] | None, option: str
+) -> None:
+    """A plain Celery client's send_task skips carpool's check at the call: a time limit ran past
+    unenforced, an ignored result was stored, and a chord with a carpool task in its header never
+    ran its body, its caller waiting for ever (found by the review of foreign messages)."""
+    raw = message("a", "hi", extra_headers=headers, embed=embed)
+    out, _ = run([("a", raw), ("b", message("b", "hi", extra_headers={"timelimit": [None, None]}))])
+    [refused] = out.refused
+    assert refused.id == "a" and out.malformed == [] and admitted_ids(out) == ["b"]
+    assert f"{option} is not supported by carpool tasks" in str(refused.error)
+    if option == "chord=":  # the body's caller is answered with the refusal, as a failed chain step's
+        assert refused.links is not None and refused.links["chain"] == [_CHORD_BODY]
+
+
+def test_a_base64_body_in_wrapped_lines_is_read_as_kombu_reads_it() -> None:
+    """Ruby's Base64.encode64 or Perl's MIME::Base64 wrap their lines; kombu and Celery read them."""
+    envelope = json.loads(message("a", "hi there"))
+    body = envelope["body"]
+    envelope["body"] = "\n".join(body[i : i + 8] for i in range(0, len(body), 8)) + "\n"
+    out, _ = run([("a", json.dumps(envelope).encode())])
+    assert admitted_ids(out) == ["a"] and out.refused == [] and out.malformed == []
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "named"), [(["hi"], [1], "kwargs"), (["hi"], "model", "kwargs"), (5, {}, "args")]
 )
