@@ -69,6 +69,9 @@ class TaskSpec(ABC):
     #: whether the batch function may change its items (user code may): a batch that fails is then
     #: split from a copy of its items taken before the call, not from what the call left of them
     may_change_items: ClassVar[bool] = True
+    #: whether workers run the batch function under ``torch.inference_mode()``: a model's forward,
+    #: not a user's function, which runs as called directly or by Celery (it may need autograd)
+    inference_mode: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for field, value in (("max_batch", self.max_batch), ("max_tokens", self.max_tokens)):

@@ -1,8 +1,9 @@
 """Padding and running batches on a model; no Redis or Celery here.
 
 A worker runs every task's batch the same way: ``run_call_isolating(call, items, lengths)`` calls the
-task's batch function under ``torch.inference_mode()`` and, when a batch raises, halves it until the
-failing items are alone, so one bad request fails only itself. ``carpool.infer``'s batch function is
+task's batch function (a model's under ``torch.inference_mode()``; a ``@batched`` function as it is,
+as called directly or by Celery) and, when a batch raises, halves it until the failing items are
+alone, so one bad request fails only itself. ``carpool.infer``'s batch function is
 ``forward_padded``: one numpy fill of a (rows x padded length) array, one ``forward``.
 """
 
@@ -132,11 +133,14 @@ class OutputCountMismatch(Exception):
 
 
 def run_call(
-    call: Callable[[Any, Any], Sequence[Any]], items: Sequence[Any], lengths: Sequence[int]
+    call: Callable[[Any, Any], Sequence[Any]],
+    items: Sequence[Any],
+    lengths: Sequence[int],
+    inference: bool = True,
 ) -> list[Any]:
-    """``call(items, lengths)``, checked to give one output per item; under ``inference_mode`` if torch
-    is loaded (a batch function that never imported torch needs none)."""
-    torch = sys.modules.get("torch")
+    """``call(items, lengths)``, checked to give one output per item; with ``inference``, under
+    ``inference_mode`` if torch is loaded (a batch function that never imported torch needs none)."""
+    torch = sys.modules.get("torch") if inference else None
     context = torch.inference_mode() if torch is not None else contextlib.nullcontext()
     with context:  # a generator's outputs are computed as they are listed: in the context too
         return one_per_item(call(items, lengths), len(lengths))
@@ -169,6 +173,7 @@ def run_call_isolating(
     items: Sequence[Any],
     lengths: Sequence[int],
     pristine: Callable[[], list[Any]] | None = None,
+    inference: bool = True,
 ) -> list[tuple[bool, Any]]:
     """Per item (ok, output-or-exception): a batch that raises is split in halves until failures are
     alone (out-of-memory errors too: smaller halves fit). A wrong number of outputs fails the whole
@@ -180,7 +185,7 @@ def run_call_isolating(
     those, not from what the failed call left. ``sys.exit()`` or another BaseException in the function
     fails its items, not the process (see :func:`~carpool.errors.stops_the_process`)."""
     try:
-        return [(True, out) for out in run_call(call, list(items), lengths)]
+        return [(True, out) for out in run_call(call, list(items), lengths, inference)]
     except OutputCountMismatch as exc:
         return [(False, exc)] * len(lengths)
     except BaseException as raised:
@@ -200,8 +205,8 @@ def run_call_isolating(
     if pristine is not None:
         outer = pristine
         first, second = (lambda: outer()[:half]), (lambda: outer()[half:])
-    return run_call_isolating(call, items[:half], lengths[:half], first) + run_call_isolating(
-        call, items[half:], lengths[half:], second
+    return run_call_isolating(call, items[:half], lengths[:half], first, inference) + run_call_isolating(
+        call, items[half:], lengths[half:], second, inference
     )
 
 
@@ -223,7 +228,7 @@ def pristine_items(items: Sequence[Any]) -> Callable[[], list[Any]]:
 def run_items_isolating(fn: Callable[[list[Any]], Sequence[Any]], items: list[Any]) -> list[tuple[bool, Any]]:
     """:func:`run_call_isolating` of a function of the items alone, as a ``@batched`` task's."""
     call = lambda batch, _lengths: fn(batch)  # noqa: E731
-    return run_call_isolating(call, items, [0] * len(items), pristine_items(items))
+    return run_call_isolating(call, items, [0] * len(items), pristine_items(items), inference=False)
 
 
 def _free_accelerator_memory() -> None:

@@ -681,7 +681,7 @@ class WorkerRuntime:
             call = spec.batch_function(batch["model"], self.device, self.settings)
             items = [r["item"] for r in live]
             pristine = pristine_items(items) if spec.may_change_items else None
-            outcomes = run_call_isolating(call, items, lengths, pristine)
+            outcomes = run_call_isolating(call, items, lengths, pristine, spec.inference_mode)
             if spec.checks_outputs:
                 outcomes = _checked(spec.name, outcomes, self.settings.result_serializer)
             elapsed = time.perf_counter() - t0

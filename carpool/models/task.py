@@ -48,6 +48,7 @@ class InferSpec(TaskSpec):
     checks_outputs: ClassVar[bool] = False
     raises_as_raised: ClassVar[bool] = False  # a model's failure reaches infer's callers as ModelError
     may_change_items: ClassVar[bool] = False  # forward_padded only reads the ids
+    inference_mode: ClassVar[bool] = True
 
     @property
     def pad_multiple(self) -> int:

@@ -51,6 +51,17 @@ def cancelling(texts: list[str]) -> list[str]:
     return [t.upper() for t in texts]
 
 
+@batched(length=lambda x: 1)
+def slopes(xs: list[float]) -> list[float]:
+    """d(x^3)/dx at each x, by autograd: a function that needs gradients runs as called directly."""
+    import torch
+
+    x = torch.tensor(xs, dtype=torch.float64, requires_grad=True)
+    (x**3).sum().backward()  # type: ignore[no-untyped-call]
+    assert x.grad is not None
+    return [float(g) for g in x.grad]
+
+
 @batched(length=len)
 def miscounting(texts: list[str]) -> list[str]:
     return texts[:-1]

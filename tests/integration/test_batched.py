@@ -64,6 +64,8 @@ def test_items_travel_as_json_and_outputs_come_back_exactly(processes: Processes
     too_big = t.by_declared_length.delay({"n": 1, "x": 2**63})  # 2**64 is past 64 bits
     with pytest.raises(ModelError, match="64-bit"):
         too_big.get(timeout=30)
+    # Workers ran @batched functions under inference_mode: autograd failed there alone.
+    assert [r.get(timeout=30) for r in [t.slopes.delay(x) for x in (1.0, 2.0, -3.0)]] == [3.0, 12.0, 27.0]
 
 
 def test_bad_items_and_failing_functions_fail_alone(processes: Processes) -> None:

@@ -303,12 +303,9 @@ def test_outputs_as_a_string_mapping_or_set_are_refused_whatever_their_size(outp
 def test_a_type_error_a_lazy_output_raises_as_it_runs_fails_only_its_item(lazy: str) -> None:
     """It failed the whole batch as "returned generator, not a list": the check for something
     that cannot be iterated caught what the function raised while it was listed."""
-    import torch
-
     from carpool.gpu_worker.runner import run_items_isolating
 
     def exclaim(item: Any) -> Any:
-        assert not torch.is_grad_enabled()  # listed inside the worker's inference_mode too
         return item + "!"  # a TypeError for an item that is no str
 
     def lazily(items: list[Any]) -> Any:
@@ -317,6 +314,31 @@ def test_a_type_error_a_lazy_output_raises_as_it_runs_fails_only_its_item(lazy: 
     outcomes = run_items_isolating(lazily, ["ab", ["no"], "cd"])
     assert outcomes[0] == (True, "ab!") and outcomes[2] == (True, "cd!")
     assert not outcomes[1][0] and isinstance(outcomes[1][1], TypeError), outcomes[1]
+
+
+def test_a_models_forward_runs_under_inference_mode_and_a_batched_function_as_called_directly() -> None:
+    """A @batched function needing autograd worked when called directly and eagerly, and failed on
+    a worker, which ran it under inference_mode (found by the review of users' functions)."""
+    import torch
+
+    from carpool.gpu_worker.runner import run_isolating, run_items_isolating
+
+    seen: list[tuple[str, bool]] = []
+
+    def fn(items: list[int]) -> list[int]:
+        seen.append(("batched", torch.is_inference_mode_enabled()))
+        return items
+
+    class Model:
+        max_length, pad_id, needs_token_ids = 8, 0, True
+
+        def forward(self, ids: Any, mask: Any) -> list[int]:
+            seen.append(("model", torch.is_inference_mode_enabled()))
+            return [0] * len(ids)
+
+    assert run_items_isolating(fn, [1, 2]) == [(True, 1), (True, 2)]
+    assert run_isolating(Model(), [[1], [2]], [1, 1]) == [(True, 0), (True, 0)]  # type: ignore[arg-type]
+    assert seen == [("batched", False), ("model", True)]
 
 
 def test_an_async_function_is_refused_when_the_task_is_defined() -> None:
