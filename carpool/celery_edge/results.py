@@ -229,7 +229,12 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         reason = "no msgpack form, or a map key other than a string" if self.serializer == "msgpack" else None
         if state != SUCCESS or reason is None:
             try:
-                return self.meta_for(task_id, state, result, date_done)
+                meta = self.meta_for(task_id, state, result, date_done)
+                if self.serializer == "msgpack" and state != SUCCESS:
+                    # msgpack packs an exception's argument holding a map key other than a string
+                    # ({1: "a"}), which no reader unpacks: .get() and .state raised DecodeError.
+                    unpackb(meta)
+                return meta
             except (EncodeError, TypeError, ValueError, OverflowError) as exc:
                 if state != SUCCESS:
                     # Celery makes an exception's arguments serializable; whatever else defeats the

@@ -539,6 +539,23 @@ def test_a_raised_failure_with_a_lone_surrogate_is_stored_with_its_traceback_esc
     assert good["status"] == "SUCCESS" and good["result"] == "fine"
 
 
+@pytest.mark.parametrize("argument", [{1: "a"}, {("k", 2): "tuple key"}, [{"nested": {3: "deep"}}]])
+def test_a_failure_whose_arguments_hold_a_key_no_msgpack_reader_takes_is_stored_as_a_model_error(
+    argument: Any,
+) -> None:
+    """msgpack packed ``ValueError({1: 'a'})`` without a word, and every reader refused it: the
+    caller's .get() and .state raised DecodeError (found by the review of users' functions)."""
+    from carpool.celery_edge.app import app
+    from carpool.errors import ModelError
+
+    backend = app.backend.__class__(app=app, url=app.conf.result_backend)
+    entries: list[tuple[str, str, Any]] = [("odd", "FAILURE", ValueError(argument)), ("good", "SUCCESS", 2)]
+    odd, good = (backend.decode(p) for p in backend.store_args(entries).payloads)
+    assert odd["status"] == "FAILURE" and odd["result"]["exc_type"] == "ModelError"
+    assert "ValueError: " in str(odd["result"]["exc_message"])
+    assert isinstance(entries[0][2], ModelError) and good["result"] == 2
+
+
 def test_a_failure_that_cannot_be_stored_as_raised_fails_alone_as_a_model_error() -> None:
     from carpool.celery_edge.app import app
 
