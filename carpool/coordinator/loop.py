@@ -47,7 +47,7 @@ from carpool.coordinator.publish import BatchPublisher
 from carpool.coordinator.reports import apply_reports, give_up_unreported
 from carpool.coordinator.signals import set_on_signals
 from carpool.coordinator.stage import IntakeStage, auto_threads
-from carpool.coordinator.stats import CoordinatorStats, StatsWriter
+from carpool.coordinator.stats import CoordinatorStats, StatsWriter, serving
 from carpool.coordinator.waiting import Pacer, Wait, WaitFor
 from carpool.errors import ConfigError, UnknownModel
 from carpool.names import coordinator_hostname
@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
+PEER_CHECK_S = 10.0  # how often a coordinator compares what it serves with its live peers
 
 
 # A take made ahead of the step that uses it: how many requests it asked for, and what it got.
@@ -134,7 +135,15 @@ class Coordinator:
         self._next_housekeeping = 0.0
         self._next_renewal = 0.0
         self._next_stats = 0.0
-        self._stats_writer = StatsWriter(self.client, self.keys, self.hostname, self.wall)
+        self._stats_writer = StatsWriter(
+            self.client,
+            self.keys,
+            self.hostname,
+            self.wall,
+            serving(settings.model, settings.served_models, self.specs),
+        )
+        self._next_peer_check = 0.0
+        self._peers_told: set[tuple[str, str]] = set()
         self._wait_lists = {
             WaitFor.REPORTS: self.keys.reports_for(self.hostname),
             WaitFor.REQUESTS: self.keys.request_queue,
@@ -374,6 +383,30 @@ class Coordinator:
         if now >= self._next_stats:
             self._write_stats()
             self._next_stats = now + STATS_INTERVAL_S
+        if now >= self._next_peer_check:
+            self._next_peer_check = now + PEER_CHECK_S
+            self._check_peers()
+
+    def _check_peers(self) -> None:
+        """Log an error, once per peer and setting, for a live coordinator of this request queue
+        that serves otherwise: coordinators given different CARPOOL_MODEL answered the same text
+        with different models, without a word."""
+        try:
+            differing = self._stats_writer.peers_serving_otherwise()
+        except redis.RedisError:
+            return  # the next check, once Redis answers
+        for peer, serves in differing.items():
+            if (peer, serves) not in self._peers_told:
+                self._peers_told.add((peer, serves))
+                log.error(
+                    "coordinator %s serves %s, this one %s: coordinators sharing %s answer the same"
+                    " request with another default model, or refuse what only some serve; give them"
+                    " all the same CARPOOL_MODEL, CARPOOL_MODELS and CARPOOL_IMPORTS",
+                    peer,
+                    serves,
+                    self._stats_writer.serves,
+                    self.settings.request_queue,
+                )
 
     def _wait(self, wait: Wait) -> _Take | None:
         """Sleep ``wait.seconds``, or less if its list gets an element first, in Redis

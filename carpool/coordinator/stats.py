@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from carpool.redis_edge import lua
-from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.keys import SERVES_FIELD, Keys
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,16 @@ COORDINATORS_KEPT_S = 86_400  # a name stays listed this long after its last wri
 # Why a taken request went back to the request queue: its coordinator stopped and handed it back, or
 # a reap returned it after its holder's lease ran out (the holder died or lost Redis).
 REQUEUE_REASONS = ("shutdown", "lease_expired")
+
+
+def serving(default_model: str, models: Iterable[str], tasks: Iterable[str]) -> str:
+    """What a coordinator serves, as one comparable text: peers that differ answer a request
+    differently (another default model) or refuse it (a task or model only some serve)."""
+    return f"model={default_model} models={','.join(sorted(models))} tasks={','.join(sorted(tasks))}"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 @dataclass(slots=True)
@@ -53,9 +63,13 @@ class StatsWriter:
     """Writes :class:`CoordinatorStats` to the shared counters hash and the gauges of coordinator
     ``hostname`` to its own hash, one pipeline per write."""
 
-    def __init__(self, client: Any, keys: Keys, hostname: str, wall: Callable[[], float]) -> None:
+    def __init__(
+        self, client: Any, keys: Keys, hostname: str, wall: Callable[[], float], serves: str = ""
+    ) -> None:
         self.client = client
         self.keys = keys
+        #: what this coordinator serves (:func:`serving`), in its gauges for its peers and status
+        self.serves = serves
         self.hostname = hostname
         self.wall = wall
         self._gauges_key = keys.gauges_of(hostname)
@@ -83,6 +97,8 @@ class StatsWriter:
         self._stats = stats
         counters = _counters(stats)
         values: dict[str, int | str] = dict(gauges)
+        if self.serves:
+            values[SERVES_FIELD] = self.serves
         for key in self._depth_keys - set(depths):
             values[f"depth:{key[0]}:{key[1]}"] = 0
         self._depth_keys |= set(depths)
@@ -122,6 +138,24 @@ class StatsWriter:
                 args=[COORDINATORS_KEPT_S, *totals],
                 client=pipe,
             )
+
+    def peers_serving_otherwise(self) -> dict[str, str]:
+        """The live coordinators of this request queue that serve otherwise than this one, and
+        what they serve: the same request is then answered by another model's default, or refused
+        by some of them only."""
+        peers = [name for name in map(_text, self.client.zrange(self.keys.coordinators, 0, -1))]
+        peers = [name for name in peers if name != self.hostname]
+        if not peers:
+            return {}
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in peers:
+                pipe.hget(self.keys.gauges_of(name), SERVES_FIELD)
+            found = pipe.execute()
+        return {
+            name: _text(serves)
+            for name, serves in zip(peers, found, strict=True)
+            if serves is not None and _text(serves) != self.serves
+        }
 
     def leave(self) -> None:
         """Withdraw this coordinator's gauges now (it holds nothing any more), not at their expiry,

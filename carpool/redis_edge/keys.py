@@ -25,6 +25,9 @@ PRIORITY_SEP = "\x06\x16"
 REJECTED_WRITES = "rejected_writes"
 
 
+SERVES_FIELD = "serves"  # the field of a coordinator's gauges saying what it serves (not a number)
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     request_queue: str

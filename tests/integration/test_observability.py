@@ -433,6 +433,62 @@ def test_status_sums_the_gauges_of_live_coordinators_only(
     assert snap["coordinators"] == [] and snap["pending"] == 0 and snap["depth_by_bin"] == {}
 
 
+def test_coordinators_serving_otherwise_are_found_by_each_other_and_by_status(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    import redis
+
+    from carpool.coordinator.stats import CoordinatorStats, StatsWriter, serving
+    from carpool.redis_edge.keys import Keys
+    from carpool.tools.status import as_dict, collect
+
+    client = redis.Redis(port=clean_redis.port)
+    keys = Keys("carpool.requests")
+    toy = serving("toy", ["toy"], ["carpool.infer", "my.task"])
+    writers = {
+        name: StatsWriter(client, keys, name, time.time, serves)
+        for name, serves in (
+            ("c-one", toy),
+            ("c-two", toy),
+            ("c-three", serving("null", ["null"], ["carpool.infer"])),
+        )
+    }
+    for writer in list(writers.values())[:2]:
+        writer.write(CoordinatorStats(), {}, {"pending": 0})
+    assert writers["c-one"].peers_serving_otherwise() == {}
+    assert as_dict(collect(client, keys), None, "carpool.requests")["coordinators_disagree"] is False
+    writers["c-three"].write(CoordinatorStats(), {}, {"pending": 0})
+    assert writers["c-one"].peers_serving_otherwise() == {"c-three": writers["c-three"].serves}
+    assert set(writers["c-three"].peers_serving_otherwise()) == {"c-one", "c-two"}
+    snap = as_dict(collect(client, keys), None, "carpool.requests")
+    assert snap["coordinators_disagree"] is True
+    assert snap["coordinators_serve"]["c-three"] == "model=null models=null tasks=carpool.infer"
+    assert snap["pending"] == 0  # the text field is no gauge to sum
+
+
+def test_two_coordinators_given_different_models_say_so(processes: Processes) -> None:
+    """They answered the same text with different models, without a word (found by the review of
+    deployments with several parts)."""
+    processes.start("coordinator", "coordinator", **TOY)
+    processes.start(
+        "coordinator2", "coordinator", **{**TOY, "CARPOOL_MODEL": "null", "CARPOOL_MODELS": "null"}
+    )
+    wait_for(
+        "a coordinator's error naming the other's model",
+        lambda: any(
+            "serves model=null" in processes.log(name) or "serves model=toy" in processes.log(name)
+            for name in ("coordinator", "coordinator2")
+        ),
+        timeout_s=40,
+    )
+    logs = processes.log("coordinator") + processes.log("coordinator2")
+    assert "give them all the same CARPOOL_MODEL, CARPOOL_MODELS and CARPOOL_IMPORTS" in logs, logs
+    proc = run_status(processes, "--json", "--interval", "0")
+    assert json.loads(proc.stdout)["coordinators_disagree"] is True, proc.stdout
+    shown = run_status(processes, "--once", "--interval", "0").stdout
+    assert "coordinators disagree" in shown and "model=null" in shown and "model=toy" in shown, shown
+
+
 def test_a_stats_write_whose_reply_was_lost_and_was_sent_again_counts_once(
     clean_redis: EmbeddedRedis,
 ) -> None:

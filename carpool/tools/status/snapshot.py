@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from carpool.redis_edge.connect import client_for
-from carpool.redis_edge.keys import PRIORITY_SEP, Keys
+from carpool.redis_edge.keys import PRIORITY_SEP, SERVES_FIELD, Keys
 from carpool.redis_edge.socket_options import client_options
 
 
@@ -30,6 +30,12 @@ class Snapshot:
     # (routing key, automatic bin label) -> the token lengths it holds now; coordinators that fitted
     # different edges give theirs joined by " | "
     spans: dict[tuple[str, str], str] = field(default_factory=dict)
+    serves: dict[str, str] = field(default_factory=dict)  # coordinator -> what it serves
+
+    @property
+    def coordinators_disagree(self) -> bool:
+        """Whether live coordinators serve different models or tasks (``CARPOOL_MODEL``...)."""
+        return len(set(self.serves.values())) > 1
 
     # --- derived -----------------------------------------------------------------------------
     def counter(self, name: str) -> float:
@@ -131,10 +137,13 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
     live = []
     tasks: dict[str, str] = {}
     spans: dict[tuple[str, str], set[str]] = {}
+    serves: dict[str, str] = {}
     for name, raw_gauges in zip(names, replies[n + 4 :], strict=True):
         if raw_gauges:  # an expired coordinator's hash is gone
             live.append(name)
             gauges = {_text(k): v for k, v in raw_gauges.items()}
+            if SERVES_FIELD in gauges:
+                serves[name] = _text(gauges.pop(SERVES_FIELD))
             for key in [k for k in gauges if k.startswith("task:")]:
                 tasks[key[len("task:") :]] = _text(gauges.pop(key))
             for key in [k for k in gauges if k.startswith("span:")]:
@@ -155,6 +164,7 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         coordinators=sorted(live),
         tasks=tasks,
         spans={key: " | ".join(sorted(found, key=_span_order)) for key, found in spans.items()},
+        serves=serves,
     )
 
 
@@ -192,6 +202,8 @@ def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
         "workers_online": len(snap.workers),
         "workers": snap.workers,
         "coordinators": snap.coordinators,
+        "coordinators_serve": dict(sorted(snap.serves.items())),
+        "coordinators_disagree": snap.coordinators_disagree,
         "dead_letter": snap.dead_letter,
         "taken": int(s("taken")),
         "batches": int(s("batches")),

@@ -51,6 +51,13 @@ def render(
     now.add_row(
         "pending in coordinator", f"{snap.pending:,}" + (f"  [dim]{c} coordinators[/]" if c > 1 else "")
     )
+    if snap.coordinators_disagree:
+        differing = "; ".join(f"{name}: {serves}" for name, serves in sorted(snap.serves.items()))
+        now.add_row(
+            "coordinators disagree",
+            f"[red]they serve different models or tasks[/]  [dim]{differing}; give them all the same"
+            " CARPOOL_MODEL, CARPOOL_MODELS and CARPOOL_IMPORTS[/]",
+        )
     now.add_row("in flight", f"{snap.in_flight:,}  [dim]{int(snap.counter('outstanding'))} batches out[/]")
     now.add_row("dead letter", f"[{'red' if snap.dead_letter else 'dim'}]{snap.dead_letter:,}[/]")
     if rate is not None and rate.seconds > 0:
