@@ -377,8 +377,16 @@ def dumps_lenient(value: Any) -> bytes:
 def dumps_exact(value: Any) -> bytes:
     """JSON of ``value`` that decodes back to an equal value, or raise ``TypeError``/``ValueError``
     saying why not: a type JSON lacks, a non-str key, an integer past 64 bits, a lone surrogate
-    (``TypeError``), or a non-finite float (``ValueError``)."""
-    encoded: bytes = orjson.dumps(value, option=_PLAIN)
+    (``TypeError``), lists and dicts nested past :data:`MAX_DEPTH` (``TypeError``), or a non-finite
+    float (``ValueError``)."""
+    try:
+        encoded: bytes = orjson.dumps(value, option=_PLAIN)
+    except orjson.JSONEncodeError as exc:
+        if str(exc) == "Recursion limit reached":
+            raise TypeError(
+                f"lists and dicts nested more than {MAX_DEPTH} levels deep, orjson's limit; nest them less"
+            ) from None
+        raise
     if not finite(value):
         raise ValueError(_NON_FINITE)
     return encoded
@@ -412,6 +420,7 @@ def crosses_as_another(value: Any) -> str | None:
 
 
 _NON_FINITE = "a non-finite float (inf or nan), which JSON cannot write"
+MAX_DEPTH = 254  # the deepest nesting of lists and dicts orjson writes
 
 
 def finite(value: Any) -> bool:

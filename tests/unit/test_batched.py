@@ -169,6 +169,23 @@ def test_app_settings_a_request_cannot_honour_are_refused_before_anything_is_sen
             call()
 
 
+def test_an_item_nested_past_orjsons_limit_is_refused_naming_the_limit() -> None:
+    """It was refused as if it held something other than lists (found by the review of foreign
+    messages); the deepest nesting that travels is accepted."""
+    from carpool.codec import MAX_DEPTH
+    from carpool.validation import validate_item
+
+    def nested(levels: int) -> list[Any]:
+        value: list[Any] = []
+        for _ in range(levels - 1):
+            value = [value]
+        return value
+
+    assert validate_item(shout.name, nested(MAX_DEPTH), Settings()) == 2 * MAX_DEPTH
+    with pytest.raises(InvalidInput, match=f"nested more than {MAX_DEPTH} levels deep"):
+        shout.delay(nested(MAX_DEPTH + 1))
+
+
 def test_a_module_imported_again_decorates_the_same_function_without_a_clash() -> None:
     def again(items: list[Any]) -> list[Any]:
         return items
