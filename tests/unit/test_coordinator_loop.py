@@ -156,6 +156,9 @@ class FakeClient:
     def pipeline(self, transaction: bool = True) -> FakePipeline:
         return FakePipeline()
 
+    def zrange(self, key: str, start: int, end: int) -> list[bytes]:
+        return []  # no other coordinator: nothing to compare what this one serves with
+
 
 @pytest.fixture
 def clocks() -> Clocks:
