@@ -233,8 +233,9 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             ),
             Grant("push batches to the workers' queues", ("lpush",), _exact(batch_queues)),
             Grant(
-                "write its gauges, which expire unless rewritten, and list itself as their writer",
-                ("hset", "expire", "del", "zadd", "zrem", "zremrangebyscore"),
+                "write its gauges, which expire unless rewritten, and list itself as their writer; read"
+                " what its peers serve, to say when they differ",
+                ("hset", "hget", "expire", "del", "zadd", "zrange", "zrem", "zremrangebyscore"),
                 (f"~{gauges}", *_exact([keys.coordinators])),
             ),
             Grant(
