@@ -39,6 +39,7 @@ class ClaimedBatch:
     linked: dict[str, Links] = field(default_factory=dict)  # callbacks, chains, error callbacks
     inboxes: dict[str, str] = field(default_factory=dict)  # request id -> its producer's result inbox
     ran_s: float | None = None  # how long its run took (a split one's included); None: none ran
+    claimed_at: float = 0.0  # perf_counter of its claim: a batch that waited long is claimed again
 
 
 def claimed_batch(

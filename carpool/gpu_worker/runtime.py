@@ -212,11 +212,12 @@ class WorkerRuntime:
 
     def _beat(self) -> None:
         self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S)
-        # Keep the leases of every batch claimed and not yet stored alive (waiting for the device,
-        # running, or having its results stored): a batch longer than the lease is not a dead worker.
+        # Keep the leases of every batch running or having its results stored alive: a batch longer
+        # than the lease is not a dead worker. One waiting behind it is not renewed: it is claimed
+        # again when it starts (:meth:`_claim_again_if_waited`).
         held = list(self._inline_ids)
         if self._stage is not None:
-            held += self._stage.pending_ids()
+            held += self._stage.begun_ids()
         if self._finisher is not None:
             held += self._finisher.pending_ids()
         self.store.renew_running(held)
@@ -375,9 +376,46 @@ class WorkerRuntime:
             if claim.taken is not None:
                 self._give_back(claim.taken)
             raise
+        claimed.claimed_at = time.perf_counter()
         if claimed.answered:
             self._announce_revoked(claimed)
         return claimed, claim.taken
+
+    def _claim_again_if_waited(self, claimed: ClaimedBatch) -> None:
+        """Claim a batch once more as it starts if it waited in the device stage for longer than a
+        quarter lease: the heartbeat does not renew a waiting batch's leases, so requests stuck behind
+        a long or hung batch go back to the coordinators and on to another worker (their expiry and
+        revokes applied there). Those no longer this batch's are left out; those answered meanwhile
+        are not run again. A claim leaves each lease with at least seven eighths of its length, so a
+        batch that starts sooner still holds every request it claimed."""
+        if time.perf_counter() - claimed.claimed_at <= self.settings.recovery_timeout_s / 4:
+            return
+        if not claimed.to_run:
+            return
+        claim = self._claim(claimed.batch["id"], [r["id"] for r in claimed.to_run], take=False)
+        kept: list[RequestSlot] = []
+        gone: set[str] = set()
+        for r, flag in zip(claimed.to_run, claim.flags, strict=True):
+            if flag == 1:
+                kept.append(r)
+            elif flag == 0:  # recovered while it waited, and another batch's now
+                gone.add(r["id"])
+            else:  # answered meanwhile (revoked, expired): acknowledged, not run again
+                claimed.answered.append(r["id"])
+        if len(kept) < len(claimed.to_run):
+            log.info(
+                "batch %s waited %.1f s behind the one before it: %d of its %d requests to run went"
+                " back to the coordinators meanwhile, or were answered; running the rest",
+                claimed.batch["id"],
+                time.perf_counter() - claimed.claimed_at,
+                len(claimed.to_run) - len(kept),
+                len(claimed.to_run),
+            )
+            claimed.to_run = kept
+            claimed.ack_ids[:] = [i for i in claimed.ack_ids if i not in gone]  # the stage holds this list
+            for i in gone:
+                claimed.linked.pop(i, None)
+                claimed.inboxes.pop(i, None)
 
     def _announce_revoked(self, claimed: ClaimedBatch) -> None:
         """Send task-revoked for the requests of the batch answered REVOKED since it was batched.
@@ -434,6 +472,7 @@ class WorkerRuntime:
         still running there). ``launch``: the batch's launch function, where the caller looked it
         up already."""
         batch, entries = claimed.batch, claimed.entries
+        self._claim_again_if_waited(claimed)
         now = time.time()
         live: list[RequestSlot] = []
         for r in claimed.to_run:

@@ -50,6 +50,7 @@ class Stage:
         self._held: deque[tuple[Callable[[], object], list[str]]] = deque()
         self._started: deque[Callable[[], object]] = deque()
         self._completing = False  # the oldest held job is being completed (out of _started)
+        self._begun = 0  # held jobs, oldest first, that have begun (running, launched, completing)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -75,6 +76,7 @@ class Stage:
         with self._changed:
             self._held.append((completion, ids))
             self._started.append(completion)
+            self._begun = len(self._held)  # every job before it had begun: it starts only then
             self._changed.notify_all()
 
     def wait_for_room(self, timeout_s: float | None = None) -> bool:
@@ -91,9 +93,16 @@ class Stage:
         return len(self._held)
 
     def pending_ids(self) -> list[str]:
-        """The ids of every job held, running or waiting: the heartbeat renews their leases."""
+        """The ids of every job held, running or waiting."""
         with self._changed:
             return [i for _, ids in self._held for i in ids]
+
+    def begun_ids(self) -> list[str]:
+        """The ids of the jobs held that have begun (running, launched or being completed): the
+        heartbeat renews their leases, not those of a job still waiting, so that a job waiting
+        behind a long or hung one runs out of its leases and its requests go to another worker."""
+        with self._changed:
+            return [i for _, ids in list(self._held)[: self._begun] for i in ids]
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for every job held to finish; False if they did not within ``timeout_s``."""
@@ -107,6 +116,8 @@ class Stage:
                     self._changed.wait()
                 started = len(self._started)
                 job = self._held[started][0] if started < min(self.ahead, len(self._held)) else None
+                if job is not None:
+                    self._begun = started + 1
                 completion = None
                 if job is None:  # nothing more may start now: complete the oldest started job
                     completion = self._started.popleft()
@@ -131,6 +142,7 @@ class Stage:
             if not callable(outcome):
                 with self._changed:
                     del self._held[index]
+                    self._begun -= 1
                     self._completing = False
                     self._changed.notify_all()
         return outcome

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 from carpool import batched
@@ -60,6 +61,13 @@ def slopes(xs: list[float]) -> list[float]:
     (x**3).sum().backward()  # type: ignore[no-untyped-call]
     assert x.grad is not None
     return [float(g) for g in x.grad]
+
+
+@batched(length=lambda item: 1, max_batch=4)
+def naps(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sleeps the longest ``s`` of its batch: a slow batch, for what waits behind it."""
+    time.sleep(max(item["s"] for item in items))
+    return [{"tag": item["tag"], "pid": os.getpid()} for item in items]
 
 
 @batched(length=len)

@@ -3,11 +3,14 @@ workers, and infer served beside them."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
+import redis
 
-from tests.integration.conftest import Processes, start_stack
+from carpool.redis_edge.keys import REJECTED_WRITES, Keys
+from tests.integration.conftest import Processes, server_of, start_stack, wait_for
 
 IMPORTS = "tests.integration.batched_tasks"
 BINS = {(1, 4), (5, 16), (17, 10**9)}
@@ -150,6 +153,43 @@ def test_two_deployments_with_their_own_request_queues_share_one_redis_database(
         outs = [r.get(timeout=60) for r in results]
         assert [o["out"] for o in outs] == [f"{queue}-{i}".upper() for i in range(10)]
         assert {o["pid"] for o in outs} == {workers[queue].pid}, "each deployment's own worker"
+
+
+def test_a_batch_waiting_behind_a_slow_one_goes_to_an_idle_worker(processes: Processes) -> None:
+    """The heartbeat renewed the leases of a batch waiting in the device stage behind a slow (or
+    hung) one: an idle worker never got it, and its expires= never fired (found by the review of
+    slow work). Now they run out, its requests go to the idle worker, and the first worker, once
+    its slow batch ends, claims the waiting one again and runs none of them twice."""
+    import carpool
+    from tests.integration import batched_tasks as t
+
+    env: dict[str, Any] = {
+        "CARPOOL_IMPORTS": IMPORTS,
+        "CARPOOL_MODEL": "toy",
+        "CARPOOL_RECOVERY_TIMEOUT_S": "3",
+    }
+    start_stack(processes, **env)
+    first = processes.procs["worker0"]
+    assert carpool.gather(carpool.submit_many([{"tag": "w", "s": 0.01}] * 4, task=t.naps), timeout=60)
+    slow = [{"tag": f"A{i}", "s": 20} for i in range(4)]
+    quick = [{"tag": f"B{i}", "s": 0.05} for i in range(4)]
+    results = carpool.submit_many(slow + quick, task=t.naps)  # two batches of four, the slow one first
+    time.sleep(1.0)  # both claimed by the first worker: A running, B waiting behind it
+    second = processes.start("worker1", "worker", **env)
+    quick_outs = [r.get(timeout=60) for r in results[4:]]
+    assert [o["tag"] for o in quick_outs] == [q["tag"] for q in quick]
+    assert {o["pid"] for o in quick_outs} == {second.pid}, "the idle worker ran the waiting batch"
+    assert all(not r.ready() for r in results[:4]), "before the slow batch ended"
+    slow_outs = [r.get(timeout=60) for r in results[:4]]
+    assert {o["pid"] for o in slow_outs} == {first.pid}
+    log = wait_for(
+        "the first worker claiming the waiting batch again",
+        lambda: (text := processes.log("worker0")) and "went back to the coordinators" in text and text,
+        timeout_s=30,
+    )
+    assert "4 of its 4 requests to run went back" in log, log
+    client = redis.Redis(port=server_of(processes).port)
+    assert int(client.hget(Keys("carpool.requests").stats, REJECTED_WRITES) or 0) == 0, "none ran twice"
 
 
 _SEND_BY_NAME = """
