@@ -143,12 +143,12 @@ def described(exc: BaseException) -> str:
 
 def stops_the_process(raised: BaseException) -> bool:
     """Whether ``raised``, out of a user's model, task or length function, must go on up and stop
-    the process: Ctrl-C, a generator closing, and Celery's WorkerShutdown / WorkerTerminate (the
-    worker stopping; subclasses of SystemExit). Anything else fails only the items it was raised
-    for: a plain ``sys.exit()`` or an ``asyncio.CancelledError`` out of a function's
-    ``asyncio.run`` must not stop a coordinator or worker, and then the next one its requests
-    reach through lease recovery."""
-    if isinstance(raised, KeyboardInterrupt | GeneratorExit):
+    the process: Ctrl-C, and Celery's WorkerShutdown / WorkerTerminate (the worker stopping;
+    subclasses of SystemExit). Anything else fails only the items it was raised for: a plain
+    ``sys.exit()``, an ``asyncio.CancelledError`` out of a function's ``asyncio.run`` or a
+    ``GeneratorExit`` (carpool closes no generator of a user's) must not stop a coordinator or
+    worker, and then the next one its requests reach through lease recovery."""
+    if isinstance(raised, KeyboardInterrupt):
         return True
     return isinstance(raised, SystemExit) and type(raised) is not SystemExit
 

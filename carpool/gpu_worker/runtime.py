@@ -166,7 +166,11 @@ class WorkerRuntime:
         if self.settings.overlap_finish:
             self._finisher = Finisher()
         if self.settings.overlap_device:
-            self._stage = DeviceStage(launches=self._launches())
+            # A batch is launched behind another only within a quarter lease of the oldest one's
+            # start: behind a slow or hung batch it would be held, leased, with it.
+            self._stage = DeviceStage(
+                launches=self._launches(), launch_ahead_for_s=self.settings.recovery_timeout_s / 4
+            )
             # A device thread waking from its batch waits for the GIL at most this long (Python's
             # default interval is longer than a fast device's batch).
             sys.setswitchinterval(DEVICE_SWITCH_INTERVAL_S)

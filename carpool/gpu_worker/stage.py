@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -36,7 +37,9 @@ class Stage:
     the device.
     """
 
-    def __init__(self, name: str, depth: int, failure: str, ahead: int = 1) -> None:
+    def __init__(
+        self, name: str, depth: int, failure: str, ahead: int = 1, launch_ahead_for_s: float | None = None
+    ) -> None:
         if depth < 1:
             raise ValueError("depth must be an integer >= 1")
         if not 1 <= ahead <= depth:
@@ -51,6 +54,10 @@ class Stage:
         self._started: deque[Callable[[], object]] = deque()
         self._completing = False  # the oldest held job is being completed (out of _started)
         self._begun = 0  # held jobs, oldest first, that have begun (running, launched, completing)
+        self._began: deque[float] = deque()  # when each of those began (monotonic), oldest first
+        # A job is started ahead of another only while the oldest begun one has run at most this
+        # long: one started behind a slow or hung job would be held (and leased) with it.
+        self._launch_ahead_for_s = launch_ahead_for_s
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -68,7 +75,13 @@ class Stage:
         True (by :meth:`add_started`): it alone adds jobs, and this thread starts none meanwhile."""
         with self._changed:
             waiting = len(self._held) - len(self._started) - int(self._completing)
-            return waiting == 0 and len(self._started) < self.ahead and len(self._held) < self.depth
+            room = waiting == 0 and len(self._started) < self.ahead and len(self._held) < self.depth
+            return room and not (self._begun and self._running_long())
+
+    def _running_long(self) -> bool:
+        """Whether the oldest begun job has run past ``launch_ahead_for_s`` (call under the lock)."""
+        limit = self._launch_ahead_for_s
+        return limit is not None and bool(self._began) and time.monotonic() - self._began[0] > limit
 
     def add_started(self, completion: Callable[[], object], ids: list[str]) -> None:
         """Hold a job that the submitting thread started itself after :meth:`may_start_here`; this
@@ -77,6 +90,7 @@ class Stage:
             self._held.append((completion, ids))
             self._started.append(completion)
             self._begun = len(self._held)  # every job before it had begun: it starts only then
+            self._began.append(time.monotonic())
             self._changed.notify_all()
 
     def wait_for_room(self, timeout_s: float | None = None) -> bool:
@@ -116,8 +130,11 @@ class Stage:
                     self._changed.wait()
                 started = len(self._started)
                 job = self._held[started][0] if started < min(self.ahead, len(self._held)) else None
+                if job is not None and started and self._running_long():
+                    job = None  # not behind a slow one: it waits, unleased, to go elsewhere
                 if job is not None:
                     self._begun = started + 1
+                    self._began.append(time.monotonic())
                 completion = None
                 if job is None:  # nothing more may start now: complete the oldest started job
                     completion = self._started.popleft()
@@ -142,6 +159,7 @@ class Stage:
             if not callable(outcome):
                 with self._changed:
                     del self._held[index]
+                    del self._began[index]
                     self._begun -= 1
                     self._completing = False
                     self._changed.notify_all()
@@ -164,6 +182,12 @@ class DeviceStage(Stage):
     device (``launches``): two started, the second queued on the device behind the first, and one
     waiting, so the next batch is claimed while the thread collects the oldest."""
 
-    def __init__(self, launches: bool = False) -> None:
+    def __init__(self, launches: bool = False, launch_ahead_for_s: float | None = None) -> None:
         depth, ahead = (3, 2) if launches else (2, 1)
-        super().__init__("carpool-device", depth=depth, failure="running a batch", ahead=ahead)
+        super().__init__(
+            "carpool-device",
+            depth=depth,
+            failure="running a batch",
+            ahead=ahead,
+            launch_ahead_for_s=launch_ahead_for_s,
+        )

@@ -535,7 +535,9 @@ class _OwnBaseException(BaseException):
     """A library's own BaseException subclass, as some define for "stop now"."""
 
 
-@pytest.mark.parametrize("raised", [asyncio.CancelledError(), _OwnBaseException("give up")])
+@pytest.mark.parametrize(
+    "raised", [asyncio.CancelledError(), _OwnBaseException("give up"), GeneratorExit("from a library")]
+)
 def test_a_base_exception_in_a_batch_function_fails_its_items_and_ctrl_c_passes_through(
     raised: BaseException,
 ) -> None:

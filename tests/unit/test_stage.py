@@ -137,6 +137,34 @@ def test_an_asynchronous_device_stage_starts_the_next_batch_before_completing_th
     assert log == ["start k", "start k+1", "complete k", "start k+2", "complete k+1", "complete k+2"]
 
 
+def test_no_batch_is_launched_behind_one_that_has_run_long_so_it_can_go_elsewhere() -> None:
+    """Launched behind a slow or hung batch, a batch was held and leased with it: an idle worker
+    never got it (found by the review of this change). It now waits unlaunched, unleased."""
+    stage = DeviceStage(launches=True, launch_ahead_for_s=0.2)
+    log: list[str] = []
+    done = threading.Event()
+
+    def slow() -> Callable[[], None]:
+        log.append("start slow")
+
+        def complete() -> None:
+            done.wait(HANG_S)
+            log.append("complete slow")
+
+        return complete
+
+    stage.add_started(slow(), ["a"])
+    assert stage.may_start_here(), "a fresh batch: the next may be launched behind it"
+    time.sleep(0.3)
+    assert not stage.may_start_here(), "not behind one running past a quarter lease"
+    stage.submit(launching("next", log), ["b"])
+    time.sleep(0.1)
+    assert stage.begun_ids() == ["a"] and log == ["start slow"], "the next waits, unlaunched"
+    done.set()
+    assert stage.drain(HANG_S) and log == ["start slow", "complete slow", "start next", "complete next"]
+    assert stage.begun_ids() == [] and stage.may_start_here()
+
+
 def test_a_lone_started_batch_is_completed_without_waiting_for_another() -> None:
     stage = DeviceStage(launches=True)
     log: list[str] = []
