@@ -26,8 +26,7 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 
 def batch_queue_for(request_queue: str) -> str:
     """The batch queue a deployment with ``request_queue`` uses unless CARPOOL_BATCH_QUEUE says."""
-    name = request_queue.removesuffix(".requests") if request_queue.endswith(".requests") else request_queue
-    return f"{name}.batches"
+    return f"{request_queue.removesuffix('.requests')}.batches"
 
 
 class Settings(BaseSettings):

@@ -254,11 +254,9 @@ def _run_alone(spec: BatchedSpec, item: Any) -> Any:
         (out,) = one_per_item(spec.fn([item]), 1)
     except OutputCountMismatch as exc:
         raise ModelError(described(exc)) from None
-    except Exception:
-        raise
     except BaseException as raised:  # sys.exit() or CancelledError: its item's failure, as on a worker
-        if stops_the_process(raised):
-            raise
+        if isinstance(raised, Exception) or stops_the_process(raised):
+            raise  # an Exception propagates as raised, as Celery's eager apply stores it
         raise user_failure(raised) from None
     [(ok, value)] = storable(spec.name, [(True, out)], settings.result_serializer)
     if not ok:

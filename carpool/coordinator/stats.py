@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from carpool.redis_edge import lua
+from carpool.redis_edge import lua, reply_text
 from carpool.redis_edge.keys import SERVES_FIELD, Keys
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,6 @@ def serving(default_model: str, models: Iterable[str], tasks: Iterable[str]) -> 
     """What a coordinator serves, as one comparable text: peers that differ answer a request
     differently (another default model) or refuse it (a task or model only some serve)."""
     return f"model={default_model} models={','.join(sorted(models))} tasks={','.join(sorted(tasks))}"
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 @dataclass(slots=True)
@@ -143,8 +139,8 @@ class StatsWriter:
         """The live coordinators of this request queue that serve otherwise than this one, and
         what they serve: the same request is then answered by another model's default, or refused
         by some of them only."""
-        peers = [name for name in map(_text, self.client.zrange(self.keys.coordinators, 0, -1))]
-        peers = [name for name in peers if name != self.hostname]
+        listed = map(reply_text, self.client.zrange(self.keys.coordinators, 0, -1))
+        peers = [name for name in listed if name != self.hostname]
         if not peers:
             return {}
         with self.client.pipeline(transaction=False) as pipe:
@@ -152,9 +148,9 @@ class StatsWriter:
                 pipe.hget(self.keys.gauges_of(name), SERVES_FIELD)
             found = pipe.execute()
         return {
-            name: _text(serves)
+            name: reply_text(serves)
             for name, serves in zip(peers, found, strict=True)
-            if serves is not None and _text(serves) != self.serves
+            if serves is not None and reply_text(serves) != self.serves
         }
 
     def leave(self) -> None:

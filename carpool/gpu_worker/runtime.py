@@ -205,7 +205,7 @@ class WorkerRuntime:
         """Let the batches claimed run and their results be stored, then leave: Celery's warm
         shutdown, which waits for the task it runs however long, and leaves a limit to the
         supervisor (compose's ``stop_grace_period``, then SIGKILL and lease recovery). The heartbeat
-        renews their leases meanwhile; a batch given up after 30 s ran again on another worker."""
+        renews the running batches' leases meanwhile."""
         for stage, what in ((self._stage, "batches on the device"), (self._finisher, "batches' results")):
             while stage is not None and not stage.drain(SHUTDOWN_REPORT_S):
                 log.info("stopping once %d %s are done", stage.held(), what)
@@ -417,9 +417,6 @@ class WorkerRuntime:
             )
             claimed.to_run = kept
             claimed.ack_ids[:] = [i for i in claimed.ack_ids if i not in gone]  # the stage holds this list
-            for i in gone:
-                claimed.linked.pop(i, None)
-                claimed.inboxes.pop(i, None)
 
     def _announce_revoked(self, claimed: ClaimedBatch) -> None:
         """Send task-revoked for the requests of the batch answered REVOKED since it was batched.

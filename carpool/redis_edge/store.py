@@ -26,7 +26,7 @@ import orjson
 import redis
 
 from carpool.errors import ConfigError
-from carpool.redis_edge import lua
+from carpool.redis_edge import lua, reply_text
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.replication import fence, script_then_wait
 
@@ -377,7 +377,7 @@ class RequestStore:
         found: list[tuple[bytes, float]] = self.client.zrangebyscore(  # type: ignore[assignment]  # redis-py's union of replies
             self.keys.revoked, low, "+inf", withscores=True
         )
-        return [(_text(request_id), float(at)) for request_id, at in found]
+        return [(reply_text(request_id), float(at)) for request_id, at in found]
 
     def pop_reports(self, coordinator: str, count: int = 1000) -> list[dict[str, Any]]:
         raw = self.client.rpop(self.keys.reports_for(coordinator), count)
@@ -447,9 +447,5 @@ def dead_letter_reason(reason: str, raw: bytes) -> str:
 
 def _taken(reply: Any) -> Taken:
     flat, raw_reports = reply
-    taken = [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+    taken = [(reply_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
     return taken, [json.loads(r) for r in raw_reports]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

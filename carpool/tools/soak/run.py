@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from carpool.redis_edge import reply_text
 from carpool.tools.arrivals import poisson_times
 from carpool.tools.soak.chaos import Sampler, Stack, fault_plan
 from carpool.tools.soak.config import SoakConfig
@@ -149,7 +150,7 @@ def _leftovers(stack: Stack) -> dict[str, Any]:
     client = stack.client()
     try:
         raw = client.hgetall(stack.keys.stats)
-        stats = {_text(k): int(float(v)) for k, v in raw.items()}
+        stats = {reply_text(k): int(float(v)) for k, v in raw.items()}
         with client.pipeline(transaction=False) as pipe:
             for key in stack.keys.request_lists:
                 pipe.llen(key)
@@ -159,7 +160,3 @@ def _leftovers(stack: Stack) -> dict[str, Any]:
         return {"stats": stats, "queued": sum(queued), "in_flight": in_flight, "dead_letter": dead}
     finally:
         client.close()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

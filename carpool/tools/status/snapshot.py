@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 
+from carpool.redis_edge import reply_text
 from carpool.redis_edge.connect import client_for
 from carpool.redis_edge.keys import PRIORITY_SEP, SERVES_FIELD, Keys
 from carpool.redis_edge.socket_options import client_options
@@ -118,7 +119,7 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         pipe.zrange(keys.coordinators, 0, -1)
         (secs, micros), listed = pipe.execute()
     now_ms = int(secs) * 1000 + int(micros) // 1000
-    names = [_text(c) for c in listed]
+    names = [reply_text(c) for c in listed]
     lists = keys.request_lists
     with client.pipeline(transaction=False) as pipe:
         for name in lists:
@@ -141,14 +142,14 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
     for name, raw_gauges in zip(names, replies[n + 4 :], strict=True):
         if raw_gauges:  # an expired coordinator's hash is gone
             live.append(name)
-            gauges = {_text(k): v for k, v in raw_gauges.items()}
+            gauges = {reply_text(k): v for k, v in raw_gauges.items()}
             if SERVES_FIELD in gauges:
-                serves[name] = _text(gauges.pop(SERVES_FIELD))
+                serves[name] = reply_text(gauges.pop(SERVES_FIELD))
             for key in [k for k in gauges if k.startswith("task:")]:
-                tasks[key[len("task:") :]] = _text(gauges.pop(key))
+                tasks[key[len("task:") :]] = reply_text(gauges.pop(key))
             for key in [k for k in gauges if k.startswith("span:")]:
                 model, sep, label = key[len("span:") :].rpartition(":")
-                span = _text(gauges.pop(key))
+                span = reply_text(gauges.pop(key))
                 if sep:
                     spans.setdefault((model, label), set()).add(span)
             for key, value in _numbers(gauges).items():
@@ -157,7 +158,7 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         taken_at=time.monotonic(),
         redis_time=now_ms / 1000,
         queued=queued,
-        workers=sorted(_text(w) for w in workers),
+        workers=sorted(reply_text(w) for w in workers),
         in_flight=int(in_flight),
         dead_letter=int(dead),
         stats=stats,
@@ -177,14 +178,10 @@ def _numbers(raw: dict[Any, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for k, v in raw.items():
         try:
-            out[_text(k)] = float(v)
+            out[reply_text(k)] = float(v)
         except ValueError:
             continue
     return out
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
