@@ -17,6 +17,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from celery.platforms import EX_FAILURE
+from celery.worker import state as worker_state
+
 log = logging.getLogger(__name__)
 
 FINISHER_DEPTH = 3  # batches whose results are being stored or wait to be
@@ -155,11 +158,26 @@ class Stage:
             outcome = call()
         except Exception:
             log.exception("%s failed; its requests return through lease recovery", self._failure)
+        except BaseException:
+            # Ctrl-C or Celery's shutdown raised on this thread (by user code) would end the thread
+            # alone, and the worker, still heartbeating, would wait on it for ever: it stops instead.
+            log.critical(
+                "%s raised what stops the worker; its requests return through lease recovery, and"
+                " the worker stops (exit status %d)",
+                self._failure,
+                EX_FAILURE,
+                exc_info=True,
+            )
+            worker_state.should_stop = EX_FAILURE
         finally:
             if not callable(outcome):
                 with self._changed:
                     del self._held[index]
                     del self._began[index]
+                    if index == 0 and self._began:
+                        # Queued on the device behind the job that just ended, the next oldest
+                        # starts running only now.
+                        self._began[0] = time.monotonic()
                     self._begun -= 1
                     self._completing = False
                     self._changed.notify_all()

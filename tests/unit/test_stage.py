@@ -165,6 +165,50 @@ def test_no_batch_is_launched_behind_one_that_has_run_long_so_it_can_go_elsewher
     assert stage.begun_ids() == [] and stage.may_start_here()
 
 
+def test_a_batch_queued_behind_a_slow_one_counts_its_run_from_when_that_one_ended() -> None:
+    """Its start time was its launch, long before it ran: the next batch waited for its collection
+    instead of being launched behind it (found by the review of the mends)."""
+    stage = DeviceStage(launches=True, launch_ahead_for_s=0.2)
+    log: list[str] = []
+
+    def slow_completion() -> None:
+        time.sleep(0.4)  # past launch_ahead_for_s
+        log.append("complete A")
+
+    log.append("start A")
+    stage.add_started(slow_completion, ["a"])
+    assert stage.may_start_here()
+    complete_b = launching("B", log)()  # launched behind A while A is fresh
+    assert callable(complete_b)
+    stage.add_started(complete_b, ["b"])
+    stage.submit(launching("C", log), ["c"])
+    assert stage.drain(HANG_S)
+    assert log == ["start A", "start B", "complete A", "start C", "complete B", "complete C"], log
+
+
+def test_ctrl_c_or_celerys_shutdown_raised_on_the_stage_thread_stops_the_worker_not_the_thread(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread ended alone, and the worker, still heartbeating, waited on it for ever."""
+    from celery.exceptions import WorkerShutdown
+    from celery.worker import state as worker_state
+
+    monkeypatch.setattr(worker_state, "should_stop", None)
+    stage = DeviceStage()
+    ran: list[str] = []
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    def shut_down() -> None:
+        raise WorkerShutdown(0)
+
+    for job in (interrupted, shut_down, lambda: ran.append("next")):
+        stage.submit(job, ["x"])
+    assert stage.drain(HANG_S) and ran == ["next"], "the stage thread runs on"
+    assert worker_state.should_stop == 1 and caplog.text.count("raised what stops the worker") == 2
+
+
 def test_a_lone_started_batch_is_completed_without_waiting_for_another() -> None:
     stage = DeviceStage(launches=True)
     log: list[str] = []
