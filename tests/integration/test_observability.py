@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -234,11 +235,23 @@ def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **l
 
 
 def test_prometheus_metrics_add_up(processes: Processes) -> None:
+    from carpool.tasks import infer
+
     port = free_port()
     start_stack(processes, CARPOOL_METRICS_PORT=str(port), **TOY)
     wait_for("metrics endpoint", lambda: scrape(port), timeout_s=30)
     texts = mixed_texts(300, seed=5)
-    send_and_get(texts)
+    # The worker paused, the requests wait in their bins for a stats write to see: a burst served
+    # between two writes (every 0.25 s) left the depth gauges without a label.
+    worker = processes.procs["worker0"]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        sent = [infer.delay(t, model="toy") for t in texts]
+        wait_for("requests waiting in their bins", lambda: total(scrape(port), "carpool_queue_depth") > 0)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    for result in sent:
+        result.get(timeout=120)
     send_bad_request()
 
     def settled() -> dict[str, list[tuple[dict[str, str], float]]]:
