@@ -153,7 +153,7 @@ def stops_the_process(raised: BaseException) -> bool:
     return isinstance(raised, SystemExit) and type(raised) is not SystemExit
 
 
-def user_failure(raised: BaseException, what: str = "the batch function") -> Exception:
+def user_failure(raised: BaseException) -> Exception:
     """The failure that ``raised`` (not one that :func:`stops_the_process`) stands for: an
     Exception as it is; ``sys.exit()`` and another BaseException as a ModelError saying what to do
     instead (Celery stores and raises Exceptions)."""
@@ -164,6 +164,6 @@ def user_failure(raised: BaseException, what: str = "the batch function") -> Exc
     else:
         happened = f"raised {described(raised)}, a BaseException that is not an Exception"
     return ModelError(
-        f"{what} {happened}; raise an Exception for the items that cannot be run instead, and the"
+        f"the batch function {happened}; raise an Exception for the items that cannot be run instead, and the"
         " others run on"
     )

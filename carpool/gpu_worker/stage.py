@@ -56,8 +56,9 @@ class Stage:
         self._held: deque[tuple[Callable[[], object], list[str]]] = deque()
         self._started: deque[Callable[[], object]] = deque()
         self._completing = False  # the oldest held job is being completed (out of _started)
-        self._begun = 0  # held jobs, oldest first, that have begun (running, launched, completing)
-        self._began: deque[float] = deque()  # when each of those began (monotonic), oldest first
+        # When each held job that has begun (running, launched, completing) began (monotonic): the
+        # begun jobs are the oldest held, as many as this holds.
+        self._began: deque[float] = deque()
         # A job is started ahead of another only while the oldest begun one has run at most this
         # long: one started behind a slow or hung job would be held (and leased) with it.
         self._launch_ahead_for_s = launch_ahead_for_s
@@ -79,7 +80,7 @@ class Stage:
         with self._changed:
             waiting = len(self._held) - len(self._started) - int(self._completing)
             room = waiting == 0 and len(self._started) < self.ahead and len(self._held) < self.depth
-            return room and not (self._begun and self._running_long())
+            return room and not self._running_long()
 
     def _running_long(self) -> bool:
         """Whether the oldest begun job has run past ``launch_ahead_for_s`` (call under the lock)."""
@@ -92,8 +93,7 @@ class Stage:
         with self._changed:
             self._held.append((completion, ids))
             self._started.append(completion)
-            self._begun = len(self._held)  # every job before it had begun: it starts only then
-            self._began.append(time.monotonic())
+            self._began.append(time.monotonic())  # every job before it had begun: it starts only then
             self._changed.notify_all()
 
     def wait_for_room(self, timeout_s: float | None = None) -> bool:
@@ -119,7 +119,7 @@ class Stage:
         heartbeat renews their leases, not those of a job still waiting, so that a job waiting
         behind a long or hung one runs out of its leases and its requests go to another worker."""
         with self._changed:
-            return [i for _, ids in list(self._held)[: self._begun] for i in ids]
+            return [i for _, ids in list(self._held)[: len(self._began)] for i in ids]
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for every job held to finish; False if they did not within ``timeout_s``."""
@@ -136,7 +136,6 @@ class Stage:
                 if job is not None and started and self._running_long():
                     job = None  # not behind a slow one: it waits, unleased, to go elsewhere
                 if job is not None:
-                    self._begun = started + 1
                     self._began.append(time.monotonic())
                 completion = None
                 if job is None:  # nothing more may start now: complete the oldest started job
@@ -178,7 +177,6 @@ class Stage:
                         # Queued on the device behind the job that just ended, the next oldest
                         # starts running only now.
                         self._began[0] = time.monotonic()
-                    self._begun -= 1
                     self._completing = False
                     self._changed.notify_all()
         return outcome
