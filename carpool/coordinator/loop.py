@@ -67,7 +67,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STATS_INTERVAL_S = 0.25  # how often counters reach Redis for `carpool status` and the demo
-PEER_CHECK_S = 10.0  # how often a coordinator compares what it serves with its live peers
+# How often a coordinator compares what it serves with its live peers, and its batch queues with
+# those the live workers consume.
+PEER_CHECK_S = 10.0
 
 
 # A take made ahead of the step that uses it: how many requests it asked for, and what it got.
@@ -135,15 +137,19 @@ class Coordinator:
         self._next_housekeeping = 0.0
         self._next_renewal = 0.0
         self._next_stats = 0.0
+        # The batch queues this coordinator dispatches to: each task's own, else the deployment's.
+        self.batch_queues = sorted({s.batch_queue or settings.batch_queue for s in self.task_of_key.values()})
         self._stats_writer = StatsWriter(
             self.client,
             self.keys,
             self.hostname,
             self.wall,
             serving(settings.model, settings.served_models, self.specs),
+            self.batch_queues,
         )
         self._next_peer_check = 0.0
         self._peers_told: set[tuple[str, str]] = set()
+        self._unserved_told: set[str] = set()  # batch queues said to have no worker, until one comes
         self._wait_lists = {
             WaitFor.REPORTS: self.keys.reports_for(self.hostname),
             WaitFor.REQUESTS: self.keys.request_queue,
@@ -386,6 +392,7 @@ class Coordinator:
         if now >= self._next_peer_check:
             self._next_peer_check = now + PEER_CHECK_S
             self._check_peers()
+            self._check_batch_queues()
 
     def _check_peers(self) -> None:
         """Log an error, once per peer and setting, for a live coordinator of this request queue
@@ -407,6 +414,43 @@ class Coordinator:
                     self._stats_writer.serves,
                     self.settings.request_queue,
                 )
+
+    def _check_batch_queues(self) -> None:
+        """Log an error, once until a worker comes, for a batch queue that this coordinator's
+        outstanding batches wait on and no live worker consumes (a dedicated worker down, a
+        ``@batched(batch_queue=...)`` nobody serves): its requests would wait there, unanswered,
+        with nothing said. Also sets each batch queue's worker count in the metrics."""
+        try:
+            found = self.store.batch_queue_workers()
+        except redis.RedisError as exc:
+            if refused_by_acl(exc):
+                raise  # rules older than this release: the step stops the coordinator, saying so
+            return  # the next check, once Redis answers
+        for queue in self.batch_queues:
+            self.metrics.batch_queue_workers.labels(queue).set(len(found.by_queue.get(queue, ())))
+        unserved = set(found.unserved(self.batch_queues))
+        for queue in sorted(self._unserved_told - unserved):
+            self._unserved_told.discard(queue)
+            log.info("batch queue %s has a worker again", queue)
+        waiting: dict[str, set[str]] = {}
+        for out in self.outstanding.values():
+            queue = self.publisher.queue_of(out.model)
+            if queue in unserved:
+                waiting.setdefault(queue, set()).add(self.task_name(out.model))
+        consumed = ", ".join(sorted(found.by_queue))
+        for queue, tasks in sorted(waiting.items()):
+            if queue in self._unserved_told:
+                continue
+            self._unserved_told.add(queue)
+            log.error(
+                "batches of %s wait on batch queue %s, which no live worker consumes (%s): start a"
+                " worker that serves %s, or route its batches to a queue one consumes"
+                " (@batched(batch_queue=...))",
+                ", ".join(sorted(tasks)),
+                queue,
+                f"the live ones consume {consumed}" if consumed else "no worker is live",
+                " and ".join(sorted(tasks)),
+            )
 
     def _wait(self, wait: Wait) -> _Take | None:
         """Sleep ``wait.seconds``, or less if its list gets an element first, in Redis

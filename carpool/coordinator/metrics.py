@@ -90,6 +90,13 @@ class CoordinatorMetrics:
             "carpool_failures", "Requests that failed, by reason.", ["reason"], registry=r
         )
         self.workers = Gauge("carpool_workers", "Workers with a live heartbeat.", registry=r)
+        self.batch_queue_workers = Gauge(
+            "carpool_batch_queue_workers",
+            "Live workers consuming each batch queue this coordinator dispatches to (0: its batches"
+            " wait unserved), as their heartbeats say; read every 10 s.",
+            ["queue"],
+            registry=r,
+        )
         self._depth_keys: set[tuple[str, str]] = set()
 
     def serve(self, port: int) -> None:

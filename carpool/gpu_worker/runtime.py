@@ -177,7 +177,12 @@ class WorkerRuntime:
         self.events.start()
         self._learn_revokes()
         collector.freeze_startup()  # the models and Celery's worker, out of every later collection
-        self._beat()
+        try:
+            self._beat()
+        except redis.ResponseError as exc:
+            if refused_by_acl(exc):  # rules older than this release's heartbeat: say what to run
+                raise acl_refusal("worker", self.store.client, exc) from exc
+            raise
         self._thread = threading.Thread(target=self._heartbeat_loop, name="carpool-heartbeat", daemon=True)
         self._thread.start()
 
@@ -215,7 +220,8 @@ class WorkerRuntime:
             self.store.leave(self.hostname)
 
     def _beat(self) -> None:
-        self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S)
+        # With the batch queues it consumes: coordinators and `carpool status` say when none does.
+        self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S, self.batch_lists)
         # Keep the leases of every batch running or having its results stored alive: a batch longer
         # than the lease is not a dead worker. One waiting behind it is not renewed: it is claimed
         # again when it starts (:meth:`_claim_again_if_waited`).

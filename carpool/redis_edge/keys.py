@@ -26,6 +26,7 @@ REJECTED_WRITES = "rejected_writes"
 
 
 SERVES_FIELD = "serves"  # the field of a coordinator's gauges saying what it serves (not a number)
+BATCH_QUEUES_FIELD = "batch_queues"  # the field of its gauges naming its batch queues (a JSON list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,12 @@ class Keys:
     def workers(self) -> str:
         """ZSET worker hostname -> heartbeat expiry (ms, Redis clock)."""
         return f"{self._base}:workers"
+
+    @property
+    def worker_queues(self) -> str:
+        """HASH worker hostname -> the batch queues it consumes (a JSON list), written with its
+        heartbeat; a worker whose heartbeat expired has its field dropped by the next heartbeat."""
+        return f"{self._base}:workers:queues"
 
     @property
     def stats(self) -> str:

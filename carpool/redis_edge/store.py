@@ -55,6 +55,41 @@ class ResultWrites:
     inbox_prefix: bytes | str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Consumers:
+    """The batch queues live workers consume, as their heartbeats say: queue -> hostnames, and the
+    live workers that did not say (a release before the heartbeat carried its queues)."""
+
+    by_queue: dict[str, list[str]]
+    unknown: list[str]
+
+    def unserved(self, queues: Sequence[str]) -> list[str]:
+        """Those of ``queues`` no live worker consumes; none while a live worker's queues are unknown
+        (it may consume any of them)."""
+        if self.unknown:
+            return []
+        return [queue for queue in queues if not self.by_queue.get(queue)]
+
+
+def consumers(live: Sequence[str], declared: dict[Any, Any]) -> Consumers:
+    """:class:`Consumers` of the ``live`` workers from the worker queues hash ``declared`` (raw
+    replies); a value that is not a JSON list of names counts as unknown."""
+    queues = {reply_text(k): v for k, v in declared.items()}
+    by_queue: dict[str, list[str]] = {}
+    unknown = []
+    for hostname in sorted(live):
+        try:
+            names = json.loads(queues[hostname])
+        except (KeyError, ValueError):
+            names = None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            unknown.append(hostname)
+            continue
+        for name in names:
+            by_queue.setdefault(name, []).append(hostname)
+    return Consumers(by_queue, unknown)
+
+
 def finish_call(
     writes: ResultWrites,
     *,
@@ -350,14 +385,33 @@ class RequestStore:
             pipe.hdel(self.keys.inflight_claimed, *ids)
             pipe.hdel(self.keys.inflight_origin, *ids)
 
-    def heartbeat(self, hostname: str, ttl_s: float) -> int:
-        return int(self._heartbeat(keys=[self.keys.workers], args=[hostname, int(ttl_s * 1000)]))
+    def heartbeat(self, hostname: str, ttl_s: float, batch_queues: Sequence[str] | None = None) -> int:
+        """Announce ``hostname`` for ``ttl_s`` (with the batch queues it consumes, when given, which
+        also drops those of workers gone silent); returns how many workers are live."""
+        keys, args = [self.keys.workers], [hostname, str(int(ttl_s * 1000))]
+        if batch_queues is not None:
+            keys.append(self.keys.worker_queues)
+            args.append(json.dumps(list(batch_queues)))
+        return int(self._heartbeat(keys=keys, args=args))
 
     def live_workers(self) -> int:
         return int(self._heartbeat(keys=[self.keys.workers], args=["", 0]))
 
+    def batch_queue_workers(self) -> Consumers:
+        """Which live workers consume which batch queues, as their heartbeats say."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.zrange(self.keys.workers, 0, -1, withscores=True)
+            pipe.hgetall(self.keys.worker_queues)
+            (secs, micros), scored, declared = pipe.execute()
+        now_ms = int(secs) * 1000 + int(micros) // 1000
+        return consumers([reply_text(name) for name, expiry in scored if expiry > now_ms], declared)
+
     def leave(self, hostname: str) -> None:
-        self.client.zrem(self.keys.workers, hostname)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.workers, hostname)
+            pipe.hdel(self.keys.worker_queues, hostname)
+            pipe.execute()
 
     def remember_revoked(self, ids: Sequence[str], now_s: float, keep_s: float, keep: int) -> None:
         """Record ``ids`` as revoked at ``now_s`` (wall clock; an id recorded already keeps its

@@ -233,6 +233,11 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             ),
             Grant("push batches to the workers' queues", ("lpush",), _exact(batch_queues)),
             Grant(
+                "read which batch queues the live workers consume, to say when none consumes one",
+                ("zrange", "hgetall"),
+                _exact([keys.workers, keys.worker_queues], "%R~"),
+            ),
+            Grant(
                 "write its gauges, which expire unless rewritten, and list itself as their writer; read"
                 " what its peers serve, to say when they differ",
                 ("hset", "hget", "expire", "del", "zadd", "zrange", "zrem", "zremrangebyscore"),
@@ -265,7 +270,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 + _commands("time hset hsetnx hget hmget hdel lpush ltrim expire")
                 + _commands("info")  # the server's checks at start: its version, its memory policy
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
-                (*_exact([*inflight, keys.workers]), f"~{reports}"),
+                (*_exact([*inflight, keys.workers, keys.worker_queues]), f"~{reports}"),
             ),
             Grant(
                 "count the results write-once refused (a rerun's), in the stats hash",
@@ -281,7 +286,11 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
                 "the in-flight scripts (claim, finish, renew, heartbeat) and the write-once result store; "
                 "claim counts the batches queued and takes the next",
                 _SCRIPTS,
-                (*_exact([*inflight, keys.workers, *batches]), f"~{reports}", f"~{results}"),
+                (
+                    *_exact([*inflight, keys.workers, keys.worker_queues, *batches]),
+                    f"~{reports}",
+                    f"~{results}",
+                ),
             ),
             Grant(
                 "store results write-once and wake their producers (their result inboxes too); see which"

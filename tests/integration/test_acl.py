@@ -24,6 +24,7 @@ from redis.exceptions import NoPermissionError
 
 from carpool.config import load_settings
 from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.store import RequestStore
 from carpool.tools import acl
 from carpool.tools.embedded import EmbeddedRedis, free_port, redis_server_binary
 from tests.integration.conftest import Processes, server_of, wait_for
@@ -193,6 +194,12 @@ def test_every_role_serves_with_its_own_user(
     seconds, micros = worker.time()
     assert worker.zrangebyscore(KEYS.workers, seconds * 1000 + micros // 1000, "+inf")
     worker.close()
+
+    # Its heartbeat, on its user, names the batch queue it consumes; a coordinator reads that on its own.
+    coordinator = redis.Redis.from_url(url(server, "coordinator", 0))
+    found = RequestStore(coordinator, KEYS, 1).batch_queue_workers()
+    coordinator.close()
+    assert list(found.by_queue) == ["carpool.batches"] and not found.unknown
 
     # Each process really connected as its role (a URL whose user was dropped would run as default).
     connected = {str(c.get("user")) for c in role_users.client_list()}
@@ -468,6 +475,24 @@ def test_a_worker_user_missing_a_command_its_scripts_call_stops_it_saying_what_t
     assert len(results.keys("celery-task-meta-*")) == answered
     assert role_users.hlen(KEYS.inflight_raw) == 1 - answered
     results.close()
+
+
+@pytest.mark.parametrize("role", ["coordinator", "worker"])
+def test_rules_from_before_the_workers_said_their_batch_queues_stop_the_process_saying_what_to_do(
+    role_users: redis.Redis, processes: Processes, role: acl.Role
+) -> None:
+    # Rules of an earlier release lack the worker queues hash, which workers write with their
+    # heartbeat (since 2026-12-06) and coordinators read.
+    queues = KEYS.worker_queues
+    rules = acl.user_rules(acl.role_acls(load_settings())[role], PASSWORDS[role])
+    older = [r.replace(f" ~{queues}", "").replace(f" %R~{queues}", "") for r in rules if r != f"~{queues}"]
+    assert not any(queues in r for r in older)
+    role_users.execute_command("ACL", "SETUSER", user(role), *older)  # type: ignore[no-untyped-call]
+    server = server_of(processes)
+    proc = processes.start(role, role, **TOY, **role_env(server, role))
+    assert proc.wait(timeout=90) == 2, "a ConfigError that says what to run"
+    log = (processes.log_dir / f"{role}.log").read_text(errors="replace")
+    assert "may not run a command carpool calls" in log and f"carpool acl --role {role}" in log, log
 
 
 def test_the_demo_measures_on_a_producers_user_without_the_batch_figures(role_users: redis.Redis) -> None:

@@ -135,6 +135,45 @@ def test_dedicated_workers_run_only_their_tasks(processes: Processes) -> None:
     assert all(s["sum"] == 3 for s in summed) and all(s["out"] == "HEY" for s in shouted)
 
 
+def test_a_batch_queue_no_live_worker_consumes_is_named_until_one_does(processes: Processes) -> None:
+    # Batches of a task whose dedicated worker is down waited on its batch queue, unanswered, and
+    # nothing said so (found by the review of deployments with several parts).
+    import carpool
+    from carpool.tools.status import as_dict, collect
+    from tests.integration import batched_tasks as t
+
+    env: dict[str, Any] = {"CARPOOL_IMPORTS": IMPORTS, "CARPOOL_MODEL": "toy"}
+    processes.start("coordinator", "coordinator", **env)
+    processes.start("texts", "worker", CARPOOL_SERVE_TASKS=f"{IMPORTS}.shout", **env)
+    processes.wait_workers(1)
+    results = carpool.submit_many([{"a": [1], "b": [2]}] * 6, task=t.pair_sum)
+    said = "which no live worker consumes"
+    log = wait_for(
+        "the coordinator naming the queue",
+        lambda: (text := processes.log("coordinator")) and said in text and text,
+        40,
+    )
+    [line] = [line for line in log.splitlines() if said in line]
+    assert "ERROR" in line and "batch queue carpool.batches.pairs" in line and "tests.pairs" in line, line
+    assert "the live ones consume carpool.batches" in line, line
+    client = redis.Redis(port=server_of(processes).port)
+    keys = Keys("carpool.requests")
+    status = as_dict(collect(client, keys), None, keys.request_queue)
+    assert status["batch_queues_unserved"] == ["carpool.batches.pairs"]
+    assert status["batch_queue_workers"] == {"carpool.batches": 1, "carpool.batches.pairs": 0}
+    assert not any(r.ready() for r in results)
+
+    processes.start("pairs", "worker", CARPOOL_SERVE_TASKS="tests.pairs", **env)
+    assert [s["sum"] for s in carpool.gather(results, timeout=60)] == [3] * 6
+    wait_for(
+        "the coordinator saying the queue has a worker again",
+        lambda: "batch queue carpool.batches.pairs has a worker again" in processes.log("coordinator"),
+        40,
+    )
+    assert as_dict(collect(client, keys), None, keys.request_queue)["batch_queues_unserved"] == []
+    assert processes.log("coordinator").count(said) == 1, "said once, not at every check"
+
+
 def test_two_deployments_with_their_own_request_queues_share_one_redis_database(processes: Processes) -> None:
     # With the batch queue left at its default both ran each other's batches, whose requests
     # their workers skipped as belonging elsewhere: not one request of either was answered.

@@ -479,6 +479,32 @@ def test_coordinators_serving_otherwise_are_found_by_each_other_and_by_status(
     assert snap["pending"] == 0  # the text field is no gauge to sum
 
 
+def test_status_names_a_batch_queue_coordinators_send_to_and_no_live_worker_consumes(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    import redis
+
+    from carpool.coordinator.stats import CoordinatorStats, StatsWriter
+    from carpool.redis_edge.keys import Keys
+    from carpool.redis_edge.store import RequestStore
+    from carpool.tools.status import as_dict, collect
+
+    client = redis.Redis(port=clean_redis.port)
+    keys = Keys("carpool.requests")
+    store = RequestStore(client, keys, 1)
+    writer = StatsWriter(client, keys, "c-one", time.time, "", ["big", "carpool.batches"])
+    writer.write(CoordinatorStats(), {}, {"pending": 0})
+    store.heartbeat("w1", 30, ["carpool.batches"])
+    snap = as_dict(collect(client, keys), None, "carpool.requests")
+    assert snap["batch_queue_workers"] == {"big": 0, "carpool.batches": 1}
+    assert snap["batch_queues_unserved"] == ["big"]
+    assert snap["pending"] == 0  # the list of queues is no gauge to sum
+    store.heartbeat("w2", 30, ["big", "other"])  # a queue no coordinator of this deployment sends to
+    snap = as_dict(collect(client, keys), None, "carpool.requests")
+    assert snap["batch_queue_workers"] == {"big": 1, "carpool.batches": 1, "other": 1}
+    assert snap["batch_queues_unserved"] == []
+
+
 def test_two_coordinators_given_different_models_say_so(processes: Processes) -> None:
     """They answered the same text with different models, without a word (found by the review of
     deployments with several parts)."""

@@ -980,3 +980,30 @@ def test_heartbeat_counts_live_workers_and_drops_the_expired(
     assert store.heartbeat("w1", 30) == 1  # beating again does not count twice
     store.leave("w1")
     assert store.live_workers() == 0
+
+
+def test_heartbeats_say_which_batch_queues_the_live_workers_consume(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    store.heartbeat("w1", 30, ["carpool.batches", "big"])
+    store.heartbeat("w2", 0.05, ["big"])
+    found = store.batch_queue_workers()
+    assert found.by_queue == {"carpool.batches": ["w1"], "big": ["w1", "w2"]}
+    assert found.unknown == []
+    time.sleep(0.2)
+    # w2 went silent: it no longer counts, and the next heartbeat drops the queues it named.
+    assert store.batch_queue_workers().by_queue == {"carpool.batches": ["w1"], "big": ["w1"]}
+    assert client.hexists(KEYS.worker_queues, "w2")
+    store.heartbeat("w1", 30, ["carpool.batches"])
+    assert client.hkeys(KEYS.worker_queues) == [b"w1"]
+    found = store.batch_queue_workers()
+    assert found.by_queue == {"carpool.batches": ["w1"]}
+    assert found.unserved(["carpool.batches", "big"]) == ["big"]
+    # A live worker that does not say (an earlier release) may consume any queue: none is unserved.
+    store.heartbeat("w0", 30)
+    found = store.batch_queue_workers()
+    assert found.unknown == ["w0"] and found.unserved(["big"]) == []
+    store.leave("w1")
+    store.leave("w0")
+    assert not client.exists(KEYS.worker_queues)
+    assert store.batch_queue_workers().unserved(["carpool.batches"]) == ["carpool.batches"]

@@ -34,6 +34,7 @@ READS = {
     "zscore",
     "zmscore",
     "zcard",
+    "zrange",
     "zrangebyscore",
 }
 
@@ -137,7 +138,8 @@ def test_every_script_finds_all_its_keys_in_one_grant(roles: dict[acl.Role, Role
     claim_fresh = (keys.inflight_lease, keys.inflight_owner, RESULT, "carpool.batches")
     finish = (*keys.inflight, reports, RESULT)
     kombu = ("_kombu.binding.celery.pidbox", "_kombu.binding_deadlines")
-    for script_keys in (claim_fresh, finish, (keys.workers,), kombu):
+    heartbeat = (keys.workers, keys.worker_queues)
+    for script_keys in (claim_fresh, finish, heartbeat, kombu):
         assert allowed(roles["worker"], "evalsha", script_keys), script_keys
     assert allowed(roles["flower"], "evalsha", ("_kombu.binding.celeryev", "_kombu.binding_deadlines"))
 
@@ -158,6 +160,13 @@ def test_commands_inside_the_scripts_are_allowed_key_by_key(roles: dict[acl.Role
     assert allowed(worker, "exists", (RESULT,))
     assert allowed(worker, "select")
     assert allowed(worker, "hdel", (keys.inflight_raw,))
+    # A worker's heartbeat names its batch queues (and drops those of the silent); coordinators read them.
+    assert allowed(worker, "hset", (keys.worker_queues,))
+    assert allowed(worker, "hdel", (keys.worker_queues,))
+    assert allowed(worker, "zrangebyscore", (keys.workers,))
+    assert allowed(coordinator, "zrange", (keys.workers,))
+    assert allowed(coordinator, "hgetall", (keys.worker_queues,))
+    assert not allowed(coordinator, "hset", (keys.worker_queues,))
     assert allowed(worker, "lpush", (keys.reports_for("c"),))
     assert allowed(worker, "llen", ("carpool.batches",))
     assert not allowed(worker, "rpop", ("carpool.requests",))  # workers never take requests

@@ -59,7 +59,7 @@ class FakeStore:
             return Claimed([1] * len(ids), queued)
         return Claimed([1] * len(ids), queued, (first, self.queues[first].pop(0)))
 
-    def heartbeat(self, hostname: str, ttl_s: float) -> None:
+    def heartbeat(self, hostname: str, ttl_s: float, batch_queues: Sequence[str] | None = None) -> None:
         pass
 
     def leave(self, hostname: str) -> None:

@@ -23,6 +23,7 @@ from carpool.coordinator.dispatch import OutstandingBatch
 from carpool.coordinator.loop import Coordinator
 from carpool.coordinator.waiting import FORCED_POLL_S, Wait, WaitFor
 from carpool.errors import ConfigError, DeadlineExceeded, QueueFull
+from carpool.redis_edge.store import Consumers
 from carpool.wire import WIRE_VERSION, batch_report, read_batch
 from tests.unit.messages import message
 
@@ -79,6 +80,9 @@ class FakeStore:
 
     def live_workers(self) -> int:
         return self.workers
+
+    def batch_queue_workers(self) -> Consumers:
+        return Consumers({}, [f"worker-{i}" for i in range(self.workers)])  # their queues unknown
 
     def renew_held(self, ids: Sequence[str]) -> int:
         if self.renew_error is not None:

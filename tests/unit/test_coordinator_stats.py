@@ -189,6 +189,34 @@ def test_carpool_status_shows_the_task_of_each_queue() -> None:
     assert any("app.shout" in line and "model=" not in line and "1-8: 1" in line for line in lines)
 
 
+def test_carpool_status_names_a_batch_queue_no_worker_consumes() -> None:
+    from rich.console import Console
+
+    from carpool.tools.status import Snapshot, render
+
+    client = RecordingClient()
+    StatsWriter(client, Keys("q"), "c1", lambda: 0.0, "", ["carpool.batches", "big"]).write(
+        CoordinatorStats(), {}, {"pending": 0}
+    )
+    [(_, _, kwargs)] = [c for c in client.calls if c[0] == "hset"]
+    assert kwargs["mapping"]["batch_queues"] == '["big", "carpool.batches"]'
+
+    def shown(snap: Snapshot) -> list[str]:
+        console = Console(width=160, record=True)
+        console.print(render(snap, None, "q", "redis://localhost"))
+        return console.export_text().splitlines()
+
+    base: dict[str, Any] = {
+        "taken_at": 0.0, "redis_time": 0.0, "queued": {}, "workers": ["w1"], "in_flight": 0,
+        "dead_letter": 0, "stats": {},
+    }  # fmt: skip
+    served = shown(Snapshot(**base, batch_queues={"carpool.batches": ["w1"]}))
+    assert not any("no worker" in line or "batch queues" in line for line in served)
+    lines = shown(Snapshot(**base, batch_queues={"big": [], "carpool.batches": ["w1"]}, unserved=["big"]))
+    assert any("batch queues" in line and "big=0" in line and "carpool.batches=1" in line for line in lines)
+    assert any("no worker" in line and "big" in line for line in lines)
+
+
 def test_requests_put_back_count_apart_and_a_leaving_coordinator_writes_its_last_counts() -> None:
     """Each request handed back at shutdown (or returned by a reap) is taken, and counted taken,
     again: its own counter says so. The hand-back comes after the last write: leaving adds it."""

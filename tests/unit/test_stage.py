@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -313,7 +313,7 @@ class LeaseStore(FakeStore):
         self.order: list[str] = []
         self.all_writes: list[tuple[str, dict[str, Any]]] = []
 
-    def heartbeat(self, hostname: str, ttl_s: float) -> None:
+    def heartbeat(self, hostname: str, ttl_s: float, batch_queues: Sequence[str] | None = None) -> None:
         pass
 
     def leave(self, hostname: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -11,8 +12,9 @@ import redis
 
 from carpool.redis_edge import reply_text
 from carpool.redis_edge.connect import client_for
-from carpool.redis_edge.keys import PRIORITY_SEP, SERVES_FIELD, Keys
+from carpool.redis_edge.keys import BATCH_QUEUES_FIELD, PRIORITY_SEP, SERVES_FIELD, Keys
 from carpool.redis_edge.socket_options import client_options
+from carpool.redis_edge.store import consumers
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,12 @@ class Snapshot:
     # different edges give theirs joined by " | "
     spans: dict[tuple[str, str], str] = field(default_factory=dict)
     serves: dict[str, str] = field(default_factory=dict)  # coordinator -> what it serves
+    # batch queue -> the live workers consuming it: those coordinators dispatch to and those workers
+    # consume, as their gauges and heartbeats say
+    batch_queues: dict[str, list[str]] = field(default_factory=dict)
+    unserved: list[str] = field(
+        default_factory=list
+    )  # batch queues coordinators dispatch to, no worker consumes
 
     @property
     def coordinators_disagree(self) -> bool:
@@ -124,27 +132,31 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
     with client.pipeline(transaction=False) as pipe:
         for name in lists:
             pipe.llen(name)
-        pipe.zrangebyscore(keys.workers, now_ms, "+inf")
+        pipe.zrangebyscore(keys.workers, f"({now_ms}", "+inf")
         pipe.zcard(keys.inflight_lease)
         pipe.llen(keys.dead_letter)
         pipe.hgetall(keys.stats)
+        pipe.hgetall(keys.worker_queues)
         for name in names:
             pipe.hgetall(keys.gauges_of(name))
         replies = pipe.execute()
     n = len(lists)
     queued = {_list_label(keys, name): int(length) for name, length in zip(lists, replies[:n], strict=True)}
-    workers, in_flight, dead, raw_stats = replies[n : n + 4]
+    workers, in_flight, dead, raw_stats, declared = replies[n : n + 5]
     stats = _numbers(raw_stats)
     live = []
     tasks: dict[str, str] = {}
     spans: dict[tuple[str, str], set[str]] = {}
     serves: dict[str, str] = {}
-    for name, raw_gauges in zip(names, replies[n + 4 :], strict=True):
+    dispatched_to: set[str] = set()
+    for name, raw_gauges in zip(names, replies[n + 5 :], strict=True):
         if raw_gauges:  # an expired coordinator's hash is gone
             live.append(name)
             gauges = {reply_text(k): v for k, v in raw_gauges.items()}
             if SERVES_FIELD in gauges:
                 serves[name] = reply_text(gauges.pop(SERVES_FIELD))
+            if BATCH_QUEUES_FIELD in gauges:
+                dispatched_to.update(_names(gauges.pop(BATCH_QUEUES_FIELD)))
             for key in [k for k in gauges if k.startswith("task:")]:
                 tasks[key[len("task:") :]] = reply_text(gauges.pop(key))
             for key in [k for k in gauges if k.startswith("span:")]:
@@ -154,6 +166,8 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
                     spans.setdefault((model, label), set()).add(span)
             for key, value in _numbers(gauges).items():
                 stats[key] = stats.get(key, 0.0) + value
+    found = consumers([reply_text(w) for w in workers], declared)
+    by_queue = {queue: found.by_queue.get(queue, []) for queue in sorted(dispatched_to | set(found.by_queue))}
     return Snapshot(
         taken_at=time.monotonic(),
         redis_time=now_ms / 1000,
@@ -166,7 +180,18 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         tasks=tasks,
         spans={key: " | ".join(sorted(found, key=_span_order)) for key, found in spans.items()},
         serves=serves,
+        batch_queues=by_queue,
+        unserved=found.unserved(sorted(dispatched_to)),
     )
+
+
+def _names(raw: bytes | str) -> list[str]:
+    """A JSON list of names, as a gauge holds it; nothing if it is not one."""
+    try:
+        names = json.loads(raw)
+    except ValueError:
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def _span_order(span: str) -> tuple[int, str]:
@@ -201,6 +226,8 @@ def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
         "coordinators": snap.coordinators,
         "coordinators_serve": dict(sorted(snap.serves.items())),
         "coordinators_disagree": snap.coordinators_disagree,
+        "batch_queue_workers": {queue: len(hosts) for queue, hosts in snap.batch_queues.items()},
+        "batch_queues_unserved": snap.unserved,
         "dead_letter": snap.dead_letter,
         "taken": int(s("taken")),
         "batches": int(s("batches")),

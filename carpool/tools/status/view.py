@@ -58,6 +58,16 @@ def render(
             f"[red]they serve different models or tasks[/]  [dim]{differing}; give them all the same"
             " CARPOOL_MODEL, CARPOOL_MODELS and CARPOOL_IMPORTS[/]",
         )
+    if len(snap.batch_queues) > 1 or snap.unserved:
+        now.add_row(
+            "batch queues", "  ".join(_queue_cell(snap, q, hosts) for q, hosts in snap.batch_queues.items())
+        )
+    if snap.unserved:
+        now.add_row(
+            "no worker",
+            f"[red]{', '.join(snap.unserved)}[/]  [dim]coordinators send batches there, no live worker"
+            " consumes it: start one that serves its tasks[/]",
+        )
     now.add_row("in flight", f"{snap.in_flight:,}  [dim]{int(snap.counter('outstanding'))} batches out[/]")
     now.add_row("dead letter", f"[{'red' if snap.dead_letter else 'dim'}]{snap.dead_letter:,}[/]")
     if rate is not None and rate.seconds > 0:
@@ -134,6 +144,13 @@ def render(
             bins,
         ]
     return Panel(Group(*parts), title=title, title_align="left", expand=False)
+
+
+def _queue_cell(snap: Snapshot, queue: str, hosts: list[str]) -> str:
+    """A batch queue and how many live workers consume it (red when coordinators send there and none)."""
+    if queue in snap.unserved:
+        return f"{queue}=[red]0[/]"
+    return f"{queue}={len(hosts)}"
 
 
 def _size_buckets(sizes: Mapping[str, float]) -> str:
