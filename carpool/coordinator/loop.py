@@ -58,7 +58,7 @@ from carpool.redis_edge.connect import (
     missing_database,
     refused_credentials,
 )
-from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.keys import OUTSTANDING_ON, Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore, Taken, acl_refusal, refused_by_acl
 from carpool.registry import import_task_modules, registered, routing_keys
@@ -145,7 +145,6 @@ class Coordinator:
             self.hostname,
             self.wall,
             serving(settings.model, settings.served_models, self.specs),
-            self.batch_queues,
         )
         self._next_peer_check = 0.0
         self._peers_told: set[tuple[str, str]] = set()
@@ -428,6 +427,8 @@ class Coordinator:
             return  # the next check, once Redis answers
         for queue in self.batch_queues:
             self.metrics.batch_queue_workers.labels(queue).set(len(found.by_queue.get(queue, ())))
+        if found.unknown:
+            return  # a live worker of an earlier release may consume any queue: nothing to say
         unserved = set(found.unserved(self.batch_queues))
         for queue in sorted(self._unserved_told - unserved):
             self._unserved_told.discard(queue)
@@ -522,4 +523,8 @@ class Coordinator:
         self.metrics.set_depths(depths)
         # Requests still in the intake stage wait too: taken, not yet in a bin.
         gauges = {"pending": len(self.policy) + len(self.stage), "outstanding": len(self.outstanding)}
+        on_queue = dict.fromkeys(self.batch_queues, 0)
+        for out in self.outstanding.values():
+            on_queue[self.publisher.queue_of(out.model)] += 1
+        gauges.update({OUTSTANDING_ON + queue: n for queue, n in on_queue.items()})
         self._stats_writer.write(self.stats, depths, gauges, self.task_name, self.policy.bin_spans())

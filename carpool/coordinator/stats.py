@@ -10,18 +10,17 @@ dead coordinator's drop out.
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from carpool.redis_edge import lua, reply_text
-from carpool.redis_edge.keys import BATCH_QUEUES_FIELD, SERVES_FIELD, Keys
+from carpool.redis_edge.keys import SERVES_FIELD, Keys
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +66,11 @@ class StatsWriter:
         hostname: str,
         wall: Callable[[], float],
         serves: str = "",
-        batch_queues: Sequence[str] = (),
     ) -> None:
         self.client = client
         self.keys = keys
         #: what this coordinator serves (:func:`serving`), in its gauges for its peers and status
         self.serves = serves
-        # The batch queues it dispatches to, in its gauges for status (which says when none consumes one).
-        self._batch_queues = json.dumps(sorted(batch_queues)) if batch_queues else ""
         self.hostname = hostname
         self.wall = wall
         self._gauges_key = keys.gauges_of(hostname)
@@ -104,8 +100,6 @@ class StatsWriter:
         values: dict[str, int | str] = dict(gauges)
         if self.serves:
             values[SERVES_FIELD] = self.serves
-        if self._batch_queues:
-            values[BATCH_QUEUES_FIELD] = self._batch_queues
         for key in self._depth_keys - set(depths):
             values[f"depth:{key[0]}:{key[1]}"] = 0
         self._depth_keys |= set(depths)

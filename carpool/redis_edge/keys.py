@@ -26,7 +26,9 @@ REJECTED_WRITES = "rejected_writes"
 
 
 SERVES_FIELD = "serves"  # the field of a coordinator's gauges saying what it serves (not a number)
-BATCH_QUEUES_FIELD = "batch_queues"  # the field of its gauges naming its batch queues (a JSON list)
+# A coordinator's gauge of its batches dispatched to one batch queue and not yet reported, one per
+# queue it dispatches to (0 too): status names a queue with batches waiting that no worker consumes.
+OUTSTANDING_ON = "outstanding:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +111,7 @@ class Keys:
     @property
     def worker_queues(self) -> str:
         """HASH worker hostname -> the batch queues it consumes (a JSON list), written with its
-        heartbeat; a worker whose heartbeat expired has its field dropped by the next heartbeat."""
+        heartbeat; the field of a worker no longer live goes with the next worker's heartbeat."""
         return f"{self._base}:workers:queues"
 
     @property

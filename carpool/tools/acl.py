@@ -267,7 +267,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             Grant(
                 "claim, renew and acknowledge requests, report to coordinators, heartbeat",
                 _CONNECTION
-                + _commands("time hset hsetnx hget hmget hdel lpush ltrim expire")
+                + _commands("time hset hsetnx hget hmget hkeys hdel lpush ltrim expire")
                 + _commands("info")  # the server's checks at start: its version, its memory policy
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore"),
                 (*_exact([*inflight, keys.workers, keys.worker_queues]), f"~{reports}"),

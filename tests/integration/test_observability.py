@@ -492,17 +492,26 @@ def test_status_names_a_batch_queue_coordinators_send_to_and_no_live_worker_cons
     client = redis.Redis(port=clean_redis.port)
     keys = Keys("carpool.requests")
     store = RequestStore(client, keys, 1)
-    writer = StatsWriter(client, keys, "c-one", time.time, "", ["big", "carpool.batches"])
-    writer.write(CoordinatorStats(), {}, {"pending": 0})
+    writers = [StatsWriter(client, keys, name, time.time) for name in ("c-one", "c-two")]
     store.heartbeat("w1", 30, ["carpool.batches"])
+    # A queue no batch waits on is listed, not named: a deployment's default queue nobody uses.
+    for writer in writers:
+        writer.write(CoordinatorStats(), {}, {"outstanding:big": 0, "outstanding:carpool.batches": 1})
     snap = as_dict(collect(client, keys), None, "carpool.requests")
     assert snap["batch_queue_workers"] == {"big": 0, "carpool.batches": 1}
+    assert snap["batch_queues_unserved"] == []
+    writers[1].write(CoordinatorStats(), {}, {"outstanding:big": 2, "outstanding:carpool.batches": 0})
+    snap = as_dict(collect(client, keys), None, "carpool.requests")
     assert snap["batch_queues_unserved"] == ["big"]
-    assert snap["pending"] == 0  # the list of queues is no gauge to sum
     store.heartbeat("w2", 30, ["big", "other"])  # a queue no coordinator of this deployment sends to
     snap = as_dict(collect(client, keys), None, "carpool.requests")
     assert snap["batch_queue_workers"] == {"big": 1, "carpool.batches": 1, "other": 1}
     assert snap["batch_queues_unserved"] == []
+    store.leave("w2")
+    assert as_dict(collect(client, keys), None, "carpool.requests")["batch_queues_unserved"] == ["big"]
+    store.heartbeat("w3", 30)  # a worker of an earlier release, which does not say: nothing named
+    snap = as_dict(collect(client, keys), None, "carpool.requests")
+    assert snap["batch_queue_workers"]["big"] == 0 and snap["batch_queues_unserved"] == []
 
 
 def test_two_coordinators_given_different_models_say_so(processes: Processes) -> None:

@@ -991,8 +991,10 @@ def test_heartbeats_say_which_batch_queues_the_live_workers_consume(
     assert found.by_queue == {"carpool.batches": ["w1"], "big": ["w1", "w2"]}
     assert found.unknown == []
     time.sleep(0.2)
-    # w2 went silent: it no longer counts, and the next heartbeat drops the queues it named.
+    # w2 went silent: it no longer counts, and the next heartbeat drops the queues it named, also
+    # after a coordinator's count dropped w2 itself (a SIGKILLed worker's field stayed for good).
     assert store.batch_queue_workers().by_queue == {"carpool.batches": ["w1"], "big": ["w1"]}
+    assert store.live_workers() == 1
     assert client.hexists(KEYS.worker_queues, "w2")
     store.heartbeat("w1", 30, ["carpool.batches"])
     assert client.hkeys(KEYS.worker_queues) == [b"w1"]

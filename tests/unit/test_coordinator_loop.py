@@ -60,6 +60,7 @@ class FakeStore:
         self.dispatched: list[tuple[str, list[str]]] = []
         self.reaped: set[str] = set()  # ids another coordinator reaped: dispatch no longer assigns them
         self.wait_error: Exception | None = None  # what a wait in Redis answers
+        self.consumers: Consumers | None = None  # which workers consume which batch queues
 
     def take(
         self, count: int, reports_of: str | None = None
@@ -82,6 +83,8 @@ class FakeStore:
         return self.workers
 
     def batch_queue_workers(self) -> Consumers:
+        if self.consumers is not None:
+            return self.consumers
         return Consumers({}, [f"worker-{i}" for i in range(self.workers)])  # their queues unknown
 
     def renew_held(self, ids: Sequence[str]) -> int:
@@ -323,6 +326,41 @@ def test_the_batch_message_is_what_the_worker_reads_and_its_report_frees_the_wor
     # The freed worker takes the request that waited; then nothing is held.
     assert [o.ids for o in c.outstanding.values()] == [["c"]]
     assert wait.block_on is WaitFor.REQUESTS
+
+
+def test_a_batch_queue_no_live_worker_consumes_is_said_once_and_its_return_once(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = coordinator(clocks, workers=1)
+    c.store.queue += [(i, message(i, "one two three")) for i in ("a", "b")]
+    for _ in range(10):
+        c.step()
+        if c.outstanding:
+            break
+        clocks.advance(0.05)
+    queue = c.settings.batch_queue
+    said = f"wait on batch queue {queue}, which no live worker consumes"
+    caplog.set_level(logging.INFO, logger="carpool.coordinator.loop")
+
+    def check(consumers: Consumers) -> list[str]:
+        caplog.clear()
+        c.store.consumers = consumers
+        c._check_batch_queues()
+        return [f"{r.levelname} {r.getMessage()}" for r in caplog.records if "batch queue" in r.getMessage()]
+
+    def workers_on(q: str) -> float | None:
+        value: float | None = c.metrics.registry.get_sample_value("carpool_batch_queue_workers", {"queue": q})
+        return value
+
+    assert check(Consumers({queue: ["w1"]}, [])) == [] and workers_on(queue) == 1
+    [line] = check(Consumers({"elsewhere": ["w1"]}, []))
+    assert line.startswith("ERROR") and said in line and "the live ones consume elsewhere" in line
+    assert "carpool.infer" in line and workers_on(queue) == 0
+    assert check(Consumers({"elsewhere": ["w1"]}, [])) == [], "said once, not at every check"
+    # A live worker of an earlier release may consume it: neither said again nor said back.
+    assert check(Consumers({}, ["w0"])) == []
+    assert check(Consumers({queue: ["w2"]}, [])) == [f"INFO batch queue {queue} has a worker again"]
+    assert workers_on(queue) == 1
 
 
 def test_the_policy_is_asked_only_when_something_may_have_changed(clocks: Clocks) -> None:
@@ -881,4 +919,10 @@ def test_shutdown_writes_the_counts_of_this_run_before_it_ends(clocks: Clocks) -
 
     c._stats_writer = Recording()
     c.shutdown()
-    assert calls == [("write", 2, 2, {"pending": 0, "outstanding": 1}), ("leave",)]
+    assert [call[:3] for call in calls] == [("write", 2, 2), ("leave",)]
+    gauges = calls[0][3]
+    assert {k: gauges[k] for k in ("pending", "outstanding")} == {"pending": 0, "outstanding": 1}
+    # The batch still out counts on the queue it waits on, too: status names one no worker consumes.
+    # (Each other batch queue of the tasks registered, by tests elsewhere in this process, counts 0.)
+    on_queues = {k: n for k, n in gauges.items() if k.startswith("outstanding:")}
+    assert on_queues.pop("outstanding:carpool.batches") == 1 and set(on_queues.values()) <= {0}

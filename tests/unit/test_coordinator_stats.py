@@ -194,13 +194,6 @@ def test_carpool_status_names_a_batch_queue_no_worker_consumes() -> None:
 
     from carpool.tools.status import Snapshot, render
 
-    client = RecordingClient()
-    StatsWriter(client, Keys("q"), "c1", lambda: 0.0, "", ["carpool.batches", "big"]).write(
-        CoordinatorStats(), {}, {"pending": 0}
-    )
-    [(_, _, kwargs)] = [c for c in client.calls if c[0] == "hset"]
-    assert kwargs["mapping"]["batch_queues"] == '["big", "carpool.batches"]'
-
     def shown(snap: Snapshot) -> list[str]:
         console = Console(width=160, record=True)
         console.print(render(snap, None, "q", "redis://localhost"))

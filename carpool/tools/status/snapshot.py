@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ import redis
 
 from carpool.redis_edge import reply_text
 from carpool.redis_edge.connect import client_for
-from carpool.redis_edge.keys import BATCH_QUEUES_FIELD, PRIORITY_SEP, SERVES_FIELD, Keys
+from carpool.redis_edge.keys import OUTSTANDING_ON, PRIORITY_SEP, SERVES_FIELD, Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import consumers
 
@@ -37,9 +36,8 @@ class Snapshot:
     # batch queue -> the live workers consuming it: those coordinators dispatch to and those workers
     # consume, as their gauges and heartbeats say
     batch_queues: dict[str, list[str]] = field(default_factory=dict)
-    unserved: list[str] = field(
-        default_factory=list
-    )  # batch queues coordinators dispatch to, no worker consumes
+    # the batch queues where coordinators' batches wait and no live worker consumes
+    unserved: list[str] = field(default_factory=list)
 
     @property
     def coordinators_disagree(self) -> bool:
@@ -148,15 +146,12 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
     tasks: dict[str, str] = {}
     spans: dict[tuple[str, str], set[str]] = {}
     serves: dict[str, str] = {}
-    dispatched_to: set[str] = set()
     for name, raw_gauges in zip(names, replies[n + 5 :], strict=True):
         if raw_gauges:  # an expired coordinator's hash is gone
             live.append(name)
             gauges = {reply_text(k): v for k, v in raw_gauges.items()}
             if SERVES_FIELD in gauges:
                 serves[name] = reply_text(gauges.pop(SERVES_FIELD))
-            if BATCH_QUEUES_FIELD in gauges:
-                dispatched_to.update(_names(gauges.pop(BATCH_QUEUES_FIELD)))
             for key in [k for k in gauges if k.startswith("task:")]:
                 tasks[key[len("task:") :]] = reply_text(gauges.pop(key))
             for key in [k for k in gauges if k.startswith("span:")]:
@@ -167,7 +162,8 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
             for key, value in _numbers(gauges).items():
                 stats[key] = stats.get(key, 0.0) + value
     found = consumers([reply_text(w) for w in workers], declared)
-    by_queue = {queue: found.by_queue.get(queue, []) for queue in sorted(dispatched_to | set(found.by_queue))}
+    waiting = {k[len(OUTSTANDING_ON) :]: v for k, v in stats.items() if k.startswith(OUTSTANDING_ON)}
+    by_queue = {queue: found.by_queue.get(queue, []) for queue in sorted(set(waiting) | set(found.by_queue))}
     return Snapshot(
         taken_at=time.monotonic(),
         redis_time=now_ms / 1000,
@@ -181,17 +177,8 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         spans={key: " | ".join(sorted(found, key=_span_order)) for key, found in spans.items()},
         serves=serves,
         batch_queues=by_queue,
-        unserved=found.unserved(sorted(dispatched_to)),
+        unserved=found.unserved(sorted(queue for queue, n in waiting.items() if n > 0)),
     )
-
-
-def _names(raw: bytes | str) -> list[str]:
-    """A JSON list of names, as a gauge holds it; nothing if it is not one."""
-    try:
-        names = json.loads(raw)
-    except ValueError:
-        return []
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def _span_order(span: str) -> tuple[int, str]:
