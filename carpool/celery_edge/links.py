@@ -34,7 +34,7 @@ from celery.canvas import maybe_signature
 
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
-from carpool.celery_edge.options import CHORD_TASK, check_options
+from carpool.celery_edge.options import CHORD_TASK, check_options, check_send_settings
 from carpool.celery_edge.results import FAILURE
 from carpool.errors import InvalidInput, described
 from carpool.redis_edge.connect import UNREACHABLE
@@ -183,6 +183,7 @@ def _refusal(app: Celery, sig: Any, args: tuple[Any, ...]) -> Exception | None:
     try:
         merged_args, merged_kwargs, options = sig._merge(args, None, None)
         check_options(sig.task, options, app)
+        check_send_settings(sig.task, app, app.tasks.get(sig.task))  # what its apply_async checks
         spec.accept(merged_args, merged_kwargs, settings_of(app))
     except Exception as exc:
         return exc

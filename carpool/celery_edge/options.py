@@ -67,7 +67,7 @@ def check_send_settings(task_name: str, app: Celery, task: Any = None) -> None:
         )
     rate = getattr(task, "rate_limit", None)
     if rate:
-        raise UnsupportedOption(f"{task_name}: {_rate_limit_refusal(rate)}")
+        raise UnsupportedOption(f"{task_name}: {rate_limit_refusal(rate)}")
     limit = _time_limit_refusal(task, app)
     if limit:
         raise UnsupportedOption(f"{task_name}: {limit}")
@@ -86,7 +86,7 @@ def _time_limit_refusal(task: Any, app: Celery) -> str | None:
     return None
 
 
-def _rate_limit_refusal(rate: Any) -> str:
+def rate_limit_refusal(rate: Any) -> str:
     return (
         f"rate_limit={rate!r} is not supported by carpool tasks: Celery's worker would space each"
         " task out, and carpool runs them in batches as fast as the device allows; bound the"
@@ -181,7 +181,7 @@ def check_app_conf(app: Celery, task_names: Iterable[str]) -> None:
     for name in task_names:
         task = app.tasks.get(name)
         if task is not None and getattr(task, "rate_limit", None):
-            raise ConfigError(f"{name}: {_rate_limit_refusal(task.rate_limit)}")
+            raise ConfigError(f"{name}: {rate_limit_refusal(task.rate_limit)}")
         limit = _time_limit_refusal(task, app) if task is not None else None
         if limit:
             raise ConfigError(f"{name}: {limit}")

@@ -15,6 +15,7 @@ from celery.worker import state as worker_state
 
 from carpool.celery_edge.app import app
 from carpool.errors import CONFIG_ERROR_EXIT, ConfigError
+from carpool.gpu_worker import control  # noqa: F401  (carpool's answers to rate_limit and time_limit)
 from carpool.gpu_worker.runtime import WorkerRuntime
 from carpool.names import RUN_BATCH_TASK
 

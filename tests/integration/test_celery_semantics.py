@@ -103,6 +103,32 @@ def test_chains_of_carpool_tasks_return_the_last_steps_result(processes: Process
     )
 
 
+def test_run_time_rate_and_time_limits_are_refused_for_carpool_tasks_and_chains_go_on(
+    processes: Processes,
+) -> None:
+    # Celery's handlers set the attribute and answered ok; then every chain step and callback the
+    # worker sent to that task was refused as .delay() refuses a task with one (Flower's buttons).
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    control = carpool_app.control
+    [reply] = control.rate_limit("carpool.infer", "100/s", reply=True, timeout=5)
+    [(_, answer)] = reply.items()
+    assert "error" in answer and "rate_limit='100/s' is not supported by carpool tasks" in answer["error"]
+    [reply] = control.time_limit(t.naps.name, soft=1, hard=1.5, reply=True, timeout=5)
+    [(_, answer)] = reply.items()
+    assert "error" in answer and "time limits are not supported by carpool tasks" in answer["error"]
+    [reply] = control.rate_limit("carpool.infer", None, reply=True, timeout=5)  # unsetting: nothing to do
+    assert "ok" in next(iter(reply.values()))
+    [reply] = control.rate_limit("no.such.task", "1/s", reply=True, timeout=5)  # Celery's own handler
+    assert next(iter(reply.values())) == {"error": "unknown task"}
+    assert len((t.shout.s("x") | infer.si("after")).apply_async().get(timeout=30)) == 32
+    callback = infer.si("linked").set(task_id=f"linked-{time.time()}")
+    t.shout.apply_async(("y",), link=callback).get(timeout=30)
+    assert len(AsyncResult(callback.id, app=carpool_app).get(timeout=30)) == 32
+
+
 def test_a_failed_step_fails_the_rest_of_its_chain(processes: Processes) -> None:
     from carpool.tasks import infer
     from tests.integration import batched_tasks as t
