@@ -438,7 +438,7 @@ class Coordinator:
             queue = self.publisher.queue_of(out.model)
             if queue in unserved:
                 waiting.setdefault(queue, set()).add(self.task_name(out.model))
-        consumed = ", ".join(sorted(found.by_queue))
+        consumed = ", ".join(sorted(found.by_queue)) or "no batch queue"
         for queue, tasks in sorted(waiting.items()):
             if queue in self._unserved_told:
                 continue
@@ -449,7 +449,7 @@ class Coordinator:
                 " (@batched(batch_queue=...))",
                 ", ".join(sorted(tasks)),
                 queue,
-                f"the live ones consume {consumed}" if consumed else "no worker is live",
+                f"the live ones consume {consumed}" if self.workers else "no worker is live",
                 " and ".join(sorted(tasks)),
             )
 

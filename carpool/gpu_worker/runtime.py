@@ -132,8 +132,10 @@ class WorkerRuntime:
         import_task_modules(self.settings.imports)
         self.served = served_tasks(self.settings.serve_tasks, registered())
         self.specs = {name: spec for name, spec in registered().items() if name in self.served}
-        # Batches carry no priority, so each batch queue is one list under its own name.
+        # Batches carry no priority, so each batch queue is one list under its own name. These are
+        # the queues it starts consuming; Celery's consumer says which it consumes later on.
         self.batch_lists = batch_queues(self.settings)
+        self._consumer: Any = None  # Celery's consumer, once the worker is ready
         self._inline_ids: list[str] = []  # the batch running on the Celery thread, if any
         self._stage: DeviceStage | None = None  # set by start(): batches run beside the next claim
         self._finisher: Finisher | None = None  # set by start(): results stored beside the next batch
@@ -152,8 +154,10 @@ class WorkerRuntime:
             torch.set_num_threads(self.settings.torch_threads)
 
     # --- life ----------------------------------------------------------------------------
-    def start(self) -> None:
-        """Load every served task (``carpool.infer``: its models), then start announcing this worker."""
+    def start(self, consumer: Any = None) -> None:
+        """Load every served task (``carpool.infer``: its models), then start announcing this worker.
+        ``consumer``: Celery's consumer, whose queues the heartbeat announces and claims take from."""
+        self._consumer = consumer
         check_app_conf(self.app, self.specs)
         check_server(self.client, getattr(self.backend, "client", None), "worker")
         for name, spec in self.specs.items():
@@ -219,8 +223,18 @@ class WorkerRuntime:
         with contextlib.suppress(redis.RedisError):
             self.store.leave(self.hostname)
 
+    def _consumed(self) -> list[str]:
+        """The queues Celery's consumer reads now: remote control's ``cancel_consumer`` and
+        ``add_consumer`` (Flower's buttons) change them."""
+        task_consumer = getattr(self._consumer, "task_consumer", None)
+        if task_consumer is None:  # not started yet, or no Celery worker around this runtime
+            return self.batch_lists
+        return [queue.name for queue in list(task_consumer.queues)]
+
     def _beat(self) -> None:
         # With the batch queues it consumes: coordinators and `carpool status` say when none does.
+        # Claims take the next batch from those only.
+        self.batch_lists = self._consumed()
         self.store.heartbeat(self.hostname, 4 * HEARTBEAT_S, self.batch_lists)
         # Keep the leases of every batch running or having its results stored alive: a batch longer
         # than the lease is not a dead worker. One waiting behind it is not renewed: it is claimed
@@ -614,10 +628,12 @@ class WorkerRuntime:
             result_keys = [self.backend.get_key_for_task(i) for i in ids]
             marked = self._take_marker if take else ""
             # Takes go round the batch queues, as kombu's consumer goes round them for its BRPOP.
-            lists = self.batch_lists[self._take_first :] + self.batch_lists[: self._take_first]
+            queues = self.batch_lists  # the heartbeat's thread replaces it when the consumer's change
+            first = self._take_first % len(queues) if queues else 0
+            lists = queues[first:] + queues[:first]
             claimed = self.store.claim_fresh(batch_id, ids, result_keys, self.dbs[1], lists, marked)
             if claimed.taken is not None:
-                self._take_first = (self.batch_lists.index(claimed.taken[0]) + 1) % len(self.batch_lists)
+                self._take_first = (queues.index(claimed.taken[0]) + 1) % len(queues)
             return claimed
         # Results on another server: claim, then look for stored results there.
         owned = self.store.claim(batch_id, ids)

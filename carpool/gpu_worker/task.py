@@ -60,11 +60,11 @@ logging.getLogger("celery.apps.worker").addFilter(_NotReadyWhenStopping())
 
 
 @signals.worker_ready.connect  # type: ignore[untyped-decorator]
-def _on_worker_ready(**_: Any) -> None:
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     # Celery logs a signal handler's exception and goes on: a worker whose models failed to load
     # would stay up serving nothing, never heartbeating, and no supervisor would restart it.
     try:
-        runtime().start()
+        runtime().start(sender)  # the sender is Celery's consumer
     except ConfigError as exc:  # a deployment error, said in a line: its traceback is carpool's own
         log.critical(
             "this worker could not start serving: %s; it stops (exit status %d)", exc, CONFIG_ERROR_EXIT

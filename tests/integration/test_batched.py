@@ -174,6 +174,42 @@ def test_a_batch_queue_no_live_worker_consumes_is_named_until_one_does(processes
     assert processes.log("coordinator").count(said) == 1, "said once, not at every check"
 
 
+def test_a_worker_whose_consumer_was_cancelled_is_not_counted_as_consuming_its_queue(
+    processes: Processes,
+) -> None:
+    # Its heartbeat said the queues it started with: after cancel_consumer (Flower's button) status
+    # and the coordinator went on counting it, and requests waited with nothing said.
+    import carpool
+    from carpool.celery_app import app
+    from carpool.tools.status import as_dict, collect
+
+    start_stack(processes, CARPOOL_MODEL="toy")
+    assert len(carpool.gather(carpool.submit_many(["first"]), timeout=30)[0]) == 32
+    [reply] = app.control.cancel_consumer("carpool.batches", reply=True, timeout=5)
+    assert "ok" in next(iter(reply.values()))
+    results = carpool.submit_many(["a", "b", "c"])
+    said = "batches of carpool.infer wait on batch queue carpool.batches, which no live worker consumes"
+    log = wait_for(
+        "the coordinator naming the queue",
+        lambda: (t := processes.log("coordinator")) and said in t and t,
+        40,
+    )
+    assert "(the live ones consume no batch queue)" in log, log
+    client = redis.Redis(port=server_of(processes).port)
+    keys = Keys("carpool.requests")
+    assert as_dict(collect(client, keys), None, keys.request_queue)["batch_queues_unserved"] == [
+        "carpool.batches"
+    ]
+    assert not any(r.ready() for r in results)
+    app.control.add_consumer("carpool.batches", reply=True, timeout=5)
+    assert [len(v) for v in carpool.gather(results, timeout=60)] == [32] * 3
+    wait_for(
+        "the coordinator saying the queue has a worker again",
+        lambda: "batch queue carpool.batches has a worker again" in processes.log("coordinator"),
+        40,
+    )
+
+
 def test_two_deployments_with_their_own_request_queues_share_one_redis_database(processes: Processes) -> None:
     # With the batch queue left at its default both ran each other's batches, whose requests
     # their workers skipped as belonging elsewhere: not one request of either was answered.
