@@ -393,9 +393,18 @@ class TaskEvents:
 
         The buffer is emptied either way: events that cannot be encoded are dropped (telemetry).
         """
-        if not self._buffer:
-            return None
+        return self.encoded(self.take_buffered())
+
+    def take_buffered(self) -> list[dict[str, Any]]:
+        """The buffered events themselves, the buffer emptied."""
         events, self._buffer = self._buffer, []
+        return events
+
+    def encoded(self, events: list[dict[str, Any]]) -> tuple[str, bytes] | None:
+        """``events`` as one ``task.multi`` message: (topic, raw) to PUBLISH; None if none, or if
+        they cannot be encoded (dropped: telemetry)."""
+        if not events:
+            return None
         try:
             encoder = self._event_encoder()
             return encoder.topic, encoder.encode(events)
@@ -412,6 +421,35 @@ class TaskEvents:
             self._client.publish(*message)
         except Exception as exc:
             log.warning("could not publish task events (Flower will miss them): %s", exc)
+
+
+_OUTCOMES = frozenset({"task-succeeded", "task-failed", "task-revoked"})
+
+
+def answered_elsewhere(
+    events: list[dict[str, Any]], refused: set[str], revoked: set[str]
+) -> list[dict[str, Any]]:
+    """``events`` without the outcomes of the ``refused`` requests (their results were not stored:
+    each had an answer already), those of them answered REVOKED (``revoked``: by another worker's
+    revoke handler, which sends no event) said revoked instead. The others' answers are an earlier
+    run's, which sent its own events."""
+    out = []
+    for event in events:
+        task_id = event.get("uuid")
+        if task_id in refused and event.get("type") in _OUTCOMES:
+            if task_id not in revoked:
+                continue
+            event = {
+                **event,
+                "type": "task-revoked",
+                "terminated": False,
+                "signum": None,
+                "expired": False,
+            }
+            for field in ("result", "exception", "traceback", "runtime"):
+                event.pop(field, None)
+        out.append(event)
+    return out
 
 
 def _iso(wall_s: float | None) -> str | None:

@@ -48,7 +48,7 @@ from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
-from carpool.celery_edge.events import TaskEvents
+from carpool.celery_edge.events import TaskEvents, answered_elsewhere
 from carpool.celery_edge.options import check_app_conf
 from carpool.celery_edge.received import accepted, marker, read_task
 from carpool.celery_edge.results import FAILURE, REVOKED, SUCCESS
@@ -583,15 +583,59 @@ class WorkerRuntime:
             elapsed = time.perf_counter() - claimed.t0
             events.succeeded(claimed.task_id, report, elapsed, limit=BATCH_REPR_LIMIT)
         ack_ids = claimed.ack_ids
-        published = events.take()
+        buffered = events.take_buffered()
+        published = events.encoded(buffered)
         # Redis may be restarting: the results are computed, so keep trying to hand them over
         # for a while before giving the batch up to recovery.
         stored = retrying(lambda: self._finish(encoded, ack_ids, report, batch["coordinator"], published))
         if len(stored) < len(writes):
-            count_rejected(self.client, self.store.keys.stats, batch_id, writes, stored)
+            self._answered_meanwhile(batch_id, writes, stored, buffered if published else None)
         if linked:
             apply_links(self.app, self.backend, batch["task"], entries, stored, linked, self.nodename)
         return report
+
+    def _answered_meanwhile(
+        self,
+        batch_id: str,
+        writes: list[tuple[str, str, Any]],
+        stored: list[int],
+        events: list[dict[str, Any]] | None,
+    ) -> None:
+        """Results write-once refused: their requests were answered while the batch ran. Those
+        answered REVOKED (another worker's revoke handler, while this one's Celery thread ran the
+        batch) are logged as such; the others had an earlier run (counted). ``events``, which the
+        finish withheld, are published with those outcomes corrected."""
+        kept = {writes[i - 1][0] for i in stored}
+        refused = {w[0] for i, w in enumerate(writes, 1) if i not in set(stored)} - kept
+        backend = self.backend
+        try:
+            ordered = sorted(refused)
+            raws = backend.client.mget([backend.get_key_for_task(i) for i in ordered])
+            revoked = {
+                i
+                for i, raw in zip(ordered, raws, strict=True)
+                if raw is not None and backend.decode_result(raw).get("status") == REVOKED
+            }
+        except redis.RedisError as exc:  # telemetry: the answers themselves are stored
+            log.warning("batch %s: could not read the answers its results met: %s", batch_id, exc)
+            revoked = set()
+        if revoked:
+            log.info(
+                "batch %s: %d request(s) revoked while it ran; their REVOKED answer stands: %s",
+                batch_id,
+                len(revoked),
+                ", ".join(sorted(revoked)[:5]),
+            )
+        reran = [w for w in writes if w[0] in refused - revoked]
+        if reran:
+            count_rejected(self.client, self.store.keys.stats, batch_id, reran, [])
+        if events is not None:
+            corrected = self.events.encoded(answered_elsewhere(events, refused, revoked))
+            if corrected is not None:
+                try:
+                    self.client.publish(*corrected)
+                except redis.RedisError as exc:
+                    log.warning("could not publish task events (Flower will miss them): %s", exc)
 
     def _claim(self, batch_id: str, ids: list[str], take: bool) -> Claimed:
         """Per id: 0 (no longer this batch's), 1 (claimed, to run) or 2 (claimed, answered already);
@@ -785,7 +829,7 @@ class WorkerRuntime:
             stored: list[int] = self.backend.store_encoded(writes)
             with self.client.pipeline(transaction=False) as pipe:
                 self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
-                if events is not None:
+                if events is not None and len(stored) == len(writes.keys):  # as finish.lua publishes them
                     pipe.publish(*events)
                 pipe.execute()
             if self.store.replicas:  # the results' server, then the broker's, each WAITed on

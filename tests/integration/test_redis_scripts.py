@@ -846,6 +846,14 @@ def test_finish_publishes_the_events_after_the_results(client: redis.Redis, stor
     finish(store, writes=ResultWrites(["res:e"], [b"e"], 60), events=("events", b"ev"))
     assert published(channels, 2) == [(b"res:e", b"e"), (b"events", b"ev")]
     channels.close()
+    # With a result refused (answered meanwhile) the events would say what its caller never gets:
+    # not published; the worker sends them corrected.
+    channels = subscribed(client, "res:f", "res:e", "events")
+    assert finish(
+        store, writes=ResultWrites(["res:e", "res:f"], [b"e2", b"f"], 60), events=("events", b"ev")
+    ) == [2]
+    assert published(channels, 1) == [(b"res:f", b"f")]
+    channels.close()
 
 
 def test_finish_with_results_only_stores_in_the_callers_database(results: redis.Redis) -> None:

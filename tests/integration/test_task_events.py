@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
+import pytest
 import redis
 
 from carpool.celery_edge.app import app
@@ -260,6 +261,65 @@ def test_with_events_off_celerys_own_publish_sends_no_task_sent_event_either(
         pushed = [line for line in lines if line.upper().startswith("LPUSH ")]
         assert len(pushed) == 2 and len(sent) == announced, (events, lines)
         producer.close()
+
+
+def test_a_request_revoked_by_another_worker_while_its_lone_batch_runs_is_said_revoked(
+    processes: Processes,
+) -> None:
+    """The idle worker's revoke handler stores REVOKED at once; the busy one's Celery thread runs the
+    lone batch and hears the revoke only after it, so write-once refuses its result. Its task events
+    said succeeded (Flower showed SUCCESS while the caller got REVOKED) and the refusal counted as a
+    rerun (found by the Flower review)."""
+    from celery.exceptions import TaskRevokedError
+
+    from carpool.redis_edge.keys import REJECTED_WRITES, Keys
+    from tests.integration import batched_tasks as t
+
+    env = {
+        "CARPOOL_MODEL": "toy",
+        "CARPOOL_IMPORTS": "tests.integration.batched_tasks",
+        "CARPOOL_EVENTS": "true",
+    }
+    start_stack(processes, 2, **env)
+    client = redis.Redis(port=processes.server.port)  # type: ignore[union-attr]
+    listener = cast("Any", client).pubsub()
+    listener.psubscribe(EVENTS_PATTERN)
+    seen: dict[str, list[str]] = {}
+    try:
+        assert listener.get_message(timeout=10)["type"] == "psubscribe"
+        slow = t.naps.delay({"tag": "lone", "s": 3})
+        keys = Keys("carpool.requests")
+        wait_for("the lone batch claimed", lambda: client.hexists(keys.inflight_claimed, slow.id))
+        time.sleep(0.3)  # running now, on the Celery thread of the worker that claimed it
+        slow.revoke()
+        with pytest.raises(TaskRevokedError):
+            slow.get(timeout=30)
+        outcome_kinds = ("task-succeeded", "task-failed", "task-revoked")
+
+        def outcomes() -> list[str]:
+            read_events(listener, seen)
+            return [kind for kind in seen.get(slow.id, []) if kind in outcome_kinds]
+
+        wait_for("the slow batch's outcome", outcomes, timeout_s=30)
+        time.sleep(0.5)  # anything else it sent arrives meanwhile
+        assert outcomes() == ["task-revoked"], seen[slow.id]
+    finally:
+        listener.close()
+    assert int(client.hget(keys.stats, REJECTED_WRITES) or 0) == 0, "no request ran twice"
+    logs = processes.log("worker0") + processes.log("worker1")
+    assert "1 request(s) revoked while it ran; their REVOKED answer stands" in logs
+
+
+def read_events(listener: Any, seen: dict[str, list[str]]) -> None:
+    """Every event message waiting on ``listener``, each event's type appended under its task id."""
+    message = listener.get_message(timeout=0.2)
+    while message is not None:
+        if message["type"] == "pmessage":
+            body = json.loads(base64.b64decode(json.loads(message["data"])["body"]))
+            for event in body if isinstance(body, list) else [body]:
+                if "uuid" in event:
+                    seen.setdefault(event["uuid"], []).append(event["type"])
+        message = listener.get_message(timeout=0)
 
 
 def test_a_batch_functions_exception_shows_in_flower_with_its_traceback() -> None:

@@ -427,3 +427,27 @@ def test_a_request_found_answered_revoked_at_its_claim_is_shown_revoked(
     report = runtime.run(batch(slot("gone"), slot("done"), slot("kept")))
     assert shown == ["gone"]
     assert [task_id for task_id, _ in runtime.store.writes] == ["kept"] and report["size"] == 1
+
+
+def test_outcomes_of_requests_answered_meanwhile_are_dropped_or_said_revoked() -> None:
+    from carpool.celery_edge.events import answered_elsewhere
+
+    header = {"hostname": "w", "timestamp": 1.0, "clock": 3}
+    events = [
+        {**header, "type": "task-started", "uuid": "revoked"},
+        {**header, "type": "task-succeeded", "uuid": "revoked", "result": "[1]", "runtime": 0.1},
+        {**header, "type": "task-failed", "uuid": "reran", "exception": "E()", "traceback": "tb"},
+        {**header, "type": "task-succeeded", "uuid": "kept", "result": "[2]", "runtime": 0.1},
+        {**header, "type": "task-succeeded", "uuid": "batch-1", "result": "{}", "runtime": 0.2},
+    ]
+    out = answered_elsewhere(events, refused={"revoked", "reran"}, revoked={"revoked"})
+    assert [(e["type"], e["uuid"]) for e in out] == [
+        ("task-started", "revoked"),
+        ("task-revoked", "revoked"),
+        ("task-succeeded", "kept"),
+        ("task-succeeded", "batch-1"),
+    ]
+    said = out[1]
+    assert said["expired"] is False and said["terminated"] is False and "result" not in said
+    assert said["hostname"] == "w" and said["clock"] == 3
+    assert events[1]["type"] == "task-succeeded", "the events given are left as they were"

@@ -12,6 +12,7 @@
 -- stored, but it is not published again (the first sending did; a producer subscribing later reads
 -- the key). Another run's answer differs, in its date_done at least, so finding one marks a resend,
 -- which skips the report and task events its first sending pushed; the acks run again, harmlessly.
+-- Task events are published only when every result was stored (see below).
 -- (A resend of a call that stored nothing looks like a first sending and pushes its report again.)
 -- Only a refused write costs a GET. A key given twice in one call keeps its second write refused.
 -- KEYS[1..n] result keys, then (only when acknowledging or reporting) KEYS[n+1] lease ZSET,
@@ -87,5 +88,8 @@ if report ~= '' and not resent then
   redis.call('LTRIM', KEYS[n + 6], 0, tonumber(ARGV[6 + n]) - 1)
   redis.call('EXPIRE', KEYS[n + 6], ARGV[7 + n])
 end
-if ARGV[8 + n] ~= '' and not resent then redis.call('PUBLISH', ARGV[8 + n], ARGV[9 + n]) end
+-- The task events only when every result was stored: those of a result refused (its request answered
+-- meanwhile: revoked, or run before) would say what its caller never gets; the caller sends them
+-- corrected.
+if ARGV[8 + n] ~= '' and not resent and #stored == n then redis.call('PUBLISH', ARGV[8 + n], ARGV[9 + n]) end
 return stored
