@@ -512,6 +512,7 @@ def test_status_names_a_batch_queue_coordinators_send_to_and_no_live_worker_cons
     store.heartbeat("w3", 30)  # a worker of an earlier release, which does not say: nothing named
     snap = as_dict(collect(client, keys), None, "carpool.requests")
     assert snap["batch_queue_workers"]["big"] == 0 and snap["batch_queues_unserved"] == []
+    assert snap["workers_not_saying_queues"] == ["w3"]
 
 
 def test_two_coordinators_given_different_models_say_so(processes: Processes) -> None:

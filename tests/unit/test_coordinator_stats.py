@@ -208,6 +208,9 @@ def test_carpool_status_names_a_batch_queue_no_worker_consumes() -> None:
     lines = shown(Snapshot(**base, batch_queues={"big": [], "carpool.batches": ["w1"]}, unserved=["big"]))
     assert any("batch queues" in line and "big=0" in line and "carpool.batches=1" in line for line in lines)
     assert any("no worker" in line and "big" in line for line in lines)
+    lines = shown(Snapshot(**base, batch_queues={"carpool.batches": []}, unsaid=["w1"]))
+    assert any("batch queues" in line and "1 worker(s) of an earlier release" in line for line in lines)
+    assert not any("no worker" in line for line in lines)
 
 
 def test_requests_put_back_count_apart_and_a_leaving_coordinator_writes_its_last_counts() -> None:

@@ -38,6 +38,8 @@ class Snapshot:
     batch_queues: dict[str, list[str]] = field(default_factory=dict)
     # the batch queues where coordinators' batches wait and no live worker consumes
     unserved: list[str] = field(default_factory=list)
+    # live workers that do not say which batch queues they consume (a release before 2026-12-06)
+    unsaid: list[str] = field(default_factory=list)
 
     @property
     def coordinators_disagree(self) -> bool:
@@ -178,6 +180,7 @@ def collect(client: redis.Redis, keys: Keys) -> Snapshot:
         serves=serves,
         batch_queues=by_queue,
         unserved=found.unserved(sorted(queue for queue, n in waiting.items() if n > 0)),
+        unsaid=found.unknown,
     )
 
 
@@ -215,6 +218,7 @@ def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
         "coordinators_disagree": snap.coordinators_disagree,
         "batch_queue_workers": {queue: len(hosts) for queue, hosts in snap.batch_queues.items()},
         "batch_queues_unserved": snap.unserved,
+        "workers_not_saying_queues": snap.unsaid,
         "dead_letter": snap.dead_letter,
         "taken": int(s("taken")),
         "batches": int(s("batches")),

@@ -58,10 +58,11 @@ def render(
             f"[red]they serve different models or tasks[/]  [dim]{differing}; give them all the same"
             " CARPOOL_MODEL, CARPOOL_MODELS and CARPOOL_IMPORTS[/]",
         )
-    if len(snap.batch_queues) > 1 or snap.unserved:
-        now.add_row(
-            "batch queues", "  ".join(_queue_cell(snap, q, hosts) for q, hosts in snap.batch_queues.items())
-        )
+    if len(snap.batch_queues) > 1 or snap.unserved or snap.unsaid:
+        queues = "  ".join(_queue_cell(snap, q, hosts) for q, hosts in snap.batch_queues.items())
+        if snap.unsaid:  # they may consume any of them
+            queues += f"  [dim]+{len(snap.unsaid)} worker(s) of an earlier release: queues unknown[/]"
+        now.add_row("batch queues", queues)
     if snap.unserved:
         now.add_row(
             "no worker",
