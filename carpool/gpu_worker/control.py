@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery.utils.log import get_logger
+from celery.utils.time import rate
 from celery.worker import control
 from celery.worker.control import control_command, nok, ok
 
@@ -38,11 +39,19 @@ def is_carpool_task(name: Any) -> bool:
 def rate_limit(state: Any, task_name: Any, rate_limit: Any, **kwargs: Any) -> Any:
     """Tell worker(s) to modify the rate limit for a task by type (refused for carpool's tasks)."""
     if is_carpool_task(task_name):
-        if not rate_limit:  # none to unset: carpool's tasks never have one
+        if _no_limit(rate_limit):  # none to unset: carpool's tasks never have one
             return ok("rate limit disabled successfully")
         log.warning("rate limit for %s refused: carpool's tasks have none", task_name)
         return nok(f"{task_name}: {rate_limit_refusal(rate_limit)}")
     return _celery_rate_limit(state, task_name, rate_limit, **kwargs)
+
+
+def _no_limit(rate_limit: Any) -> bool:
+    """Whether ``rate_limit`` is no limit, as Celery reads it (None, 0, "0", "0/s"...)."""
+    try:
+        return not rate_limit or rate(rate_limit) == 0
+    except (TypeError, ValueError):  # not a rate at all: refused as any other
+        return False
 
 
 @control_command(  # type: ignore[untyped-decorator]

@@ -119,8 +119,9 @@ def test_run_time_rate_and_time_limits_are_refused_for_carpool_tasks_and_chains_
     [reply] = control.time_limit(t.naps.name, soft=1, hard=1.5, reply=True, timeout=5)
     [(_, answer)] = reply.items()
     assert "error" in answer and "time limits are not supported by carpool tasks" in answer["error"]
-    [reply] = control.rate_limit("carpool.infer", None, reply=True, timeout=5)  # unsetting: nothing to do
-    assert "ok" in next(iter(reply.values()))
+    for no_limit in (None, "0"):  # unsetting (`celery control rate_limit TASK 0` sends "0"): nothing to do
+        [reply] = control.rate_limit("carpool.infer", no_limit, reply=True, timeout=5)
+        assert "ok" in next(iter(reply.values())), no_limit
     [reply] = control.rate_limit("no.such.task", "1/s", reply=True, timeout=5)  # Celery's own handler
     assert next(iter(reply.values())) == {"error": "unknown task"}
     assert len((t.shout.s("x") | infer.si("after")).apply_async().get(timeout=30)) == 32
