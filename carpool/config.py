@@ -224,7 +224,14 @@ class Settings(BaseSettings):
         description="Cut texts past the model's window as sentence-transformers does; false rejects them.",
     )
     max_input_bytes: int = Field(65536, ge=1, description="Largest accepted text, UTF-8 bytes.")
-    max_pending: int = Field(100_000, ge=1, description="Past this many waiting requests, reject new ones.")
+    max_pending: int = Field(
+        100_000,
+        ge=1,
+        description=(
+            "Past this many requests waiting in a coordinator (in its bins, being prepared, or held for"
+            " their countdown/eta), it refuses new ones with QueueFull; per coordinator."
+        ),
+    )
     result_expires_s: int = Field(
         86400, ge=1, le=10 * 365 * 86400, description="How long results stay in the backend (up to 10 years)."
     )

@@ -18,7 +18,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import loads
 
 from carpool.celery_edge.options import UNSUPPORTED_OPTIONS
-from carpool.codec import brief, kombu_tags, tag_failure
+from carpool.codec import MAX_DEPTH, brief, kombu_tags, tag_failure
 from carpool.codec import loads as json_loads
 from carpool.codec import loads_numbers_loosely as envelope_loads
 from carpool.errors import MalformedMessage, RefusedMessage
@@ -141,6 +141,13 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
             inbox,
             f"content type {envelope.get('content-type')!r} refused: carpool accepts JSON only (send"
             " from an app with task_serializer='json')",
+        ) from None
+    except RecursionError:  # JSON nested past what orjson and then Python's decoder read
+        raise _refused(
+            task_id,
+            task,
+            inbox,
+            f"message body does not decode: nested too deep (carpool reads up to {MAX_DEPTH} levels)",
         ) from None
     except (DecodeError, binascii.Error, TypeError, ValueError) as exc:
         raise _refused(task_id, task, inbox, f"message body does not decode: {exc}") from None

@@ -100,7 +100,10 @@ def decode_taken(request_id: str, raw: bytes, tasks: Any = (INFER_TASK,)) -> Inc
 
 
 def queue_full(max_pending: int) -> QueueFull:
-    return QueueFull(f"{max_pending} requests already wait (CARPOOL_MAX_PENDING); retry later")
+    return QueueFull(
+        f"{max_pending} requests already wait in this coordinator (CARPOOL_MAX_PENDING, per coordinator;"
+        " requests held for their countdown or eta count too); retry later"
+    )
 
 
 def to_request(

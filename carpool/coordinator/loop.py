@@ -522,7 +522,11 @@ class Coordinator:
         depths = self.policy.depth_by_bin()
         self.metrics.set_depths(depths)
         # Requests still in the intake stage wait too: taken, not yet in a bin.
-        gauges = {"pending": len(self.policy) + len(self.stage), "outstanding": len(self.outstanding)}
+        gauges = {
+            "pending": len(self.policy) + len(self.stage),
+            "outstanding": len(self.outstanding),
+            "deferred": len(self.deferred),  # held for their countdown or eta, counted by max_pending
+        }
         on_queue = dict.fromkeys(self.batch_queues, 0)
         for out in self.outstanding.values():
             on_queue[self.publisher.queue_of(out.model)] += 1

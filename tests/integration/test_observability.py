@@ -500,9 +500,12 @@ def test_status_names_a_batch_queue_coordinators_send_to_and_no_live_worker_cons
     snap = as_dict(collect(client, keys), None, "carpool.requests")
     assert snap["batch_queue_workers"] == {"big": 0, "carpool.batches": 1}
     assert snap["batch_queues_unserved"] == []
-    writers[1].write(CoordinatorStats(), {}, {"outstanding:big": 2, "outstanding:carpool.batches": 0})
+    writers[1].write(
+        CoordinatorStats(), {}, {"outstanding:big": 2, "outstanding:carpool.batches": 0, "deferred": 3}
+    )
     snap = as_dict(collect(client, keys), None, "carpool.requests")
     assert snap["batch_queues_unserved"] == ["big"]
+    assert snap["held_for_eta"] == 3  # requests held for their countdown/eta, which max_pending counts
     store.heartbeat("w2", 30, ["big", "other"])  # a queue no coordinator of this deployment sends to
     snap = as_dict(collect(client, keys), None, "carpool.requests")
     assert snap["batch_queue_workers"] == {"big": 1, "carpool.batches": 1, "other": 1}

@@ -540,6 +540,17 @@ def test_held_requests_count_toward_max_pending(clocks: Clocks) -> None:
     assert len(c.deferred) == 2
     [(request_id, state, error)] = c.backend.stored
     assert request_id == "c" and state == "FAILURE" and isinstance(error, QueueFull)
+    # The refusal says what counts, and the gauges show them: status showed nothing pending.
+    assert "per coordinator" in str(error) and "held for their countdown or eta count too" in str(error)
+    written: list[dict[str, int]] = []
+
+    class Recording:
+        def write(self, stats: Any, depths: Any, gauges: Any, task_of: Any = None, spans: Any = None) -> None:
+            written.append(dict(gauges))
+
+    c._stats_writer = Recording()
+    c._write_stats()
+    assert written[0]["deferred"] == 2 and written[0]["pending"] == 0
 
 
 def test_an_overload_of_refusals_logs_a_few_and_counts_the_rest(

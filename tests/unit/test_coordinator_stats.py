@@ -208,6 +208,8 @@ def test_carpool_status_names_a_batch_queue_no_worker_consumes() -> None:
     lines = shown(Snapshot(**base, batch_queues={"big": [], "carpool.batches": ["w1"]}, unserved=["big"]))
     assert any("batch queues" in line and "big=0" in line and "carpool.batches=1" in line for line in lines)
     assert any("no worker" in line and "big" in line for line in lines)
+    lines = shown(Snapshot(**{**base, "stats": {"pending": 2, "deferred": 5}}))
+    assert any("pending in coordinator" in line and "2  +5 held for countdown/eta" in line for line in lines)
     lines = shown(Snapshot(**base, batch_queues={"carpool.batches": []}, unsaid=["w1"]))
     assert any("batch queues" in line and "1 worker(s) of an earlier release" in line for line in lines)
     assert not any("no worker" in line for line in lines)

@@ -110,6 +110,14 @@ def compressed(raw: bytes) -> bytes:
             r"content type 'application/x-python-serialize' refused.*task_serializer='json'",
         ),
         (rewritten(message("a", "hi"), body="!!"), "message body does not decode"),
+        # Past orjson's depth Python's decoder raises RecursionError, which dead-lettered it unanswered.
+        (
+            rewritten(
+                message("a", "hi"),
+                body=base64.b64encode(b"[[" + b"[" * 2000 + b"]" * 2000 + b"], {}, {}]").decode(),
+            ),
+            r"message body does not decode: nested too deep \(carpool reads up to 254 levels\)",
+        ),
     ],
 )
 def test_a_message_naming_its_id_whose_body_cannot_be_read_is_answered_under_that_id(

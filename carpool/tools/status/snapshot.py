@@ -206,6 +206,7 @@ def as_dict(snap: Snapshot, rate: Rates | None, queue: str) -> dict[str, Any]:
         "queued": snap.queued_total,
         "queued_by_priority": snap.queued,
         "pending": snap.pending,
+        "held_for_eta": int(s("deferred")),
         "depth_by_bin": {f"{m}:{b}": n for (m, b), n in sorted(snap.depth_by_bin.items())},
         "task_of_model": dict(sorted(snap.tasks.items())),
         "bin_spans": {f"{m}:{b}": span for (m, b), span in sorted(snap.spans.items())},

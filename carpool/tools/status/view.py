@@ -48,8 +48,12 @@ def render(
     by_prio = "  ".join(f"{k}={v:,}" for k, v in snap.queued.items() if v)
     now.add_row("queued", f"{snap.queued_total:,}" + (f"  [dim]{by_prio}[/]" if by_prio else ""))
     c = len(snap.coordinators)
+    held = int(snap.counter("deferred"))
     now.add_row(
-        "pending in coordinator", f"{snap.pending:,}" + (f"  [dim]{c} coordinators[/]" if c > 1 else "")
+        "pending in coordinator",
+        f"{snap.pending:,}"
+        + (f"  [dim]+{held:,} held for countdown/eta[/]" if held else "")
+        + (f"  [dim]{c} coordinators[/]" if c > 1 else ""),
     )
     if snap.coordinators_disagree:
         differing = "; ".join(f"{name}: {serves}" for name, serves in sorted(snap.serves.items()))
