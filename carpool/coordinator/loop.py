@@ -433,16 +433,12 @@ class Coordinator:
         for queue in sorted(self._unserved_told - unserved):
             self._unserved_told.discard(queue)
             log.info("batch queue %s has a worker again", queue)
-        waiting: dict[str, set[str]] = {}
-        for out in self.outstanding.values():
-            queue = self.publisher.queue_of(out.model)
-            if queue in unserved:
-                waiting.setdefault(queue, set()).add(self.task_name(out.model))
         consumed = ", ".join(sorted(found.by_queue)) or "no batch queue"
-        for queue, tasks in sorted(waiting.items()):
-            if queue in self._unserved_told:
+        for queue, models in self._outstanding_by_queue().items():
+            if not models or queue not in unserved or queue in self._unserved_told:
                 continue
             self._unserved_told.add(queue)
+            tasks = {self.task_name(model) for model in models}
             log.error(
                 "batches of %s wait on batch queue %s, which no live worker consumes (%s): start a"
                 " worker that serves %s, or route its batches to a queue one consumes"
@@ -452,6 +448,14 @@ class Coordinator:
                 f"the live ones consume {consumed}" if self.workers else "no worker is live",
                 " and ".join(sorted(tasks)),
             )
+
+    def _outstanding_by_queue(self) -> dict[str, list[str]]:
+        """The routing keys of the batches out, per batch queue they wait on (every queue this
+        coordinator sends to, those with none too)."""
+        by_queue: dict[str, list[str]] = {queue: [] for queue in self.batch_queues}
+        for out in self.outstanding.values():
+            by_queue[self.publisher.queue_of(out.model)].append(out.model)
+        return by_queue
 
     def _wait(self, wait: Wait) -> _Take | None:
         """Sleep ``wait.seconds``, or less if its list gets an element first, in Redis
@@ -527,8 +531,7 @@ class Coordinator:
             "outstanding": len(self.outstanding),
             "deferred": len(self.deferred),  # held for their countdown or eta, counted by max_pending
         }
-        on_queue = dict.fromkeys(self.batch_queues, 0)
-        for out in self.outstanding.values():
-            on_queue[self.publisher.queue_of(out.model)] += 1
-        gauges.update({OUTSTANDING_ON + queue: n for queue, n in on_queue.items()})
+        gauges.update(
+            {OUTSTANDING_ON + queue: len(models) for queue, models in self._outstanding_by_queue().items()}
+        )
         self._stats_writer.write(self.stats, depths, gauges, self.task_name, self.policy.bin_spans())

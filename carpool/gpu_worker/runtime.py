@@ -605,8 +605,9 @@ class WorkerRuntime:
         answered REVOKED (another worker's revoke handler, while this one's Celery thread ran the
         batch) are logged as such; the others had an earlier run (counted). ``events``, which the
         finish withheld, are published with those outcomes corrected."""
-        kept = {writes[i - 1][0] for i in stored}
-        refused = {w[0] for i, w in enumerate(writes, 1) if i not in set(stored)} - kept
+        stored_at = set(stored)
+        kept = {writes[i - 1][0] for i in stored_at}
+        refused = {w[0] for i, w in enumerate(writes, 1) if i not in stored_at} - kept
         backend = self.backend
         try:
             ordered = sorted(refused)
