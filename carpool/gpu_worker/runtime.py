@@ -449,15 +449,24 @@ class WorkerRuntime:
         ids = [i for i in claimed.answered if i in revoked] if len(revoked) else []
         if not ids:
             return
-        backend = self.backend
         try:
-            stored = backend.client.mget([backend.get_key_for_task(i) for i in ids])
+            revoked = self._answered_revoked(ids)
         except redis.RedisError as exc:  # telemetry: the answers themselves are stored
             log.warning("could not read %d revoked answers for their task events: %s", len(ids), exc)
             return
-        for request_id, raw in zip(ids, stored, strict=True):
-            if raw is not None and backend.decode_result(raw).get("status") == REVOKED:
+        for request_id in ids:
+            if request_id in revoked:
                 claimed.events.revoked(request_id)
+
+    def _answered_revoked(self, ids: list[str]) -> set[str]:
+        """Those of ``ids`` whose stored answer is REVOKED, read in one MGET."""
+        backend = self.backend
+        stored = backend.client.mget([backend.get_key_for_task(i) for i in ids])
+        return {
+            request_id
+            for request_id, raw in zip(ids, stored, strict=True)
+            if raw is not None and backend.decode_result(raw).get("status") == REVOKED
+        }
 
     def _complete_or_report(self, claimed: ClaimedBatch) -> Callable[[], object] | None:
         """:meth:`_start` on the device stage's thread, sending the batch task's failure if it fails;
@@ -608,15 +617,8 @@ class WorkerRuntime:
         stored_at = set(stored)
         kept = {writes[i - 1][0] for i in stored_at}
         refused = {w[0] for i, w in enumerate(writes, 1) if i not in stored_at} - kept
-        backend = self.backend
         try:
-            ordered = sorted(refused)
-            raws = backend.client.mget([backend.get_key_for_task(i) for i in ordered])
-            revoked = {
-                i
-                for i, raw in zip(ordered, raws, strict=True)
-                if raw is not None and backend.decode_result(raw).get("status") == REVOKED
-            }
+            revoked = self._answered_revoked(sorted(refused))
         except redis.RedisError as exc:  # telemetry: the answers themselves are stored
             log.warning("batch %s: could not read the answers its results met: %s", batch_id, exc)
             revoked = set()
