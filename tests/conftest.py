@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from hypothesis import settings
+
 from carpool.tools.embedded import free_port
 
 TEST_REDIS_PORT = free_port()
@@ -24,3 +26,8 @@ os.environ.setdefault("CARPOOL_METRICS_PORT", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Timing belongs in benchmarks: on a shared 2-core host an example may take seconds, which says
+# nothing about the property checked (Hypothesis's default 200 ms deadline failed such runs).
+settings.register_profile("carpool", deadline=None)
+settings.load_profile("carpool")

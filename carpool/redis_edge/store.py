@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 REPORTS_TTL_S = 3600  # a dead coordinator's report list expires after this many idle seconds
 REPORTS_KEPT = 10_000  # newest reports kept per coordinator
 RENEW_CHUNK = 2000  # request ids per lease-renewal script (a few milliseconds of Redis each)
+DEAD_LETTERS_KEPT = 1000  # newest dead letters kept per request queue
+DEAD_LETTER_RAW_KEPT = 16 * 1024  # characters of a dead letter's message kept: enough to see what sent it
 
 
 # What a take moved into flight, as (request id, raw message), and the batch reports it popped.
@@ -253,13 +256,13 @@ class RequestStore:
         return [k.inflight_lease, k.inflight_raw, k.inflight_owner, k.inflight_claimed, k.inflight_origin]
 
     def dead_letter(self, request_id: str, raw: bytes, reason: str) -> None:
-        """Move a message that is not a carpool request out of flight into the dead-letter list (its
-        entry keeps the message as text, bytes that are not UTF-8 replaced: give ``reason`` from
-        :func:`dead_letter_reason`, which names them)."""
-        entry = json.dumps({"id": request_id, "reason": reason, "raw": raw.decode("utf-8", "replace")})
+        """Move a message that is not a carpool request out of flight into the dead-letter list, which
+        keeps the newest :data:`DEAD_LETTERS_KEPT` (entries as :func:`dead_letter_entry` makes them:
+        give ``reason`` from :func:`dead_letter_reason`, which names bytes that are not UTF-8)."""
+        entry = json.dumps(dead_letter_entry(request_id, raw, reason))
         with self.client.pipeline(transaction=True) as pipe:
             pipe.lpush(self.keys.dead_letter, entry)
-            pipe.ltrim(self.keys.dead_letter, 0, 9999)
+            pipe.ltrim(self.keys.dead_letter, 0, DEAD_LETTERS_KEPT - 1)
             self._ack_into(pipe, [request_id])
             pipe.execute()
 
@@ -491,6 +494,22 @@ def utf8_fault(raw: bytes) -> str:
         around = raw[max(0, exc.start - 20) : exc.end + 20]
         return f"it is not UTF-8 (at byte {exc.start}: {around!r})"
     return ""
+
+
+def dead_letter_entry(request_id: str, raw: bytes, reason: str, at: float | None = None) -> dict[str, Any]:
+    """A dead letter: the id it was taken under, why, when (epoch seconds), the message's size in
+    bytes and its first :data:`DEAD_LETTER_RAW_KEPT` characters as text (bytes that are not UTF-8
+    replaced), so that a flood of huge garbage cannot fill Redis's memory."""
+    prefix = raw[: DEAD_LETTER_RAW_KEPT * 4]  # a character is at most 4 bytes of UTF-8
+    text = prefix.decode("utf-8", "replace")
+    return {
+        "id": request_id,
+        "reason": reason,
+        "at": round(time.time() if at is None else at, 3),
+        "bytes": len(raw),
+        "raw": text[:DEAD_LETTER_RAW_KEPT],
+        "truncated": len(prefix) < len(raw) or len(text) > DEAD_LETTER_RAW_KEPT,
+    }
 
 
 def dead_letter_reason(reason: str, raw: bytes) -> str:

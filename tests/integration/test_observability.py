@@ -410,6 +410,46 @@ def test_status_once_shows_workers_depth_and_counters(processes: Processes) -> N
     assert "malformed=1" in out and "req/s" in out and "padding ratio" in out
 
 
+def test_status_lists_the_dead_letters_newest_first_each_bounded_in_size(processes: Processes) -> None:
+    import redis
+
+    from carpool.redis_edge.keys import Keys
+    from carpool.redis_edge.store import DEAD_LETTER_RAW_KEPT
+
+    keys = Keys("carpool.requests")
+    client = redis.Redis(port=server_of(processes).port)
+    processes.start("coordinator", "coordinator", **TOY)
+    huge = b"\xff" + b"x" * (4 * 1024 * 1024)  # 4 MiB, and not UTF-8
+    client.lpush("carpool.requests", b"first: not a celery message")
+    wait_for("the first dead letter", lambda: client.llen(keys.dead_letter) == 1)
+    client.lpush("carpool.requests", huge)
+    wait_for("the second dead letter", lambda: client.llen(keys.dead_letter) == 2)
+    # What Redis keeps of the 4 MiB message is its start, not the whole of it.
+    used = client.memory_usage(keys.dead_letter)
+    assert used is not None and used < 4 * DEAD_LETTER_RAW_KEPT + 4096
+
+    proc = run_status(processes, "--dead-letters", "--json")
+    assert proc.returncode == 0, proc.stderr
+    newest, first = json.loads(proc.stdout)
+    assert first["raw"] == "first: not a celery message" and first["truncated"] is False
+    assert first["bytes"] == len("first: not a celery message") and "not JSON" in first["reason"]
+    assert newest["bytes"] == len(huge) and newest["truncated"] is True
+    assert newest["raw"] == "\ufffd" + "x" * (DEAD_LETTER_RAW_KEPT - 1)
+    assert "not UTF-8 (at byte 0" in newest["reason"]
+    assert time.time() - 60 < first["at"] <= newest["at"] <= time.time()
+
+    only_one = json.loads(run_status(processes, "--dead-letters", "1", "--json").stdout)
+    assert [d["id"] for d in only_one] == [newest["id"]]
+
+    table = run_status(processes, "--dead-letters")
+    assert table.returncode == 0, table.stderr
+    assert "first: not a celery message" in table.stdout and f"{len(huge):,} bytes" in table.stdout
+    assert table.stdout.index(newest["id"][:20]) < table.stdout.index("first: not a celery")
+
+    refused = run_status(processes, "--dead-letters", "0")
+    assert refused.returncode == 2 and "must be 1 or more" in refused.stderr
+
+
 def test_status_sums_the_gauges_of_live_coordinators_only(
     clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

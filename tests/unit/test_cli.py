@@ -289,3 +289,41 @@ def test_an_unknown_log_level_is_a_usage_error(command: str, capsys: pytest.Capt
         main([command, "--loglevel", "VERBOSE"])
     assert exited.value.code == 2
     assert "invalid choice: 'verbose' (choose from 'debug', 'info'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("raw", "kept", "truncated"),
+    [
+        (b"short", "short", False),
+        (b"x" * 16384, "x" * 16384, False),  # exactly the characters kept: whole
+        (b"x" * 16385, "x" * 16384, True),
+        ("é".encode() * 16384, "é" * 16384, False),  # 32 KiB of two-byte characters: whole
+        ("é".encode() * 16385, "é" * 16384, True),
+        (b"\xff" * 70000, "\ufffd" * 16384, True),  # a bad byte each: past the bytes read
+    ],
+)
+def test_a_dead_letter_keeps_the_start_of_its_message_and_says_whether_it_is_all(
+    raw: bytes, kept: str, truncated: bool
+) -> None:
+    from carpool.redis_edge.store import dead_letter_entry
+
+    entry = dead_letter_entry("id-1", raw, "why", at=1.5)
+    assert entry == {
+        "id": "id-1",
+        "reason": "why",
+        "at": 1.5,
+        "bytes": len(raw),
+        "raw": kept,
+        "truncated": truncated,
+    }
+
+
+def test_status_dead_letters_takes_a_count_of_one_or_more() -> None:
+    from carpool.cli import build_parser
+
+    assert build_parser().parse_args(["status", "--dead-letters"]).dead_letters == 20
+    assert build_parser().parse_args(["status", "--dead-letters", "3"]).dead_letters == 3
+    assert build_parser().parse_args(["status"]).dead_letters is None
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["status", "--dead-letters", bad])

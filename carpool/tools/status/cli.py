@@ -15,10 +15,11 @@ import redis
 from carpool.config import redact_url
 from carpool.redis_edge.connect import client_for, missing_database, refused_credentials
 from carpool.redis_edge.keys import Keys
-from carpool.tools.status.snapshot import Rates, Snapshot, as_dict, collect, rates
-from carpool.tools.status.view import render
+from carpool.tools.status.snapshot import Rates, Snapshot, as_dict, collect, dead_letters, rates
+from carpool.tools.status.view import render, render_dead_letters
 
 DEFAULT_INTERVAL_S = 1.0
+DEFAULT_DEAD_LETTERS = 20
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -47,6 +48,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def count(text: str) -> int:
+    """An argparse type for ``--dead-letters``: a whole number, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
+    return value
+
+
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interval",
@@ -56,6 +68,18 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit (implies --once)")
+    p.add_argument(
+        "--dead-letters",
+        nargs="?",
+        const=DEFAULT_DEAD_LETTERS,
+        type=count,
+        metavar="N",
+        help=(
+            f"print the newest N dead letters (default {DEFAULT_DEAD_LETTERS}): messages in the request"
+            " queue that were no carpool request, with why, when and the start of each; with --json,"
+            " as a JSON list"
+        ),
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -66,6 +90,10 @@ def run_cli(args: argparse.Namespace) -> int:
     keys = Keys(settings.request_queue)
     client = client_for(settings.broker_url, settings, socket_connect_timeout=5, socket_timeout=5)
     try:
+        if args.dead_letters is not None:
+            return _print_dead_letters(
+                client, keys, settings.request_queue, settings.broker_url, args.dead_letters, bool(args.json)
+            )
         if args.json or args.once:
             return _print_once(
                 client, keys, settings.request_queue, settings.broker_url, interval, as_json=bool(args.json)
@@ -86,27 +114,51 @@ def _sample(client: redis.Redis, keys: Keys, interval: float) -> tuple[Snapshot,
     return second, rates(first, second)
 
 
+def _print_dead_letters(
+    client: redis.Redis, keys: Keys, queue: str, broker: str, limit: int, as_json: bool
+) -> int:
+    try:
+        letters = dead_letters(client, keys, limit)
+    except redis.RedisError as exc:
+        return _unavailable(exc, broker)
+    if as_json:
+        print(json.dumps(letters, indent=2))
+        return 0
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    console.print(render_dead_letters(letters, queue, broker, keys.dead_letter))
+    return 0
+
+
+def _unavailable(exc: redis.RedisError, broker: str) -> int:
+    """Say why Redis refused or failed a read; 2 where a setting is to change, 1 for an outage."""
+    hint = refused_credentials(exc, "CARPOOL_BROKER_URL")
+    missing = missing_database(exc, "CARPOOL_BROKER_URL")
+    if missing is not None:
+        hint = str(missing)
+    elif isinstance(exc, redis.exceptions.NoPermissionError):
+        hint = (
+            f"Redis refused a command status reads with ({exc}): carpool status reads every queue and"
+            " coordinator key, which no role of `carpool acl` may; run it as the default user"
+            " (docs/OPERATIONS.md)"
+        )
+    if hint is not None:  # a setting to change, not an outage to wait out
+        print(f"carpool status: {redact_url(broker)}: {hint}", file=sys.stderr)
+        return 2
+    print(f"carpool status: redis unavailable at {redact_url(broker)}: {exc}", file=sys.stderr)
+    return 1
+
+
 def _print_once(
     client: redis.Redis, keys: Keys, queue: str, broker: str, interval: float, as_json: bool
 ) -> int:
     try:
         snap, rate = _sample(client, keys, interval)
     except redis.RedisError as exc:
-        hint = refused_credentials(exc, "CARPOOL_BROKER_URL")
-        missing = missing_database(exc, "CARPOOL_BROKER_URL")
-        if missing is not None:
-            hint = str(missing)
-        elif isinstance(exc, redis.exceptions.NoPermissionError):
-            hint = (
-                f"Redis refused a command status reads with ({exc}): carpool status reads every queue and"
-                " coordinator key, which no role of `carpool acl` may; run it as the default user"
-                " (docs/OPERATIONS.md)"
-            )
-        if hint is not None:  # a setting to change, not an outage to wait out
-            print(f"carpool status: {redact_url(broker)}: {hint}", file=sys.stderr)
-            return 2
-        print(f"carpool status: redis unavailable at {redact_url(broker)}: {exc}", file=sys.stderr)
-        return 1
+        return _unavailable(exc, broker)
     if as_json:
         print(json.dumps(as_dict(snap, rate, queue), indent=2, sort_keys=True))
         return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -254,3 +255,18 @@ def snapshot_dict(settings: Any = None) -> dict[str, Any]:
         return as_dict(collect(client, Keys(settings.request_queue)), None, settings.request_queue)
     finally:
         client.close()
+
+
+def dead_letters(client: redis.Redis, keys: Keys, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` dead letters, newest first, as the coordinator wrote them (``id``,
+    ``reason``, ``at``, ``bytes``, ``raw``, ``truncated``; entries an earlier release wrote lack
+    ``at`` and ``bytes``, and one that is not a JSON object is given as its ``raw`` text)."""
+    out: list[dict[str, Any]] = []
+    for item in client.lrange(keys.dead_letter, 0, max(limit, 1) - 1):
+        text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            entry = None
+        out.append(entry if isinstance(entry, dict) else {"raw": text})
+    return out

@@ -9,6 +9,8 @@ from typing import Any
 from carpool.config import redact_url
 from carpool.tools.status.snapshot import Rates, Snapshot
 
+_RAW_SHOWN = 200  # characters of a dead letter's message shown in the table (--json has the rest kept)
+
 
 def _fmt_rate(value: float | None, unit: str) -> str:
     if value is None:
@@ -182,3 +184,37 @@ def _bin_order(label: str) -> int:
     """Shortest first: fixed bins by their lowest length, automatic ones (``b0``...) by index."""
     head = label[1:] if label.startswith("b") else label.split("-", 1)[0].rstrip("+")
     return int(head) if head.isdigit() else sys.maxsize
+
+
+def render_dead_letters(letters: list[dict[str, Any]], queue: str, broker: str, key: str) -> Any:
+    """A rich table of dead letters, newest first: when, the id taken, why, and the message's start."""
+    import datetime
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(
+        title=f"[bold]dead letters[/]  [dim]{queue} on {redact_url(broker)}, newest first ({key})[/]",
+        title_justify="left",
+        expand=True,
+    )
+    table.add_column("at (UTC)", no_wrap=True)
+    table.add_column("id", overflow="fold", max_width=24)
+    table.add_column("why", overflow="fold", ratio=2)
+    table.add_column("message", overflow="fold", ratio=3)
+    if not letters:
+        table.add_row("", "", "[dim]none[/]", "")
+    for letter in letters:
+        at = letter.get("at")
+        when = (
+            datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+            if isinstance(at, int | float)
+            else "[dim]?[/]"
+        )
+        raw = str(letter.get("raw", ""))
+        size = letter.get("bytes")
+        shown = escape(raw[:_RAW_SHOWN]) + ("…" if len(raw) > _RAW_SHOWN or letter.get("truncated") else "")
+        if isinstance(size, int):
+            shown += f" [dim]({size:,} bytes)[/]"
+        table.add_row(when, escape(str(letter.get("id", ""))), escape(str(letter.get("reason", ""))), shown)
+    return table
