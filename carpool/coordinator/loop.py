@@ -471,9 +471,13 @@ class Coordinator:
         take_n = self._take_count()
         try:
             error, taken = self.store.wait_then_take(key, wait.seconds, take_n, self._reports_of())
-        except (redis.ConnectionError, redis.TimeoutError):
-            # The next step meets the same error and backs off; a take that ran unanswered holds
-            # its requests under a lease that runs out.
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # A take that ran unanswered holds its requests under a lease that runs out.
+            log.warning(
+                "waiting for requests in Redis failed (%s); what a take sent with it moved into flight"
+                " goes back to the queue when its leases run out",
+                exc,
+            )
             self.stopping.wait(wait.fallback_s)
             return None
         ahead = None if taken is None else (take_n, taken)

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 REPORTS_TTL_S = 3600  # a dead coordinator's report list expires after this many idle seconds
 REPORTS_KEPT = 10_000  # newest reports kept per coordinator
 RENEW_CHUNK = 2000  # request ids per lease-renewal script (a few milliseconds of Redis each)
+# Bytes of messages one take moves at most (past the message that reaches it): a take's reply
+# stays well within any socket timeout however large the messages queued.
+TAKE_MAX_BYTES = 8 * 1024 * 1024
 DEAD_LETTERS_KEPT = 1000  # newest dead letters kept per request queue
 DEAD_LETTER_RAW_KEPT = 16 * 1024  # characters of a dead letter's message kept: enough to see what sent it
 
@@ -202,7 +205,7 @@ class RequestStore:
             self.keys.inflight_origin,
             *self.keys.request_lists,
         ]
-        return keys, [count, self.lease_ms, max_reports if reports_of is not None else 0]
+        return keys, [count, self.lease_ms, max_reports if reports_of is not None else 0, TAKE_MAX_BYTES]
 
     def dispatch(
         self,

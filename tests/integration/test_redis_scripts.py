@@ -354,6 +354,33 @@ def test_take_drains_higher_priority_lists_first_and_oldest_first(
     assert store.take(10) == ([], [])
 
 
+def test_take_stops_at_its_byte_budget_and_leaves_the_rest_where_it_was(
+    client: redis.Redis, store: RequestStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from carpool.redis_edge import store as store_module
+
+    pad = "x" * 1000  # each message about 1.3 KB
+    monkeypatch.setattr(store_module, "TAKE_MAX_BYTES", 2000)
+    for task_id in ("h1", "h2", "h3", "h4"):
+        client.lpush(request_list(9), message(task_id, pad=pad))
+    for task_id in ("b1", "b2"):
+        client.lpush(KEYS.request_queue, message(task_id, pad=pad))
+    taken, _ = store.take(10)
+    assert [i for i, _ in taken] == ["h1", "h2"], "up to the message that reaches 2,000 bytes"
+    assert client.llen(request_list(9)) == 2 and store.in_flight() == 2
+    taken, _ = store.take(10)
+    assert [i for i, _ in taken] == ["h3", "h4"], "what was put back comes next, in order"
+    taken, _ = store.take(10)
+    assert [i for i, _ in taken] == ["b1", "b2"]
+    assert store.in_flight() == 6 and store.queued() == 0
+
+    # One message over the budget is taken alone, never left behind.
+    client.lpush(KEYS.request_queue, message("big", pad="y" * 5000), message("after"))
+    taken, _ = store.take(10)
+    assert [i for i, _ in taken] == ["big"]
+    assert [i for i, _ in store.take(10)[0]] == ["after"]
+
+
 def test_take_keeps_the_raw_message_and_sets_a_lease(client: redis.Redis, store: RequestStore) -> None:
     raw = message("abc", extra_field="x")
     client.lpush(KEYS.request_queue, raw)

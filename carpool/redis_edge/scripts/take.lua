@@ -4,11 +4,15 @@
 -- as its origin, so that a recovery puts it back there.
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] this coordinator's report list, KEYS[4] origin HASH,
 -- KEYS[5..] request lists in drain order, the base list last.
--- ARGV[1] max requests, ARGV[2] lease ms, ARGV[3] max reports (0 = none).
+-- ARGV[1] max requests, ARGV[2] lease ms, ARGV[3] max reports (0 = none), ARGV[4] max bytes (0 = no
+-- limit): the take stops at the message that brings its total to that, and puts what it popped
+-- past it back where it was, so that huge messages come a few at a time (at least one a take).
 -- Returns {{id1, raw1, id2, raw2, ...}, {reports, oldest first}}.
 
 local expiry = lease_expiry(ARGV[2])
 local want = tonumber(ARGV[1])
+local budget = tonumber(ARGV[4]) or 0
+local bytes, full = 0, false
 local SPACE, QUOTE = string.byte(' '), string.byte('"')
 
 -- Whether s is UTF-8 as Python's strict decoder reads it (no overlong form, no surrogate, nothing
@@ -50,7 +54,16 @@ for i = 5, #KEYS do
   if left <= 0 then break end
   local got = redis.call('RPOP', KEYS[i], left)
   if got then
-    for _, raw in ipairs(got) do
+    for n, raw in ipairs(got) do
+      if budget > 0 and bytes >= budget then
+        -- got[n..] back at the list's tail, got[n] last, so the list reads as before the pop.
+        local back = {}
+        for j = #got, n, -1 do back[#back + 1] = got[j] end
+        chunked('RPUSH', KEYS[i], back)
+        full = true
+        break
+      end
+      bytes = bytes + #raw
       -- The task id is the one '"id": "..."' key of a Celery message (the body is base64, and a quote
       -- inside any JSON string is escaped): a plain find costs far less than a cjson decode of the
       -- whole message or a pattern scan. Anything unusual (no such key, or more than one) is decoded.
@@ -107,6 +120,7 @@ for i = 5, #KEYS do
       end
     end
   end
+  if full then break end
 end
 chunked('HSET', KEYS[2], raw_pairs, 1, 2 * CHUNK)
 chunked('ZADD', KEYS[1], lease_pairs, 1, 2 * CHUNK)
