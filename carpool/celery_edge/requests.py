@@ -160,7 +160,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
     if headers.get("parent_id") or (
         type(embed) is dict and (embed.get("callbacks") or embed.get("errbacks") or embed.get("chain"))
     ):
-        links = _links(embed, headers)
+        links = _links(embed, headers, task_id, task, inbox)
         if "errbacks" in links and isinstance(args, list) and isinstance(kwargs, dict):
             links["args"], links["kwargs"] = args, kwargs
     # The worker decodes a batch message with kombu's type tags: a tag in a link that does not decode
@@ -178,7 +178,7 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         if option == "chord":
             # The chord's body waits on a counter no batch worker advances: its caller is answered
             # with the refusal stored under the body's ids, as a failed chain step's are.
-            links = links if links is not None else _links(embed, headers)
+            links = links if links is not None else _links(embed, headers, task_id, task, inbox)
             links["chain"] = [*links.get("chain", []), embed["chord"]]
         raise RefusedMessage(
             f"{option}= is not supported by carpool tasks: {why} (the message was sent from an app"
@@ -252,16 +252,14 @@ def inbox_in(raw: bytes) -> str | None:
     return inbox if type(inbox) is str and inbox else None
 
 
-def _links(embed: Any, headers: dict[str, Any]) -> Links:
-    """The embed's callbacks, error callbacks and chain, and the canvas ids the tracer would pass on."""
+def _links(embed: Any, headers: dict[str, Any], task_id: str, task: str, inbox: str | None) -> Links:
+    """The embed's callbacks, error callbacks and chain, and the canvas ids the tracer would pass on;
+    a refusal under the request's id when one of those is not a list of signatures."""
     links: Links = {}
     if isinstance(embed, dict):
-        if embed.get("callbacks"):
-            links["callbacks"] = _signatures(embed, "callbacks")
-        if embed.get("errbacks"):
-            links["errbacks"] = _signatures(embed, "errbacks")
-        if embed.get("chain"):
-            links["chain"] = _signatures(embed, "chain")
+        for key in ("callbacks", "errbacks", "chain"):
+            if embed.get(key):
+                links[key] = _signatures(embed, key, task_id, task, inbox)
     root_id = headers.get("root_id")
     if isinstance(root_id, str) and root_id:
         links["root_id"] = root_id
@@ -299,10 +297,18 @@ def _may_hold_tag(body: str | bytes) -> bool:
     return b"__type__" in body or b"\\u" in body
 
 
-def _signatures(embed: dict[str, Any], key: str) -> list[dict[str, Any]]:
+def _signatures(
+    embed: dict[str, Any], key: str, task_id: str, task: str, inbox: str | None
+) -> list[dict[str, Any]]:
     value = embed[key]
     if not (isinstance(value, list) and all(isinstance(sig, dict) for sig in value)):
-        raise MalformedMessage(f"the message's {key} is not a list of signatures")
+        raise _refused(
+            task_id,
+            task,
+            inbox,
+            f"the message's {key} is {brief(value)}, not a list of signatures (Celery writes each as"
+            " a dict: send links with link=/link_error= or a chain, from a Celery app)",
+        )
     return value
 
 

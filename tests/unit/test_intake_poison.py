@@ -454,3 +454,29 @@ def test_an_integer_past_64_bits_in_a_link_reaches_the_slot_as_that_integer() ->
     [(_, req)] = out.admitted
     [arg] = req.payload["links"]["callbacks"][0]["args"]
     assert arg == big and type(arg) is int
+
+
+def with_embed(raw: bytes, **embed: Any) -> bytes:
+    """``raw`` with its body's embed (callbacks, errbacks, chain) given these values as they are."""
+    out = json.loads(raw)
+    args, kwargs, was = json.loads(base64.b64decode(out["body"]))
+    out["body"] = base64.b64encode(json.dumps([args, kwargs, {**was, **embed}]).encode()).decode()
+    return json.dumps(out).encode()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("callbacks", "carpool.infer"),
+        ("errbacks", [1, 2]),
+        ("chain", {"task": "x"}),
+        ("callbacks", [{}, "y"]),
+    ],
+)
+def test_links_that_are_no_list_of_signatures_are_refused_under_the_requests_id(key: str, value: Any) -> None:
+    out, _ = run([("a", with_embed(message("a", "hi"), **{key: value})), ("b", message("b", "hi"))])
+    [refused] = out.refused
+    assert refused.id == "a" and refused.reason == "invalid" and isinstance(refused.error, InvalidInput)
+    said = str(refused.error)
+    assert f"the message's {key} is " in said and "not a list of signatures" in said
+    assert admitted_ids(out) == ["b"] and not out.malformed
