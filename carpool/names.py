@@ -11,6 +11,12 @@ from typing import Final, Literal, get_args
 # Celery task names.
 INFER_TASK: Final = "carpool.infer"
 RUN_BATCH_TASK: Final = "carpool.run_batch"
+# Why a carpool.run_batch sent by anyone but a coordinator (a link, a chain step, send_task) is refused.
+NOT_SENDABLE: Final = (
+    f"{RUN_BATCH_TASK} is carpool's own batch task, which only coordinators send, with the batch they"
+    " made; it cannot be sent as a task, a link or a chain step: send requests to carpool.infer or a"
+    " @batched task"
+)
 
 # Message header a producer stamps (wall clock, s) so waiting is measured from the real arrival.
 SENT_AT_HEADER: Final = "carpool_sent_at"

@@ -200,6 +200,11 @@ def _router(app: Celery, settings: Settings) -> Any:
         from carpool.registry import spec_for
 
         sent = getattr(task, "name", None) or name
+        if name == RUN_BATCH_TASK:
+            # Only a coordinator sends batches, to the queue it names (which overrides this route);
+            # any other send of it (a plain task's link applied by Celery's tracer, send_task) goes
+            # to the coordinators, which answer it under its id with why it cannot be sent.
+            return {"queue": settings.request_queue}
         # Celery's celery.map / celery.starmap (.map(), .starmap(), and each part of .chunks()): one
         # message holding every item, which the coordinators cannot batch. .map() routes it as the
         # task it calls; a group of chunks sends it under its own name, the task in its kwargs.
@@ -247,10 +252,7 @@ def create_app(settings: Settings | None = None) -> Celery:
         result_accept_content=["json", "msgpack"],
         task_routes=(
             _router(app, settings),
-            {
-                INFER_TASK: {"queue": settings.request_queue},
-                RUN_BATCH_TASK: {"queue": settings.batch_queue},
-            },
+            {INFER_TASK: {"queue": settings.request_queue}},
         ),
         # A name this process cannot route (send_task of a task whose module it does not import, a
         # link to one) goes to the coordinators, which batch it or answer why they cannot; on the

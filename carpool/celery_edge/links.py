@@ -37,6 +37,7 @@ from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.options import CHORD_TASK, check_options, check_send_settings
 from carpool.celery_edge.results import FAILURE
 from carpool.errors import InvalidInput, described
+from carpool.names import NOT_SENDABLE, RUN_BATCH_TASK
 from carpool.redis_edge.connect import UNREACHABLE
 from carpool.registry import spec_for
 from carpool.wire import Links
@@ -122,6 +123,8 @@ def on_success(
         return failed
     try:
         step = maybe_signature(chain[-1], app=app)
+        if step.task == RUN_BATCH_TASK:
+            raise InvalidInput(NOT_SENDABLE)
         send(
             lambda: step.apply_async(
                 (result,),
@@ -177,6 +180,8 @@ def _refusal(app: Celery, sig: Any, args: tuple[Any, ...]) -> Exception | None:
             if why is not None:
                 return why
         return None
+    if sig.task == RUN_BATCH_TASK:
+        return InvalidInput(NOT_SENDABLE)
     spec = spec_for(sig.task)
     if spec is None:  # a plain Celery task's, or one the coordinators batch (their CARPOOL_IMPORTS)
         return None

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from carpool.errors import ConfigError, UnsupportedOption
+from carpool.names import NOT_SENDABLE, RUN_BATCH_TASK
 from carpool.registry import spec_for
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ def _check_step(app: Celery, where: str, step: Any) -> None:
     task = step.get("task")
     options = step.get("options") or {}
     kwargs = step.get("kwargs") or {}
+    if task == RUN_BATCH_TASK:
+        raise UnsupportedOption(f"{where}: {NOT_SENDABLE}")
     if task == CHORD_TASK:
         header = kwargs.get("header")
         carpool = next(_carpool_tasks(header), None)

@@ -22,7 +22,7 @@ from carpool.codec import MAX_DEPTH, brief, kombu_tags, tag_failure
 from carpool.codec import loads as json_loads
 from carpool.codec import loads_numbers_loosely as envelope_loads
 from carpool.errors import MalformedMessage, RefusedMessage
-from carpool.names import INBOX_HEADER, INFER_TASK, SENT_AT_HEADER
+from carpool.names import INBOX_HEADER, INFER_TASK, NOT_SENDABLE, RUN_BATCH_TASK, SENT_AT_HEADER
 from carpool.wire import Links
 
 TASK_NAME = INFER_TASK  # the built-in task; @batched tasks' messages share the request queue
@@ -183,6 +183,14 @@ def decode(raw: bytes, tasks: Container[str] = (TASK_NAME,)) -> Incoming:
         raise RefusedMessage(
             f"{option}= is not supported by carpool tasks: {why} (the message was sent from an app"
             " that does not refuse it at the call, as carpool's own does)",
+            task_id=task_id,
+            task=task,
+            links=links,
+            inbox=inbox,
+        )
+    if task == RUN_BATCH_TASK:
+        raise RefusedMessage(
+            NOT_SENDABLE,
             task_id=task_id,
             task=task,
             links=links,

@@ -202,6 +202,13 @@ def test_a_callback_that_cannot_be_sent_fails_under_its_own_id(processes: Proces
     with pytest.raises(InvalidInput, match=r"unknown task name 'nobody\.knows'.*CARPOOL_IMPORTS"):
         carpool_app.AsyncResult(unknown.id).get(timeout=30)
     assert carpool_app.AsyncResult(counted.id).get(timeout=30) == len(shouted.get(timeout=30))
+    # carpool's own batch task as a link (refused at the call; send_task checks nothing): the worker
+    # fails it under its id instead of pushing the caller's message onto the batch queue.
+    forged = carpool_app.signature("carpool.run_batch")
+    forged.freeze()
+    carpool_app.send_task(t.shout.name, args=("hi",), link=forged).get(timeout=30)
+    with pytest.raises(InvalidInput, match=r"carpool\.run_batch is carpool's own batch task"):
+        carpool_app.AsyncResult(forged.id).get(timeout=30)
 
     # An old-style error callback is sent the failed request's id: with an argument of its own,
     # shout is given two items.
@@ -419,3 +426,10 @@ def test_chains_between_carpool_and_plain_celery_tasks(processes: Processes) -> 
     assert (infer.s("to a plain worker") | t.describe.s()).apply_async().get(timeout=60) == "list of 32"
     # ...and back: the plain worker's tracer sends the carpool step, which a batch worker runs.
     assert (t.describe.s("abc") | t.count.s()).apply_async().get(timeout=60) == len("str of 3")
+    # A plain task's link is applied by Celery's tracer: carpool's batch task as one reaches the
+    # coordinators, which answer it under its id, not the batch queue.
+    forged = carpool_app.signature("carpool.run_batch")
+    forged.freeze()
+    assert t.describe.apply_async(("abc",), link=forged).get(timeout=60) == "str of 3"
+    with pytest.raises(InvalidInput, match="only coordinators send, with the batch they made"):
+        carpool_app.AsyncResult(forged.id).get(timeout=60)

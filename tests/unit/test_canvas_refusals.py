@@ -216,3 +216,15 @@ def test_an_error_callback_that_cannot_be_sent_has_its_failure_stored(
         ("eb-shout", "FAILURE", InvalidInput)
     ]
     assert [m["name"] for m in sent] == [plain.name]
+
+
+@pytest.mark.parametrize("option", ["link", "link_error"])
+def test_carpool_run_batch_as_a_link_or_chain_step_is_refused_at_the_call(
+    sent: list[dict[str, Any]], option: str
+) -> None:
+    batch = app.signature("carpool.run_batch")
+    with pytest.raises(UnsupportedOption, match=r"carpool\.run_batch is carpool's own batch task"):
+        infer.apply_async(("a",), **{option: batch})
+    with pytest.raises(UnsupportedOption, match="only coordinators send"):
+        (infer.s("a") | batch).apply_async()
+    assert sent == []

@@ -218,12 +218,6 @@ def test_callbacks_chain_and_canvas_ids_ride_in_the_slot_only_when_present() -> 
     assert msg_c.links is None and "links" not in c.payload
 
 
-def test_callbacks_that_are_not_signatures_make_the_message_malformed() -> None:
-    embed = {"callbacks": "carpool.infer", "errbacks": None, "chain": None, "chord": None}
-    out, _ = run([("a", message("a", "hi", embed=embed))])
-    assert not out.admitted and "callbacks" in out.malformed[0].reason
-
-
 class Burning(Words):
     """Words whose encode burns a known stretch of this thread's CPU, as a tokenizer does."""
 

@@ -480,3 +480,14 @@ def test_links_that_are_no_list_of_signatures_are_refused_under_the_requests_id(
     said = str(refused.error)
     assert f"the message's {key} is " in said and "not a list of signatures" in said
     assert admitted_ids(out) == ["b"] and not out.malformed
+
+
+def test_carpool_run_batch_sent_to_the_request_queue_is_refused_under_its_id_saying_why() -> None:
+    forged = rewritten(message("a", "hi"))
+    out_json = json.loads(forged)
+    out_json["headers"]["task"] = "carpool.run_batch"
+    out, _ = run([("a", json.dumps(out_json).encode()), ("b", message("b", "hi"))])
+    [refused] = out.refused
+    assert refused.id == "a" and isinstance(refused.error, InvalidInput)
+    assert "carpool.run_batch is carpool's own batch task, which only coordinators send" in str(refused.error)
+    assert admitted_ids(out) == ["b"]

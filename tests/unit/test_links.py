@@ -295,3 +295,27 @@ def test_a_finish_waits_for_redis_about_25_seconds(clock: Clock) -> None:
         retrying(finish)
     assert 20 <= calls[-1] <= 25 and len(calls) >= 9
     assert max(clock.slept) == 5.0
+
+
+def test_carpool_run_batch_as_a_callback_or_chain_step_is_failed_under_its_id_never_sent(
+    sent: list[dict[str, Any]],
+) -> None:
+    batch = dict(app.signature("carpool.run_batch").set(task_id="forged"))
+    callbacks: Links = {"callbacks": [batch, sig("other.task", task_id="ok")]}
+    [(task_id, state, exc)] = links.on_success(app, "req", callbacks, "out")
+    assert (task_id, state) == ("forged", "FAILURE") and isinstance(exc, InvalidInput)
+    assert "only coordinators send" in str(exc)
+    assert [call["name"] for call in sent] == ["other.task"], "the other callback is sent"
+    sent.clear()
+    chain: Links = {"chain": [sig("third.task", task_id="t3"), batch]}
+    failures = links.on_success(app, "req", chain, "out")
+    assert sent == [] and [(i, s) for i, s, _ in failures] == [("t3", "FAILURE"), ("forged", "FAILURE")]
+
+
+def test_carpool_run_batch_sent_without_a_queue_goes_to_the_coordinators_with_one_where_named() -> None:
+    # Anyone's send (Celery's tracer applying a plain task's link) reaches the coordinators, which
+    # refuse it under its id; a coordinator names its batch queue, which the route leaves alone.
+    assert app.amqp.router.route({}, "carpool.run_batch")["queue"].name == "carpool.requests"
+    assert app.amqp.router.route({"queue": "carpool.batches"}, "carpool.run_batch")["queue"].name == (
+        "carpool.batches"
+    )
