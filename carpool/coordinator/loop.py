@@ -53,6 +53,7 @@ from carpool.errors import ConfigError, UnknownModel
 from carpool.names import coordinator_hostname
 from carpool.redis_edge.connect import (
     UNREACHABLE,
+    EvictionWatch,
     check_server,
     client_for,
     missing_database,
@@ -148,6 +149,7 @@ class Coordinator:
         )
         self._next_peer_check = 0.0
         self._peers_told: set[tuple[str, str]] = set()
+        self._evictions = EvictionWatch("coordinator", "CARPOOL_BROKER_URL")
         self._unserved_told: set[str] = set()  # batch queues said to have no worker, until one comes
         self._wait_lists = {
             WaitFor.REPORTS: self.keys.reports_for(self.hostname),
@@ -392,6 +394,7 @@ class Coordinator:
             self._next_peer_check = now + PEER_CHECK_S
             self._check_peers()
             self._check_batch_queues()
+            self._evictions.check(self.client)
 
     def _check_peers(self) -> None:
         """Log an error, once per peer and setting, for a live coordinator of this request queue

@@ -403,3 +403,41 @@ def _check_eviction(memory: dict[str, Any] | None, role: str, setting: str, what
         "when it reaches maxmemory" if limited else "once a maxmemory is set",
         what,
     )
+
+
+class EvictionWatch:
+    """Tells, at ERROR, of keys a server evicted since the last look: under a ``maxmemory-policy``
+    other than ``noeviction`` the requests, in-flight state and results carpool keeps are keys, and
+    those evicted are never answered, with nothing else said (the worker sees only requests gone
+    from flight, as if a recovery had taken them). The first look sets the count to compare with;
+    a count that went back (a restarted server) too."""
+
+    def __init__(self, role: str, setting: str) -> None:
+        self.role, self.setting = role, setting
+        self.seen: int | None = None
+
+    def check(self, client: Any) -> int:
+        """Read the server's eviction count; log and return how many keys it evicted since the last
+        look (0 where none, or where INFO cannot be read: the next look tries again)."""
+        try:
+            evicted = int(client.info("stats").get("evicted_keys", 0) or 0)
+            memory = client.info("memory")
+        except (redis.RedisError, ValueError, TypeError):
+            return 0
+        before, self.seen = self.seen, evicted
+        if before is None or evicted <= before:
+            return 0
+        import logging
+
+        logging.getLogger("carpool").error(
+            "%s: the Redis at %s evicted %d keys since the last look (maxmemory-policy %s, maxmemory"
+            " %s bytes): carpool's queued and in-flight requests and stored results are keys, and"
+            " those evicted are never answered; set maxmemory-policy noeviction (writes are then"
+            " refused and retried) and give Redis the memory it needs",
+            self.role,
+            self.setting,
+            evicted - before,
+            memory.get("maxmemory_policy"),
+            memory.get("maxmemory"),
+        )
+        return evicted - before

@@ -111,3 +111,34 @@ def test_a_coordinator_and_a_worker_check_their_settings_and_server_at_start(
     log = (processes.log_dir / f"{role}.log").read_text(errors="replace")
     assert said in log and (setting in log or "CARPOOL_MODEL" in log), log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_keys_evicted_while_a_coordinator_runs_are_an_error_in_its_log(
+    clean_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A maxmemory set after the start check (CONFIG SET, a managed service's resize): the only
+    # trace of the lost requests was workers' INFO lines calling them reaped (review, 2026-12-06).
+    from carpool.redis_edge.connect import EvictionWatch
+
+    broker = redis.Redis(port=clean_redis.port)
+    before = {k: str(v) for k, v in broker.config_get("maxmemory*").items()}
+    watch = EvictionWatch("coordinator", "CARPOOL_BROKER_URL")
+    try:
+        with caplog.at_level(logging.WARNING, logger="carpool"):
+            assert watch.check(broker) == 0  # the first look: the count to compare with
+            broker.config_set("maxmemory-policy", "allkeys-lru")
+            broker.config_set("maxmemory", int(broker.info("memory")["used_memory"]) + 512 * 1024)
+            for i in range(64):
+                broker.set(f"evict-me-{i}", b"x" * 32 * 1024)
+            assert not caplog.records
+            evicted = watch.check(broker)
+            assert evicted > 0 and watch.check(broker) == 0, "each eviction told once"
+    finally:
+        broker.config_set("maxmemory", before["maxmemory"])
+        broker.config_set("maxmemory-policy", before["maxmemory-policy"])
+        broker.flushdb()
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR
+    message = record.getMessage()
+    assert f"coordinator: the Redis at CARPOOL_BROKER_URL evicted {evicted} keys" in message
+    assert "maxmemory-policy allkeys-lru" in message and "set maxmemory-policy noeviction" in message

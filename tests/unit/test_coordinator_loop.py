@@ -166,6 +166,9 @@ class FakeClient:
     def zrange(self, key: str, start: int, end: int) -> list[bytes]:
         return []  # no other coordinator: nothing to compare what this one serves with
 
+    def info(self, section: str | None = None) -> dict[str, Any]:
+        return {}  # a server that evicts nothing
+
 
 @pytest.fixture
 def clocks() -> Clocks:
@@ -937,3 +940,29 @@ def test_shutdown_writes_the_counts_of_this_run_before_it_ends(clocks: Clocks) -
     # (Each other batch queue of the tasks registered, by tests elsewhere in this process, counts 0.)
     on_queues = {k: n for k, n in gauges.items() if k.startswith("outstanding:")}
     assert on_queues.pop("outstanding:carpool.batches") == 1 and set(on_queues.values()) <= {0}
+
+
+class EvictingClient(FakeClient):
+    """A server whose eviction count grows by ``step`` at each INFO stats."""
+
+    def __init__(self, step: int) -> None:
+        self.evicted, self.step = 0, step
+
+    def info(self, section: str | None = None) -> dict[str, Any]:
+        if section == "stats":
+            self.evicted += self.step
+            return {"evicted_keys": self.evicted}
+        return {"maxmemory_policy": "allkeys-lru", "maxmemory": 1 << 20}
+
+
+def test_the_peer_check_says_when_redis_evicted_keys(clocks: Clocks, caplog: pytest.LogCaptureFixture) -> None:
+    from carpool.coordinator.loop import PEER_CHECK_S
+
+    c = coordinator(clocks, workers=1)
+    c.client = EvictingClient(step=7)
+    caplog.set_level(logging.ERROR, logger="carpool")
+    for _ in range(3):  # the first look sets the count; each later one tells what it grew by
+        c._bookkeeping(clocks.mono())
+        clocks.advance(PEER_CHECK_S)
+    evicted = [r.getMessage() for r in caplog.records if "evicted" in r.getMessage()]
+    assert len(evicted) == 2 and all("evicted 7 keys" in m for m in evicted)
