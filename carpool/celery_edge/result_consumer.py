@@ -175,8 +175,19 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         on the socket). True once after a (re)connection: the caller then reads the stored results of
         what it waits for, since messages published meanwhile are lost. Raises connection errors."""
         pubsub = result_pubsub(self)
-        if pubsub is None or pubsub.connection is None:
+        if pubsub is None:
             return False
+        if pubsub.connection is None:
+            # Never connected: its first SUBSCRIBE met Redis down, and redis-py, with no connection
+            # to resubscribe on, would wait on nothing for good. Subscribing connects it (raising
+            # while Redis is still down); the stored results are then read, as after a reconnection.
+            keys = list(subscribed_keys(self))
+            if not (self._stale and keys):
+                return False
+            for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
+                pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
+            self._stale = False
+            return True
         conn = pubsub.connection
         if conn is not self._watched:
             # Told of every reconnection, redis-py's own retries included.
@@ -329,8 +340,9 @@ def deferring_cancels(consumer: Any) -> contextlib.AbstractContextManager[None]:
 def subscribe_results(backend: Any, task_ids: Sequence[str]) -> list[str]:
     """Subscribe Celery's result consumer to ``task_ids`` in one SUBSCRIBE; returns the ids newly added.
 
-    What ``backend.on_task_call`` does per request, for many. Inside a worker (where joining a task
-    would block) it does nothing, as Celery does.
+    What Celery's ``backend.on_task_call`` does per request, for many (carpool's does nothing:
+    :meth:`~carpool.celery_edge.results.CarpoolRedisBackend.on_task_call`). Inside a worker (where
+    joining a task would block) it does nothing, as Celery does.
     """
     consumer = getattr(backend, "result_consumer", None)
     if consumer is None or join_will_block() or not task_ids:

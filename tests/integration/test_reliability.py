@@ -170,6 +170,41 @@ def test_kill_9_redis_with_append_only_file(processes: Processes, tmp_path: Any)
         server.cleanup()
 
 
+def test_a_wait_that_starts_while_redis_is_down_gets_its_result_once_redis_is_back(tmp_path: Any) -> None:
+    import threading
+
+    from carpool.celery_edge.app import create_app
+    from carpool.config import load_settings
+    from carpool.tools.embedded import free_port
+    from carpool.tools.harness import release_result_consumer
+
+    server = EmbeddedRedis(port=free_port(), directory=str(tmp_path))
+    server.start()
+    app = create_app(load_settings(broker_url=server.url(0), result_backend=server.url(1)))
+    outcome: dict[str, Any] = {}
+
+    def wait() -> None:  # a thread of its own: its first SUBSCRIBE meets Redis down
+        try:
+            outcome["value"] = app.AsyncResult("waited-on").get(timeout=40)
+        except Exception as exc:
+            outcome["error"] = exc
+
+    try:
+        server.stop(kill=True)
+        server.process = None
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        time.sleep(2.0)
+        server.start()
+        app.backend.store_result("waited-on", {"ok": 1}, "SUCCESS")
+        waiter.join(60)
+        # Until 2026-12-06 the wait never connected again: TimeoutError, or no return without one.
+        assert outcome == {"value": {"ok": 1}}
+    finally:
+        release_result_consumer(app)
+        server.cleanup()
+
+
 def test_two_coordinators_share_the_queue_without_duplicates(processes: Processes) -> None:
     # The default lease: a stall of a loaded host must not turn into a recovery and a second dispatch.
     env = {**SLOW_ENV, "CARPOOL_RECOVERY_TIMEOUT_S": "30"}
