@@ -955,7 +955,9 @@ class EvictingClient(FakeClient):
         return {"maxmemory_policy": "allkeys-lru", "maxmemory": 1 << 20}
 
 
-def test_the_peer_check_says_when_redis_evicted_keys(clocks: Clocks, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_peer_check_says_when_redis_evicted_keys(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture
+) -> None:
     from carpool.coordinator.loop import PEER_CHECK_S
 
     c = coordinator(clocks, workers=1)
