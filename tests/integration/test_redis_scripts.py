@@ -374,6 +374,14 @@ def test_take_stops_at_its_byte_budget_and_leaves_the_rest_where_it_was(
     assert [i for i, _ in taken] == ["b1", "b2"]
     assert store.in_flight() == 6 and store.queued() == 0
 
+    # A budget reached by a list's last message: the next list is left as it is, untouched.
+    client.lpush(request_list(9), message("p1", pad=pad), message("p2", pad=pad))
+    client.lpush(KEYS.request_queue, message("q1"))
+    popped_before = int(client.info("commandstats").get("cmdstat_rpop", {}).get("calls", 0))
+    assert [i for i, _ in store.take(10)[0]] == ["p1", "p2"]
+    assert int(client.info("commandstats")["cmdstat_rpop"]["calls"]) == popped_before + 1
+    assert [i for i, _ in store.take(10)[0]] == ["q1"]
+
     # One message over the budget is taken alone, never left behind.
     client.lpush(KEYS.request_queue, message("big", pad="y" * 5000), message("after"))
     taken, _ = store.take(10)

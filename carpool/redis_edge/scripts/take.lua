@@ -51,7 +51,7 @@ if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or 
 local base = KEYS[#KEYS]
 for i = 5, #KEYS do
   local left = want - #raw_pairs / 2
-  if left <= 0 then break end
+  if left <= 0 or (budget > 0 and bytes >= budget) then break end
   local got = redis.call('RPOP', KEYS[i], left)
   if got then
     for n, raw in ipairs(got) do
