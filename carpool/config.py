@@ -106,8 +106,7 @@ class Settings(BaseSettings):
         True,
         description=(
             "submit_many's results come back to each producer process on one pub/sub channel, which "
-            "gather subscribes while it waits (false: each request's own channel is subscribed as it is"
-            " sent, in one SUBSCRIBE per chunk)."
+            "gather subscribes while it waits (false: one subscription per request, as `.delay()`)."
         ),
     )
 

@@ -88,15 +88,8 @@ class BatchedTask(Task):  # type: ignore[misc]  # Celery is untyped
             and self.app.current_worker_task is None
         ):
             try:
-                # Subscribed by whichever thread waits on it, when it waits (CarpoolRedisBackend's
-                # on_task_call says why not here).
                 (result,) = publish_tasks(
-                    self.name,
-                    [(args or (), kwargs or {})],
-                    app=self.app,
-                    headers=headers,
-                    subscribe=False,
-                    **options,
+                    self.name, [(args or (), kwargs or {})], app=self.app, headers=headers, **options
                 )
                 return result
             except RedisError as exc:

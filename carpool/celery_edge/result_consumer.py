@@ -45,6 +45,7 @@ _SUBSCRIBE_CHUNK = 5000  # channels per (UN)SUBSCRIBE command
 _MESSAGE_READ_S = 1.0  # time allowed for the rest of a result message that has started to arrive
 _MGET_CHUNK = 5000  # keys per MGET when re-reading stored results
 _SETTLED_KEPT = 256  # settled results' channels left subscribed at most, awaiting one UNSUBSCRIBE
+_QUIET_REREAD_S = 1.0  # a wait re-reads the stored results it waits for this often
 
 
 _CONSUMERS: weakref.WeakSet[PromptResultConsumer] = weakref.WeakSet()  # this process's, for a fork
@@ -64,6 +65,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     _settled: list[Any] | None = None  # keys of settled results still subscribed on the wire
     _watched: Any = None  # the pub/sub connection whose (re)connections set _stale
     _stale = False  # the connection was, or is to be, replaced: stored results must be re-read
+    _reread_at: float | None = None  # monotonic time a wait in progress next re-reads what it waits for
 
     on_message: Any  # Celery's: the callback of the .get() in progress, if it passed one
 
@@ -118,12 +120,14 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             return
         self.on_wait_for_pending(result, timeout=timeout, **kwargs)
         previous, self.on_message = self.on_message, on_message
+        outer, self._reread_at = self._reread_at, time.monotonic() + _QUIET_REREAD_S
         try:
             yield from self.drain_events_until(result.on_ready, timeout=timeout, on_interval=on_interval)
         except TimeoutError:  # socket.timeout, as Celery's drainer raises it
             raise CeleryTimeoutError("The operation timed out.") from None
         finally:
             self.on_message = previous
+            self._reread_at = outer
 
     def on_state_change(self, meta: Any, message: Any) -> None:
         """Celery's (``BaseResultConsumer``'s, then the Redis consumer's unsubscription of a settled
@@ -221,12 +225,28 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         try:
             if self.check_connection():
                 self._reread_subscribed()
+            elif self._reread_at is not None and t0 >= self._reread_at:
+                # A result published before its SUBSCRIBE took effect in Redis (the SUBSCRIBE's
+                # packet late, or sent after the initial read from another thread) reaches no one:
+                # a wait reads what it waits for from the store now and then, as gather does.
+                self._reread_at = t0 + _QUIET_REREAD_S
+                self._reread_pending()
         except self.backend.connection_errors:
             self._reconnect()
             if timeout:  # as long as the read would have waited, not a busy loop
                 time.sleep(max(0.0, timeout - (time.monotonic() - t0)))
             return
         super().drain_events(timeout)
+
+    def _reread_pending(self) -> None:
+        """Settle, from their stored results, the results this thread waits for that finished."""
+        ids = [task_id for mapping in self._pending_results for task_id in list(mapping)]
+        key_of = self.backend.get_key_for_task
+        for start in range(0, len(ids), _MGET_CHUNK):
+            chunk = ids[start : start + _MGET_CHUNK]
+            for meta in self.backend.client.mget([key_of(task_id) for task_id in chunk]):
+                if meta:
+                    self.on_state_change(self.backend.decode_result(meta), None)
 
     def _reread_subscribed(self) -> None:
         """Settle, from their stored results, the subscribed tasks that finished (as Celery does after
@@ -340,9 +360,8 @@ def deferring_cancels(consumer: Any) -> contextlib.AbstractContextManager[None]:
 def subscribe_results(backend: Any, task_ids: Sequence[str]) -> list[str]:
     """Subscribe Celery's result consumer to ``task_ids`` in one SUBSCRIBE; returns the ids newly added.
 
-    What Celery's ``backend.on_task_call`` does per request, for many (carpool's does nothing:
-    :meth:`~carpool.celery_edge.results.CarpoolRedisBackend.on_task_call`). Inside a worker (where
-    joining a task would block) it does nothing, as Celery does.
+    What ``backend.on_task_call`` does per request, for many. Inside a worker (where joining a task
+    would block) it does nothing, as Celery does.
     """
     consumer = getattr(backend, "result_consumer", None)
     if consumer is None or join_will_block() or not task_ids:

@@ -69,14 +69,6 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         here = self.app.backend
         return here if isinstance(here, CarpoolRedisBackend) else self
 
-    def on_task_call(self, producer: Any, task_id: str) -> None:
-        """Nothing at the send. Celery subscribes the sending thread to each result here; but the
-        thread that waits (``.get()``, ``.then()``, a join, ``gather``) subscribes when it waits,
-        then reads the stored result, so what was published before is not missed. A result waited
-        on by another thread (``run_in_executor``, ``gather_async``) or by nobody still filled the
-        sending thread's unread connection, without end, and the messages it did read stayed
-        buffered for a ``.get()`` that never came from there."""
-
     def add_pending_result(self, result: Any, *args: Any, **kwargs: Any) -> Any:
         here = self._of_this_thread()
         if here is not self:

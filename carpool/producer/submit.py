@@ -20,7 +20,7 @@ binding set, needed only by consumers, which declare their queues themselves) an
 policy (a failed pipeline raises; with MULTI/EXEC nothing of it was applied, unless the connection
 broke after EXEC was sent, when delivery is uncertain, as with any publish).
 
-Nothing is subscribed per request (Celery's ``backend.on_task_call`` sends a SUBSCRIBE per request): each
+Nothing is subscribed per request (``backend.on_task_call`` sends a SUBSCRIBE per request): each
 message names this process's result inbox (:mod:`carpool.celery_edge.inbox`), one channel where
 every result of this process is published too, which ``gather`` subscribes while it waits;
 ``.get()`` on a result subscribes to its own channel, as for any AsyncResult. With

@@ -20,8 +20,8 @@ SENDERS = 3
 
 @pytest.fixture()
 def sent_from_threads(clean_redis: EmbeddedRedis) -> Iterator[list[Any]]:
-    """From each of ``SENDERS`` threads: an ``infer.delay`` (subscribed by whichever thread waits on
-    it), a ``submit_many`` through the result inbox, and one subscribing nothing. No
+    """From each of ``SENDERS`` threads: an ``infer.delay`` (subscribed on that thread's result
+    consumer), a ``submit_many`` through the result inbox, and one subscribing nothing. No
     coordinator runs: the tests store the results themselves."""
     from carpool.celery_edge.app import app
     from carpool.producer.submit import submit_many
@@ -126,29 +126,3 @@ def test_submit_many_from_more_threads_than_the_publishers_connections(clean_red
     client = redis.Redis(port=clean_redis.port)
     queued = sum(client.llen(key) for key in Keys("carpool.requests").request_lists)
     assert queued == threads_n * calls * items
-
-
-def test_results_sent_in_one_thread_and_waited_on_in_another_leave_the_senders_connection_alone(
-    clean_redis: EmbeddedRedis,
-) -> None:
-    from carpool.celery_edge.app import app
-    from carpool.celery_edge.compat import result_pubsub
-    from carpool.tasks import infer
-
-    sender: dict[str, Any] = {}
-
-    def send() -> None:  # an event loop's thread, say, whose results a pool's threads wait on
-        sender["results"] = [infer.delay(f"delay {i}", model="toy") for i in range(20)]
-        sender["consumer"] = app.backend.result_consumer
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    thread.join()
-    results, consumer = sender["results"], sender["consumer"]
-    _store(results).join()
-    assert [r.get(timeout=10) for r in results] == list(range(20))
-    # Until 2026-12-06 each send subscribed the sending thread's connection, which nobody read:
-    # its socket filled with every result, and what it did read stayed buffered there.
-    assert result_pubsub(consumer) is None and not consumer.subscribed_to
-    assert not consumer.backend._pending_messages
-    _left_nothing_behind(results)

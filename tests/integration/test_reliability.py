@@ -205,6 +205,39 @@ def test_a_wait_that_starts_while_redis_is_down_gets_its_result_once_redis_is_ba
         server.cleanup()
 
 
+def test_a_wait_whose_subscription_missed_the_publish_reads_the_stored_result(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A SUBSCRIBE that takes effect in Redis after the result's PUBLISH (its packet late; from another
+    # thread than the sender's, a .get() subscribes only as it starts) hears nothing; until
+    # 2026-12-06 the wait then read the stored result only once, at its start, and waited for good.
+    import threading
+
+    import redis.client
+
+    from carpool.celery_edge.app import create_app
+    from carpool.config import load_settings
+    from carpool.tools.harness import release_result_consumer
+
+    real = redis.client.PubSub.subscribe
+
+    def losing(self: Any, *channels: Any, **kwargs: Any) -> Any:
+        kept = [c for c in channels if b"missed-publish" not in (c if isinstance(c, bytes) else c.encode())]
+        return real(self, *kept, **kwargs) if kept or kwargs else None
+
+    monkeypatch.setattr(redis.client.PubSub, "subscribe", losing)
+    app = create_app(load_settings(broker_url=clean_redis.url(0), result_backend=clean_redis.url(1)))
+    stored = threading.Timer(0.3, app.backend.store_result, ("missed-publish", {"ok": 2}, "SUCCESS"))
+    try:
+        stored.start()
+        t0 = time.monotonic()
+        assert app.AsyncResult("missed-publish").get(timeout=20) == {"ok": 2}
+        assert time.monotonic() - t0 < 10
+    finally:
+        stored.join()
+        release_result_consumer(app)
+
+
 def test_two_coordinators_share_the_queue_without_duplicates(processes: Processes) -> None:
     # The default lease: a stall of a loaded host must not turn into a recovery and a second dispatch.
     env = {**SLOW_ENV, "CARPOOL_RECOVERY_TIMEOUT_S": "30"}
