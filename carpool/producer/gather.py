@@ -635,6 +635,12 @@ async def gather_async(
     finally:
         stream.release()
         await client.aclose()
+        consumer = getattr(backend, "result_consumer", None)
+        if isinstance(consumer, PromptResultConsumer):
+            # What this thread's Celery connection got for these results before their UNSUBSCRIBE
+            # (and its confirmations): read now, it would otherwise pile up in a socket that only
+            # a .get() on this thread reads, which an event loop's thread may never call.
+            _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
     return state.values()
 
 

@@ -126,3 +126,30 @@ def test_submit_many_from_more_threads_than_the_publishers_connections(clean_red
     client = redis.Redis(port=clean_redis.port)
     queued = sum(client.llen(key) for key in Keys("carpool.requests").request_lists)
     assert queued == threads_n * calls * items
+
+
+def test_gather_async_reads_what_the_calling_threads_connection_got_for_its_results(
+    clean_redis: EmbeddedRedis,
+) -> None:
+    # An event loop sends with .delay() (Celery subscribes the sending thread, as for any send) and
+    # awaits with gather_async, which reads on a connection of its own: the loop thread's Celery
+    # connection, which no .get() ever read, kept every result message (until 2026-12-06).
+    import time
+
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.compat import result_pubsub
+    from carpool.celery_edge.results import SUCCESS
+    from carpool.producer.gather import gather_async
+    from carpool.tasks import infer
+
+    async def rounds() -> None:
+        for n in range(3):
+            results = [infer.delay(f"round {n} text {i}", model="toy") for i in range(20)]
+            app.backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results)])  # published
+            assert await gather_async(results, timeout=10) == list(range(20))
+
+    asyncio.run(rounds())
+    pubsub = result_pubsub(app.backend.result_consumer)
+    assert pubsub is not None and pubsub.connection is not None
+    time.sleep(0.2)
+    assert not pubsub.connection.can_read(timeout=0.2), "the loop thread's connection holds nothing unread"
