@@ -40,7 +40,7 @@ RENEW_CHUNK = 2000  # request ids per lease-renewal script (a few milliseconds o
 # stays well within any socket timeout however large the messages queued.
 TAKE_MAX_BYTES = 8 * 1024 * 1024
 DEAD_LETTERS_KEPT = 1000  # newest dead letters kept per request queue
-DEAD_LETTER_RAW_KEPT = 16 * 1024  # characters of a dead letter's message kept: enough to see what sent it
+DEAD_LETTER_BYTES = 16 * 1024  # a dead letter's entry, as stored, at most: its message's start fills it
 
 
 # What a take moved into flight, as (request id, raw message), and the batch reports it popped.
@@ -262,7 +262,7 @@ class RequestStore:
         """Move a message that is not a carpool request out of flight into the dead-letter list, which
         keeps the newest :data:`DEAD_LETTERS_KEPT` (entries as :func:`dead_letter_entry` makes them:
         give ``reason`` from :func:`dead_letter_reason`, which names bytes that are not UTF-8)."""
-        entry = json.dumps(dead_letter_entry(request_id, raw, reason))
+        entry = dead_letter_entry(request_id, raw, reason)
         with self.client.pipeline(transaction=True) as pipe:
             pipe.lpush(self.keys.dead_letter, entry)
             pipe.ltrim(self.keys.dead_letter, 0, DEAD_LETTERS_KEPT - 1)
@@ -499,20 +499,29 @@ def utf8_fault(raw: bytes) -> str:
     return ""
 
 
-def dead_letter_entry(request_id: str, raw: bytes, reason: str, at: float | None = None) -> dict[str, Any]:
-    """A dead letter: the id it was taken under, why, when (epoch seconds), the message's size in
-    bytes and its first :data:`DEAD_LETTER_RAW_KEPT` characters as text (bytes that are not UTF-8
-    replaced), so that a flood of huge garbage cannot fill Redis's memory."""
-    prefix = raw[: DEAD_LETTER_RAW_KEPT * 4]  # a character is at most 4 bytes of UTF-8
+def dead_letter_entry(request_id: str, raw: bytes, reason: str, at: float | None = None) -> bytes:
+    """A dead letter as stored (JSON): the id it was taken under, why, when (epoch seconds), the
+    message's size in bytes and as much of its start as text (bytes that are not UTF-8 replaced)
+    as keeps the entry within :data:`DEAD_LETTER_BYTES`, so that a flood of huge garbage cannot
+    fill Redis's memory, whatever characters it holds."""
+    prefix = raw[:DEAD_LETTER_BYTES]
     text = prefix.decode("utf-8", "replace")
-    return {
+    entry: dict[str, Any] = {
         "id": request_id,
         "reason": reason,
         "at": round(time.time() if at is None else at, 3),
         "bytes": len(raw),
-        "raw": text[:DEAD_LETTER_RAW_KEPT],
-        "truncated": len(prefix) < len(raw) or len(text) > DEAD_LETTER_RAW_KEPT,
+        "raw": text,
+        "truncated": len(prefix) < len(raw),
     }
+    encoded = json.dumps(entry, ensure_ascii=False).encode()
+    while len(encoded) > DEAD_LETTER_BYTES and entry["raw"]:
+        # Escaped characters (control bytes) and replacements take more than a byte each: cut the
+        # text in proportion, a little more each time, until the entry fits.
+        keep = len(entry["raw"]) * DEAD_LETTER_BYTES // len(encoded) - 16
+        entry["raw"], entry["truncated"] = entry["raw"][: max(keep, 0)], True
+        encoded = json.dumps(entry, ensure_ascii=False).encode()
+    return encoded
 
 
 def dead_letter_reason(reason: str, raw: bytes) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -292,30 +293,37 @@ def test_an_unknown_log_level_is_a_usage_error(command: str, capsys: pytest.Capt
 
 
 @pytest.mark.parametrize(
-    ("raw", "kept", "truncated"),
+    "raw",
     [
-        (b"short", "short", False),
-        (b"x" * 16384, "x" * 16384, False),  # exactly the characters kept: whole
-        (b"x" * 16385, "x" * 16384, True),
-        ("é".encode() * 16384, "é" * 16384, False),  # 32 KiB of two-byte characters: whole
-        ("é".encode() * 16385, "é" * 16384, True),
-        (b"\xff" * 70000, "\ufffd" * 16384, True),  # a bad byte each: past the bytes read
+        "x" * 20000,
+        "é" * 20000,  # two bytes each
+        "🚀" * 20000,  # four bytes each
+        "\x01\x1f" * 20000,  # control characters: six bytes each as JSON
+        '"\\' * 20000,  # escaped: two bytes each
     ],
 )
-def test_a_dead_letter_keeps_the_start_of_its_message_and_says_whether_it_is_all(
-    raw: bytes, kept: str, truncated: bool
-) -> None:
+def test_a_dead_letter_keeps_the_start_of_its_message_within_its_bound(raw: str) -> None:
+    from carpool.redis_edge.store import DEAD_LETTER_BYTES, dead_letter_entry
+
+    data = raw.encode()
+    stored = dead_letter_entry("id-1", data, "why", at=1.5)
+    assert DEAD_LETTER_BYTES - 200 < len(stored) <= DEAD_LETTER_BYTES, "filled, and not past it"
+    entry = json.loads(stored)
+    assert raw.startswith(entry["raw"]) and len(entry["raw"]) > 1000
+    assert (entry["id"], entry["reason"], entry["at"], entry["bytes"], entry["truncated"]) == (
+        "id-1",
+        "why",
+        1.5,
+        len(data),
+        True,
+    )
+
+
+def test_a_short_dead_letter_is_kept_whole_and_bytes_that_are_not_utf8_are_replaced() -> None:
     from carpool.redis_edge.store import dead_letter_entry
 
-    entry = dead_letter_entry("id-1", raw, "why", at=1.5)
-    assert entry == {
-        "id": "id-1",
-        "reason": "why",
-        "at": 1.5,
-        "bytes": len(raw),
-        "raw": kept,
-        "truncated": truncated,
-    }
+    entry = json.loads(dead_letter_entry("id-2", b"bad \xff\xfe end", "why", at=2.0))
+    assert entry["raw"] == "bad \ufffd\ufffd end" and entry["truncated"] is False and entry["bytes"] == 10
 
 
 def test_status_dead_letters_takes_a_count_of_one_or_more() -> None:
