@@ -34,9 +34,9 @@ from celery.canvas import maybe_signature
 
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
-from carpool.celery_edge.options import CHORD_TASK, check_options, check_send_settings
+from carpool.celery_edge.options import CHORD_TASK, check_options, check_send_settings, check_step
 from carpool.celery_edge.results import FAILURE
-from carpool.errors import InvalidInput, described
+from carpool.errors import InvalidInput, UnsupportedOption, described
 from carpool.names import NOT_SENDABLE, RUN_BATCH_TASK
 from carpool.redis_edge.connect import UNREACHABLE
 from carpool.registry import spec_for
@@ -125,6 +125,7 @@ def on_success(
         step = maybe_signature(chain[-1], app=app)
         if step.task == RUN_BATCH_TASK:
             raise InvalidInput(NOT_SENDABLE)
+        check_step(app, f"the chain's step {step.task}", dict(step))  # and what it would send in turn
         send(
             lambda: step.apply_async(
                 (result,),
@@ -182,6 +183,10 @@ def _refusal(app: Celery, sig: Any, args: tuple[Any, ...]) -> Exception | None:
         return None
     if sig.task == RUN_BATCH_TASK:
         return InvalidInput(NOT_SENDABLE)
+    try:  # what it would send in turn (its own links), as the call's check of it refuses
+        check_step(app, f"the link {sig.task}", dict(sig))
+    except UnsupportedOption as exc:
+        return InvalidInput(str(exc))
     spec = spec_for(sig.task)
     if spec is None:  # a plain Celery task's, or one the coordinators batch (their CARPOOL_IMPORTS)
         return None

@@ -109,7 +109,7 @@ def check_options(task_name: str, options: Mapping[str, Any], app: Celery) -> No
             )
         if name in _LINKS and value:
             for signature in _signatures(value):
-                _check_step(app, f"{task_name}: its {name}= step", signature)
+                check_step(app, f"{task_name}: its {name}= step", signature)
 
 
 def _signatures(value: Any) -> Iterable[Any]:
@@ -117,11 +117,11 @@ def _signatures(value: Any) -> Iterable[Any]:
     return (value,) if isinstance(value, Mapping) else value
 
 
-def _check_step(app: Celery, where: str, step: Any) -> None:
+def check_step(app: Celery, where: str, step: Any) -> None:
     """Refuse ``step`` (a signature, as a dict) if carpool could not apply it as Celery would."""
     if isinstance(step, list | tuple):  # a chord's header before it is frozen into a group
         for member in step:
-            _check_step(app, where, member)
+            check_step(app, where, member)
         return
     if not isinstance(step, Mapping):
         return  # not a signature: Celery itself refuses it when the step is sent
@@ -130,6 +130,9 @@ def _check_step(app: Celery, where: str, step: Any) -> None:
     kwargs = step.get("kwargs") or {}
     if task == RUN_BATCH_TASK:
         raise UnsupportedOption(f"{where}: {NOT_SENDABLE}")
+    for name in ("link", "link_error"):  # a step's own links, which its worker's tracer sends
+        for nested in _signatures(options.get(name) or ()):
+            check_step(app, where, nested)
     if task == CHORD_TASK:
         header = kwargs.get("header")
         carpool = next(_carpool_tasks(header), None)
@@ -138,11 +141,11 @@ def _check_step(app: Celery, where: str, step: Any) -> None:
                 f"{where} is a chord (in a chain, Celery makes a group followed by a task one) whose "
                 f"header runs {carpool}, a carpool task: {UNSUPPORTED_OPTIONS['chord']}"
             )
-        _check_step(app, where, header)
-        _check_step(app, where, kwargs.get("body"))
+        check_step(app, where, header)
+        check_step(app, where, kwargs.get("body"))
     elif task in _NESTING:
         for member in kwargs.get("tasks") or ():
-            _check_step(app, where, member)
+            check_step(app, where, member)
     elif isinstance(task, str) and spec_for(task) is not None:
         # A carpool step is sent through BatchedTask.apply_async, which would refuse these options
         # only once the step's turn came, leaving its result waiting.

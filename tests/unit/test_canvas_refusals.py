@@ -227,4 +227,9 @@ def test_carpool_run_batch_as_a_link_or_chain_step_is_refused_at_the_call(
         infer.apply_async(("a",), **{option: batch})
     with pytest.raises(UnsupportedOption, match="only coordinators send"):
         (infer.s("a") | batch).apply_async()
+    # Also as a plain callback's own link, with the batch queue named (which the route would obey).
+    named = app.signature("carpool.run_batch", queue="carpool.batches")
+    plain = app.signature("unit.plain.task").set(**{option: named})
+    with pytest.raises(UnsupportedOption, match="only coordinators send"):
+        infer.apply_async(("a",), link=plain)
     assert sent == []

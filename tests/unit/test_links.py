@@ -310,6 +310,14 @@ def test_carpool_run_batch_as_a_callback_or_chain_step_is_failed_under_its_id_ne
     chain: Links = {"chain": [sig("third.task", task_id="t3"), batch]}
     failures = links.on_success(app, "req", chain, "out")
     assert sent == [] and [(i, s) for i, s, _ in failures] == [("t3", "FAILURE"), ("forged", "FAILURE")]
+    # Nested in a plain callback's or chain step's own links, with the batch queue named: the plain
+    # task's worker would send it there, past the route to the coordinators.
+    named = app.signature("carpool.run_batch", queue="carpool.batches")
+    hiding = dict(app.signature("plain.task", queue="plain").set(task_id="hider", link=named))
+    [(task_id, _, exc)] = links.on_success(app, "req", {"callbacks": [hiding]}, "out")
+    assert task_id == "hider" and "only coordinators send" in str(exc) and sent == []
+    failures = links.on_success(app, "req", {"chain": [hiding]}, "out")
+    assert [i for i, _, _ in failures] == ["hider"] and sent == []
 
 
 def test_carpool_run_batch_sent_without_a_queue_goes_to_the_coordinators_with_one_where_named() -> None:
