@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from celery import states
@@ -230,7 +230,8 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
                 # packet late, or sent after the initial read from another thread) reaches no one:
                 # a wait reads what it waits for from the store now and then, as gather does.
                 self._reread_at = t0 + _QUIET_REREAD_S
-                self._reread_pending()
+                if self._reread_pending():
+                    return  # settled: the wait looks at its results now, not after another read
         except self.backend.connection_errors:
             self._reconnect()
             if timeout:  # as long as the read would have waited, not a busy loop
@@ -238,15 +239,22 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             return
         super().drain_events(timeout)
 
-    def _reread_pending(self) -> None:
-        """Settle, from their stored results, the results this thread waits for that finished."""
+    def _reread_pending(self) -> bool:
+        """Settle, from their stored results, the results this thread waits for that finished;
+        whether any did. A state short of ready (a task's own PROGRESS) is left to its message:
+        passed on here, a ``.get(on_message=...)`` would hear it again every second."""
         ids = [task_id for mapping in self._pending_results for task_id in list(mapping)]
         key_of = self.backend.get_key_for_task
+        settled = False
         for start in range(0, len(ids), _MGET_CHUNK):
             chunk = ids[start : start + _MGET_CHUNK]
-            for meta in self.backend.client.mget([key_of(task_id) for task_id in chunk]):
-                if meta:
-                    self.on_state_change(self.backend.decode_result(meta), None)
+            for stored in self.backend.client.mget([key_of(task_id) for task_id in chunk]):
+                if stored:
+                    meta = self.backend.decode_result(stored)
+                    if meta.get("status") in states.READY_STATES:
+                        self.on_state_change(meta, None)
+                        settled = True
+        return settled
 
     def _reread_subscribed(self) -> None:
         """Settle, from their stored results, the subscribed tasks that finished (as Celery does after
@@ -355,6 +363,19 @@ def deferring_cancels(consumer: Any) -> contextlib.AbstractContextManager[None]:
     if isinstance(consumer, PromptResultConsumer):
         return consumer.deferring_cancels()
     return contextlib.nullcontext()
+
+
+def drop_buffered(backend: Any, task_ids: Iterable[str]) -> None:
+    """Forget the result messages Celery's consumer keeps for ``task_ids`` (those that came while
+    they were subscribed and nobody waited on them yet): ``gather`` reads what it collects from
+    the store, and a copy kept for a ``.get()`` that never comes stays for good."""
+    buffered = getattr(backend, "_pending_messages", None)
+    if not buffered:
+        return
+    for task_id in task_ids:
+        buf = buffered.pop(task_id, None)
+        if buf is not None:
+            buffered.total -= len(buf)
 
 
 def subscribe_results(backend: Any, task_ids: Sequence[str]) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
@@ -30,6 +31,7 @@ from carpool.celery_edge.inbox import inbox_of
 from carpool.celery_edge.result_consumer import (
     PromptResultConsumer,
     deferring_cancels,
+    drop_buffered,
     read_result_messages,
     subscribe_channels,
     subscribe_results,
@@ -40,6 +42,8 @@ from carpool.celery_edge.results import success_row
 from carpool.codec import brief
 from carpool.names import INBOX_CHANNEL
 from carpool.redis_edge.socket_options import async_client_options
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult
@@ -383,6 +387,7 @@ def _gather(
         return state.values()
     # Inside a task, as .get() and ResultSet.join: a worker waiting on other tasks may deadlock.
     assert_will_not_block()
+    drop_buffered(backend, state.pending())  # read from the store here, as every result is
     decode = None if rows is None else rows.decode  # None: the backend's own
     inboxes, plain = _by_channel(state) if isinstance(consumer, PromptResultConsumer) else ({}, None)
     # Subscribed before the stored results are read: a result stored later is published to it.
@@ -536,9 +541,12 @@ def _read_leftovers(backend: Any, consumer: Any, ignore: set[str], limit: int) -
 
     try:
         messages, _ = read_result_messages(backend, consumer, 0.0, limit)
-        _route(backend, consumer, messages, want={}, ignore=ignore)
     except (redis.RedisError, OSError):
         return
+    try:
+        _route(backend, consumer, messages, want={}, ignore=ignore)
+    except Exception:  # another result's .then() callback: not this gather's failure
+        log.exception("a callback of another result, run as gather read that result's message, raised")
 
 
 @overload
@@ -607,6 +615,7 @@ async def gather_async(
     assert_will_not_block()  # as in gather
     decode = backend.decode_result if rows is None else rows.decode  # no other waiters read here
     unsubscribe_results(backend, state.pending())
+    drop_buffered(backend, state.pending())  # read from the store here, as every result is
     client, recheck_s = _async_client(backend)
     stream = collector.Stream(_LONGEST_PAUSE_S)
     try:
@@ -635,12 +644,12 @@ async def gather_async(
     finally:
         stream.release()
         await client.aclose()
-        consumer = getattr(backend, "result_consumer", None)
-        if isinstance(consumer, PromptResultConsumer):
-            # What this thread's Celery connection got for these results before their UNSUBSCRIBE
-            # (and its confirmations): read now, it would otherwise pile up in a socket that only
-            # a .get() on this thread reads, which an event loop's thread may never call.
-            _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
+    consumer = getattr(backend, "result_consumer", None)
+    if isinstance(consumer, PromptResultConsumer):
+        # What this thread's Celery connection got for these results before their UNSUBSCRIBE
+        # (and its confirmations): read now, it would otherwise pile up in a socket that only a
+        # .get() on this thread reads, which an event loop's thread may never call.
+        _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
     return state.values()
 
 

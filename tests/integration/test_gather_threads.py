@@ -153,3 +153,64 @@ def test_gather_async_reads_what_the_calling_threads_connection_got_for_its_resu
     assert pubsub is not None and pubsub.connection is not None
     time.sleep(0.2)
     assert not pubsub.connection.can_read(timeout=0.2), "the loop thread's connection holds nothing unread"
+
+
+def test_what_gather_collects_is_not_left_buffered_for_a_get_that_never_comes(
+    clean_redis: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A gather that ends reads this thread's connection: messages of results sent here and not yet
+    # collected are kept by Celery's consumer for a .get(); a later gather of them reads the store,
+    # and the kept copies stayed for good (8,192 a thread at most). A .then() callback of another
+    # result, fired by that read, that raises is logged: it is not the gather's own failure.
+    from carpool.celery_edge.app import app
+    from carpool.celery_edge.results import SUCCESS
+    from carpool.producer.gather import gather, gather_async
+    from carpool.tasks import infer
+
+    buffered = app.backend._pending_messages
+    fired: list[Any] = []
+
+    def fail(value: Any) -> None:
+        fired.append(value)
+        raise ValueError("the callback of another result")
+
+    async def in_two(results: list[Any]) -> list[Any]:
+        return [*await gather_async(results[:20], timeout=10), *await gather_async(results[20:], timeout=10)]
+
+    for collect in ("gather", "gather_async"):
+        results = [infer.delay(f"{collect} text {i}", model="toy") for i in range(40)]
+        other = infer.delay(f"{collect} with a callback", model="toy")
+        if collect == "gather_async":
+            other.then(fail)
+        app.backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate([*results, other])])  # published
+        if collect == "gather":
+            values = gather(results[:20], timeout=10) + gather(results[20:], timeout=10)
+        else:
+            values = asyncio.run(in_two(results))
+        assert values == list(range(40))
+        assert not any(r.id in buffered and len(buffered[r.id]) for r in results), collect
+    assert [r.result for r in fired] == [40], "the callback ran, as the first gather_async read its message"
+    assert any("callback of another result" in r.getMessage() for r in caplog.records)
+
+
+def test_a_long_wait_passes_each_state_message_to_on_message_once(clean_redis: EmbeddedRedis) -> None:
+    # The wait's once-a-second read of the store settles finished results only: a PROGRESS state
+    # passed on at each read would repeat the progress callback of Celery's idiom (as in Celery,
+    # the state stored when the wait starts is not passed on).
+    import time
+
+    from carpool.celery_edge.app import app
+
+    app.backend.store_result("progressing", {"step": 0}, "PROGRESS")
+    later = threading.Timer(2.5, app.backend.store_result, ("progressing", {"done": True}, "SUCCESS"))
+    heard: list[str] = []
+    later.start()
+    try:
+        t0 = time.monotonic()
+        got = app.AsyncResult("progressing").get(
+            timeout=20, on_message=lambda meta: heard.append(meta["status"])
+        )
+        assert got == {"done": True} and time.monotonic() - t0 > 2.0
+    finally:
+        later.join()
+    assert heard == ["SUCCESS"], "the stored PROGRESS, read again each second, is not passed on"
