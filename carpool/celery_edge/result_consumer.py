@@ -365,17 +365,20 @@ def deferring_cancels(consumer: Any) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-def drop_buffered(backend: Any, task_ids: Iterable[str]) -> None:
-    """Forget the result messages Celery's consumer keeps for ``task_ids`` (those that came while
-    they were subscribed and nobody waited on them yet): ``gather`` reads what it collects from
-    the store, and a copy kept for a ``.get()`` that never comes stays for good."""
+def take_buffered(backend: Any, task_ids: Iterable[str]) -> list[Any]:
+    """Take out the result messages Celery's consumer keeps for ``task_ids`` (those that came while
+    they were subscribed and nobody waited on them yet), as their metas: ``gather`` settles with
+    them, where a copy kept for a ``.get()`` that never comes would stay for good."""
     buffered = getattr(backend, "_pending_messages", None)
     if not buffered:
-        return
+        return []
+    metas = []
     for task_id in task_ids:
         buf = buffered.pop(task_id, None)
-        if buf is not None:
+        if buf:
             buffered.total -= len(buf)
+            metas.extend(buf.data)  # a Messagebuffer's deque
+    return metas
 
 
 def subscribe_results(backend: Any, task_ids: Sequence[str]) -> list[str]:

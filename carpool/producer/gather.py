@@ -31,10 +31,10 @@ from carpool.celery_edge.inbox import inbox_of
 from carpool.celery_edge.result_consumer import (
     PromptResultConsumer,
     deferring_cancels,
-    drop_buffered,
     read_result_messages,
     subscribe_channels,
     subscribe_results,
+    take_buffered,
     unsubscribe_channels,
     unsubscribe_results,
 )
@@ -387,7 +387,7 @@ def _gather(
         return state.values()
     # Inside a task, as .get() and ResultSet.join: a worker waiting on other tasks may deadlock.
     assert_will_not_block()
-    drop_buffered(backend, state.pending())  # read from the store here, as every result is
+    state.settle(take_buffered(backend, state.pending()))  # kept by Celery's consumer: not for good
     decode = None if rows is None else rows.decode  # None: the backend's own
     inboxes, plain = _by_channel(state) if isinstance(consumer, PromptResultConsumer) else ({}, None)
     # Subscribed before the stored results are read: a result stored later is published to it.
@@ -543,10 +543,11 @@ def _read_leftovers(backend: Any, consumer: Any, ignore: set[str], limit: int) -
         messages, _ = read_result_messages(backend, consumer, 0.0, limit)
     except (redis.RedisError, OSError):
         return
-    try:
-        _route(backend, consumer, messages, want={}, ignore=ignore)
-    except Exception:  # another result's .then() callback: not this gather's failure
-        log.exception("a callback of another result, run as gather read that result's message, raised")
+    for message in messages:  # one at a time: a callback that raises loses no other's message
+        try:
+            _route(backend, consumer, [message], want={}, ignore=ignore)
+        except Exception:  # another result's .then() callback: not this gather's failure
+            log.exception("a callback of another result, run as gather read that result's message, raised")
 
 
 @overload
@@ -615,7 +616,9 @@ async def gather_async(
     assert_will_not_block()  # as in gather
     decode = backend.decode_result if rows is None else rows.decode  # no other waiters read here
     unsubscribe_results(backend, state.pending())
-    drop_buffered(backend, state.pending())  # read from the store here, as every result is
+    state.settle(take_buffered(backend, state.pending()))  # kept by Celery's consumer: not for good
+    if state.done:
+        return state.values()
     client, recheck_s = _async_client(backend)
     stream = collector.Stream(_LONGEST_PAUSE_S)
     try:
@@ -644,12 +647,13 @@ async def gather_async(
     finally:
         stream.release()
         await client.aclose()
-    consumer = getattr(backend, "result_consumer", None)
-    if isinstance(consumer, PromptResultConsumer):
-        # What this thread's Celery connection got for these results before their UNSUBSCRIBE
-        # (and its confirmations): read now, it would otherwise pile up in a socket that only a
-        # .get() on this thread reads, which an event loop's thread may never call.
-        _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
+        consumer = getattr(backend, "result_consumer", None)
+        if isinstance(consumer, PromptResultConsumer):
+            # What this thread's Celery connection got for these results before their UNSUBSCRIBE
+            # (and its confirmations), however the call ends: read now (no await: a cancellation
+            # cannot cut it short), it would otherwise pile up in a socket that only a .get() on
+            # this thread reads, which an event loop's thread may never call.
+            _read_leftovers(backend, consumer, {r.id for r in results}, limit=2 * len(results) + 100)
     return state.values()
 
 

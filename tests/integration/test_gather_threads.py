@@ -136,6 +136,8 @@ def test_gather_async_reads_what_the_calling_threads_connection_got_for_its_resu
     # connection, which no .get() ever read, kept every result message (until 2026-12-06).
     import time
 
+    from celery.exceptions import TimeoutError as CeleryTimeoutError
+
     from carpool.celery_edge.app import app
     from carpool.celery_edge.compat import result_pubsub
     from carpool.celery_edge.results import SUCCESS
@@ -148,7 +150,14 @@ def test_gather_async_reads_what_the_calling_threads_connection_got_for_its_resu
             app.backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results)])  # published
             assert await gather_async(results, timeout=10) == list(range(20))
 
+    async def timing_out() -> None:  # however the call ends
+        results = [infer.delay(f"unanswered {i}", model="toy") for i in range(20)]
+        app.backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate(results[1:])])
+        with pytest.raises(CeleryTimeoutError):
+            await gather_async(results, timeout=0.5)
+
     asyncio.run(rounds())
+    asyncio.run(timing_out())
     pubsub = result_pubsub(app.backend.result_consumer)
     assert pubsub is not None and pubsub.connection is not None
     time.sleep(0.2)
@@ -174,22 +183,36 @@ def test_what_gather_collects_is_not_left_buffered_for_a_get_that_never_comes(
         fired.append(value)
         raise ValueError("the callback of another result")
 
-    async def in_two(results: list[Any]) -> list[Any]:
-        return [*await gather_async(results[:20], timeout=10), *await gather_async(results[20:], timeout=10)]
-
     for collect in ("gather", "gather_async"):
         results = [infer.delay(f"{collect} text {i}", model="toy") for i in range(40)]
-        other = infer.delay(f"{collect} with a callback", model="toy")
+        others = [infer.delay(f"{collect} with a callback {i}", model="toy") for i in range(2)]
         if collect == "gather_async":
-            other.then(fail)
-        app.backend.store_many([(r.id, SUCCESS, i) for i, r in enumerate([*results, other])])  # published
+            others[0].then(fail)
+            others[1].then(fired.append)  # read in the same batch of messages, after the one raising
+        entries = [(r.id, SUCCESS, i) for i, r in enumerate([*results, *others])]
+        app.backend.store_many(entries)  # published
+
+        # The second half's keys gone (expired, evicted, forgotten) once their messages are read:
+        # the copies kept of those messages are the values.
+        def forget(rs: list[Any]) -> None:
+            for r in rs:
+                app.backend.client.delete(app.backend.get_key_for_task(r.id))
+
         if collect == "gather":
-            values = gather(results[:20], timeout=10) + gather(results[20:], timeout=10)
+            first = gather(results[:20], timeout=10)
+            forget(results[20:])
+            values = first + gather(results[20:], timeout=10)
         else:
+
+            async def in_two(rs: list[Any]) -> list[Any]:
+                first = await gather_async(rs[:20], timeout=10)
+                forget(rs[20:])
+                return [*first, *await gather_async(rs[20:], timeout=10)]
+
             values = asyncio.run(in_two(results))
-        assert values == list(range(40))
+        assert values == list(range(40)), collect
         assert not any(r.id in buffered and len(buffered[r.id]) for r in results), collect
-    assert [r.result for r in fired] == [40], "the callback ran, as the first gather_async read its message"
+    assert sorted(r.result for r in fired) == [40, 41], "both callbacks ran as the first gather_async read"
     assert any("callback of another result" in r.getMessage() for r in caplog.records)
 
 
