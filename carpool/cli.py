@@ -176,7 +176,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(requests=args.requests, seed=args.seed, workers=args.workers, external=args.external)
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
     """An argparse type: a whole number >= 1."""
     try:
         value = int(text)
@@ -221,11 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
         "coordinator and worker(s) it starts join whatever already runs on that Redis, and stop when "
         "the demo ends; --external starts nothing and sends to the deployment there instead.",
     )
-    p.add_argument("--requests", type=_at_least_one, default=300, help="texts in the burst (default 300)")
+    p.add_argument("--requests", type=at_least_one, default=300, help="texts in the burst (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--workers",
-        type=_at_least_one,
+        type=at_least_one,
         default=1,
         help="workers to start (default 1; ignored with --external)",
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from carpool.cli import at_least_one
 from carpool.config import redact_url
 from carpool.redis_edge.connect import client_for, missing_database, refused_credentials
 from carpool.redis_edge.keys import Keys
@@ -48,17 +49,6 @@ def seconds(text: str) -> float:
     return value
 
 
-def count(text: str) -> int:
-    """An argparse type for ``--dead-letters``: a whole number, 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text!r}")
-    return value
-
-
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interval",
@@ -72,7 +62,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "--dead-letters",
         nargs="?",
         const=DEFAULT_DEAD_LETTERS,
-        type=count,
+        type=at_least_one,
         metavar="N",
         help=(
             f"print the newest N dead letters (default {DEFAULT_DEAD_LETTERS}): messages in the request"
