@@ -37,7 +37,6 @@ from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.options import CHORD_TASK, check_options, check_send_settings, check_step
 from carpool.celery_edge.results import FAILURE
 from carpool.errors import InvalidInput, UnsupportedOption, described
-from carpool.names import NOT_SENDABLE, RUN_BATCH_TASK
 from carpool.redis_edge.connect import UNREACHABLE
 from carpool.registry import spec_for
 from carpool.wire import Links
@@ -123,9 +122,8 @@ def on_success(
         return failed
     try:
         step = maybe_signature(chain[-1], app=app)
-        if step.task == RUN_BATCH_TASK:
-            raise InvalidInput(NOT_SENDABLE)
-        check_step(app, f"the chain's step {step.task}", dict(step))  # and what it would send in turn
+        # carpool.run_batch, as the step or in what it would send in turn (its own links), refused
+        check_step(app, f"the chain's step {step.task}", dict(step))
         send(
             lambda: step.apply_async(
                 (result,),
@@ -181,12 +179,10 @@ def _refusal(app: Celery, sig: Any, args: tuple[Any, ...]) -> Exception | None:
             if why is not None:
                 return why
         return None
-    if sig.task == RUN_BATCH_TASK:
-        return InvalidInput(NOT_SENDABLE)
-    try:  # what it would send in turn (its own links), as the call's check of it refuses
+    try:  # carpool.run_batch, as the link or in what it would send in turn (its own links)
         check_step(app, f"the link {sig.task}", dict(sig))
     except UnsupportedOption as exc:
-        return InvalidInput(str(exc))
+        return exc
     spec = spec_for(sig.task)
     if spec is None:  # a plain Celery task's, or one the coordinators batch (their CARPOOL_IMPORTS)
         return None
