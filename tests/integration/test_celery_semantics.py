@@ -113,6 +113,8 @@ def test_run_time_rate_and_time_limits_are_refused_for_carpool_tasks_and_chains_
 
     start_stack(processes, **ENV)
     control = carpool_app.control
+    # A broadcast before the worker's remote control subscribed reaches nobody: wait until it answers.
+    wait_for("the worker answering remote control", lambda: bool(control.ping(timeout=1)), 30)
     [reply] = control.rate_limit("carpool.infer", "100/s", reply=True, timeout=5)
     [(_, answer)] = reply.items()
     assert "error" in answer and "rate_limit='100/s' is not supported by carpool tasks" in answer["error"]
