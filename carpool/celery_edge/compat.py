@@ -321,7 +321,9 @@ def _guarded(base: Any) -> Any:
     consumer and stop a Celery worker ("Unrecoverable error"). Only what the element itself
     explains is dropped: an error raised while the consumer handles a readable message still
     propagates. On the hot path it costs a response callback per BRPOP reply (the raw reply
-    kept, since kombu decodes it before anything else could see it)."""
+    kept, since kombu decodes it before anything else could see it). And a message popped by a
+    BRPOP still in flight when the channel closes (the connection lost, a shutdown) goes back to
+    its list, not to a task run inside ``close()`` that would then be restored and run twice."""
 
     class Channel(base):
         _popped: Any = None  # the raw reply of the last BRPOP read on this channel's client
@@ -339,6 +341,8 @@ def _guarded(base: Any) -> Any:
             return client
 
         def _brpop_read(self, **options: Any) -> Any:
+            if self._closing:
+                return self._put_back_in_flight_pop(**options)
             self._popped = None
             try:
                 return super()._brpop_read(**options)
@@ -348,6 +352,30 @@ def _guarded(base: Any) -> Any:
                     raise
                 _dropped(popped[0], popped[1], exc)
                 raise Empty() from None  # as kombu says a read delivered nothing
+
+        def _put_back_in_flight_pop(self, **options: Any) -> Any:
+            """What kombu's ``close()`` does with a BRPOP still in flight, except for where the
+            message goes: kombu reads the reply, so that a message it popped is not lost, and
+            delivers it (kombu#1733). A solo worker then runs the task inside ``close()`` while
+            Celery's ack, deferred to the event loop's next turn, never reaches the closing channel,
+            which restores the message as unacknowledged: the task ran, and runs again. Here the
+            message goes back to the end of the list that BRPOP takes from, to be taken next by
+            whichever consumer comes first, and nothing runs it now."""
+            try:
+                try:
+                    reply = self.client.parse_response(self.client.connection, "BRPOP", **options)
+                except self.connection_errors:
+                    self.client.connection.disconnect()  # as kombu: the next use reconnects
+                    raise
+            finally:
+                self._in_poll = None
+            if reply:
+                key, item = reply
+                try:
+                    self.client.rpush(key, item)
+                except self.connection_errors as exc:
+                    _not_put_back(key, item, exc)
+            raise Empty()
 
         def _readable(self, item: Any) -> bool:
             """Whether kombu makes a message of ``item`` (as ``_brpop_read`` and ``basic_consume``)."""
@@ -371,6 +399,19 @@ def _dropped(source: Any, item: Any, exc: BaseException) -> None:
     shown = item if len(item) <= 300 else item[:300] + b"..."
     log.error(
         "dropped an element of list %r that is not a kombu message (%s): %r", name, described(exc), shown
+    )
+
+
+def _not_put_back(source: Any, item: Any, exc: BaseException) -> None:
+    from carpool.errors import described
+
+    name = source.decode("utf-8", "replace") if isinstance(source, bytes) else str(source)
+    log.error(
+        "a message popped from list %r as the broker connection closed could not be put back (%s); "
+        "a batch's requests come back through their leases (CARPOOL_RECOVERY_TIMEOUT_S): %r",
+        name,
+        described(exc),
+        item[:300],
     )
 
 
