@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Mapping, Sequence, Set
 from functools import partial
 from typing import Any, cast
@@ -192,9 +193,14 @@ def run_call_isolating(
         if stops_the_process(raised):
             raise
         failure = user_failure(raised)
+        # Its traceback's frames hold the failed call's locals: on a GPU, the tensors whose memory
+        # the halves need (an out-of-memory error's halves would fail for want of it) and, for a
+        # failure kept as its item's outcome, until that is stored. The text of the traceback stays.
+        release_frames(failure)
         if len(lengths) == 1:
             return [(False, failure)]
         log.warning("batch of %d failed (%s); splitting to isolate", len(lengths), described(failure))
+        del failure
     # Split outside the handler: a failure in a half is then its own exception, its traceback the
     # raise alone, not chained to each larger batch's failure (nor holding their items alive).
     _free_accelerator_memory()
@@ -229,6 +235,18 @@ def run_items_isolating(fn: Callable[[list[Any]], Sequence[Any]], items: list[An
     """:func:`run_call_isolating` of a function of the items alone, as a ``@batched`` task's."""
     call = lambda batch, _lengths: fn(batch)  # noqa: E731
     return run_call_isolating(call, items, [0] * len(items), pristine_items(items), inference=False)
+
+
+def release_frames(failure: BaseException) -> None:
+    """Clear the local variables of the frames in the tracebacks of ``failure`` and of the
+    exceptions it was raised from or during (what a batch function held when it raised), keeping
+    the tracebacks themselves: their text is formatted from code and line numbers alone."""
+    seen: set[int] = set()
+    exc: BaseException | None = failure
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _free_accelerator_memory() -> None:

@@ -76,6 +76,7 @@ from carpool.gpu_worker.runner import (
     one_per_item,
     pick_device,
     pristine_items,
+    release_frames,
     run_call_isolating,
 )
 from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks
@@ -715,6 +716,7 @@ class WorkerRuntime:
         failed on the device runs again synchronously, split until its failures are alone."""
         batch, entries = claimed.batch, claimed.entries
         mismatch = None
+        failed = False
         try:
             outputs = one_per_item(collect(), len(live))
         except OutputCountMismatch as exc:  # splitting cannot say which output is whose
@@ -728,6 +730,9 @@ class WorkerRuntime:
                 type(exc).__name__,
                 exc,
             )
+            release_frames(exc)  # what the failed run held (its device memory) is not kept for the rerun
+            failed = True
+        if failed:  # outside the handler, which would keep the failure and its frames alive meanwhile
             rerun_s, padded_len = self._forward(claimed, live, started=True)
             return self._hand_over(claimed, live, rerun_s, padded_len)
         done = time.perf_counter()

@@ -9,6 +9,7 @@ import enum
 import subprocess
 import sys
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -471,6 +472,65 @@ def test_a_failure_isolated_by_splitting_carries_its_own_traceback_once() -> Non
     assert error.__context__ is None
     text = traceback_of(error) or ""
     assert text.count('raise ValueError("boom is not a word I take")') == 1, text
+
+
+class _Device:
+    """A device of 8 units whose allocations are freed when their last reference goes, as the
+    CUDA caching allocator's blocks are: what a failed call's frames still hold stays in use."""
+
+    def __init__(self) -> None:
+        self.in_use = 0
+
+    def alloc(self, units: int) -> object:
+        if self.in_use + units > 8:
+            raise MemoryError(f"out of device memory: {units} units wanted, {self.in_use} of 8 in use")
+        block = _Block()
+        self.in_use += units
+        weakref.finalize(block, self._free, units)
+        return block
+
+    def _free(self, units: int) -> None:
+        self.in_use -= units
+
+
+class _Block:
+    pass
+
+
+def test_the_halves_of_a_batch_split_for_want_of_memory_do_not_meet_the_failed_calls_memory() -> None:
+    from carpool.gpu_worker.runner import run_items_isolating
+
+    device = _Device()
+
+    def forward(items: list[str]) -> list[str]:
+        activations = device.alloc(len(items))  # noqa: F841  (held while the next one is made)
+        scores = device.alloc(2 * len(items))  # noqa: F841
+        return [item.upper() for item in items]
+
+    assert run_items_isolating(forward, ["a", "b"]) == [(True, "A"), (True, "B")]  # peaks at 6 of 8
+    assert device.in_use == 0
+    outcomes = run_items_isolating(forward, ["a", "b", "c", "d"])  # 4 + 8 units: out of memory
+    assert outcomes == [(True, "A"), (True, "B"), (True, "C"), (True, "D")]
+    assert device.in_use == 0
+
+
+def test_a_failure_kept_as_an_outcome_holds_none_of_the_failed_calls_locals_but_keeps_its_traceback() -> None:
+    from carpool.celery_edge.compat import traceback_of
+    from carpool.gpu_worker.runner import run_items_isolating
+
+    device = _Device()
+
+    def forward(items: list[str]) -> list[str]:
+        held = device.alloc(1)  # noqa: F841
+        if "boom" in items:
+            raise ValueError("boom is not a word I take")
+        return items
+
+    outcomes = run_items_isolating(forward, ["a", "boom"])
+    assert [ok for ok, _ in outcomes] == [True, False]
+    assert device.in_use == 0  # not until the outcome is stored
+    text = traceback_of(outcomes[1][1]) or ""
+    assert 'raise ValueError("boom is not a word I take")' in text, text
 
 
 def _sorting(items: list[dict[str, Any]]) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -380,6 +381,18 @@ def test_deadlines_are_checked_when_the_batch_starts_on_the_device(staged: Any) 
     assert metas["late"]["result"]["exc_type"] == DeadlineExceeded.__name__
 
 
+class _Held:
+    """Device memory that stays in use while this object lives, as a CUDA tensor's does."""
+
+    def __init__(self, in_use: list[int], units: int) -> None:
+        in_use[0] += units
+        weakref.finalize(self, _Held.free, in_use, units)
+
+    @staticmethod
+    def free(in_use: list[int], units: int) -> None:
+        in_use[0] -= units
+
+
 class LaunchingSpec:
     """``carpool.infer`` on an asynchronous device that the test drives: each launch is recorded
     and returns at once; each collect is recorded, waits for ``device_done`` and gives one output
@@ -399,6 +412,8 @@ class LaunchingSpec:
         self.launched_on: list[str] = []  # the thread each launch ran on
         self.fails_on: str | None = None
         self.drops_one = False  # collect gives one output fewer than the batch's items
+        self.device_memory: list[int] = [0]  # units a failed collect's frame holds while it lives
+        self.memory_at_sync: list[int] = []  # units still held as each synchronous run starts
 
     def keys(self, settings: Any) -> tuple[str, ...]:
         return ("toy",)
@@ -415,6 +430,7 @@ class LaunchingSpec:
                 assert self.device_done.wait(HANG_S)
                 self.log.append(f"collect {name}")
                 if self.fails_on is not None and int(self.fails_on) in lengths:
+                    held = _Held(self.device_memory, 4)  # noqa: F841  (the failed run's tensors)
                     raise RuntimeError("CUDA error: an illegal memory access was encountered")
                 outputs = [float(n) for n in lengths]
                 return outputs[1:] if self.drops_one else outputs
@@ -426,6 +442,7 @@ class LaunchingSpec:
     def batch_function(self, key: str, device: str, settings: Any) -> Callable[..., Any]:
         def run(items: list[Any], lengths: list[int]) -> list[float]:
             self.log.append("sync " + ",".join(str(n) for n in lengths))
+            self.memory_at_sync.append(self.device_memory[0])
             return [float(-n) for n in lengths]
 
         return run
@@ -493,6 +510,7 @@ def test_a_batch_that_fails_on_the_device_runs_again_synchronously_and_the_next_
     assert "sync 3,4" in spec.log, "rerun synchronously, where a failure can be isolated"
     results = {task_id: meta["result"] for task_id, meta in worker.store.all_writes}
     assert results == {"bad-luck": -3.0, "neighbour": -4.0, "later": 6.0}
+    assert spec.memory_at_sync == [0], "the failed run's memory is not kept for its rerun"
 
 
 def test_a_launched_batch_with_the_wrong_number_of_outputs_fails_whole_and_is_not_rerun(
