@@ -131,9 +131,10 @@ def infer(text: str, model: str | None = None) -> Any:
     runs only when a plain Celery worker consumes the request queue (the one-task-per-request
     baseline that ``carpool bench`` compares against).
     """
-    from carpool.gpu_worker.runner import run_single
+    from carpool.gpu_worker.runner import pick_device, run_single
 
-    return run_single(model or settings_of(app).model, text)
+    settings = settings_of(app)
+    return run_single(model or settings.model, text, pick_device(settings.device), settings.autocast_bf16)
 
 
 @overload

@@ -2,7 +2,8 @@
 # carpool bench on a CUDA machine, in under five minutes: offline limit, carpool (fp32 and bf16
 # autocast), plain Celery and celery-batches on MiniLM, bursts plus a light-load probe.
 #   scripts/bench-cuda.sh [OUT_DIR]      (default: reports/cuda-<host>-<date>)
-# Needs the project installed with a CUDA torch (`pip install torch` then `pip install -e .[dev]`).
+# Needs the project installed with a CUDA torch (`pip install torch` then `pip install -e .[dev]`);
+# PY=/path/to/python for another interpreter than .venv/bin/python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -32,15 +32,25 @@ _load_lock = threading.Lock()
 
 
 def pick_device(setting: str, name: str = "CARPOOL_DEVICE") -> str:
-    """The device ``setting`` (auto, cpu, cuda) stands for here; ``name`` is where it was set."""
+    """The device ``setting`` (auto, cpu, cuda; an adapter's also cuda:N) stands for here; ``name``
+    is where it was set. A CUDA device torch does not see is a configuration error said here, not
+    an error from inside torch at the first batch."""
     import torch
 
     if setting == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if setting == "cuda" and not torch.cuda.is_available():
+    kind, colon, index = setting.partition(":")
+    if kind == "cuda":
         from carpool.errors import ConfigError
 
-        raise ConfigError(f"{name}=cuda but torch sees no CUDA device; use auto or cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{name}={setting} but torch sees no CUDA device; use auto or cpu")
+        count = torch.cuda.device_count()
+        if colon and not (index.isdigit() and int(index) < count):
+            raise ConfigError(
+                f"{name}={setting} but torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1} (the"
+                " ones CUDA_VISIBLE_DEVICES leaves, renumbered from 0); name one of those"
+            )
     return setting
 
 
@@ -193,6 +203,7 @@ def run_call_isolating(
         if stops_the_process(raised):
             raise
         failure = user_failure(raised)
+        out_of_memory = _out_of_memory(raised)
         # Its traceback's frames hold the failed call's locals: on a GPU, the tensors whose memory
         # the halves need (an out-of-memory error's halves would fail for want of it) and, for a
         # failure kept as its item's outcome, until that is stored. The text of the traceback stays.
@@ -203,7 +214,8 @@ def run_call_isolating(
         del failure
     # Split outside the handler: a failure in a half is then its own exception, its traceback the
     # raise alone, not chained to each larger batch's failure (nor holding their items alive).
-    _free_accelerator_memory()
+    if out_of_memory:
+        _free_accelerator_memory()
     if pristine is not None:
         items = pristine()
     half = len(lengths) // 2
@@ -249,14 +261,24 @@ def release_frames(failure: BaseException) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
-def _free_accelerator_memory() -> None:
+def _out_of_memory(raised: BaseException) -> bool:
     torch = sys.modules.get("torch")  # a batch function that never imported torch holds no CUDA memory
+    return torch is not None and isinstance(raised, torch.cuda.OutOfMemoryError)
+
+
+def _free_accelerator_memory() -> None:
+    """Hand the CUDA memory torch caches but no longer uses back to the device, after an
+    out-of-memory error only: for the memory the halves need torch reuses its cache itself (and
+    frees it before it reports running out), so after any other failure this costs the next
+    batch its allocations for nothing; other users of the device may need it, though."""
+    torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def run_single(model_name: str, text: str) -> Any:
-    """One text, no batching: what a plain Celery worker does with ``carpool.infer``."""
-    model = loaded_model(model_name)
+def run_single(model_name: str, text: str, device: str = "cpu", autocast_bf16: bool = False) -> Any:
+    """One text, no batching: what a plain Celery worker does with ``carpool.infer``, on ``device``
+    (what :func:`pick_device` gives) as a carpool worker would run it."""
+    model = loaded_model(model_name, device, autocast_bf16)
     ids = model.encode([text])[0]
     return run_padded(model, [ids if model.needs_token_ids else None], [len(ids)])[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -170,3 +171,96 @@ def test_out_of_memory_splits_and_retries_smaller_until_it_fits() -> None:
     assert all(ok for ok, _ in outcomes)
     assert [out for _, out in outcomes] == [i + 1 for i in range(16)]
     assert model.calls[0] == 16 and max(model.calls[1:]) <= 8 and 4 in model.calls
+
+
+class RecordsItsLoad(Exploding):
+    """A user model that keeps where it was loaded and with what precision."""
+
+    loads: list[tuple[str, bool]] = []
+
+    def load(self, device: str, *, autocast_bf16: bool = False) -> None:
+        RecordsItsLoad.loads.append((device, autocast_bf16))
+
+
+def test_infer_run_as_plain_celery_runs_it_loads_the_model_as_carpools_worker_would() -> None:
+    """``carpool.infer``'s body (a plain Celery worker's, eager mode's, the bench's baseline) loads
+    its model where ``CARPOOL_DEVICE`` and ``CARPOOL_AUTOCAST_BF16`` say, not always on the CPU in fp32."""
+    from carpool.celery_edge.app import app
+    from carpool.gpu_worker import runner
+    from carpool.tasks import infer
+
+    name = f"{__name__}:RecordsItsLoad"
+    RecordsItsLoad.loads.clear()
+    saved = app.carpool.settings
+    app.carpool.settings = saved.model_copy(update={"models": (*saved.models, name), "autocast_bf16": True})
+    try:
+        assert infer.run("a b c", model=name) == 3
+    finally:
+        app.carpool.settings = saved
+        runner._loaded.pop(name, None)
+    assert RecordsItsLoad.loads == [(runner.pick_device(saved.device), True)]
+
+
+def test_the_bench_measures_its_offline_ceiling_on_the_model_as_a_worker_loads_it_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from carpool.gpu_worker import runner
+    from carpool.tools.bench.offline import load_model
+    from carpool.tools.bench.report import machine_info
+
+    name = f"{__name__}:RecordsItsLoad"
+    monkeypatch.setenv("CARPOOL_AUTOCAST_BF16", "true")
+    monkeypatch.setenv("CARPOOL_DEVICE", "cpu")
+    RecordsItsLoad.loads.clear()
+    try:
+        load_model(name)
+    finally:
+        runner._loaded.pop(name, None)
+    assert RecordsItsLoad.loads == [("cpu", True)]  # a bf16 run's ceiling is bf16 too
+    machine = machine_info()
+    assert (machine["carpool_device"], machine["autocast_bf16"], machine["gpu"]) == ("cpu", True, None)
+
+
+@pytest.mark.parametrize("setting", ["cuda", "cuda:0", "cuda:1"])
+def test_a_cuda_device_torch_does_not_see_is_a_configuration_error_naming_the_setting(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from carpool.errors import ConfigError
+    from carpool.gpu_worker.runner import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=rf"^an adapter's device={setting} but torch sees no CUDA device"):
+        pick_device(setting, "an adapter's device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one device, as on a 1-GPU box
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    if setting == "cuda:1":
+        with pytest.raises(ConfigError, match=r"sees 1 CUDA device\(s\), cuda:0 to cuda:0"):
+            pick_device(setting, "an adapter's device")
+    else:
+        assert pick_device(setting, "an adapter's device") == setting
+
+
+def test_only_an_out_of_memory_error_empties_the_accelerator_cache_before_a_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from carpool.gpu_worker import runner
+
+    emptied: list[str] = []
+    monkeypatch.setattr(runner, "_free_accelerator_memory", lambda: emptied.append("emptied"))
+
+    def fails(kind: type[Exception]) -> Any:
+        def call(items: list[str], lengths: list[int]) -> list[str]:
+            if "bad" in items:
+                raise kind("no")
+            return items
+
+        return call
+
+    runner.run_call_isolating(fails(ValueError), ["a", "bad"], [1, 1], inference=False)
+    assert emptied == []
+    runner.run_call_isolating(fails(torch.cuda.OutOfMemoryError), ["a", "bad"], [1, 1], inference=False)
+    assert emptied == ["emptied"]

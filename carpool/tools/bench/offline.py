@@ -13,10 +13,21 @@ from carpool.tools.stats import percentile
 
 
 def load_model(name: str) -> Any:
-    """``name`` loaded in this process on the device a worker would pick."""
-    from carpool.gpu_worker.runner import loaded_model, pick_device
+    """``name`` loaded in this process as a worker would load it (``CARPOOL_DEVICE``,
+    ``CARPOOL_AUTOCAST_BF16``): the ceiling is the same model's, at the same precision."""
+    from carpool.gpu_worker.runner import loaded_model
 
-    return loaded_model(name, pick_device("auto"))
+    device, autocast_bf16 = model_placement()
+    return loaded_model(name, device, autocast_bf16)
+
+
+def model_placement() -> tuple[str, bool]:
+    """The device and bf16 autocast this environment's settings give a worker's models."""
+    from carpool.config import load_settings
+    from carpool.gpu_worker.runner import pick_device
+
+    settings = load_settings()
+    return pick_device(settings.device), settings.autocast_bf16
 
 
 def offline(model_name: str, texts: Sequence[str], max_batch: int, passes: int = 2) -> RunRecord:
@@ -67,10 +78,11 @@ def model_time_ms(model_name: str, text: str, repeats: int = 20) -> float:
     from carpool.gpu_worker.runner import run_single
 
     load_model(model_name)
-    run_single(model_name, text)
+    device, autocast_bf16 = model_placement()
+    run_single(model_name, text, device, autocast_bf16)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        run_single(model_name, text)
+        run_single(model_name, text, device, autocast_bf16)
         times.append(time.perf_counter() - t0)
     return percentile(times, 50) * 1000

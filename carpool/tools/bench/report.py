@@ -80,7 +80,19 @@ def machine_info() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "packages": packages,
         "load_average": _loadavg(),
+        **_model_placement(),
     }
+
+
+def _model_placement() -> dict[str, Any]:
+    """Where this environment's settings put a worker's models (``CARPOOL_DEVICE``, as set, and
+    ``CARPOOL_AUTOCAST_BF16``), and the GPU's name where torch, already imported, sees one."""
+    from carpool.config import load_settings
+
+    settings = load_settings()
+    torch = sys.modules.get("torch")
+    gpu = torch.cuda.get_device_name(0) if torch is not None and torch.cuda.is_available() else None
+    return {"carpool_device": settings.device, "autocast_bf16": settings.autocast_bf16, "gpu": gpu}
 
 
 def _loadavg() -> list[float] | None:
