@@ -754,7 +754,7 @@ class WorkerRuntime:
                 if not all(ok for ok, _ in outcomes):
                     run_s = None
         self._record(live, outcomes, entries, spec.raises_as_raised)
-        return self._hand_over(claimed, live, run_s, _padded_len(live))
+        return self._hand_over(claimed, live, run_s, _padded_len(live, spec.pad_multiple))
 
     @staticmethod
     def _record(
@@ -803,7 +803,7 @@ class WorkerRuntime:
             claimed.ran_s = elapsed
             if all(ok for ok, _ in outcomes):
                 run_s = elapsed  # a split batch's time says nothing about the latency model
-            padded_len = _padded_len(live)
+            padded_len = _padded_len(live, spec.pad_multiple)
         except Exception as exc:  # model or task failed to load: every request fails with the reason
             log.exception("batch %s: %s unavailable", batch["id"], batch["model"])
             outcomes = [(False, ModelError(described(exc)))] * len(live)
@@ -854,9 +854,11 @@ def stores_behind(batches_queued: int | None, device_held: int, finisher_held: i
     return batches_queued != 0 or device_held > 1 or finisher_held > 0
 
 
-def _padded_len(live: list[RequestSlot]) -> int:
-    """The length a batch of ``live`` was padded to."""
-    return padded_length(max(max(r["len"] for r in live), 1))
+def _padded_len(live: list[RequestSlot], multiple: int) -> int:
+    """The length a batch of ``live`` was padded to, counted as the coordinator counts it (each
+    task's ``pad_multiple``): its latency model learns from these reports what it predicts from
+    its own counts."""
+    return padded_length(max(max(r["len"] for r in live), 1), multiple)
 
 
 def _send_failure(events: TaskEvents, task_id: str, exc: BaseException, t0: float) -> None:

@@ -451,3 +451,25 @@ def test_outcomes_of_requests_answered_meanwhile_are_dropped_or_said_revoked() -
     assert said["expired"] is False and said["terminated"] is False and "result" not in said
     assert said["hostname"] == "w" and said["clock"] == 3
     assert events[1]["type"] == "task-succeeded", "the events given are left as they were"
+
+
+@pytest.mark.parametrize("multiple", [1, 16])
+def test_a_batched_tasks_report_counts_padding_with_its_own_pad_multiple(runtime: Any, multiple: int) -> None:
+    """The coordinator predicts a batch's time from its padded tokens counted with the task's
+    ``pad_multiple``; the worker's report, which its latency model learns from, counts them so too
+    (until 2026-12-06 with carpool.infer's 8: a @batched task's batches were predicted 8x short)."""
+    from carpool.registry import BatchedSpec
+
+    def fn(items: list[Any]) -> list[Any]:
+        return items
+
+    fn.pad_multiple = multiple  # type: ignore[attr-defined]
+    spec = BatchedSpec("unit.padded_counts", fn, len)
+    runtime.specs = {**runtime.specs, spec.name: spec}
+    runtime.served = frozenset({*runtime.served, spec.name})
+    message = batch(slot("a", item="abc", len=3), slot("b", item="hello", len=5))
+    message["task"], message["model"] = spec.name, spec.name
+    report = runtime.run(message)
+    assert report["padded_len"] == (5 if multiple == 1 else 16)
+    assert report["padded_tokens"] == 2 * report["padded_len"]
+    assert dict(runtime.store.writes)["b"]["result"] == "hello"
