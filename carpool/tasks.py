@@ -22,10 +22,11 @@ from __future__ import annotations
 import inspect
 import keyword
 import logging
+import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 
 from celery import Task
 from celery.result import AsyncResult
@@ -34,7 +35,7 @@ from redis.exceptions import RedisError
 from carpool.celery_edge.app import app, settings_of, state_of
 from carpool.celery_edge.options import check_options, check_send_settings
 from carpool.models.task import InferSpec
-from carpool.names import INFER_TASK, SENT_AT_HEADER
+from carpool.names import INFER_TASK, RUN_BATCH_TASK, SENT_AT_HEADER
 from carpool.producer.submit import publish_tasks
 from carpool.redis_edge.replication import fence, not_replicated
 from carpool.registry import BatchedSpec, BatchFunction, LengthFunction, TaskSpec, register
@@ -66,8 +67,14 @@ class BatchedTask(Task):  # type: ignore[misc]  # Celery is untyped
         self.spec.accept(args, kwargs, settings_of(self.app))
 
     def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        """Run here, as Celery's ``apply`` does, after the checks ``.delay()`` makes."""
+        """Run here, as Celery's ``apply`` does, after the checks ``.delay()`` makes, on the
+        arguments as a worker gets them: decoded from the JSON they travel as (lists for tuples),
+        the caller's own objects left alone, as Celery's eager ``apply_async`` passes them."""
         self.validate(args, kwargs)
+        from kombu import serialization
+
+        content_type, encoding, data = serialization.dumps((args or (), kwargs or {}), "json")  # type: ignore[no-untyped-call]  # kombu is untyped
+        args, kwargs = serialization.loads(data, content_type, encoding, accept=[content_type])  # type: ignore[no-untyped-call]
         return super().apply(args, kwargs, **options)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
@@ -186,7 +193,11 @@ def batched(
     """
 
     def wrap(function: BatchFunction) -> BatchedTask:
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise TypeError(f"@batched(name=...) must be a non-empty string (a task name), not {name!r}")
         task_name = name or _default_name(function)
+        _check_name(task_name)
+        _check_signature(task_name, function)
         if _is_async(function):
             raise TypeError(
                 f"@batched takes a synchronous function, and {task_name} is async (workers call it with"
@@ -199,8 +210,7 @@ def batched(
             length=length_fn,
             max_batch=max_batch,
             max_tokens=max_tokens,
-            # Anything but a list of edges or "auto" is left for the spec to refuse, naming it.
-            bin_edges=tuple(bins) if isinstance(bins, list | tuple | range) else cast(Any, bins),
+            bin_edges=_edges(bins),
             batch_queue=batch_queue,
         )
         register(spec)
@@ -220,6 +230,51 @@ def batched(
     if fn is not None:
         return wrap(fn)
     return wrap
+
+
+def _edges(bins: Any) -> Any:
+    """``bins`` as the spec reads them: "auto", None, or a tuple of whole numbers (a list, range or
+    numpy array of them included); anything else is left for the spec to refuse, naming it."""
+    if bins is None or isinstance(bins, str | bytes):
+        return bins
+    try:
+        edges = tuple(bins)
+    except TypeError:
+        return bins
+    return tuple(int(e) if isinstance(e, numbers.Integral) and not isinstance(e, bool) else e for e in edges)
+
+
+def _check_name(task_name: str) -> None:
+    """Refuse a name that carpool's or Celery's own tasks hold, where every process would find
+    two tasks under it (a worker refuses to start; a coordinator would batch its requests)."""
+    if task_name == RUN_BATCH_TASK or task_name.startswith("celery."):
+        owner = "carpool's worker task's" if task_name == RUN_BATCH_TASK else "in Celery's own namespace"
+        raise ValueError(
+            f"@batched(name={task_name!r}): the name is {owner}; name your task in a namespace of"
+            " your own (e.g. 'myapp.embed')"
+        )
+
+
+def _check_signature(task_name: str, function: Any) -> None:
+    """Refuse, at decoration, a function that a batch's list of items cannot be passed to alone:
+    every request of it would fail on the worker (a method decorated in its class body, say, gets
+    the list as ``self``)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin or an extension's callable: not inspectable
+        return
+    try:
+        signature.bind([])
+    except TypeError as exc:
+        params = signature.parameters.values()
+        shown = ", ".join(str(p.replace(annotation=p.empty)) for p in params)
+        in_class = shown.startswith("self")
+        method = " (a method decorated in its class body gets no instance)" if in_class else ""
+        raise TypeError(
+            f"@batched calls {task_name} with one argument, the batch's list of items, and it takes"
+            f" ({shown}){method}: {exc}; decorate a function of that one argument, or a bound method"
+            " (batched(Service().method, name=...))"
+        ) from None
 
 
 def _is_async(function: Any) -> bool:

@@ -373,6 +373,53 @@ def test_an_async_function_is_refused_when_the_task_is_defined() -> None:
         assert spec_for(task_name) is None  # nothing half-registered
 
 
+def test_a_function_that_cannot_take_a_batch_alone_is_refused_when_the_task_is_defined() -> None:
+    class Service:
+        def embed(self, texts: list[str]) -> list[int]:
+            return [len(t) for t in texts]
+
+    refusals = [
+        (
+            Service.embed,
+            "unit.in_class_body",
+            r"takes \(self, texts\) \(a method decorated in its class body",
+        ),
+        (lambda a, b: a, "unit.two_args", r"takes \(a, b\): missing a required argument: 'b'"),
+        (lambda: [], "unit.no_args", r"takes \(\): too many positional arguments"),
+    ]
+    for function, task_name, refusal in refusals:
+        with pytest.raises(TypeError, match=refusal):
+            batched(function, name=task_name)  # type: ignore[call-overload]
+        assert spec_for(task_name) is None
+    bound = batched(Service().embed, name="unit.bound_method")  # what the refusal suggests
+    assert bound.apply(args=("abc",)).get() == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [
+        ("carpool.run_batch", ValueError, "the name is carpool's worker task's"),
+        ("celery.chord_unlock", ValueError, "the name is in Celery's own namespace"),
+        ("", TypeError, r"name=\.\.\.\) must be a non-empty string"),
+        ("  ", TypeError, r"name=\.\.\.\) must be a non-empty string"),
+    ],
+)
+def test_a_name_carpool_or_celery_holds_or_an_empty_one_is_refused_when_the_task_is_defined(
+    name: str, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        batched(lambda items: items, name=name)
+
+
+def test_bins_given_as_a_numpy_array_are_read_as_edges() -> None:
+    task = batched(lambda items: items, name="unit.numpy_bins", bins=np.array([8, 32]))  # type: ignore[call-overload]
+    assert task.spec.bin_edges == (8, 32) and all(type(e) is int for e in task.spec.bin_edges)
+    with pytest.raises(
+        ValueError, match=r"bins must be 'auto' or increasing positive integers, not \(32, 8\)"
+    ):
+        batched(lambda items: items, name="unit.numpy_bins_down", bins=np.array([32, 8]))  # type: ignore[call-overload]
+
+
 class _Loads:
     """An adapter-like object: heavy state built by load(device), as workers call it."""
 
@@ -454,6 +501,30 @@ def test_eager_mode_runs_an_item_as_a_batch_worker_would() -> None:
             cancels.delay("a").get()
     finally:
         app.conf.task_always_eager = False
+
+
+@batched(length=lambda item: 1, name="unit.inspects")
+def inspects(items: list[Any]) -> list[Any]:
+    """Says what type each item's values arrived as, and marks each item it was given."""
+    out = []
+    for item in items:
+        out.append({key: type(value).__name__ for key, value in item.items()})
+        item["seen"] = True
+    return out
+
+
+def test_apply_hands_the_function_its_item_as_a_worker_would_and_leaves_the_callers_alone() -> None:
+    from carpool.celery_edge.app import app
+
+    item = {"pair": (1, 2), "n": 3}
+    assert inspects.apply(args=(item,)).get() == {"pair": "list", "n": "int"}
+    assert item == {"pair": (1, 2), "n": 3}, "the caller's object is not the function's to change"
+    app.conf.task_always_eager = True
+    try:
+        assert inspects.delay(item).get() == {"pair": "list", "n": "int"}
+    finally:
+        app.conf.task_always_eager = False
+    assert item == {"pair": (1, 2), "n": 3}
 
 
 def test_a_failure_isolated_by_splitting_carries_its_own_traceback_once() -> None:
