@@ -399,6 +399,7 @@ class LaunchingSpec:
     per item (its length), or raises for a batch holding ``fails_on``."""
 
     name = "carpool.infer"
+    pad_multiple = 8
     checks_outputs = False
     raises_as_raised = False
     may_change_items = False
