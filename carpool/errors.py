@@ -7,6 +7,7 @@ to a single message argument.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -63,6 +64,26 @@ class QueueFull(CarpoolError):
 
 class ModelError(CarpoolError):
     """Raised when the model failed on a request (server error); the message carries the cause."""
+
+
+class DeviceLost(ModelError):
+    """The accelerator failed in a way that leaves it unusable to this process (a CUDA error: a
+    device-side assert, an illegal memory access, an uncorrectable ECC error): every later call
+    on it would fail too. The batch's requests fail with it and the worker stops, for its
+    supervisor to start it again with a fresh device context."""
+
+
+def device_lost(raised: BaseException) -> bool:
+    """Whether ``raised``, out of a batch function, is a CUDA error that torch cannot recover from
+    in this process (``torch.AcceleratorError``; a RuntimeError saying "CUDA error" before torch 2.8).
+    Running out of memory is not one: torch raises ``OutOfMemoryError`` for it, and smaller batches fit."""
+    torch = sys.modules.get("torch")  # a function that never imported torch ran on no CUDA device
+    if torch is None:
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(raised, accelerator_error):
+        return True
+    return isinstance(raised, RuntimeError) and str(raised).startswith("CUDA error")
 
 
 class MalformedMessage(CarpoolError):

@@ -22,7 +22,7 @@ import numpy as np
 
 from carpool.batching.bins import padded_length
 from carpool.codec import float32_rows
-from carpool.errors import described, stops_the_process, user_failure
+from carpool.errors import DeviceLost, described, device_lost, stops_the_process, user_failure
 from carpool.models import BatchModel, get_model
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,12 @@ def run_call_isolating(
     except BaseException as raised:
         if stops_the_process(raised):
             raise
+        if device_lost(raised):  # no half would run either: the batch fails whole (see DeviceLost)
+            release_frames(raised)
+            raise DeviceLost(
+                f"the device failed ({described(raised)}); every later call on it in this worker would"
+                " fail too, so the worker stops, to be started again with a fresh device context"
+            ) from None
         failure = user_failure(raised)
         out_of_memory = _out_of_memory(raised)
         # Its traceback's frames hold the failed call's locals: on a GPU, the tensors whose memory

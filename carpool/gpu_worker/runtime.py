@@ -41,6 +41,7 @@ from typing import Any, TypeVar, cast
 import redis
 from celery import Celery
 from celery.exceptions import TaskRevokedError
+from celery.platforms import EX_FAILURE
 from celery.worker import state as worker_state
 
 from carpool import collector
@@ -57,6 +58,7 @@ from carpool.errors import (
     CONFIG_ERROR_EXIT,
     ConfigError,
     DeadlineExceeded,
+    DeviceLost,
     ModelError,
     UnknownModel,
     WireError,
@@ -662,14 +664,15 @@ class WorkerRuntime:
                 raise error from exc
             raise
 
-    def _stop_for(self, error: ConfigError) -> None:
-        """Ask Celery for a warm shutdown ending in exit status 2, as the coordinator stops on a
-        ``ConfigError``: no batch gets past a deployment error, and a worker that went on taking
-        batches would fail each one, its requests coming back through lease recovery to fail again,
-        for as long as nobody read its log. Its batches' requests wait in Redis for a mended one."""
-        log.critical("%s; this worker stops (exit status %d)", error, CONFIG_ERROR_EXIT)
+    def _stop_for(self, error: Exception, status: int = CONFIG_ERROR_EXIT) -> None:
+        """Ask Celery for a warm shutdown ending in exit status ``status`` (2, as the coordinator
+        stops on a ``ConfigError``): no batch gets past a deployment error or a lost device, and a
+        worker that went on taking batches would fail each one, its requests coming back through
+        lease recovery to fail again, for as long as nobody read its log. The requests of batches
+        it has not claimed wait in Redis for a mended one."""
+        log.critical("%s; this worker stops (exit status %d)", error, status)
         self.shutting_down()
-        worker_state.should_stop = CONFIG_ERROR_EXIT
+        worker_state.should_stop = status
 
     def _claim_in_redis(self, batch_id: str, ids: list[str], take: bool) -> Claimed:
         if self.dbs is not None:
@@ -804,6 +807,9 @@ class WorkerRuntime:
             if all(ok for ok, _ in outcomes):
                 run_s = elapsed  # a split batch's time says nothing about the latency model
             padded_len = _padded_len(live, spec.pad_multiple)
+        except DeviceLost as exc:
+            outcomes = [(False, exc)] * len(live)
+            self._stop_for(exc, EX_FAILURE)
         except Exception as exc:  # model or task failed to load: every request fails with the reason
             log.exception("batch %s: %s unavailable", batch["id"], batch["model"])
             outcomes = [(False, ModelError(described(exc)))] * len(live)

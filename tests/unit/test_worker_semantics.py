@@ -473,3 +473,51 @@ def test_a_batched_tasks_report_counts_padding_with_its_own_pad_multiple(runtime
     assert report["padded_len"] == (5 if multiple == 1 else 16)
     assert report["padded_tokens"] == 2 * report["padded_len"]
     assert dict(runtime.store.writes)["b"]["result"] == "hello"
+
+
+class _LosesTheDevice:
+    """A model whose device fails for good at its first batch, as CUDA after a device-side assert."""
+
+    pad_id = 0
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, ids: Any, mask: Any) -> list[Any]:
+        import torch
+
+        self.calls += 1
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+
+def test_a_device_lost_for_good_fails_its_batch_whole_and_stops_the_worker(
+    runtime: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Splitting would call a device that fails every call, and a worker that went on would answer
+    every batch it takes with the same error while it heartbeats: it stops, to be restarted."""
+    from celery.worker import state as worker_state
+
+    from carpool.gpu_worker import runner
+
+    model = _LosesTheDevice()
+    monkeypatch.setitem(runner._loaded, "toy", model)
+    monkeypatch.setattr(worker_state, "should_stop", None)
+    report = runtime.run(batch(slot("a"), slot("b"), slot("c")))
+    metas = dict(runtime.store.writes)
+    assert {metas[i]["result"]["exc_type"] for i in "abc"} == {"DeviceLost"}
+    assert "device-side assert triggered" in metas["a"]["result"]["exc_message"][0]
+    assert model.calls == 1, "not split: no half would run either"
+    assert report["failed_model"] == 3
+    assert worker_state.should_stop == 1 and "this worker stops (exit status 1)" in caplog.text
+    assert runtime._take is False, "its claims take no more batch messages"
+
+
+def test_running_out_of_device_memory_or_a_models_own_runtime_error_is_not_a_lost_device() -> None:
+    import torch
+
+    from carpool.errors import device_lost
+
+    assert device_lost(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert device_lost(RuntimeError("CUDA error: device-side assert triggered"))  # torch before 2.8
+    assert not device_lost(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert not device_lost(RuntimeError("shape mismatch"))
