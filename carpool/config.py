@@ -29,6 +29,10 @@ def batch_queue_for(request_queue: str) -> str:
     return f"{request_queue.removesuffix('.requests')}.batches"
 
 
+# The query options of a rediss:// URL that Celery's backend and kombu's transport both read.
+_TLS_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
+
+
 class Settings(BaseSettings):
     """Every knob carpool has. Environment variable = ``CARPOOL_`` + field name in upper case."""
 
@@ -366,9 +370,26 @@ class Settings(BaseSettings):
         from urllib.parse import parse_qs, urlsplit
 
         parts = urlsplit(url)
-        if "db" in parse_qs(parts.query):
+        query = parse_qs(parts.query, keep_blank_values=True)
+        if "db" in query:
             # redis-py reads it, but kombu hands it on to the connection, which refuses it at publish.
             raise ValueError("name the database in the URL's path (redis://host:6379/1), not as ?db=")
+        # kombu hands a query's options to redis-py's connection as they are (strings, or names it
+        # refuses), after the settings and the first connections have passed: each is refused here.
+        tls = parts.scheme == "rediss"
+        for option in query:
+            if option in _TLS_OPTIONS and not tls:
+                raise ValueError(
+                    f"?{option}= applies to a TLS connection, and this URL is redis://: use rediss://"
+                    " for TLS, or drop the option"
+                )
+            if option not in _TLS_OPTIONS:
+                allowed = f" (only {', '.join(sorted(_TLS_OPTIONS))} on a rediss:// URL)"
+                raise ValueError(
+                    f"?{option}= is not an option carpool passes to Redis{allowed}: carpool sets its"
+                    " connections' own options (timeouts: CARPOOL_REDIS_SOCKET_TIMEOUT_S, health checks:"
+                    " CARPOOL_REDIS_HEALTH_CHECK_S); drop it from the URL"
+                )
         try:
             parts.port  # noqa: B018  # parsing it is the check
         except ValueError as exc:  # redis-py would raise this at the first connection

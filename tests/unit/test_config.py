@@ -81,6 +81,15 @@ def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
         # kombu hands a db= query on to the connection, which refuses it at the first publish.
         ("CARPOOL_BROKER_URL", "redis://127.0.0.1:6379?db=1", "in the URL's path (redis://host:6379/1)"),
         ("CARPOOL_RESULT_BACKEND", "rediss://h:6380/?ssl_cert_reqs=none&db=2", "not as ?db="),
+        # kombu hands other query options to redis-py's connection as they are, which refuses them
+        # (or their strings) at the first .delay(); the coordinator failed every step with it.
+        ("CARPOOL_BROKER_URL", "redis://h:6379/0?socket_timeout=5", "CARPOOL_REDIS_SOCKET_TIMEOUT_S"),
+        (
+            "CARPOOL_RESULT_BACKEND",
+            "redis://h:6379/1?max_connections=5",
+            "?max_connections= is not an option",
+        ),
+        ("CARPOOL_BROKER_URL", "redis://h:6379/0?ssl_cert_reqs=required", "use rediss:// for TLS"),
     ],
 )
 def test_bad_values_name_the_setting(
@@ -190,3 +199,11 @@ def test_a_misspelled_setting_is_named_with_the_one_it_nearly_is(
     assert [r.getMessage() for r in caplog.records] == [
         "CARPOOL_MAX_BACH is not a carpool setting and is ignored: did you mean CARPOOL_MAX_BATCH?"
     ]
+
+
+def test_a_tls_url_keeps_the_certificate_options_celery_and_kombu_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = "rediss://:pw@h:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem"
+    monkeypatch.setenv("CARPOOL_BROKER_URL", url)
+    assert load_settings().broker_url == url
