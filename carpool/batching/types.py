@@ -26,6 +26,7 @@ class Request:
     deadline_s: float  # coordinator clock; past it the request fails with DeadlineExceeded
     priority: int = 0  # higher runs first
     payload: object = None
+    alone: bool = False  # runs in a batch of its own (a worker died running it in a batch)
 
 
 @dataclass(frozen=True, slots=True)

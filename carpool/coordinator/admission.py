@@ -9,7 +9,8 @@ from carpool.batching import Request
 from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.requests import Incoming
 from carpool.coordinator.answers import answer_revoked, dead_letter, fail
-from carpool.coordinator.intake import Intake
+from carpool.coordinator.intake import Intake, Refused
+from carpool.errors import WorkerLost
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
@@ -25,6 +26,8 @@ def admit_taken(c: Coordinator, taken: list[tuple[str, bytes]], now: float) -> N
     if len(c.revoked_ids):
         kept, revoked = c.revoked_ids.split(taken)
         if revoked:
+            for request_id in revoked:
+                c.store.deaths.pop(request_id, None)
             # Their producers' gather waits on the inboxes their messages name, as for any answer.
             gone = set(revoked)
             inboxes = {i: inbox for i, raw in taken if i in gone and (inbox := protocol.inbox_in(raw))}
@@ -65,15 +68,30 @@ def admit_finished(c: Coordinator) -> None:
         admit(c, intake, now)
 
 
+# A request whose worker died running it (requeue.lua counts it when it recovers the request) runs
+# again alone, so that the requests batched with it are not failed for it; when the worker running
+# it dies that many times, it is answered WorkerLost instead of crashing workers for ever.
+WORKER_DEATHS_LIMIT = 2
+
+
 def admit(c: Coordinator, intake: Intake, now: float) -> None:
     c.stats.prepare_cpu_ns += intake.prepare_cpu_ns
     c.stats.prepared += intake.prepared
+    deaths = c.store.deaths
     for bad in intake.malformed:
+        deaths.pop(bad.id, None)
         dead_letter(c, bad)
     refused = intake.refused
+    for r in refused:
+        deaths.pop(r.id, None)
     # Asked once per chunk, not per request: a monitor that comes or goes is seen from the next one.
     events = c.events.enabled
     for msg, request in intake.admitted:
+        if deaths and (died := deaths.pop(request.id, 0)):
+            if died >= WORKER_DEATHS_LIMIT:
+                refused.append(Refused(request.id, "worker_lost", _worker_lost(died), message=msg))
+                continue
+            request.alone = True
         c.held.add(request.id)
         if msg.eta_at is not None and request.arrival_s > now:
             _defer(c, msg, request)
@@ -85,6 +103,14 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
     if refused:
         fail(c, refused)
     c.pacer.changed()
+
+
+def _worker_lost(died: int) -> WorkerLost:
+    return WorkerLost(
+        f"the worker running this request died while it ran, {died} times, the last time running it"
+        " alone (killed for memory, a crash): carpool does not run it again; if it needs more memory"
+        " than a worker has, send a smaller input or give the workers more memory"
+    )
 
 
 def release_due(c: Coordinator, now: float) -> float | None:

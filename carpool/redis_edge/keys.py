@@ -72,6 +72,13 @@ class Keys:
         return f"{self._base}:inflight:claimed"
 
     @property
+    def inflight_deaths(self) -> str:
+        """HASH request id -> how many times a worker died running it (its lease ran out while
+        claimed). Unlike the in-flight keys it stays when the request is put back, until it is
+        answered; it exists only while some request has a death counted."""
+        return f"{self._base}:inflight:deaths"
+
+    @property
     def inflight_origin(self) -> str:
         """HASH request id -> the priority list it was taken from, so a recovery puts it back there.
         Requests taken from the base list (priority 0, the common case) have no entry."""

@@ -108,7 +108,7 @@ def finish_call(
 ) -> tuple[list[bytes | str], list[Any]]:
     """(KEYS, ARGV) of ``finish.lua``. With only ``writes`` it stores the results (write-once, each
     published) in the caller's database and touches nothing else. ``inflight_keys``: lease, raw,
-    owner, claimed, origin and report list, needed when acknowledging or reporting."""
+    owner, claimed, origin, report list and deaths, needed when acknowledging or reporting."""
     topic, message = events if events is not None else ("", b"")
     keys = [*writes.keys, *inflight_keys]
     args: list[Any] = [len(writes.payloads), results_db, broker_db, writes.expiry_s, *writes.payloads]
@@ -149,6 +149,9 @@ class RequestStore:
         self.replicas = replicas
         self.wait_s = wait_s
         self._lagging = False  # the last WAIT saw fewer replicas than asked (warned once)
+        # Request id -> how many times a worker died running it, for the requests taken that ever
+        # had one die (requeue.lua counts them); popped as they are admitted.
+        self.deaths: dict[str, int] = {}
         self._take = lua.register(client, "take")
         self._dispatch = lua.register(client, "dispatch")
         self._renew_held = lua.register(client, "renew_held")
@@ -170,7 +173,7 @@ class RequestStore:
         """Atomically move up to ``count`` requests (highest priority list first) into flight, and pop
         the batch reports waiting for coordinator ``reports_of`` (none if None): one round trip."""
         keys, args = self._take_call(count, reports_of, max_reports)
-        return _taken(self._take_held(keys, args))
+        return self._taken(self._take_held(keys, args))
 
     def wait_then_take(
         self,
@@ -195,7 +198,16 @@ class RequestStore:
         wait = ("BLMOVE", wait_list, wait_list, "RIGHT", "RIGHT", round(timeout_s, 3))
         waited, took = self._take_held.after(wait, keys, args)
         error = waited if isinstance(waited, redis.ResponseError) else None
-        return error, None if isinstance(took, Exception) else _taken(took)
+        return error, None if isinstance(took, Exception) else self._taken(took)
+
+    def _taken(self, reply: Any) -> Taken:
+        """A take's reply as (requests, reports); how often a worker died running each request taken
+        (those it ever did) is added to :attr:`deaths`, which the caller pops as it admits them."""
+        flat, raw_reports, deaths = reply
+        for i in range(0, len(deaths), 2):
+            self.deaths[reply_text(deaths[i])] = int(deaths[i + 1])
+        taken = [(reply_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+        return taken, [json.loads(r) for r in raw_reports]
 
     def _take_call(self, count: int, reports_of: str | None, max_reports: int) -> tuple[list[str], list[int]]:
         keys = [
@@ -203,6 +215,7 @@ class RequestStore:
             self.keys.inflight_raw,
             self.keys.reports_for(reports_of or ""),
             self.keys.inflight_origin,
+            self.keys.inflight_deaths,
             *self.keys.request_lists,
         ]
         return keys, [count, self.lease_ms, max_reports if reports_of is not None else 0, TAKE_MAX_BYTES]
@@ -250,7 +263,7 @@ class RequestStore:
     def _requeue_keys(self) -> list[str]:
         base = self.keys.request_queue
         others = [name for name in self.keys.request_lists if name != base]
-        return [*self._forget_keys(), base, *others]
+        return [*self._forget_keys(), self.keys.inflight_deaths, base, *others]
 
     def _forget_keys(self) -> list[str]:
         """The in-flight keys in the order requeue and finish take them: lease, raw, owner, claimed,
@@ -325,7 +338,11 @@ class RequestStore:
         and, when that was any result, pushes no second report nor events (see ``finish.lua``)."""
         keys, args = finish_call(
             writes,
-            inflight_keys=[*self._forget_keys(), self.keys.reports_for(coordinator)],
+            inflight_keys=[
+                *self._forget_keys(),
+                self.keys.reports_for(coordinator),
+                self.keys.inflight_deaths,
+            ],
             results_db=results_db,
             broker_db=broker_db,
             report=orjson.dumps(report) if report is not None else "",
@@ -390,6 +407,7 @@ class RequestStore:
             pipe.hdel(self.keys.inflight_owner, *ids)
             pipe.hdel(self.keys.inflight_claimed, *ids)
             pipe.hdel(self.keys.inflight_origin, *ids)
+            pipe.hdel(self.keys.inflight_deaths, *ids)
 
     def heartbeat(self, hostname: str, ttl_s: float, batch_queues: Sequence[str] | None = None) -> int:
         """Announce ``hostname`` for ``ttl_s`` (with the batch queues it consumes, when given, which
@@ -528,9 +546,3 @@ def dead_letter_reason(reason: str, raw: bytes) -> str:
     """``reason``, and for a message that is not UTF-8 what in it is not (:func:`utf8_fault`)."""
     fault = utf8_fault(raw)
     return f"{reason}; {fault}" if fault else reason
-
-
-def _taken(reply: Any) -> Taken:
-    flat, raw_reports = reply
-    taken = [(reply_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
-    return taken, [json.loads(r) for r in raw_reports]

@@ -140,7 +140,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
     reports = glob_escape(keys.reports_for("")) + "*"
     gauges = glob_escape(keys.gauges_of("")) + "*"
     applied = glob_escape(keys.stats_applied_of("")) + "*"
-    inflight = keys.inflight
+    inflight = [*keys.inflight, keys.inflight_deaths]
     fanout = FANOUT_PREFIX.format(db=_broker_db(settings))
     events = glob_escape(f"{fanout}{EVENT_EXCHANGE}/")
     pidbox = glob_escape(f"{fanout}{PIDBOX_EXCHANGE}")
@@ -205,7 +205,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
             Grant(
                 "take requests into flight, requeue, dead-letter, read reports, write stats, record revokes",
                 _CONNECTION
-                + _commands("time rpop rpush lpush ltrim blmove hset hsetnx hget hmget hdel hincrby")
+                + _commands("time rpop rpush lpush ltrim blmove hset hsetnx hget hmget hdel hincrby exists")
                 + _commands("info")  # the server's checks at start: its version, its memory policy
                 + _commands("zadd zrem zscore zmscore zcard zrangebyscore zremrangebyscore zremrangebyrank"),
                 (

@@ -98,3 +98,12 @@ PLAIN_QUEUE = "tests.plain"  # consumed by a plain `celery worker`, not by carpo
 def describe(value: Any) -> str:
     """A plain Celery task, run by a plain Celery worker on its own queue: a chain's non-carpool step."""
     return f"{type(value).__name__} of {len(value)}"
+
+
+@batched(length=len, max_batch=8, name="tests.greedy")
+def greedy(texts: list[str]) -> list[str]:
+    """Kills its own process for a batch holding "hog", as the kernel's out-of-memory killer kills a
+    worker whose batch needs more memory than it has: no exception, no answer."""
+    if "hog" in texts:
+        os._exit(137)
+    return [t.upper() for t in texts]

@@ -304,3 +304,33 @@ def test_send_task_by_name_from_a_producer_without_the_tasks_module_is_batched(
     fine, refused = done.stdout.splitlines()
     assert fine == "3"
     assert refused.startswith("InvalidInput") and "64" in refused, refused
+
+
+def test_a_request_that_kills_its_worker_runs_alone_then_is_answered_and_the_others_are_served(
+    processes: Processes,
+) -> None:
+    """Each time a worker dies, a new one starts, as a supervisor (compose's restart policy) starts
+    one: the requests of the batch it died running come back after their leases, run one per batch,
+    and the one that kills a worker again is answered WorkerLost instead of killing workers for ever."""
+    import carpool
+    from carpool.errors import WorkerLost
+    from tests.integration import batched_tasks as t
+
+    env = {"CARPOOL_IMPORTS": IMPORTS, "CARPOOL_MAX_WAIT_S": "0.5", "CARPOOL_RECOVERY_TIMEOUT_S": "2"}
+    start_stack(processes, **env)
+    items = ["a", "b", "hog", "c", "d"]
+    results = carpool.submit_many(items, task=t.greedy)
+    worker, started = "worker0", 1
+    deadline = time.monotonic() + 150
+    while not all(r.ready() for r in results) and time.monotonic() < deadline:
+        if processes.procs[worker].poll() is not None:  # it died: start another
+            processes.stop(worker)
+            worker, started = f"worker{started}", started + 1
+            processes.start(worker, "worker", **env)
+        time.sleep(0.2)
+    got = carpool.gather(results, timeout=10, return_exceptions=True)
+    assert [g for i, g in enumerate(got) if i != 2] == ["A", "B", "C", "D"]
+    assert isinstance(got[2], WorkerLost) and "died while it ran, 2 times" in str(got[2])
+    assert started == 3, "killed once in its batch, once alone; then answered, no third worker killed"
+    client = redis.Redis(port=server_of(processes).port)
+    assert not client.exists(Keys("carpool.requests").inflight_deaths)

@@ -1006,6 +1006,42 @@ def test_reap_requeues_only_expired_leases_and_cleans_every_key(client: redis.Re
     assert sorted(back) == sorted(raws.values())
 
 
+def test_reap_counts_a_death_for_each_request_a_worker_had_claimed_and_the_count_stays_until_answered(
+    client: redis.Redis,
+) -> None:
+    dying = RequestStore(client, KEYS, 0.05)
+    alive = RequestStore(client, KEYS, LEASE_S)
+    in_flight(dying, "ran", "ran-too", "dispatched", "held")
+    dying.dispatch("q", [("b1", ["ran", "ran-too", "dispatched"], b"m")])
+    dying.claim("b1", ["ran", "ran-too"])  # the worker began them, then died; "dispatched" it never claimed
+    time.sleep(0.2)
+    assert alive.reap() == 4
+    assert client.hgetall(KEYS.inflight_deaths) == {b"ran": b"1", b"ran-too": b"1"}
+    taken, _ = alive.take(10)  # back in flight: the take says which a worker died running, and how often
+    assert sorted(i for i, _ in taken) == ["dispatched", "held", "ran", "ran-too"]
+    assert alive.deaths == {"ran": 1, "ran-too": 1}
+    alive.deaths.clear()
+    alive.requeue(["ran", "ran-too", "dispatched", "held"])  # a shutdown's hand-back is no death
+    assert client.hgetall(KEYS.inflight_deaths) == {b"ran": b"1", b"ran-too": b"1"}
+    dying.take(10)
+    dying.dispatch("q", [("b2", ["ran"], b"m")])
+    dying.claim("b2", ["ran"])
+    time.sleep(0.2)
+    alive.reap()
+    alive.take(10)
+    assert alive.deaths == {"ran": 2, "ran-too": 1}
+    finish(alive, ack_ids=["ran"])  # answered: a worker's finish forgets its count
+    alive.ack(["ran-too"])  # and so does the coordinator's acknowledgement of an answer
+    assert not client.exists(KEYS.inflight_deaths), "the hash lives only while some request has a count"
+
+
+def test_a_take_says_nothing_of_deaths_while_no_request_has_one(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    in_flight(store, "a", "b")
+    assert store.deaths == {}
+
+
 # --- heartbeat -------------------------------------------------------------------------------
 
 

@@ -842,3 +842,34 @@ def test_a_deep_burst_pads_about_as_little_as_a_sorted_pass(n: int, seed: int, m
     assert len(ids) == len(set(ids)) == n
     assert all(b.size <= max_batch and b.padded_tokens <= 8192 for b in batches)
     assert sum(b.padded_tokens for b in batches) <= 1.05 * sorted_pass_padded(lengths, max_batch)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"kind": "binned"},  # tight backlog order
+        {"kind": "binned", "tight_backlog": False},  # arrival order
+        {"kind": "fifo"},
+        {"kind": "shortest"},  # length order
+    ],
+)
+@pytest.mark.parametrize("backlog", [3, 40])  # all fit in one batch; more than a batch
+def test_a_request_that_runs_alone_leaves_in_a_batch_of_its_own(config: dict[str, Any], backlog: int) -> None:
+    """A worker died running it in a batch: it runs alone, so that the others are not failed for it
+    if it kills the next worker too; the others batch as ever."""
+    p = policy(max_batch=8, bin_edges=(64,), **config)
+    reqs = [req(10 + i % 5) for i in range(backlog)]
+    lone = reqs[backlog // 2]
+    lone.alone = True
+    for r in reqs:
+        p.add(r)
+    batches: list[Batch] = []
+    for step in range(100):
+        plan = p.poll(float(step), free_workers=4, free_slots=4)
+        batches += plan.batches
+        if not len(p):
+            break
+    assert sorted(r.id for b in batches for r in b.requests) == sorted(r.id for r in reqs)
+    (own,) = [b for b in batches if lone in b.requests]
+    assert own.requests == (lone,)
+    assert max(b.size for b in batches if b is not own) == min(backlog - 1, 8)

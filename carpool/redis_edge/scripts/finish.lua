@@ -17,7 +17,7 @@
 -- Only a refused write costs a GET. A key given twice in one call keeps its second write refused.
 -- KEYS[1..n] result keys, then (only when acknowledging or reporting) KEYS[n+1] lease ZSET,
 -- KEYS[n+2] raw HASH, KEYS[n+3] owner HASH, KEYS[n+4] claimed HASH, KEYS[n+5] origin HASH,
--- KEYS[n+6] report list.
+-- KEYS[n+6] report list, KEYS[n+7] deaths HASH.
 -- ARGV[1] n, ARGV[2] results db ('' = the caller's), ARGV[3] broker db ('' = the caller's),
 -- ARGV[4] result expiry s (0 = none), ARGV[5..4+n] encoded results, then ARGV[5+n] report json
 -- ('' = none), ARGV[6+n] reports kept, ARGV[7+n] reports ttl s, ARGV[8+n] events topic ('' = none),
@@ -81,6 +81,7 @@ for first = 12 + n + m, #ARGV, 1000 do
   redis.call('HDEL', KEYS[n + 3], unpack(ARGV, first, last))
   redis.call('HDEL', KEYS[n + 4], unpack(ARGV, first, last))
   redis.call('HDEL', KEYS[n + 5], unpack(ARGV, first, last))
+  redis.call('HDEL', KEYS[n + 7], unpack(ARGV, first, last))
 end
 local report = ARGV[5 + n]
 if report ~= '' and not resent then

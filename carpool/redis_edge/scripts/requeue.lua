@@ -2,9 +2,12 @@
 -- the base request list), verbatim and in the order given, and forget them in every in-flight key. Given ids, those (a
 -- coordinator's shutdown); given none, every request whose lease has run out (its holder died), up
 -- to a limit.
+-- A request put back because its lease ran out while a worker had claimed it (the worker died
+-- running it: killed for memory, a crash) has that counted in the deaths hash, which stays with the
+-- request until it is answered: the coordinator then runs it alone, and answers it after too many.
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] owner HASH, KEYS[4] claimed HASH, KEYS[5] origin HASH,
--- KEYS[6] the base request list, KEYS[7..] the other request lists (an origin not among them counts
--- as the base list).
+-- KEYS[6] deaths HASH, KEYS[7] the base request list, KEYS[8..] the other request lists (an origin
+-- not among them counts as the base list).
 -- ARGV[1] max expired requests, ARGV[2..] request ids (none = the expired ones).
 -- Returns how many requests were put back.
 local t = redis.call('TIME')
@@ -12,9 +15,10 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 
 local lists = {}
-for i = 7, #KEYS do lists[KEYS[i]] = true end
+for i = 8, #KEYS do lists[KEYS[i]] = true end
+local reaping = #ARGV <= 1
 local ids
-if #ARGV > 1 then
+if not reaping then
   ids = {}
   for i = 2, #ARGV do ids[#ids + 1] = ARGV[i] end
 else
@@ -24,6 +28,8 @@ end
 local raws = chunked('HMGET', KEYS[2], ids)
 local scores = chunked('ZMSCORE', KEYS[1], ids)
 local origins = chunked('HMGET', KEYS[5], ids)
+local claimed = {}
+if reaping then claimed = chunked('HMGET', KEYS[4], ids) end
 -- A request goes back once, and only while it has both its raw message and its lease; one with a raw
 -- message but no lease is only forgotten.
 local seen, forget, order, pushes = {}, {}, {}, {}
@@ -34,7 +40,8 @@ for k, id in ipairs(ids) do
     forget[#forget + 1] = id
     if scores[k] then
       local origin = origins[k]
-      if not (origin and lists[origin]) then origin = KEYS[6] end
+      if not (origin and lists[origin]) then origin = KEYS[7] end
+      if claimed[k] then redis.call('HINCRBY', KEYS[6], id, 1) end
       if not pushes[origin] then
         pushes[origin] = {}
         order[#order + 1] = origin

@@ -3,11 +3,13 @@
 -- in a list or in flight). A request from any list but the last (the base list) has its list recorded
 -- as its origin, so that a recovery puts it back there.
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] this coordinator's report list, KEYS[4] origin HASH,
--- KEYS[5..] request lists in drain order, the base list last.
+-- KEYS[5] deaths HASH (how often a worker died running a request: requeue counts them), KEYS[6..]
+-- request lists in drain order, the base list last.
 -- ARGV[1] max requests, ARGV[2] lease ms, ARGV[3] max reports (0 = none), ARGV[4] max bytes (0 = no
 -- limit): the take stops at the message that brings its total to that, and puts what it popped
 -- past it back where it was, so that huge messages come a few at a time (at least one a take).
--- Returns {{id1, raw1, id2, raw2, ...}, {reports, oldest first}}.
+-- Returns {{id1, raw1, id2, raw2, ...}, {reports, oldest first}, {id, deaths, ...}}: the last, of
+-- the requests taken that a worker died running (none while no request has: one EXISTS a take).
 
 local expiry = lease_expiry(ARGV[2])
 local want = tonumber(ARGV[1])
@@ -49,7 +51,7 @@ local raw_pairs, lease_pairs, origin_pairs = {}, {}, {}
 local reports = {}
 if tonumber(ARGV[3]) > 0 then reports = redis.call('RPOP', KEYS[3], ARGV[3]) or {} end
 local base = KEYS[#KEYS]
-for i = 5, #KEYS do
+for i = 6, #KEYS do
   local left = want - #raw_pairs / 2
   if left <= 0 or (budget > 0 and bytes >= budget) then break end
   local got = redis.call('RPOP', KEYS[i], left)
@@ -125,5 +127,17 @@ end
 chunked('HSET', KEYS[2], raw_pairs, 1, 2 * CHUNK)
 chunked('ZADD', KEYS[1], lease_pairs, 1, 2 * CHUNK)
 chunked('HSET', KEYS[4], origin_pairs, 1, 2 * CHUNK)
+local deaths = {}
+if #raw_pairs > 0 and redis.call('EXISTS', KEYS[5]) == 1 then
+  local ids = {}
+  for j = 1, #raw_pairs, 2 do ids[#ids + 1] = raw_pairs[j] end
+  local counts = chunked('HMGET', KEYS[5], ids)
+  for k = 1, #ids do
+    if counts[k] then
+      deaths[#deaths + 1] = ids[k]
+      deaths[#deaths + 1] = counts[k]
+    end
+  end
+end
 -- The reply's pairs are the raw hash's: {id1, raw1, id2, raw2, ...}.
-return {raw_pairs, reports}
+return {raw_pairs, reports, deaths}
