@@ -528,6 +528,7 @@ class Coordinator:
         if recovered:
             count_requeued(self, "lease_expired", recovered)
             log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
+        self.metrics.housekept.set(self.wall())
 
     def _write_stats(self) -> None:
         depths = self.policy.depth_by_bin()

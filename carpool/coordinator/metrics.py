@@ -90,6 +90,12 @@ class CoordinatorMetrics:
             "carpool_failures", "Requests that failed, by reason.", ["reason"], registry=r
         )
         self.workers = Gauge("carpool_workers", "Workers with a live heartbeat.", registry=r)
+        self.housekept = Gauge(
+            HOUSEKEEPING_GAUGE,
+            "When the coordinator's loop last finished its housekeeping with Redis (Unix time; about"
+            " once a second while it runs): its healthcheck's proof that the loop turns and reaches Redis.",
+            registry=r,
+        )
         self.batch_queue_workers = Gauge(
             "carpool_batch_queue_workers",
             "Live workers consuming each batch queue this coordinator dispatches to (0: its batches"
@@ -219,3 +225,35 @@ def _created_series() -> bool:
     from prometheus_client import metrics
 
     return bool(getattr(metrics, "_use_created", True))
+
+
+HOUSEKEEPING_GAUGE = "carpool_coordinator_housekeeping_timestamp_seconds"
+
+
+def healthcheck(port: int | None = None, max_age_s: float = 30.0) -> int:
+    """A container's healthcheck of the coordinator on this host: 0 when its loop finished its
+    housekeeping with Redis within ``max_age_s`` (about once a second while it runs), 1 otherwise,
+    saying why on stderr. The metrics server answers from a thread of its own, so that it answers
+    proves nothing of the loop: stuck, or unable to reach Redis, its last housekeeping grows old."""
+    import os
+    import sys
+    import urllib.request
+
+    port = port or int(os.environ.get("CARPOOL_METRICS_PORT", "9808"))
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError as exc:
+        print(f"coordinator metrics on port {port} unreachable: {exc}", file=sys.stderr)
+        return 1
+    for line in text.splitlines():
+        if line.startswith(HOUSEKEEPING_GAUGE + " "):
+            at = float(line.split()[1])
+            age = time.time() - at
+            if age <= max_age_s:
+                return 0
+            when = f"{age:.0f}s ago" if at else "not yet"
+            print(f"the coordinator's loop last reached Redis: {when}", file=sys.stderr)
+            return 1
+    print(f"no {HOUSEKEEPING_GAUGE} in the coordinator's metrics", file=sys.stderr)
+    return 1

@@ -994,3 +994,11 @@ def test_a_request_a_worker_died_running_runs_alone_and_one_that_killed_a_worker
     assert isinstance(failure[1], WorkerLost) and "died while it ran, 2 times" in str(failure[1])
     assert "died-twice" in c.store.acked and c.stats.failed["worker_lost"] == 1
     assert c.store.deaths == {}, "each count is used once, as its request is admitted"
+
+
+def test_each_housekeeping_says_when_it_reached_redis_for_the_healthcheck(clocks: Clocks) -> None:
+    from carpool.coordinator.metrics import HOUSEKEEPING_GAUGE
+
+    c = coordinator(clocks, workers=1)
+    c.step()
+    assert c.metrics.registry.get_sample_value(HOUSEKEEPING_GAUGE) == clocks.wall()

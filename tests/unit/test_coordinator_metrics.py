@@ -116,3 +116,24 @@ def test_values_that_fail_partway_leave_the_count_and_the_sum_agreeing() -> None
         histogram.observe_all(("t",), values())
     assert registry.get_sample_value("w_seconds_count", {"task": "t"}) == 1
     assert registry.get_sample_value("w_seconds_sum", {"task": "t"}) == 0.5
+
+
+def test_the_healthcheck_passes_while_the_loop_reaches_redis_and_fails_once_it_stops(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import socket
+    import time
+
+    from carpool.coordinator.metrics import healthcheck
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert healthcheck(port) == 1 and "unreachable" in capsys.readouterr().err
+    metrics = CoordinatorMetrics()
+    metrics.serve(port)
+    assert healthcheck(port) == 1 and "last reached Redis: not yet" in capsys.readouterr().err
+    metrics.housekept.set(time.time())
+    assert healthcheck(port) == 0
+    metrics.housekept.set(time.time() - 120)  # a loop stuck, or without Redis, for two minutes
+    assert healthcheck(port) == 1 and "last reached Redis: 120s ago" in capsys.readouterr().err
