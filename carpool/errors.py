@@ -74,16 +74,24 @@ class DeviceLost(ModelError):
 
 
 def device_lost(raised: BaseException) -> bool:
-    """Whether ``raised``, out of a batch function, is a CUDA error that torch cannot recover from
-    in this process (``torch.AcceleratorError``; a RuntimeError saying "CUDA error" before torch 2.8).
-    Running out of memory is not one: torch raises ``OutOfMemoryError`` for it, and smaller batches fit."""
+    """Whether ``raised``, out of a batch function, is a CUDA runtime error that torch cannot recover
+    from in this process (``torch.AcceleratorError``; before torch 2.8, which lacks that class, a
+    RuntimeError saying "CUDA error"). Not one: running out of memory (torch raises
+    ``OutOfMemoryError``, and smaller batches fit), and a cuBLAS or cuSPARSE status, which torch
+    also words "CUDA error: CUBLAS_STATUS_..." but which leaves the context usable
+    (``CUBLAS_STATUS_ALLOC_FAILED`` is running out of memory too)."""
     torch = sys.modules.get("torch")  # a function that never imported torch ran on no CUDA device
     if torch is None:
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(raised, accelerator_error):
-        return True
-    return isinstance(raised, RuntimeError) and str(raised).startswith("CUDA error")
+    if accelerator_error is not None:
+        return isinstance(raised, accelerator_error)
+    text = str(raised)
+    return (
+        isinstance(raised, RuntimeError)
+        and text.startswith("CUDA error")
+        and not any(library in text for library in ("CUBLAS_STATUS_", "CUSPARSE_STATUS_", "CUSOLVER_STATUS_"))
+    )
 
 
 class WorkerLost(CarpoolError):

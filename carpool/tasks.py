@@ -260,7 +260,9 @@ def _check_signature(task_name: str, function: Any) -> None:
     every request of it would fail on the worker (a method decorated in its class body, say, gets
     the list as ``self``)."""
     try:
-        signature = inspect.signature(function)
+        # The callable's own signature: a decorator's wrapper (functools.wraps) may take other
+        # arguments than the function it wraps, and is what workers call.
+        signature = inspect.signature(function, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or an extension's callable: not inspectable
         return
     try:

@@ -255,7 +255,7 @@ class BatchPolicy:
                     padded_len=padded_width(
                         (r.length for r in best.requests), self.config_for(best.key[0]).pad_multiple
                     ),
-                    flush_reason=best.reason,
+                    flush_reason=FlushReason.ALONE if best.requests[0].alone else best.reason,
                 )
             )
             free_slots -= 1

@@ -13,6 +13,7 @@ class FlushReason(StrEnum):
     DEADLINE = "deadline"  # waiting longer would miss its most urgent member's deadline
     WAIT = "wait"  # a worker is free and the batch waited its adaptive share
     DRAIN = "drain"  # shutdown: hand everything on
+    ALONE = "alone"  # a request a worker died running: alone, and its worker runs nothing beside it
 
 
 @dataclass(slots=True, eq=False)

@@ -47,6 +47,7 @@ from celery.worker import state as worker_state
 from carpool import collector
 from carpool.batching.bins import padded_length
 from carpool.batching.capacity import may_start
+from carpool.batching.types import FlushReason
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.events import TaskEvents, answered_elsewhere
@@ -355,12 +356,21 @@ class WorkerRuntime:
                 )
                 raise
             stage = self._stage
-            if stage is not None:  # claim only what the device can take soon: the leases stay short
+            # A request a worker died running comes alone, and runs with nothing beside it: should
+            # this worker die too, that request is the one it died running (requeue.lua counts a
+            # death for every request a dead worker had claimed; the coordinator answers a request
+            # at its second). Claimed only once the batches before it are done.
+            alone = message["flush"] == FlushReason.ALONE
+            if alone:
+                for running in (stage, self._finisher):
+                    if running is not None:
+                        running.drain()
+            elif stage is not None:  # claim only what the device can take soon: the leases stay short
                 stage.wait_for_room()
-            take = stage is not None and self._take and time.perf_counter() < take_until
+            take = not alone and stage is not None and self._take and time.perf_counter() < take_until
             claimed_yet = True  # from here its requests may be claimed by this worker: never given back
             claimed, taken = self._claimed(message, events, task_id, t0, take)
-            if stage is None or (claimed.batches_queued == 0 and stage.idle()):
+            if alone or stage is None or (claimed.batches_queued == 0 and stage.idle()):
                 # Nothing to overlap with: a hand-off would only add a thread wake-up to its latency.
                 self._inline_ids = claimed.ack_ids
                 return self._complete(claimed), taken

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import subprocess
 import sys
 import uuid
@@ -393,6 +394,20 @@ def test_a_function_that_cannot_take_a_batch_alone_is_refused_when_the_task_is_d
         assert spec_for(task_name) is None
     bound = batched(Service().embed, name="unit.bound_method")  # what the refusal suggests
     assert bound.apply(args=("abc",)).get() == 3
+
+    def with_scale(fn: Callable[[int, list[str]], list[int]]) -> Callable[[list[str]], list[int]]:
+        @functools.wraps(fn)
+        def wrapper(texts: list[str]) -> list[int]:
+            return fn(2, texts)
+
+        return wrapper
+
+    @with_scale
+    def scaled_lengths(scale: int, texts: list[str]) -> list[int]:
+        return [scale * len(t) for t in texts]
+
+    # What workers call is the wrapper, which takes the list alone, whatever the function it wraps takes.
+    assert batched(scaled_lengths, name="unit.wrapped").apply(args=("abc",)).get() == 6
 
 
 @pytest.mark.parametrize(

@@ -871,5 +871,6 @@ def test_a_request_that_runs_alone_leaves_in_a_batch_of_its_own(config: dict[str
             break
     assert sorted(r.id for b in batches for r in b.requests) == sorted(r.id for r in reqs)
     (own,) = [b for b in batches if lone in b.requests]
-    assert own.requests == (lone,)
+    assert own.requests == (lone,) and own.flush_reason is FlushReason.ALONE  # its worker runs it alone
     assert max(b.size for b in batches if b is not own) == min(backlog - 1, 8)
+    assert all(b.flush_reason is not FlushReason.ALONE for b in batches if b is not own)

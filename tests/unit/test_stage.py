@@ -551,3 +551,33 @@ def test_each_batch_takes_only_its_own_events_and_forks_share_the_encoder() -> N
     assert running.take() == ("events", b"[('task-started', 'a'), ('task-succeeded', 'a')]")
     assert claimed.take() == ("events", b"[('task-received', 'batch-2')]")
     assert events.take() is None and running.take() is None
+
+
+def test_a_batch_of_a_request_a_worker_died_running_runs_with_nothing_beside_it(
+    launching_worker: tuple[Any, LaunchingSpec],
+) -> None:
+    """Its flush says "alone": the worker claims it only once the batches before it are done, takes
+    no batch behind it, and runs it there and then; should the worker die, that request is the one it
+    died running."""
+    worker, spec = launching_worker
+    spec.first_launch_gate.set()
+    spec.device_done.clear()  # the device runs the first batch until the test says
+    worker.run(batch(slot("before", len=3)))
+    until(lambda: worker._stage._completing)
+    lone = batch(slot("lone", len=5))
+    lone["flush"] = "alone"
+    done: list[Any] = []
+    runner = threading.Thread(target=lambda: done.append(worker.run(lone)))
+    runner.start()
+    time.sleep(0.3)
+    assert spec.log == ["launch 3"] and len(worker.store.counted) == 1, "not claimed while one runs"
+    spec.device_done.set()
+    runner.join(HANG_S)
+    assert not runner.is_alive() and done == [None]
+    assert spec.log.index("collect 3") < min(i for i, step in enumerate(spec.log) if step.endswith(" 5"))
+    assert worker._stage.idle(), "run on the Celery thread, not handed to the device stage"
+    assert worker._finisher.drain(HANG_S) and dict(worker.store.all_writes)["lone"]["result"] == 5.0
+    again = batch(slot("lone-again", len=6))
+    again["flush"] = "alone"
+    worker.run(again)  # with nothing running: claimed at once
+    assert worker.store.took[0] and not any(worker.store.took[1:]), "its claim takes no batch behind it"

@@ -31,6 +31,7 @@ class FakeStore:
         self.writes: list[tuple[str, dict[str, Any]]] = []
         self.queued = 0  # batch messages the claim finds queued behind the batch
         self.counted: list[list[str]] = []  # the lists each claim counted
+        self.took: list[str] = []  # what each claim's next message had to hold to be taken ('' = none)
 
     def claim_fresh(
         self,
@@ -42,6 +43,7 @@ class FakeStore:
         take: str = "",
     ) -> Claimed:
         self.counted.append(list(lists))
+        self.took.append(take)
         return Claimed([1] * len(ids), self.queued)
 
     def finish(self, **kwargs: Any) -> list[int]:
@@ -512,12 +514,20 @@ def test_a_device_lost_for_good_fails_its_batch_whole_and_stops_the_worker(
     assert runtime._take is False, "its claims take no more batch messages"
 
 
-def test_running_out_of_device_memory_or_a_models_own_runtime_error_is_not_a_lost_device() -> None:
+def test_running_out_of_device_memory_a_library_status_or_a_models_own_error_is_not_a_lost_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import torch
 
     from carpool.errors import device_lost
 
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     assert device_lost(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
-    assert device_lost(RuntimeError("CUDA error: device-side assert triggered"))  # torch before 2.8
     assert not device_lost(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert not device_lost(cublas)  # worded as a CUDA error by torch, but the context is fine
+    assert not device_lost(RuntimeError("CUDA error: device-side assert triggered"))  # not torch's class
     assert not device_lost(RuntimeError("shape mismatch"))
+    monkeypatch.delattr(torch, "AcceleratorError")  # torch before 2.8, which words them all so
+    assert device_lost(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not device_lost(cublas)
+    assert not device_lost(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
