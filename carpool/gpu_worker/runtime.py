@@ -373,7 +373,10 @@ class WorkerRuntime:
             if alone or stage is None or (claimed.batches_queued == 0 and stage.idle()):
                 # Nothing to overlap with: a hand-off would only add a thread wake-up to its latency.
                 self._inline_ids = claimed.ack_ids
-                return self._complete(claimed), taken
+                report = self._complete(claimed)
+                if alone and self._finisher is not None:
+                    self._finisher.drain()  # stored before another batch is claimed beside it
+                return report, taken
             launch = self._launch_function(message) if stage.may_start_here() else None
             if launch is not None:
                 # The device thread would start it at once, but it may be waiting on the device to

@@ -576,8 +576,15 @@ def test_a_batch_of_a_request_a_worker_died_running_runs_with_nothing_beside_it(
     assert not runner.is_alive() and done == [None]
     assert spec.log.index("collect 3") < min(i for i, step in enumerate(spec.log) if step.endswith(" 5"))
     assert worker._stage.idle(), "run on the Celery thread, not handed to the device stage"
-    assert worker._finisher.drain(HANG_S) and dict(worker.store.all_writes)["lone"]["result"] == 5.0
+    assert worker._finisher.idle() and dict(worker.store.all_writes)["lone"]["result"] == 5.0, "stored"
     again = batch(slot("lone-again", len=6))
     again["flush"] = "alone"
-    worker.run(again)  # with nothing running: claimed at once
+    worker.store.gate.clear()  # its results' store waits until the test says
+    second = threading.Thread(target=worker.run, args=(again,))
+    second.start()  # with nothing running: claimed at once
+    time.sleep(0.3)
+    assert second.is_alive(), "the Celery thread claims nothing more before its results are stored"
+    worker.store.gate.set()
+    second.join(HANG_S)
+    assert dict(worker.store.all_writes)["lone-again"]["result"] == 6.0
     assert worker.store.took[0] and not any(worker.store.took[1:]), "its claim takes no batch behind it"
