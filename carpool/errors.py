@@ -94,13 +94,6 @@ def device_lost(raised: BaseException) -> bool:
     )
 
 
-class WorkerLost(CarpoolError):
-    """Raised when workers died running a request, again once it ran alone (killed for memory, a
-    crash): it is not run a third time. Celery's prefork pool answers a task whose child died
-    with ``WorkerLostError`` at once; carpool first runs it again alone, so that the requests
-    batched with it are not failed for it."""
-
-
 class MalformedMessage(CarpoolError):
     """Raised when a message in the request queue is not a carpool request (it is dead-lettered)."""
 

@@ -9,8 +9,7 @@ from carpool.batching import Request
 from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.requests import Incoming
 from carpool.coordinator.answers import answer_revoked, dead_letter, fail
-from carpool.coordinator.intake import Intake, Refused
-from carpool.errors import WorkerLost
+from carpool.coordinator.intake import Intake
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
@@ -68,10 +67,12 @@ def admit_finished(c: Coordinator) -> None:
         admit(c, intake, now)
 
 
-# A request whose worker died running it (requeue.lua counts it when it recovers the request) runs
-# again alone, so that the requests batched with it are not failed for it; when the worker running
-# it dies that many times, it is answered WorkerLost instead of crashing workers for ever.
-WORKER_DEATHS_LIMIT = 2
+# A request put back after a worker that had claimed it stopped renewing its lease (it died running
+# it, killed for memory say; or Redis was out of its reach that long) runs again alone, with nothing
+# beside it on its worker, so that the requests batched with it are not lost with it. Past this many
+# such returns an ERROR names it: it may be what kills workers. It is never failed for them: a Redis
+# failover lapses leases too, and its deadline (CARPOOL_DEFAULT_DEADLINE_S, expires=) ends it.
+DEATHS_TOLD = 2
 
 
 def admit(c: Coordinator, intake: Intake, now: float) -> None:
@@ -88,10 +89,16 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
     events = c.events.enabled
     for msg, request in intake.admitted:
         if deaths and (died := deaths.pop(request.id, 0)):
-            if died >= WORKER_DEATHS_LIMIT:
-                refused.append(Refused(request.id, "worker_lost", _worker_lost(died), message=msg))
-                continue
             request.alone = True
+            if died >= DEATHS_TOLD:
+                log.error(
+                    "request %s (%s) came back %d times from workers that stopped renewing its lease"
+                    " while they held it, the last times holding it alone: it may be what kills them"
+                    " (out of memory?); it runs alone again, until its deadline; revoke it to stop it",
+                    request.id,
+                    msg.task,
+                    died,
+                )
         c.held.add(request.id)
         if msg.eta_at is not None and request.arrival_s > now:
             _defer(c, msg, request)
@@ -103,14 +110,6 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
     if refused:
         fail(c, refused)
     c.pacer.changed()
-
-
-def _worker_lost(died: int) -> WorkerLost:
-    return WorkerLost(
-        f"the worker running this request died while it ran, {died} times, the last time running it"
-        " alone (killed for memory, a crash): carpool does not run it again; if it needs more memory"
-        " than a worker has, send a smaller input or give the workers more memory"
-    )
 
 
 def release_due(c: Coordinator, now: float) -> float | None:

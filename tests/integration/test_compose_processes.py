@@ -15,12 +15,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from carpool.config import Settings
+from carpool.coordinator.metrics import HOUSEKEEPING_GAUGE
 from carpool.tools.embedded import EmbeddedRedis
 from tests.unit.test_compose import dockerfile_instructions, healthcheck_argv, load_services
 
@@ -42,12 +44,18 @@ def _run_check(svc: dict[str, Any], env: dict[str, str]) -> subprocess.Completed
 
 
 # --- health checks -----------------------------------------------------------------------------
-def test_coordinator_healthcheck_follows_its_metrics_server(services: dict[str, dict[str, Any]]) -> None:
+def test_coordinator_healthcheck_follows_its_loops_last_housekeeping(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Its metrics server answers from a thread of its own: the check reads when the loop last
+    finished housekeeping with Redis, and fails once that is old (a loop stuck, or Redis gone)."""
+    body = [b""]
+
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.send_response(200 if self.path == "/metrics" else 404)
             self.end_headers()
-            self.wfile.write(b"# carpool\n")
+            self.wfile.write(body[0])
 
         def log_message(self, *args: object) -> None:
             pass
@@ -56,13 +64,18 @@ def test_coordinator_healthcheck_follows_its_metrics_server(services: dict[str, 
     port = str(server.server_address[1])
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    env = {"CARPOOL_METRICS_PORT": port}
     try:
-        up = _run_check(services["coordinator"], {"CARPOOL_METRICS_PORT": port})
+        body[0] = f"# carpool\n{HOUSEKEEPING_GAUGE} {time.time():.3f}\n".encode()
+        up = _run_check(services["coordinator"], env)
         assert up.returncode == 0, up.stderr
+        body[0] = f"# carpool\n{HOUSEKEEPING_GAUGE} {time.time() - 300:.3f}\n".encode()
+        stale = _run_check(services["coordinator"], env)
+        assert stale.returncode == 1 and "last reached Redis: 30" in stale.stderr
     finally:
         server.shutdown()
         server.server_close()
-    down = _run_check(services["coordinator"], {"CARPOOL_METRICS_PORT": port})
+    down = _run_check(services["coordinator"], env)
     assert down.returncode != 0
 
 

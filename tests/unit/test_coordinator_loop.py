@@ -971,28 +971,26 @@ def test_the_peer_check_says_when_redis_evicted_keys(
     assert len(evicted) == 2 and all("evicted 7 keys" in m for m in evicted)
 
 
-def test_a_request_a_worker_died_running_runs_alone_and_one_that_killed_a_worker_alone_is_answered(
-    clocks: Clocks,
+def test_a_request_a_worker_died_running_runs_alone_and_one_back_again_is_named(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """requeue.lua counts a request put back after its worker died running it; the take says so
-    (RequestStore.deaths). Once: it runs in a batch of its own, the others batch as ever. Twice,
-    the last time alone: it is answered WorkerLost, not run to kill a third worker."""
-    from carpool.errors import WorkerLost
-
+    """requeue.lua counts a request put back after the worker that had claimed it stopped renewing
+    its lease; the take says so (RequestStore.deaths). It runs in a batch of its own, the others
+    batch as ever; back a second time it is named in an ERROR, and runs alone again."""
     c = coordinator(clocks, workers=4)
     ids = ["a", "b", "died-once", "c", "died-twice"]
     c.store.queue += [(i, message(i, "one two three")) for i in ids]
     c.store.deaths.update({"died-once": 1, "died-twice": 2})
-    for _ in range(20):
-        c.step()
-        clocks.advance(0.05)
-        if sum(len(ids) for _, ids in c.store.dispatched) == 4:
-            break
+    with caplog.at_level(logging.ERROR):
+        for _ in range(20):
+            c.step()
+            clocks.advance(0.05)
+            if sum(len(ids) for _, ids in c.store.dispatched) == 5:
+                break
     batches = sorted(sorted(batch_ids) for _, batch_ids in c.store.dispatched)
-    assert batches == [["a", "b", "c"], ["died-once"]]
-    (failure,) = [(i, e) for i, state, e in c.backend.stored if i == "died-twice"]
-    assert isinstance(failure[1], WorkerLost) and "died while it ran, 2 times" in str(failure[1])
-    assert "died-twice" in c.store.acked and c.stats.failed["worker_lost"] == 1
+    assert batches == [["a", "b", "c"], ["died-once"], ["died-twice"]]
+    (named,) = [r.getMessage() for r in caplog.records if "came back" in r.getMessage()]
+    assert "died-twice" in named and "came back 2 times" in named
     assert c.store.deaths == {}, "each count is used once, as its request is admitted"
 
 
