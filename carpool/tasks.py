@@ -258,25 +258,29 @@ def _check_name(task_name: str) -> None:
 def _check_signature(task_name: str, function: Any) -> None:
     """Refuse, at decoration, a function that a batch's list of items cannot be passed to alone:
     every request of it would fail on the worker (a method decorated in its class body, say, gets
-    the list as ``self``)."""
-    try:
-        # The callable's own signature: a decorator's wrapper (functools.wraps) may take other
-        # arguments than the function it wraps, and is what workers call.
-        signature = inspect.signature(function, follow_wrapped=False)
-    except (TypeError, ValueError):  # a builtin or an extension's callable: not inspectable
-        return
-    try:
-        signature.bind([])
-    except TypeError as exc:
-        params = signature.parameters.values()
-        shown = ", ".join(str(p.replace(annotation=p.empty)) for p in params)
-        in_class = shown.startswith("self")
-        method = " (a method decorated in its class body gets no instance)" if in_class else ""
-        raise TypeError(
-            f"@batched calls {task_name} with one argument, the batch's list of items, and it takes"
-            f" ({shown}){method}: {exc}; decorate a function of that one argument, or a bound method"
-            " (batched(Service().method, name=...))"
-        ) from None
+    the list as ``self``). A decorator's wrapper (functools.wraps) is judged by its own signature,
+    which may differ from the function it wraps, unless it takes anything (``*args, **kwargs``):
+    then by the function it passes them to."""
+    for follow in (False, True):
+        try:
+            signature = inspect.signature(function, follow_wrapped=follow)
+        except (TypeError, ValueError):  # a builtin or an extension's callable: not inspectable
+            return
+        try:
+            signature.bind([])
+        except TypeError as exc:
+            params = signature.parameters.values()
+            shown = ", ".join(str(p.replace(annotation=p.empty)) for p in params)
+            in_class = shown.startswith("self")
+            method = " (a method decorated in its class body gets no instance)" if in_class else ""
+            raise TypeError(
+                f"@batched calls {task_name} with one argument, the batch's list of items, and it takes"
+                f" ({shown}){method}: {exc}; decorate a function of that one argument, or a bound method"
+                " (batched(Service().method, name=...))"
+            ) from None
+        kinds = {p.kind for p in signature.parameters.values()}
+        if not kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+            return  # a signature of its own: what workers call takes the list
 
 
 def _is_async(function: Any) -> bool:

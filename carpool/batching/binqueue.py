@@ -66,6 +66,10 @@ class BinQueue:
         # expiry): a saturated coordinator polls once per freed slot and must not re-select each time.
         self._head: Head | None = None
         self._widest = 0  # the widest padded length added since the last drain: no batch is wider
+        # Requests that run alone (Request.alone), in arrival order: each leaves next, in a batch of
+        # its own, ahead of the queue's own order (it came back from a worker that died holding it:
+        # it has waited already, and no order may leave it behind for ever).
+        self._alone: deque[Request] = deque()
 
     def __len__(self) -> int:
         return len(self.live)
@@ -93,6 +97,8 @@ class BinQueue:
             self._fifo.setdefault(req.priority, deque()).append(req)
         heapq.heappush(self._deadlines, (req.deadline_s, seq, req))
         self._arrivals.append(req)
+        if req.alone:
+            self._alone.append(req)
 
     def _alive(self, req: Request) -> bool:
         return self.live.get(req.id) is req
@@ -145,6 +151,15 @@ class BinQueue:
     def select(self, cfg: PolicyConfig, first: Iterable[Request] = ()) -> tuple[list[Request], bool]:
         """The next batch (not removed), ``first`` in it before anything else, and whether it is full
         (it holds ``max_batch``, or one more request would pass ``max_tokens``)."""
+        alone = self._alone
+        while alone and not self._alive(alone[0]):
+            alone.popleft()
+        if alone:
+            # Unless a request that is not alone is the most urgent (a deadline flush puts it first).
+            first = list(first)
+            lone = (first[0] if first[0].alone else None) if first else alone[0]
+            if lone is not None:
+                return [lone], True
         batch = _Batch(cfg)
         if self.order == "tight":
             return self._select_tight(batch, first)
@@ -253,6 +268,7 @@ class BinQueue:
         self._lanes.clear()
         self._deadlines.clear()
         self._arrivals.clear()
+        self._alone.clear()
         return out
 
 

@@ -69,9 +69,11 @@ def admit_finished(c: Coordinator) -> None:
 
 # A request put back after a worker that had claimed it stopped renewing its lease (it died running
 # it, killed for memory say; or Redis was out of its reach that long) runs again alone, with nothing
-# beside it on its worker, so that the requests batched with it are not lost with it. Past this many
-# such returns an ERROR names it: it may be what kills workers. It is never failed for them: a Redis
-# failover lapses leases too, and its deadline (CARPOOL_DEFAULT_DEADLINE_S, expires=) ends it.
+# beside it on its worker, so that the requests batched with it are not lost with it. Back this many
+# times, an ERROR names it (it may be what kills workers) and it waits before it runs again, twice
+# as long each time (a recovery timeout the first), so that the others it came back with run
+# before it can kill the next worker. It is never failed for it: a Redis failover lapses leases
+# too. Its deadline (CARPOOL_DEFAULT_DEADLINE_S, expires=) ends it.
 DEATHS_TOLD = 2
 
 
@@ -91,14 +93,21 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
         if deaths and (died := deaths.pop(request.id, 0)):
             request.alone = True
             if died >= DEATHS_TOLD:
+                wait_s = c.settings.recovery_timeout_s * 2 ** (died - DEATHS_TOLD)
                 log.error(
                     "request %s (%s) came back %d times from workers that stopped renewing its lease"
                     " while they held it, the last times holding it alone: it may be what kills them"
-                    " (out of memory?); it runs alone again, until its deadline; revoke it to stop it",
+                    " (out of memory?); it runs alone again in %.0f s, until its deadline; revoke it"
+                    " to stop it",
                     request.id,
                     msg.task,
                     died,
+                    wait_s,
                 )
+                c.held.add(request.id)
+                # Leased meanwhile, as a request with an eta; released by its deadline to expire on time.
+                c.deferred.add(request, min(now + wait_s, request.deadline_s))
+                continue
         c.held.add(request.id)
         if msg.eta_at is not None and request.arrival_s > now:
             _defer(c, msg, request)

@@ -409,6 +409,23 @@ def test_a_function_that_cannot_take_a_batch_alone_is_refused_when_the_task_is_d
     # What workers call is the wrapper, which takes the list alone, whatever the function it wraps takes.
     assert batched(scaled_lengths, name="unit.wrapped").apply(args=("abc",)).get() == 6
 
+    def logged(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    class Timed:
+        @logged
+        def embed(self, texts: list[str]) -> list[int]:
+            return [len(t) for t in texts]
+
+    # A wrapper that takes anything passes it on: judged by the method it wraps.
+    with pytest.raises(TypeError, match=r"takes \(self, texts\) \(a method decorated in its class body"):
+        batched(Timed.embed, name="unit.wrapped_in_class_body")
+    assert batched(Timed().embed, name="unit.wrapped_bound").apply(args=("abcd",)).get() == 4
+
 
 @pytest.mark.parametrize(
     ("name", "error", "message"),

@@ -971,27 +971,39 @@ def test_the_peer_check_says_when_redis_evicted_keys(
     assert len(evicted) == 2 and all("evicted 7 keys" in m for m in evicted)
 
 
-def test_a_request_a_worker_died_running_runs_alone_and_one_back_again_is_named(
+def test_a_request_a_worker_died_running_runs_alone_and_one_back_again_is_named_and_waits(
     clocks: Clocks, caplog: pytest.LogCaptureFixture
 ) -> None:
     """requeue.lua counts a request put back after the worker that had claimed it stopped renewing
     its lease; the take says so (RequestStore.deaths). It runs in a batch of its own, the others
-    batch as ever; back a second time it is named in an ERROR, and runs alone again."""
+    batch as ever. Back a second time, an ERROR names it and it waits a recovery timeout before it
+    runs alone again, so that the others it came back with run before it can kill the next worker."""
     c = coordinator(clocks, workers=4)
     ids = ["a", "b", "died-once", "c", "died-twice"]
     c.store.queue += [(i, message(i, "one two three")) for i in ids]
     c.store.deaths.update({"died-once": 1, "died-twice": 2})
+
+    def dispatched() -> list[list[str]]:
+        return sorted(sorted(batch_ids) for _, batch_ids in c.store.dispatched)
+
     with caplog.at_level(logging.ERROR):
         for _ in range(20):
             c.step()
             clocks.advance(0.05)
-            if sum(len(ids) for _, ids in c.store.dispatched) == 5:
+            if len(dispatched()) == 2:
                 break
-    batches = sorted(sorted(batch_ids) for _, batch_ids in c.store.dispatched)
-    assert batches == [["a", "b", "c"], ["died-once"], ["died-twice"]]
+    assert dispatched() == [["a", "b", "c"], ["died-once"]]
     (named,) = [r.getMessage() for r in caplog.records if "came back" in r.getMessage()]
     assert "died-twice" in named and "came back 2 times" in named
+    assert "died-twice" in c.held and len(c.deferred) == 1, "held, its lease renewed, until then"
     assert c.store.deaths == {}, "each count is used once, as its request is admitted"
+    clocks.advance(c.settings.recovery_timeout_s)
+    for _ in range(20):
+        c.step()
+        clocks.advance(0.05)
+        if len(dispatched()) == 3:
+            break
+    assert dispatched() == [["a", "b", "c"], ["died-once"], ["died-twice"]]
 
 
 def test_each_housekeeping_says_when_it_reached_redis_for_the_healthcheck(clocks: Clocks) -> None:

@@ -874,3 +874,41 @@ def test_a_request_that_runs_alone_leaves_in_a_batch_of_its_own(config: dict[str
     assert own.requests == (lone,) and own.flush_reason is FlushReason.ALONE  # its worker runs it alone
     assert max(b.size for b in batches if b is not own) == min(backlog - 1, 8)
     assert all(b.flush_reason is not FlushReason.ALONE for b in batches if b is not own)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"kind": "shortest"}, {"kind": "binned"}, {"kind": "binned", "tight_backlog": False}, {"kind": "fifo"}],
+)
+def test_a_request_that_runs_alone_leaves_next_whatever_keeps_arriving(config: dict[str, Any]) -> None:
+    """Shorter requests (shortest first) or ones of a higher priority arriving all the time do not
+    keep it waiting until its deadline: it has waited once already, and leaves next, on its own; the
+    batches of the others fill as ever, none cut short for it."""
+    p = policy(max_batch=8, bin_edges=(64,), **config)
+    lone = req(40, deadline=60.0)
+    lone.alone = True
+    p.add(lone)
+    batches: list[Batch] = []
+    now = 0.0
+    for step in range(200):
+        now = step * 0.004
+        p.add(req(5, at=now, deadline=now + 60.0, priority=1))
+        batches += p.poll(now, free_workers=1, free_slots=1).batches
+    (own,) = [b for b in batches if lone in b.requests]
+    assert own.requests == (lone,) and batches.index(own) == 0, "it left first"
+    full = [b for b in batches if b.flush_reason is FlushReason.FULL]
+    assert all(b.size == 8 for b in full), "no batch counted full for leaving it out"
+
+
+def test_a_batch_that_passes_over_a_request_running_alone_is_not_counted_full_for_it() -> None:
+    from carpool.batching.binqueue import BinQueue
+
+    cfg = PolicyConfig(max_batch=8)
+    queue = BinQueue("tight", cfg.pad_multiple)
+    urgent, lone, other = req(10, deadline=1.0), req(10), req(12)
+    lone.alone = True
+    for r in (urgent, lone, other):
+        queue.add(r)
+    members, limited = queue.select(cfg, first=[urgent])  # a deadline flush puts its most urgent first
+    assert members == [urgent, other] and not limited
+    assert queue.select(cfg) == ([lone], True)  # otherwise it leaves next, on its own
