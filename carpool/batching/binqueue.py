@@ -212,7 +212,7 @@ class BinQueue:
                 # x the widest) passes. A lone request fits even past max_tokens (it can run nowhere
                 # else).
                 width = padded_width((req.length for req in rest), cfg.pad_multiple)
-                if len(rest) <= 1 or (len(rest) * width <= cfg.max_tokens and not any(r.alone for r in rest)):
+                if len(rest) <= 1 or len(rest) * width <= cfg.max_tokens:
                     return rest, len(rest) >= cfg.max_batch
             elif all(batch.add(req) for req in rest):
                 return batch.members, len(batch.members) >= cfg.max_batch
@@ -292,26 +292,24 @@ def _in_heap_order(
 class _Batch:
     """A batch being filled under ``max_batch`` and ``max_tokens`` (count x padded longest)."""
 
-    __slots__ = ("alone", "cfg", "members", "seen", "width")
+    __slots__ = ("cfg", "members", "seen", "width")
 
     def __init__(self, cfg: PolicyConfig) -> None:
         self.cfg = cfg
         self.members: list[Request] = []
         self.seen: set[str] = set()
         self.width = 0  # padded length of the longest member
-        self.alone = False  # it holds a request that runs alone
 
     def add(self, req: Request) -> bool:
         """Add ``req`` unless already in; False (and nothing added) when a limit cuts the batch here.
 
         A lone request over ``max_tokens`` still fills a batch of one: it can run nowhere else. A
-        request that runs alone (:attr:`Request.alone`) joins only an empty batch, and fills it; one
-        offered to a batch begun is passed over (True, nothing added), so that the batch goes on
-        filling: it leaves once it comes first.
+        request that runs alone (:attr:`Request.alone`; :meth:`BinQueue.select` gives it a batch of
+        its own) is passed over (True, nothing added), so that the batch goes on filling.
         """
         if req.id in self.seen:
             return True
-        if len(self.members) >= self.cfg.max_batch or self.alone:
+        if len(self.members) >= self.cfg.max_batch:
             return False
         if req.alone and self.members:
             return True
@@ -321,5 +319,4 @@ class _Batch:
         self.members.append(req)
         self.seen.add(req.id)
         self.width = width
-        self.alone = req.alone
         return True
