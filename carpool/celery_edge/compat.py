@@ -393,25 +393,25 @@ def _guarded(base: Any) -> Any:
 
 
 def _dropped(source: Any, item: Any, exc: BaseException) -> None:
+    _log_element("dropped an element of list %r that is not a kombu message (%s): %r", source, item, exc)
+
+
+def _log_element(text: str, source: Any, item: Any, exc: BaseException) -> None:
+    """Log ``text`` with the list's name, why (``exc``) and the start of the element, an ERROR."""
     from carpool.errors import described
 
     name = source.decode("utf-8", "replace") if isinstance(source, bytes) else str(source)
     shown = item if len(item) <= 300 else item[:300] + b"..."
-    log.error(
-        "dropped an element of list %r that is not a kombu message (%s): %r", name, described(exc), shown
-    )
+    log.error(text, name, described(exc), shown)
 
 
 def _not_put_back(source: Any, item: Any, exc: BaseException) -> None:
-    from carpool.errors import described
-
-    name = source.decode("utf-8", "replace") if isinstance(source, bytes) else str(source)
-    log.error(
-        "a message popped from list %r as the broker connection closed could not be put back (%s); "
-        "a batch's requests come back through their leases (CARPOOL_RECOVERY_TIMEOUT_S): %r",
-        name,
-        described(exc),
-        item[:300],
+    _log_element(
+        "a message popped from list %r as the broker connection closed could not be put back (%s); a"
+        " batch's requests come back through their leases (CARPOOL_RECOVERY_TIMEOUT_S): %r",
+        source,
+        item,
+        exc,
     )
 
 

@@ -4,7 +4,7 @@
 -- to a limit.
 -- A request put back because its lease ran out while a worker had claimed it (the worker died
 -- running it: killed for memory, a crash) has that counted in the deaths hash, which stays with the
--- request until it is answered: the coordinator then runs it alone, and answers it after too many.
+-- request until it is answered: the coordinator then runs it alone, and from the second names it.
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] owner HASH, KEYS[4] claimed HASH, KEYS[5] origin HASH,
 -- KEYS[6] deaths HASH, KEYS[7] the base request list, KEYS[8..] the other request lists (an origin
 -- not among them counts as the base list).
