@@ -87,6 +87,7 @@ from carpool.gpu_worker.stage import DeviceStage, Finisher
 from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import check_server, client_for
 from carpool.redis_edge.keys import Keys
+from carpool.redis_edge.marks import DeviceMarks
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import Claimed, RequestStore, ResultWrites, acl_refusal, refused_by_acl
 from carpool.registry import LaunchCall, import_task_modules, registered
@@ -120,6 +121,8 @@ class WorkerRuntime:
             self.settings.wait_replicas,
             self.settings.wait_timeout_s,
         )
+        # Which batches the device is running, so that a death is counted against those alone.
+        self.marks = DeviceMarks(self.client, self.store.keys.inflight_running)
         self.backend = app.backend
         self.device = pick_device(self.settings.device)
         self.hostname = f"{socket.gethostname()}:{os.getpid()}"
@@ -187,6 +190,7 @@ class WorkerRuntime:
         collector.freeze_startup()  # the models and Celery's worker, out of every later collection
         try:
             self._beat()
+            self.marks.check()
         except redis.ResponseError as exc:
             if refused_by_acl(exc):  # rules older than this release's heartbeat: say what to run
                 raise acl_refusal("worker", self.store.client, exc) from exc
@@ -224,6 +228,7 @@ class WorkerRuntime:
                 log.info("stopping once %d %s are done", stage.held(), what)
         self._stop.set()
         self.events.close()
+        self.marks.close()
         with contextlib.suppress(redis.RedisError):
             self.store.leave(self.hostname)
 
@@ -558,7 +563,10 @@ class WorkerRuntime:
     def _hand_over(
         self, claimed: ClaimedBatch, live: list[RequestSlot], run_s: float | None, padded_len: int
     ) -> BatchReport | None:
-        """Store the batch's outcomes: here, or on the finisher's thread (then None)."""
+        """The device is done with the batch (begun by :meth:`_started` if any request was live):
+        unmark it, and store its outcomes, here or on the finisher's thread (then None)."""
+        if live:
+            self.marks.end(claimed.batch["id"])
         finisher, stage = self._finisher, self._stage
         if finisher is not None and stores_behind(
             claimed.batches_queued, stage.held() if stage is not None else 0, finisher.held()
@@ -706,6 +714,9 @@ class WorkerRuntime:
         return Claimed(flags, None)
 
     def _started(self, batch: BatchMessage, live: list[RequestSlot], events: TaskEvents) -> None:
+        """The batch is about to start on the device: mark it begun (:meth:`_hand_over` unmarks it),
+        and send its requests' STARTED events where someone could watch them."""
+        self.marks.begin(batch["id"])
         # Published before running only when someone could watch the batch as STARTED; otherwise
         # they leave with the results, in the batch's one publish.
         events.started([r["id"] for r in live])

@@ -79,6 +79,13 @@ class Keys:
         return f"{self._base}:inflight:deaths"
 
     @property
+    def inflight_running(self) -> str:
+        """ZSET batch id -> when a worker began running it on its device (ms, the worker's clock),
+        until the run ends: a lease that runs out on a request of such a batch counts as a death
+        (:mod:`carpool.redis_edge.marks`)."""
+        return f"{self._base}:inflight:running"
+
+    @property
     def inflight_origin(self) -> str:
         """HASH request id -> the priority list it was taken from, so a recovery puts it back there.
         Requests taken from the base list (priority 0, the common case) have no entry."""

@@ -150,7 +150,7 @@ class HeldScript:
         NOSCRIPT too (a later call of the script loads it). A connection that fails is reconnected
         and both are sent once more, as :meth:`__call__` does."""
         conn = self._connections.get()
-        packed = _pack(command) + self._packed(keys, args)
+        packed = pack_command(command) + self._packed(keys, args)
         for attempt in range(2):
             try:
                 conn.send_packed_command((packed,))
@@ -163,10 +163,11 @@ class HeldScript:
         raise AssertionError("unreachable")
 
     def _packed(self, keys: Sequence[str | bytes], args: Sequence[str | bytes | int]) -> bytes:
-        return _pack(("EVALSHA", self.script.sha, len(keys), *keys, *args))
+        return pack_command(("EVALSHA", self.script.sha, len(keys), *keys, *args))
 
 
-def _pack(command: Sequence[str | bytes | int | float]) -> bytes:
+def pack_command(command: Sequence[str | bytes | int | float]) -> bytes:
+    """``command`` in Redis's protocol, packed by hiredis, to send as it is."""
     packed: bytes = hiredis.pack_command(tuple(command))  # type: ignore[arg-type]  # its stub: a 1-tuple
     return packed
 

@@ -263,7 +263,7 @@ class RequestStore:
     def _requeue_keys(self) -> list[str]:
         base = self.keys.request_queue
         others = [name for name in self.keys.request_lists if name != base]
-        return [*self._forget_keys(), self.keys.inflight_deaths, base, *others]
+        return [*self._forget_keys(), self.keys.inflight_deaths, self.keys.inflight_running, base, *others]
 
     def _forget_keys(self) -> list[str]:
         """The in-flight keys in the order requeue and finish take them: lease, raw, owner, claimed,

@@ -21,6 +21,7 @@ import redis
 
 from carpool.redis_edge import lua
 from carpool.redis_edge.keys import PRIORITY_SEP, Keys
+from carpool.redis_edge.marks import DeviceMarks
 from carpool.redis_edge.store import (
     REPORTS_KEPT,
     REPORTS_TTL_S,
@@ -1006,26 +1007,41 @@ def test_reap_requeues_only_expired_leases_and_cleans_every_key(client: redis.Re
     assert sorted(back) == sorted(raws.values())
 
 
-def test_reap_counts_a_death_for_each_request_a_worker_had_claimed_and_the_count_stays_until_answered(
+def test_reap_counts_a_death_for_each_request_of_a_batch_begun_on_the_device_until_it_is_answered(
     client: redis.Redis,
 ) -> None:
     dying = RequestStore(client, KEYS, 0.05)
     alive = RequestStore(client, KEYS, LEASE_S)
-    in_flight(dying, "ran", "ran-too", "dispatched", "held")
-    dying.dispatch("q", [("b1", ["ran", "ran-too", "dispatched"], b"m")])
-    dying.claim("b1", ["ran", "ran-too"])  # the worker began them, then died; "dispatched" it never claimed
+    marks = DeviceMarks(client, KEYS.inflight_running)
+    in_flight(dying, "ran", "ran-too", "dispatched", "held", "waiting", "stored")
+    dying.dispatch(
+        "q",
+        [("b1", ["ran", "ran-too", "dispatched"], b"m"), ("b0", ["waiting"], b"m"), ("b9", ["stored"], b"m")],
+    )
+    # The worker claimed three batches: it ran b9 and was storing its results, began b1 on the device
+    # and died running it, with b0 waiting behind; "dispatched" (b1's) it never claimed.
+    dying.claim("b1", ["ran", "ran-too"])
+    dying.claim("b0", ["waiting"])
+    dying.claim("b9", ["stored"])
+    marks.begin("b9")
+    marks.end("b9")
+    marks.begin("b1")
     time.sleep(0.2)
-    assert alive.reap() == 4
+    assert client.zrange(KEYS.inflight_running, 0, -1) == [b"b1"]  # the marks were sent, not awaited
+    assert alive.reap() == 6
     assert client.hgetall(KEYS.inflight_deaths) == {b"ran": b"1", b"ran-too": b"1"}
+    assert not client.exists(KEYS.inflight_running), "a batch put back has no mark left"
     taken, _ = alive.take(10)  # back in flight: the take says which a worker died running, and how often
-    assert sorted(i for i, _ in taken) == ["dispatched", "held", "ran", "ran-too"]
+    assert sorted(i for i, _ in taken) == ["dispatched", "held", "ran", "ran-too", "stored", "waiting"]
     assert alive.deaths == {"ran": 1, "ran-too": 1}
     alive.deaths.clear()
-    alive.requeue(["ran", "ran-too", "dispatched", "held"])  # a shutdown's hand-back is no death
+    back = ["ran", "ran-too", "dispatched", "held", "stored", "waiting"]
+    alive.requeue(back)  # a shutdown's hand-back is no death
     assert client.hgetall(KEYS.inflight_deaths) == {b"ran": b"1", b"ran-too": b"1"}
     dying.take(10)
     dying.dispatch("q", [("b2", ["ran"], b"m")])
     dying.claim("b2", ["ran"])
+    marks.begin("b2")
     time.sleep(0.2)
     alive.reap()
     alive.take(10)
@@ -1033,6 +1049,16 @@ def test_reap_counts_a_death_for_each_request_a_worker_had_claimed_and_the_count
     finish(alive, ack_ids=["ran"])  # answered: a worker's finish forgets its count
     alive.ack(["ran-too"])  # and so does the coordinator's acknowledgement of an answer
     assert not client.exists(KEYS.inflight_deaths), "the hash lives only while some request has a count"
+
+
+def test_reap_drops_running_marks_a_day_old_and_keeps_those_of_batches_running(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    now_ms = int(time.time() * 1000)
+    # A worker died between marking "lost" and unmarking it, its requests answered meanwhile.
+    client.zadd(KEYS.inflight_running, {"lost": now_ms - 2 * 86_400_000, "running": now_ms - 60_000})
+    assert store.reap() == 0
+    assert client.zrange(KEYS.inflight_running, 0, -1) == [b"running"]
 
 
 def test_a_take_says_nothing_of_deaths_while_no_request_has_one(

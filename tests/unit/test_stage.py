@@ -588,3 +588,63 @@ def test_a_batch_of_a_request_a_worker_died_running_runs_with_nothing_beside_it(
     second.join(HANG_S)
     assert dict(worker.store.all_writes)["lone-again"]["result"] == 6.0
     assert worker.store.took[0] and not any(worker.store.took[1:]), "its claim takes no batch behind it"
+
+
+class RecordingMarks:
+    """The worker's device marks, recorded in the log its device writes to."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def begin(self, batch_id: str) -> None:
+        self.log.append(f"begin {batch_id}")
+
+    def end(self, batch_id: str) -> None:
+        self.log.append(f"end {batch_id}")
+
+
+class BlockingSpec(LaunchingSpec):
+    """``carpool.infer`` on a synchronous device that runs each batch until ``device_done``."""
+
+    def launch_function(self, key: str, device: str, settings: Any) -> Any:
+        return None
+
+    def batch_function(self, key: str, device: str, settings: Any) -> Callable[..., Any]:
+        def run(items: list[Any], lengths: list[int]) -> list[float]:
+            self.log.append("sync " + ",".join(str(n) for n in lengths))
+            assert self.device_done.wait(HANG_S)
+            return [float(n) for n in lengths]
+
+        return run
+
+
+@pytest.mark.parametrize("launches", [False, True], ids=["synchronous", "asynchronous"])
+def test_the_device_marks_a_batch_begun_only_while_it_runs_on_the_device(staged: Any, launches: bool) -> None:
+    """Should the worker die, its requests are counted as the ones it died running: not those of the
+    batch claimed and waiting behind it, nor those of a batch whose results are being stored."""
+    log: list[str] = []
+    spec = (LaunchingSpec if launches else BlockingSpec)(log)
+    staged.specs = {"carpool.infer": spec}
+    staged.marks = RecordingMarks(log)
+    staged._stage = DeviceStage(
+        launches=launches, launch_ahead_for_s=0.0
+    )  # one batch on the device at a time
+    staged.store.queued = 1  # a batch queued behind each: hand over to the device thread
+    staged.store.gate.set()
+    spec.first_launch_gate.set()
+    spec.device_done.clear()
+    running, waiting = batch(slot("r", len=3)), batch(slot("w", len=5))
+    running["id"], waiting["id"] = "running", "waiting"
+    staged.run(running)
+    until(lambda: len(log) == 2)
+    time.sleep(0.05)  # the stage may start the first batch's completion meanwhile
+    staged.run(waiting)
+    time.sleep(0.2)
+    ran = "collect" if launches else "sync"
+    assert log[:1] == ["begin running"] and "begin waiting" not in log, "claimed, waiting: not marked"
+    spec.device_done.set()
+    assert staged._stage.drain(HANG_S) and staged._finisher.drain(HANG_S)
+    begun, ended = log.index("begin waiting"), log.index("end running")
+    assert ended < begun, "the first was unmarked when its run ended, before the next began"
+    assert log[-1] == "end waiting" and log.count("begin waiting") == log.count("end waiting") == 1
+    assert f"{ran} 5" in log[begun:] and log.index(f"{ran} 3") < ended

@@ -2,12 +2,15 @@
 -- the base request list), verbatim and in the order given, and forget them in every in-flight key. Given ids, those (a
 -- coordinator's shutdown); given none, every request whose lease has run out (its holder died), up
 -- to a limit.
--- A request put back because its lease ran out while a worker had claimed it (the worker died
--- running it: killed for memory, a crash) has that counted in the deaths hash, which stays with the
--- request until it is answered: the coordinator then runs it alone, and from the second names it.
+-- A request put back because its lease ran out while its worker had begun its batch on the device
+-- (the worker died running it: killed for memory, a crash) has that counted in the deaths hash,
+-- which stays with the request until it is answered: the coordinator then runs it alone, and from
+-- the second names it. One claimed but waiting to run, or whose batch had run and was being stored,
+-- did not kill its worker: it is not counted. The running marks of the batches put back go, and
+-- with them any mark a day old (a worker died between a mark and its unmark).
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] owner HASH, KEYS[4] claimed HASH, KEYS[5] origin HASH,
--- KEYS[6] deaths HASH, KEYS[7] the base request list, KEYS[8..] the other request lists (an origin
--- not among them counts as the base list).
+-- KEYS[6] deaths HASH, KEYS[7] running ZSET, KEYS[8] the base request list, KEYS[9..] the other
+-- request lists (an origin not among them counts as the base list).
 -- ARGV[1] max expired requests, ARGV[2..] request ids (none = the expired ones).
 -- Returns how many requests were put back.
 local t = redis.call('TIME')
@@ -15,7 +18,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 
 local lists = {}
-for i = 8, #KEYS do lists[KEYS[i]] = true end
+for i = 9, #KEYS do lists[KEYS[i]] = true end
 local reaping = #ARGV <= 1
 local ids
 if not reaping then
@@ -33,6 +36,8 @@ if reaping then claimed = chunked('HMGET', KEYS[4], ids) end
 -- A request goes back once, and only while it has both its raw message and its lease; one with a raw
 -- message but no lease is only forgotten.
 local seen, forget, order, pushes = {}, {}, {}, {}
+local running = {}  -- batch id -> whether a worker had begun it on the device (false: not)
+local batches = {}  -- the batches of the claimed requests put back, whose marks go
 local n = 0
 for k, id in ipairs(ids) do
   if raws[k] and not seen[id] then
@@ -40,8 +45,15 @@ for k, id in ipairs(ids) do
     forget[#forget + 1] = id
     if scores[k] then
       local origin = origins[k]
-      if not (origin and lists[origin]) then origin = KEYS[7] end
-      if claimed[k] then redis.call('HINCRBY', KEYS[6], id, 1) end
+      if not (origin and lists[origin]) then origin = KEYS[8] end
+      local batch = claimed[k]
+      if batch then
+        if running[batch] == nil then
+          running[batch] = redis.call('ZSCORE', KEYS[7], batch) ~= false
+          batches[#batches + 1] = batch
+        end
+        if running[batch] then redis.call('HINCRBY', KEYS[6], id, 1) end
+      end
       if not pushes[origin] then
         pushes[origin] = {}
         order[#order + 1] = origin
@@ -64,4 +76,8 @@ for _, origin in ipairs(order) do
   chunked('RPUSH', origin, list)
 end
 for key = 2, 5 do chunked('HDEL', KEYS[key], ids) end
+if reaping then
+  chunked('ZREM', KEYS[7], batches)
+  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now - 86400000)
+end
 return n

@@ -1,0 +1,135 @@
+"""Which batches a worker has begun on its device, so that a worker's death is counted against the
+requests it died running, not every request it had claimed.
+
+A worker claims batches ahead of its device (one waiting in its device stage) and stores results
+behind it (up to three in its finisher). When it dies, every one of those requests comes back
+through lease recovery, but only the batch on the device can have killed it. So the device thread
+marks a batch begun just before the device runs it and unmarks it when the run ends
+(``Keys.inflight_running``); the reap (``requeue.lua``) counts a death only for a request whose batch
+is marked.
+
+A mark is sent and not waited for: its round trip would add to every batch's time on the device.
+What was sent reaches Redis even when the process dies right after (the kernel sends what it was
+given). A mark lost to a connection error only means that a death is not counted, as before deaths
+were counted: the batch comes back batched again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import redis
+
+from carpool.redis_edge.lua import pack_command
+
+log = logging.getLogger(__name__)
+
+# After a failed send, marks are dropped for this long before the connection is tried again: a
+# device thread waits on no connection attempt per batch while Redis is unreachable.
+RETRY_AFTER_S = 1.0
+
+
+class DeviceMarks:
+    """A worker's marks of the batches its device runs, sent on a connection of their own (from
+    ``client``'s pool), from whichever thread starts or ends a batch."""
+
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self.client = client
+        self.key = key
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._pid = 0
+        self._unread = 0  # replies sent for and not read back yet
+        self._retry_at = 0.0  # monotonic time before which marks are dropped (after a failure)
+        self._failing = False  # marks are being lost (logged once until one is sent again)
+        self._refused = False  # Redis refused a mark (logged once)
+
+    def check(self) -> None:
+        """Send an unmark of no batch and wait for its reply: an ACL that refuses the marks (rules
+        older than this release) raises its ``ResponseError`` at the worker's start, not later."""
+        self.client.zrem(self.key, "")
+
+    def begin(self, batch_id: str) -> None:
+        """Mark ``batch_id`` begun on the device, with when (ms, this host's clock: the reap drops
+        marks a day old, which only a worker that died between its mark and its unmark leaves)."""
+        self._send(("ZADD", self.key, int(time.time() * 1000), batch_id))
+
+    def end(self, batch_id: str) -> None:
+        """Unmark ``batch_id``: the device has finished with it."""
+        self._send(("ZREM", self.key, batch_id))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.disconnect()
+                self.client.connection_pool.release(self._conn)
+            self._conn = None
+
+    def _send(self, command: tuple[str | int, ...]) -> None:
+        packed = pack_command(command)
+        with self._lock:
+            if self._failing and time.monotonic() < self._retry_at:
+                return
+            for attempt in range(2):
+                try:
+                    conn = self._connection()
+                    # Reading what arrived also finds a connection the server closed (a restart,
+                    # CLIENT KILL, an idle timeout) before a mark is written to it and lost.
+                    self._read_back(conn)
+                    # No health check: its PING's reply would be read in place of an unread mark's.
+                    conn.send_packed_command((packed,), check_health=False)
+                    self._unread += 1
+                    if self._failing:
+                        log.info("marking batches begun on the device works again")
+                        self._failing = False
+                    return
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    if self._conn is not None:
+                        self._conn.disconnect()
+                    self._unread = 0
+                    if attempt:
+                        self._retry_at = time.monotonic() + RETRY_AFTER_S
+                        if not self._failing:
+                            log.warning(
+                                "could not mark a batch begun or ended on the device (%s); until this"
+                                " works, a batch that kills this worker is not counted against its"
+                                " requests",
+                                exc,
+                            )
+                            self._failing = True
+
+    def _connection(self) -> Any:
+        """The marks' connection, taken from the pool on first use (again in a forked process);
+        under Sentinel, moved to the master named now once the pool would drop it. A connection
+        that failed is connected again by its next send."""
+        pool = self.client.connection_pool
+        if self._conn is None or self._pid != os.getpid():
+            self._conn, self._pid, self._unread = pool.get_connection(), os.getpid(), 0
+        elif not pool.owns_connection(self._conn):
+            self._conn.disconnect()
+            self._conn.connect()
+            self._unread = 0
+        return self._conn
+
+    def _read_back(self, conn: Any) -> None:
+        """Read the replies that have arrived (a refusal is logged once); raises ``ConnectionError``
+        on a connection the server closed."""
+        while conn.can_read(timeout=0):  # a closed connection raises
+            if not self._unread:
+                raise redis.ConnectionError("a reply that no mark asked for")
+            self._unread -= 1
+            try:
+                conn.read_response()
+            except redis.ResponseError as exc:
+                if not self._refused:
+                    log.error(
+                        "Redis refused to mark a batch begun on the device (%s): a batch that kills"
+                        " this worker is not counted against its requests. Under ACLs, regenerate the"
+                        " worker's rules with `carpool acl --role worker` and load them into Redis",
+                        exc,
+                    )
+                    self._refused = True
