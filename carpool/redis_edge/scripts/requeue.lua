@@ -4,10 +4,11 @@
 -- to a limit.
 -- A request put back because its lease ran out while its worker had begun its batch on the device
 -- (the worker died running it: killed for memory, a crash) has that counted in the deaths hash,
--- which stays with the request until it is answered: the coordinator then runs it alone, and from
--- the second names it. One claimed but waiting to run, or whose batch had run and was being stored,
--- did not kill its worker: it is not counted. The running marks of the batches put back go, and
--- with them any mark a day old (a worker died between a mark and its unmark).
+-- which stays with the request until it is answered: the coordinator then runs it alone, at the
+-- second names it, at the third answers it WorkerLost. One claimed but waiting to run, or whose
+-- batch had run and was being stored, did not kill its worker: it is not counted. The running
+-- marks of the batches put back go, and with them any mark a day old (a worker died between a
+-- mark and its unmark).
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] owner HASH, KEYS[4] claimed HASH, KEYS[5] origin HASH,
 -- KEYS[6] deaths HASH, KEYS[7] running ZSET, KEYS[8] the base request list, KEYS[9..] the other
 -- request lists (an origin not among them counts as the base list).
