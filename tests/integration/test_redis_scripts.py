@@ -1030,7 +1030,7 @@ def test_reap_counts_a_death_for_each_request_of_a_batch_begun_on_the_device_unt
     assert client.zrange(KEYS.inflight_running, 0, -1) == [b"b1"]  # the marks were sent, not awaited
     assert alive.reap() == 6
     assert client.hgetall(KEYS.inflight_deaths) == {b"ran": b"1", b"ran-too": b"1"}
-    assert not client.exists(KEYS.inflight_running), "a batch put back has no mark left"
+    assert client.zrange(KEYS.inflight_running, 0, -1) == [b"b1"], "a dead worker's mark stays"
     taken, _ = alive.take(10)  # back in flight: the take says which a worker died running, and how often
     assert sorted(i for i, _ in taken) == ["dispatched", "held", "ran", "ran-too", "stored", "waiting"]
     assert alive.deaths == {"ran": 1, "ran-too": 1}
@@ -1049,6 +1049,24 @@ def test_reap_counts_a_death_for_each_request_of_a_batch_begun_on_the_device_unt
     finish(alive, ack_ids=["ran"])  # answered: a worker's finish forgets its count
     alive.ack(["ran-too"])  # and so does the coordinator's acknowledgement of an answer
     assert not client.exists(KEYS.inflight_deaths), "the hash lives only while some request has a count"
+
+
+def test_reap_counts_a_death_for_the_requests_of_a_marked_batch_whose_leases_run_out_later(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    """A claim leaves a lease with seven eighths of its length as it is, so the leases of one batch
+    run out apart and two reaps put its requests back: both count them."""
+    in_flight(store, "first", "poison", "second")
+    store.dispatch("q", [("b1", ["first", "poison", "second"], b"m")])
+    assert store.claim("b1", ["first", "poison", "second"]) == [True, True, True]
+    DeviceMarks(client, KEYS.inflight_running).begin("b1")
+    past = int(time.time() * 1000) - 1000  # the Redis server runs on this host's clock
+    client.zadd(KEYS.inflight_lease, {"first": past}, xx=True)
+    assert store.reap() == 1
+    assert client.hgetall(KEYS.inflight_deaths) == {b"first": b"1"}
+    client.zadd(KEYS.inflight_lease, {"poison": past, "second": past}, xx=True)
+    assert store.reap() == 2
+    assert client.hgetall(KEYS.inflight_deaths) == {b"first": b"1", b"poison": b"1", b"second": b"1"}
 
 
 def test_reap_drops_running_marks_a_day_old_and_keeps_those_of_batches_running(

@@ -6,9 +6,9 @@
 -- (the worker died running it: killed for memory, a crash) has that counted in the deaths hash,
 -- which stays with the request until it is answered: the coordinator then runs it alone, at the
 -- second names it, at the third answers it WorkerLost. One claimed but waiting to run, or whose
--- batch had run and was being stored, did not kill its worker: it is not counted. The running
--- marks of the batches put back go, and with them any mark a day old (a worker died between a
--- mark and its unmark).
+-- batch had run and was being stored, did not kill its worker: it is not counted. A dead worker's
+-- mark stays, for the requests of its batch whose leases run out later (a claim leaves a lease
+-- with seven eighths of its length as it is, so a batch's leases differ), until it is a day old.
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] owner HASH, KEYS[4] claimed HASH, KEYS[5] origin HASH,
 -- KEYS[6] deaths HASH, KEYS[7] running ZSET, KEYS[8] the base request list, KEYS[9..] the other
 -- request lists (an origin not among them counts as the base list).
@@ -38,7 +38,6 @@ if reaping then claimed = chunked('HMGET', KEYS[4], ids) end
 -- message but no lease is only forgotten.
 local seen, forget, order, pushes = {}, {}, {}, {}
 local running = {}  -- batch id -> whether a worker had begun it on the device (false: not)
-local batches = {}  -- the batches of the claimed requests put back, whose marks go
 local n = 0
 for k, id in ipairs(ids) do
   if raws[k] and not seen[id] then
@@ -49,10 +48,7 @@ for k, id in ipairs(ids) do
       if not (origin and lists[origin]) then origin = KEYS[8] end
       local batch = claimed[k]
       if batch then
-        if running[batch] == nil then
-          running[batch] = redis.call('ZSCORE', KEYS[7], batch) ~= false
-          batches[#batches + 1] = batch
-        end
+        if running[batch] == nil then running[batch] = redis.call('ZSCORE', KEYS[7], batch) ~= false end
         if running[batch] then redis.call('HINCRBY', KEYS[6], id, 1) end
       end
       if not pushes[origin] then
@@ -77,8 +73,5 @@ for _, origin in ipairs(order) do
   chunked('RPUSH', origin, list)
 end
 for key = 2, 5 do chunked('HDEL', KEYS[key], ids) end
-if reaping then
-  chunked('ZREM', KEYS[7], batches)
-  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now - 86400000)
-end
+if reaping then redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now - 86400000) end
 return n
