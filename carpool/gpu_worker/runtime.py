@@ -441,13 +441,17 @@ class WorkerRuntime:
         claim = self._claim(claimed.batch["id"], [r["id"] for r in claimed.to_run], take=False)
         kept: list[RequestSlot] = []
         gone: set[str] = set()
+        answered: list[str] = []
         for r, flag in zip(claimed.to_run, claim.flags, strict=True):
             if flag == 1:
                 kept.append(r)
             elif flag == 0:  # recovered while it waited, and another batch's now
                 gone.add(r["id"])
             else:  # answered meanwhile (revoked, expired): acknowledged, not run again
-                claimed.answered.append(r["id"])
+                answered.append(r["id"])
+        if answered:
+            claimed.answered += answered
+            self._announce_revoked(claimed, answered)
         if len(kept) < len(claimed.to_run):
             log.info(
                 "batch %s waited %.1f s behind the one before it: %d of its %d requests to run went"
@@ -460,15 +464,17 @@ class WorkerRuntime:
             claimed.to_run = kept
             claimed.ack_ids[:] = [i for i in claimed.ack_ids if i not in gone]  # the stage holds this list
 
-    def _announce_revoked(self, claimed: ClaimedBatch) -> None:
-        """Send task-revoked for the requests of the batch answered REVOKED since it was batched.
+    def _announce_revoked(self, claimed: ClaimedBatch, answered: list[str] | None = None) -> None:
+        """Send task-revoked for the requests of the batch answered REVOKED since it was batched
+        (of ``answered``, where given: those a second claim found answered).
 
         Celery's revoke handler stores REVOKED in every worker that hears the broadcast, at once and
         without a task event (a Celery worker sends one when it meets the task's message); the
         claim then finds them answered, and without this Flower would show them received for ever.
         Read only for ids this worker heard revoked: a rerun's answered requests sent theirs."""
         revoked = compat.revoked_ids()
-        ids = [i for i in claimed.answered if i in revoked] if len(revoked) else []
+        among = claimed.answered if answered is None else answered
+        ids = [i for i in among if i in revoked] if len(revoked) else []
         if not ids:
             return
         try:

@@ -431,6 +431,42 @@ def test_a_request_found_answered_revoked_at_its_claim_is_shown_revoked(
     assert [task_id for task_id, _ in runtime.store.writes] == ["kept"] and report["size"] == 1
 
 
+def test_a_request_revoked_while_its_batch_waited_behind_a_long_one_is_shown_revoked(
+    runtime: Any, revoked: set[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that waited in the device stage longer than a quarter lease is claimed again as it
+    starts; a request that claim finds answered REVOKED gets its task-revoked event (Flower showed it
+    received for ever), one answered otherwise none."""
+    from carpool.celery_edge.events import TaskEvents
+    from carpool.gpu_worker.claimed import claimed_batch
+
+    stored = {
+        runtime.backend.get_key_for_task(task_id): runtime.backend.meta_for(task_id, status, value, "2026")
+        for task_id, status, value in [
+            ("gone", "REVOKED", TaskRevokedError("revoked")),
+            ("done", "SUCCESS", [1.0]),
+        ]
+    }
+    monkeypatch.setattr(
+        runtime.backend, "client", SimpleNamespace(mget=lambda keys: [stored.get(k) for k in keys])
+    )
+    flags = {"gone": 2, "done": 2, "kept": 1}
+    monkeypatch.setattr(
+        runtime.store, "claim_fresh", lambda batch_id, ids, *a, **k: Claimed([flags[i] for i in ids], 0)
+    )
+    shown: list[str] = []
+    monkeypatch.setattr(TaskEvents, "revoked", lambda self, task_id, expired=False: shown.append(task_id))
+    message = batch(slot("gone"), slot("done"), slot("kept"))
+    waited = claimed_batch(message, [1, 1, 1], 1, None, 0.0, runtime.events.fork())
+    waited.claimed_at = time.perf_counter() - runtime.settings.recovery_timeout_s  # waited past a quarter
+    for task_id in ("gone", "done"):  # this worker heard both revoked (the second after its answer)
+        state.revoked.add(task_id)
+        revoked.add(task_id)
+    runtime._claim_again_if_waited(waited)
+    assert shown == ["gone"]
+    assert [r["id"] for r in waited.to_run] == ["kept"] and waited.answered == ["gone", "done"]
+
+
 def test_outcomes_of_requests_answered_meanwhile_are_dropped_or_said_revoked() -> None:
     from carpool.celery_edge.events import answered_elsewhere
 
