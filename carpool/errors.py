@@ -10,8 +10,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from celery.exceptions import WorkerLostError
-
 
 class CarpoolError(Exception):
     """Base class of every carpool error."""
@@ -94,13 +92,6 @@ def device_lost(raised: BaseException) -> bool:
         and text.startswith("CUDA error")
         and not any(library in text for library in ("CUBLAS_STATUS_", "CUSPARSE_STATUS_", "CUSOLVER_STATUS_"))
     )
-
-
-class WorkerLost(CarpoolError, WorkerLostError):  # type: ignore[misc]  # billiard has no types
-    """Workers died running the request, the last times running it alone (killed for memory, a
-    crash): it is not run again. Celery answers a task whose worker process died with
-    ``WorkerLostError`` at once; carpool first runs it again alone, so that the requests batched
-    with it are not failed for it, and fails it only when it killed its worker alone twice."""
 
 
 class MalformedMessage(CarpoolError):

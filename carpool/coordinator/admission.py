@@ -9,8 +9,7 @@ from carpool.batching import Request
 from carpool.celery_edge import requests as protocol
 from carpool.celery_edge.requests import Incoming
 from carpool.coordinator.answers import answer_revoked, dead_letter, fail
-from carpool.coordinator.intake import Intake, Refused
-from carpool.errors import WorkerLost
+from carpool.coordinator.intake import Intake
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
@@ -68,17 +67,14 @@ def admit_finished(c: Coordinator) -> None:
         admit(c, intake, now)
 
 
-# A request put back after the worker running its batch on the device stopped renewing its lease
-# (it died running it, killed for memory say; or Redis was out of its reach that long) runs again
-# alone, with nothing beside it on its worker, so that the requests batched with it are not lost
-# with it. Back this many times, an ERROR names it (it may be what kills workers) and it waits
-# before it runs again, twice as long each time (a recovery timeout the first), so that the others
-# it came back with run before it can kill the next worker.
+# A request put back after a worker that had claimed it stopped renewing its lease (it died running
+# it, killed for memory say; or Redis was out of its reach that long) runs again alone, with nothing
+# beside it on its worker, so that the requests batched with it are not lost with it. Back this many
+# times, an ERROR names it (it may be what kills workers) and it waits before it runs again, twice
+# as long each time (a recovery timeout the first), so that the others it came back with run
+# before it can kill the next worker. It is never failed for it: a Redis failover lapses leases
+# too. Its deadline (CARPOOL_DEFAULT_DEADLINE_S, expires=) ends it.
 DEATHS_TOLD = 2
-# Back this many times, the last two from runs alone, it is answered WorkerLost. Not sooner: a
-# Redis failover lapses the leases of a batch its live worker runs too (that worker's answer, when
-# it is stored, ends the request), and two failovers in a row must not fail a request.
-DEATHS_FAILED = 3
 
 
 def admit(c: Coordinator, intake: Intake, now: float) -> None:
@@ -96,16 +92,12 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
     for msg, request in intake.admitted:
         if deaths and (died := deaths.pop(request.id, 0)):
             request.alone = True
-            if died >= DEATHS_FAILED:
-                refused.append(Refused(request.id, "worker_lost", _worker_lost(died), message=msg))
-                continue
             if died >= DEATHS_TOLD:
                 wait_s = c.settings.recovery_timeout_s * 2 ** (died - DEATHS_TOLD)
                 log.error(
                     "request %s (%s) came back %d times from workers that stopped renewing its lease"
-                    " while their devices ran it, the last time running it alone: it may be what"
-                    " kills them (out of memory?); it runs alone again in %.0f s, within its"
-                    " deadline, and is answered WorkerLost should its worker die again; revoke it"
+                    " while they held it, the last times holding it alone: it may be what kills them"
+                    " (out of memory?); it runs alone again in %.0f s, until its deadline; revoke it"
                     " to stop it",
                     request.id,
                     msg.task,
@@ -127,14 +119,6 @@ def admit(c: Coordinator, intake: Intake, now: float) -> None:
     if refused:
         fail(c, refused)
     c.pacer.changed()
-
-
-def _worker_lost(died: int) -> WorkerLost:
-    return WorkerLost(
-        f"the worker running this request died {died} times while its device ran it, the last"
-        f" {died - 1} times running it alone (killed for memory? a crash in native code?): carpool"
-        " does not run it again; send a smaller or corrected input, or give the workers more memory"
-    )
 
 
 def release_due(c: Coordinator, now: float) -> float | None:

@@ -45,7 +45,7 @@ class Refused:
     """A request answered with an error instead of run."""
 
     id: str
-    reason: str  # the metrics label: invalid, queue_full, too_long, deadline, unwritable, worker_lost
+    reason: str  # the metrics label: invalid, queue_full, too_long, deadline, unwritable
     error: CarpoolError
     message: Incoming | None = None  # its message, when refused before its task-received event
     # Its task, links (error callbacks, chain) and result inbox, when its message is no longer at hand.

@@ -363,9 +363,8 @@ class WorkerRuntime:
             stage = self._stage
             # A request a worker died running comes alone, and runs with nothing beside it: should
             # this worker die too, that request is the one it died running (requeue.lua counts a
-            # death for every request of the batch a dead worker's device ran; at the second the
-            # coordinator names the request and holds it a while, at the third answers it
-            # WorkerLost). Claimed only once the batches before it are done.
+            # death for every request a dead worker had claimed; from the second, the coordinator
+            # names the request and holds it a while). Claimed only once the batches before it are done.
             alone = message["flush"] == FlushReason.ALONE
             if alone:
                 for running in (stage, self._finisher):

@@ -73,10 +73,9 @@ class Keys:
 
     @property
     def inflight_deaths(self) -> str:
-        """HASH request id -> how many times a worker died running it (its lease ran out while its
-        batch ran on the worker's device, :attr:`inflight_running`). Unlike the in-flight keys it
-        stays when the request is put back, until it is answered; it exists only while some
-        request has a death counted."""
+        """HASH request id -> how many times a worker died running it (its lease ran out while
+        claimed). Unlike the in-flight keys it stays when the request is put back, until it is
+        answered; it exists only while some request has a death counted."""
         return f"{self._base}:inflight:deaths"
 
     @property

@@ -1006,31 +1006,6 @@ def test_a_request_a_worker_died_running_runs_alone_and_one_back_again_is_named_
     assert dispatched() == [["a", "b", "c"], ["died-once"], ["died-twice"]]
 
 
-def test_a_request_back_a_third_time_is_answered_worker_lost_and_the_others_run(clocks: Clocks) -> None:
-    """Killed in its batch, then twice alone: it is not run again. A Celery user's
-    ``except WorkerLostError`` catches it, as for a task whose prefork child died."""
-    from celery.exceptions import WorkerLostError
-
-    from carpool.errors import WorkerLost
-
-    c = coordinator(clocks, workers=2)
-    c.store.queue += [(i, message(i, "one two three")) for i in ("a", "died-thrice", "b")]
-    c.store.deaths.update({"died-thrice": 3})
-    for _ in range(20):
-        c.step()
-        clocks.advance(0.05)
-        if c.store.dispatched:
-            break
-    [(request_id, state, error)] = c.backend.stored
-    assert (request_id, state) == ("died-thrice", "FAILURE")
-    assert isinstance(error, WorkerLost) and isinstance(error, WorkerLostError)
-    assert "died 3 times while its device ran it, the last 2 times running it alone" in str(error)
-    assert "more memory" in str(error), "says what to change"
-    assert "died-thrice" in c.store.acked and "died-thrice" not in c.held
-    assert sorted(i for _, ids in c.store.dispatched for i in ids) == ["a", "b"]
-    assert c.metrics.registry.get_sample_value("carpool_failures_total", {"reason": "worker_lost"}) == 1
-
-
 def test_each_housekeeping_says_when_it_reached_redis_for_the_healthcheck(clocks: Clocks) -> None:
     from carpool.coordinator.metrics import HOUSEKEEPING_GAUGE
 

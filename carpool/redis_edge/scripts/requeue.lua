@@ -2,13 +2,14 @@
 -- the base request list), verbatim and in the order given, and forget them in every in-flight key. Given ids, those (a
 -- coordinator's shutdown); given none, every request whose lease has run out (its holder died), up
 -- to a limit.
--- A request put back because its lease ran out while its worker had begun its batch on the device
--- (the worker died running it: killed for memory, a crash) has that counted in the deaths hash,
--- which stays with the request until it is answered: the coordinator then runs it alone, at the
--- second names it, at the third answers it WorkerLost. One claimed but waiting to run, or whose
--- batch had run and was being stored, did not kill its worker: it is not counted. A dead worker's
--- mark stays, for the requests of its batch whose leases run out later (a claim leaves a lease
--- with seven eighths of its length as it is, so a batch's leases differ), until it is a day old.
+-- A request put back because its lease ran out while its worker was running its batch (on the
+-- device, or storing its results) has that counted in the deaths hash (the worker died running it:
+-- killed for memory, a crash; or it stopped renewing leases that long, holding the GIL, paused),
+-- which stays with the request until it is answered: the coordinator then runs it alone, and from
+-- the second names it. One claimed but still waiting to run did not kill its worker: it is not
+-- counted. A dead worker's mark stays, for the requests of its batch whose leases run out later (a
+-- claim leaves a lease with seven eighths of its length as it is, so a batch's leases differ),
+-- until it is a day old.
 -- KEYS[1] lease ZSET, KEYS[2] raw HASH, KEYS[3] owner HASH, KEYS[4] claimed HASH, KEYS[5] origin HASH,
 -- KEYS[6] deaths HASH, KEYS[7] running ZSET, KEYS[8] the base request list, KEYS[9..] the other
 -- request lists (an origin not among them counts as the base list).
