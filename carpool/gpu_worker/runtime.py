@@ -569,19 +569,41 @@ class WorkerRuntime:
     def _hand_over(
         self, claimed: ClaimedBatch, live: list[RequestSlot], run_s: float | None, padded_len: int
     ) -> BatchReport | None:
-        """The device is done with the batch (begun by :meth:`_started` if any request was live):
-        unmark it, and store its outcomes, here or on the finisher's thread (then None)."""
-        if live:
-            self.marks.end(claimed.batch["id"])
+        """The device is done with the batch (marked begun by :meth:`_started` if any request was
+        live): store its outcomes here, or on the finisher's thread (then None), unmarked while it
+        waits there: a batch waiting to be stored cannot kill its worker."""
         finisher, stage = self._finisher, self._stage
         if finisher is not None and stores_behind(
             claimed.batches_queued, stage.held() if stage is not None else 0, finisher.held()
         ):
-            finisher.submit(partial(self._store, claimed, live, run_s, padded_len), claimed.ack_ids)
+            if live:
+                self.marks.end(claimed.batch["id"])
+            store = partial(self._store, claimed, live, run_s, padded_len, marked=False)
+            finisher.submit(store, claimed.ack_ids)
             return None
         return self._store(claimed, live, run_s, padded_len)
 
     def _store(
+        self,
+        claimed: ClaimedBatch,
+        live: list[RequestSlot],
+        run_s: float | None,
+        padded_len: int,
+        marked: bool = True,
+    ) -> BatchReport:
+        """:meth:`_store_outcomes`, with the batch marked running meanwhile (``marked``: it still is,
+        from its run): a worker that dies storing a batch's results (encoding one too large for its
+        memory) dies running that batch. Unmarked after."""
+        batch_id = claimed.batch["id"]
+        if live and not marked:
+            self.marks.begin(batch_id)
+        try:
+            return self._store_outcomes(claimed, live, run_s, padded_len)
+        finally:
+            if live:
+                self.marks.end(batch_id)
+
+    def _store_outcomes(
         self, claimed: ClaimedBatch, live: list[RequestSlot], run_s: float | None, padded_len: int
     ) -> BatchReport:
         """Send a batch's events, store its outcomes and acknowledge it, with its report."""
@@ -720,8 +742,9 @@ class WorkerRuntime:
         return Claimed(flags, None)
 
     def _started(self, batch: BatchMessage, live: list[RequestSlot], events: TaskEvents) -> None:
-        """The batch is about to start on the device: mark it begun (:meth:`_hand_over` unmarks it),
-        and send its requests' STARTED events where someone could watch them."""
+        """The batch is about to start on the device: mark it running (:meth:`_store` unmarks it
+        once its results are stored), and send its requests' STARTED events where someone could
+        watch them."""
         self.marks.begin(batch["id"])
         # Published before running only when someone could watch the batch as STARTED; otherwise
         # they leave with the results, in the batch's one publish.

@@ -80,9 +80,10 @@ class Keys:
 
     @property
     def inflight_running(self) -> str:
-        """ZSET batch id -> when a worker began running it on its device (ms, the worker's clock),
-        until the run ends (a dead worker's, until the reap drops it a day old): a lease that runs
-        out on a request of such a batch counts as a death (:mod:`carpool.redis_edge.marks`)."""
+        """ZSET batch id -> when a worker began running it (ms, the worker's clock), while its device
+        runs it and while its results are stored (a dead worker's, until the reap drops it a day
+        old): a lease that runs out on a request of such a batch counts as a death
+        (:mod:`carpool.redis_edge.marks`)."""
         return f"{self._base}:inflight:running"
 
     @property

@@ -1,12 +1,13 @@
-"""Which batches a worker has begun on its device, so that a worker's death is counted against the
-requests it died running, not every request it had claimed.
+"""Which batches a worker is running, so that a worker's death is counted against the requests it
+died running, not every request it had claimed.
 
 A worker claims batches ahead of its device (one waiting in its device stage) and stores results
 behind it (up to three in its finisher). When it dies, every one of those requests comes back
-through lease recovery, but only the batch on the device can have killed it. So the device thread
-marks a batch begun just before the device runs it and unmarks it when the run ends
-(``Keys.inflight_running``); the reap (``requeue.lua``) counts a death only for a request whose batch
-is marked.
+through lease recovery, but only the batch on the device, or the one whose results it was encoding
+and storing (a result too large for its memory), can have killed it. So the worker marks a batch
+just before the device runs it, unmarks it while it waits for the finisher, marks it again while its
+results are stored, and unmarks it once they are (``Keys.inflight_running``); the reap
+(``requeue.lua``) counts a death only for a request whose batch is marked.
 
 A mark is sent and not waited for: its round trip would add to every batch's time on the device.
 What was sent reaches Redis even when the process dies right after (the kernel sends what it was
@@ -54,12 +55,13 @@ class DeviceMarks:
         self.client.zrem(self.key, "")
 
     def begin(self, batch_id: str) -> None:
-        """Mark ``batch_id`` begun on the device, with when (ms, this host's clock: the reap drops
-        marks a day old, which only a worker that died between its mark and its unmark leaves)."""
+        """Mark ``batch_id`` running (on the device, or its results being stored), with when (ms,
+        this host's clock: the reap drops marks a day old, which only a worker that died between
+        its mark and its unmark leaves)."""
         self._send(("ZADD", self.key, int(time.time() * 1000), batch_id))
 
     def end(self, batch_id: str) -> None:
-        """Unmark ``batch_id``: the device has finished with it."""
+        """Unmark ``batch_id``: it can no longer kill this worker (run, or stored)."""
         self._send(("ZREM", self.key, batch_id))
 
     def close(self) -> None:
@@ -84,7 +86,7 @@ class DeviceMarks:
                     conn.send_packed_command((packed,), check_health=False)
                     self._unread += 1
                     if self._failing:
-                        log.info("marking batches begun on the device works again")
+                        log.info("marking running batches works again")
                         self._failing = False
                     return
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -95,7 +97,7 @@ class DeviceMarks:
                         self._retry_at = time.monotonic() + RETRY_AFTER_S
                         if not self._failing:
                             log.warning(
-                                "could not mark a batch begun or ended on the device (%s); until this"
+                                "could not mark a batch running or done (%s); until this"
                                 " works, a batch that kills this worker is not counted against its"
                                 " requests",
                                 exc,
@@ -127,7 +129,7 @@ class DeviceMarks:
             except redis.ResponseError as exc:
                 if not self._refused:
                     log.error(
-                        "Redis refused to mark a batch begun on the device (%s): a batch that kills"
+                        "Redis refused to mark a running batch (%s): a batch that kills"
                         " this worker is not counted against its requests. Under ACLs, regenerate the"
                         " worker's rules with `carpool acl --role worker` and load them into Redis",
                         exc,

@@ -591,16 +591,19 @@ def test_a_batch_of_a_request_a_worker_died_running_runs_with_nothing_beside_it(
 
 
 class RecordingMarks:
-    """The worker's device marks, recorded in the log its device writes to."""
+    """The worker's device marks, recorded in the log its device writes to, and those marked now."""
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
+        self.marked: set[str] = set()
 
     def begin(self, batch_id: str) -> None:
         self.log.append(f"begin {batch_id}")
+        self.marked.add(batch_id)
 
     def end(self, batch_id: str) -> None:
         self.log.append(f"end {batch_id}")
+        self.marked.discard(batch_id)
 
 
 class BlockingSpec(LaunchingSpec):
@@ -619,18 +622,31 @@ class BlockingSpec(LaunchingSpec):
 
 
 @pytest.mark.parametrize("launches", [False, True], ids=["synchronous", "asynchronous"])
-def test_the_device_marks_a_batch_begun_only_while_it_runs_on_the_device(staged: Any, launches: bool) -> None:
+def test_a_batch_is_marked_running_only_while_the_device_runs_it_or_its_results_are_stored(
+    staged: Any, launches: bool
+) -> None:
     """Should the worker die, its requests are counted as the ones it died running: not those of the
-    batch claimed and waiting behind it, nor those of a batch whose results are being stored."""
+    batch claimed and waiting behind it, nor those of a batch waiting for the finisher; those of a
+    batch whose results are being stored are (encoding a result too large for the worker's memory
+    kills it)."""
     log: list[str] = []
     spec = (LaunchingSpec if launches else BlockingSpec)(log)
+    marks = RecordingMarks(log)
     staged.specs = {"carpool.infer": spec}
-    staged.marks = RecordingMarks(log)
+    staged.marks = marks
     staged._stage = DeviceStage(
         launches=launches, launch_ahead_for_s=0.0
     )  # one batch on the device at a time
-    staged.store.queued = 1  # a batch queued behind each: hand over to the device thread
-    staged.store.gate.set()
+    store = staged.store
+    store.queued = 1  # a batch queued behind each: hand over to the device thread, store on the finisher
+    marked_at_store: list[set[str]] = []
+    finish = store.finish
+
+    def finish_marked(**kwargs: Any) -> Any:
+        marked_at_store.append(set(marks.marked))
+        return finish(**kwargs)
+
+    store.finish = finish_marked
     spec.first_launch_gate.set()
     spec.device_done.clear()
     running, waiting = batch(slot("r", len=3)), batch(slot("w", len=5))
@@ -640,11 +656,17 @@ def test_the_device_marks_a_batch_begun_only_while_it_runs_on_the_device(staged:
     time.sleep(0.05)  # the stage may start the first batch's completion meanwhile
     staged.run(waiting)
     time.sleep(0.2)
-    ran = "collect" if launches else "sync"
-    assert log[:1] == ["begin running"] and "begin waiting" not in log, "claimed, waiting: not marked"
+    assert marks.marked == {"running"}, "claimed, waiting for the device: not marked"
     spec.device_done.set()
+    until(lambda: len(marked_at_store) == 1)  # the first batch's results are being stored
+    assert "running" in marked_at_store[0]
+    until(lambda: "end waiting" in log)  # run, and handed to the finisher behind the first
+    assert marks.marked == {"running"}, "waiting to be stored: not marked"
+    store.gate.set()
     assert staged._stage.drain(HANG_S) and staged._finisher.drain(HANG_S)
-    begun, ended = log.index("begin waiting"), log.index("end running")
-    assert ended < begun, "the first was unmarked when its run ended, before the next began"
-    assert log[-1] == "end waiting" and log.count("begin waiting") == log.count("end waiting") == 1
-    assert f"{ran} 5" in log[begun:] and log.index(f"{ran} 3") < ended
+    assert len(marked_at_store) == 2 and "waiting" in marked_at_store[1]
+    assert marks.marked == set(), "every mark ended once its batch's results were stored"
+    ran = "collect" if launches else "sync"
+    assert log.index("begin running") < log.index(f"{ran} 3") and log.index("begin waiting") < log.index(
+        f"{ran} 5"
+    )

@@ -38,7 +38,7 @@ if reaping then claimed = chunked('HMGET', KEYS[4], ids) end
 -- A request goes back once, and only while it has both its raw message and its lease; one with a raw
 -- message but no lease is only forgotten.
 local seen, forget, order, pushes = {}, {}, {}, {}
-local running = {}  -- batch id -> whether a worker had begun it on the device (false: not)
+local running = {}  -- batch id -> whether its worker was running it (false: not)
 local n = 0
 for k, id in ipairs(ids) do
   if raws[k] and not seen[id] then
