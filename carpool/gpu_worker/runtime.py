@@ -254,6 +254,7 @@ class WorkerRuntime:
         if self._finisher is not None:
             held += self._finisher.pending_ids()
         self.store.renew_running(held)
+        self.marks.flush()  # the unmarks no mark has carried since
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

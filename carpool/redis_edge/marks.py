@@ -11,8 +11,10 @@ results are stored, and unmarks it once they are (``Keys.inflight_running``); th
 
 A mark is sent and not waited for: its round trip would add to every batch's time on the device.
 What was sent reaches Redis even when the process dies right after (the kernel sends what it was
-given). A mark lost to a connection error only means that a death is not counted, as before deaths
-were counted: the batch comes back batched again.
+given). An unmark is not urgent (sent late, a death meanwhile counts one batch more): it goes with
+the next mark, in the same write, or with the heartbeat's :meth:`DeviceMarks.flush`, so that a
+batch costs one or two writes, not four. A mark lost to a connection error only means that a
+death is not counted, as before deaths were counted: the batch comes back batched again.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class DeviceMarks:
         self._retry_at = 0.0  # monotonic time before which marks are dropped (after a failure)
         self._failing = False  # marks are being lost (logged once until one is sent again)
         self._refused = False  # Redis refused a mark (logged once)
+        self._ends: list[str] = []  # unmarks not sent yet
 
     def check(self) -> None:
         """Send an unmark of no batch and wait for its reply: an ACL that refuses the marks (rules
@@ -58,51 +61,71 @@ class DeviceMarks:
         """Mark ``batch_id`` running (on the device, or its results being stored), with when (ms,
         this host's clock: the reap drops marks a day old, which only a worker that died between
         its mark and its unmark leaves)."""
-        self._send(("ZADD", self.key, int(time.time() * 1000), batch_id))
+        mark = pack_command(("ZADD", self.key, int(time.time() * 1000), batch_id))
+        with self._lock:
+            if batch_id in self._ends:  # marked again before its unmark left (its results' store)
+                self._ends.remove(batch_id)
+            self._send(self._with_ends(mark))
 
     def end(self, batch_id: str) -> None:
-        """Unmark ``batch_id``: it can no longer kill this worker (run, or stored)."""
-        self._send(("ZREM", self.key, batch_id))
+        """Unmark ``batch_id`` (it can no longer kill this worker: run, or stored), with the next
+        mark or :meth:`flush`."""
+        with self._lock:
+            self._ends.append(batch_id)
+
+    def flush(self) -> None:
+        """Send the unmarks not sent yet (the heartbeat's, once a second)."""
+        with self._lock:
+            if self._ends:
+                self._send(self._with_ends(b""))
+
+    def _with_ends(self, packed: bytes) -> tuple[bytes, int]:
+        """``packed`` (one command, or none), after the unmarks not sent yet; and how many commands."""
+        if not self._ends:
+            return packed, 1
+        ends, self._ends = self._ends, []
+        return pack_command(("ZREM", self.key, *ends)) + packed, 1 + bool(packed)
 
     def close(self) -> None:
+        self.flush()
         with self._lock:
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.disconnect()
                 self.client.connection_pool.release(self._conn)
             self._conn = None
 
-    def _send(self, command: tuple[str | int, ...]) -> None:
-        packed = pack_command(command)
-        with self._lock:
-            if self._failing and time.monotonic() < self._retry_at:
+    def _send(self, commands: tuple[bytes, int]) -> None:
+        """Write ``commands`` (packed, and how many); call under the lock."""
+        packed, count = commands
+        if self._failing and time.monotonic() < self._retry_at:
+            return
+        for attempt in range(2):
+            try:
+                conn = self._connection()
+                # Reading what arrived also finds a connection the server closed (a restart,
+                # CLIENT KILL, an idle timeout) before a mark is written to it and lost.
+                self._read_back(conn)
+                # No health check: its PING's reply would be read in place of an unread mark's.
+                conn.send_packed_command((packed,), check_health=False)
+                self._unread += count
+                if self._failing:
+                    log.info("marking running batches works again")
+                    self._failing = False
                 return
-            for attempt in range(2):
-                try:
-                    conn = self._connection()
-                    # Reading what arrived also finds a connection the server closed (a restart,
-                    # CLIENT KILL, an idle timeout) before a mark is written to it and lost.
-                    self._read_back(conn)
-                    # No health check: its PING's reply would be read in place of an unread mark's.
-                    conn.send_packed_command((packed,), check_health=False)
-                    self._unread += 1
-                    if self._failing:
-                        log.info("marking running batches works again")
-                        self._failing = False
-                    return
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    if self._conn is not None:
-                        self._conn.disconnect()
-                    self._unread = 0
-                    if attempt:
-                        self._retry_at = time.monotonic() + RETRY_AFTER_S
-                        if not self._failing:
-                            log.warning(
-                                "could not mark a batch running or done (%s); until this"
-                                " works, a batch that kills this worker is not counted against its"
-                                " requests",
-                                exc,
-                            )
-                            self._failing = True
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._conn is not None:
+                    self._conn.disconnect()
+                self._unread = 0
+                if attempt:
+                    self._retry_at = time.monotonic() + RETRY_AFTER_S
+                    if not self._failing:
+                        log.warning(
+                            "could not mark a batch running or done (%s); until this"
+                            " works, a batch that kills this worker is not counted against its"
+                            " requests",
+                            exc,
+                        )
+                        self._failing = True
 
     def _connection(self) -> Any:
         """The marks' connection, taken from the pool on first use (again in a forked process);

@@ -37,6 +37,26 @@ def client(clean_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
     c.close()
 
 
+def test_an_unmark_goes_with_the_next_mark_or_the_flush_and_a_mark_again_cancels_it(
+    client: redis.Redis,
+) -> None:
+    marks = DeviceMarks(redis.Redis(port=client.connection_pool.connection_kwargs["port"]), KEY)
+    marks.begin("a")
+    marks.begin("b")
+    assert marked(client, {b"a", b"b"}) == {b"a", b"b"}
+    marks.end("a")
+    time.sleep(0.1)
+    assert marked(client, {b"b"}, timeout_s=0.0) == {b"a", b"b"}, "not sent on its own"
+    marks.begin("c")
+    assert marked(client, {b"b", b"c"}) == {b"b", b"c"}, "sent with the next mark"
+    marks.end("b")
+    marks.begin("b")  # marked again before its unmark left (its results' store): stays marked
+    marks.end("c")
+    marks.flush()
+    assert marked(client, {b"b"}) == {b"b"}
+    marks.close()
+
+
 def test_marks_from_two_threads_arrive_and_an_ended_batch_is_unmarked(client: redis.Redis) -> None:
     marks = DeviceMarks(redis.Redis(port=client.connection_pool.connection_kwargs["port"]), KEY)
     marks.check()
@@ -52,6 +72,7 @@ def test_marks_from_two_threads_arrive_and_an_ended_batch_is_unmarked(client: re
         t.start()
     for t in threads:
         t.join()
+    marks.flush()  # the last unmarks go with the next mark, or the heartbeat's flush
     want = {f"{p}{i}".encode() for p in ("a", "b") for i in range(0, 200, 2)}
     assert marked(client, want) == want
     score = client.zscore(KEY, "a0")
@@ -112,9 +133,8 @@ def test_an_acl_that_refuses_the_marks_fails_the_check_and_a_refused_mark_is_log
         caplog.set_level(logging.ERROR, logger=marks_module.__name__)
         for i in range(5):
             marks.begin(f"b{i}")
-        marks.end("b4")  # reads back the replies that arrived before it
         time.sleep(0.1)
-        marks.end("b3")
+        marks.begin("b5")  # reads back the replies that arrived before it
         refusals = [r for r in caplog.records if "refused" in r.getMessage()]
         assert len(refusals) == 1
         assert (

@@ -605,6 +605,9 @@ class RecordingMarks:
         self.log.append(f"end {batch_id}")
         self.marked.discard(batch_id)
 
+    def flush(self) -> None:
+        pass
+
 
 class BlockingSpec(LaunchingSpec):
     """``carpool.infer`` on a synchronous device that runs each batch until ``device_done``."""
