@@ -399,71 +399,65 @@ def test_a_request_revoked_while_its_batch_runs_is_answered_and_shown_revoked(
     assert [a[:2] for a in applied] == [("success", "kept")]
 
 
+@pytest.fixture
+def answered_meanwhile(runtime: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Of a batch of "gone", "done" and "kept", the claim finds "gone" answered REVOKED (Celery's
+    revoke handler stored it) and "done" answered SUCCESS (a rerun after recovery); returns the ids
+    said revoked in events (see :func:`hear_revoked`)."""
+    from carpool.celery_edge.events import TaskEvents
+
+    stored = {
+        runtime.backend.get_key_for_task(task_id): runtime.backend.meta_for(task_id, status, value, "2026")
+        for task_id, status, value in [
+            ("gone", "REVOKED", TaskRevokedError("revoked")),
+            ("done", "SUCCESS", [1.0]),
+        ]
+    }
+    monkeypatch.setattr(
+        runtime.backend, "client", SimpleNamespace(mget=lambda keys: [stored.get(k) for k in keys])
+    )
+    flags = {"gone": 2, "done": 2, "kept": 1}
+    monkeypatch.setattr(
+        runtime.store, "claim_fresh", lambda batch_id, ids, *a, **k: Claimed([flags[i] for i in ids], 0)
+    )
+    shown: list[str] = []
+    monkeypatch.setattr(TaskEvents, "revoked", lambda self, task_id, expired=False: shown.append(task_id))
+    return shown
+
+
+def hear_revoked(revoked: set[str]) -> None:
+    """This worker hears "gone" and "done" revoked (the second after its answer)."""
+    for task_id in ("gone", "done"):
+        state.revoked.add(task_id)
+        revoked.add(task_id)
+
+
 def test_a_request_found_answered_revoked_at_its_claim_is_shown_revoked(
-    runtime: Any, revoked: set[str], monkeypatch: pytest.MonkeyPatch
+    runtime: Any, answered_meanwhile: list[str], revoked: set[str]
 ) -> None:
     """Revoked while its batch waited for this worker: the claim finds the REVOKED Celery's handler
     stored, and the batch's events say so (Flower showed it received for ever). A request answered
     otherwise (a rerun after recovery) gets no second event."""
-    from carpool.celery_edge.events import TaskEvents
-
-    stored = {
-        runtime.backend.get_key_for_task(task_id): runtime.backend.meta_for(task_id, status, value, "2026")
-        for task_id, status, value in [
-            ("gone", "REVOKED", TaskRevokedError("revoked")),
-            ("done", "SUCCESS", [1.0]),
-        ]
-    }
-    monkeypatch.setattr(
-        runtime.backend, "client", SimpleNamespace(mget=lambda keys: [stored.get(k) for k in keys])
-    )
-    flags = {"gone": 2, "done": 2, "kept": 1}
-    monkeypatch.setattr(
-        runtime.store, "claim_fresh", lambda batch_id, ids, *a, **k: Claimed([flags[i] for i in ids], 0)
-    )
-    shown: list[str] = []
-    monkeypatch.setattr(TaskEvents, "revoked", lambda self, task_id, expired=False: shown.append(task_id))
-    for task_id in ("gone", "done"):  # this worker heard both revoked (the second after its answer)
-        state.revoked.add(task_id)
-        revoked.add(task_id)
+    hear_revoked(revoked)
     report = runtime.run(batch(slot("gone"), slot("done"), slot("kept")))
-    assert shown == ["gone"]
+    assert answered_meanwhile == ["gone"]
     assert [task_id for task_id, _ in runtime.store.writes] == ["kept"] and report["size"] == 1
 
 
 def test_a_request_revoked_while_its_batch_waited_behind_a_long_one_is_shown_revoked(
-    runtime: Any, revoked: set[str], monkeypatch: pytest.MonkeyPatch
+    runtime: Any, answered_meanwhile: list[str], revoked: set[str]
 ) -> None:
     """A batch that waited in the device stage longer than a quarter lease is claimed again as it
     starts; a request that claim finds answered REVOKED gets its task-revoked event (Flower showed it
     received for ever), one answered otherwise none."""
-    from carpool.celery_edge.events import TaskEvents
     from carpool.gpu_worker.claimed import claimed_batch
 
-    stored = {
-        runtime.backend.get_key_for_task(task_id): runtime.backend.meta_for(task_id, status, value, "2026")
-        for task_id, status, value in [
-            ("gone", "REVOKED", TaskRevokedError("revoked")),
-            ("done", "SUCCESS", [1.0]),
-        ]
-    }
-    monkeypatch.setattr(
-        runtime.backend, "client", SimpleNamespace(mget=lambda keys: [stored.get(k) for k in keys])
-    )
-    flags = {"gone": 2, "done": 2, "kept": 1}
-    monkeypatch.setattr(
-        runtime.store, "claim_fresh", lambda batch_id, ids, *a, **k: Claimed([flags[i] for i in ids], 0)
-    )
-    shown: list[str] = []
-    monkeypatch.setattr(TaskEvents, "revoked", lambda self, task_id, expired=False: shown.append(task_id))
     message = batch(slot("gone"), slot("done"), slot("kept"))
     waited = claimed_batch(message, [1, 1, 1], 1, None, 0.0, runtime.events.fork())
     waited.claimed_at = time.perf_counter() - runtime.settings.recovery_timeout_s  # waited past a quarter
-    for task_id in ("gone", "done"):  # this worker heard both revoked (the second after its answer)
-        state.revoked.add(task_id)
-        revoked.add(task_id)
+    hear_revoked(revoked)  # while it waited
     runtime._claim_again_if_waited(waited)
-    assert shown == ["gone"]
+    assert answered_meanwhile == ["gone"]
     assert [r["id"] for r in waited.to_run] == ["kept"] and waited.answered == ["gone", "done"]
 
 
