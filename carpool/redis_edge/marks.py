@@ -37,8 +37,8 @@ RETRY_AFTER_S = 1.0
 
 
 class DeviceMarks:
-    """A worker's marks of the batches its device runs, sent on a connection of their own (from
-    ``client``'s pool), from whichever thread starts or ends a batch."""
+    """A worker's marks of the batches it runs, sent on a connection of their own (from
+    ``client``'s pool), from whichever thread starts, stores or ends a batch."""
 
     def __init__(self, client: redis.Redis, key: str) -> None:
         self.client = client
