@@ -28,6 +28,7 @@ from typing import Any
 import redis
 
 from carpool.redis_edge.lua import pack_command
+from carpool.redis_edge.store import refused_by_acl
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class DeviceMarks:
         self._unread = 0  # replies sent for and not read back yet
         self._retry_at = 0.0  # monotonic time before which marks are dropped (after a failure)
         self._failing = False  # marks are being lost (logged once until one is sent again)
-        self._refused = False  # Redis refused a mark (logged once)
+        self._refused = False  # Redis refused a mark (logged once until one is taken again)
         self._ends: list[str] = []  # unmarks not sent yet
 
     def check(self) -> None:
@@ -149,12 +150,19 @@ class DeviceMarks:
             self._unread -= 1
             try:
                 conn.read_response()
+                self._refused = False  # a later refusal is logged again
             except redis.ResponseError as exc:
                 if not self._refused:
+                    mend = (
+                        " Regenerate the worker's Redis rules with `carpool acl --role worker` and load"
+                        " them into Redis."
+                        if refused_by_acl(exc)
+                        else ""
+                    )
                     log.error(
-                        "Redis refused to mark a running batch (%s): a batch that kills"
-                        " this worker is not counted against its requests. Under ACLs, regenerate the"
-                        " worker's rules with `carpool acl --role worker` and load them into Redis",
+                        "Redis refused to mark a running batch (%s): until it takes them, a batch"
+                        " that kills this worker is not counted against its requests.%s",
                         exc,
+                        mend,
                     )
                     self._refused = True

@@ -119,6 +119,34 @@ def test_marks_while_redis_is_down_are_dropped_with_one_warning_and_resume_after
         client.close()
 
 
+def test_a_mark_refused_for_memory_is_logged_as_itself_and_again_after_one_was_taken(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    marks = DeviceMarks(redis.Redis(port=client.connection_pool.connection_kwargs["port"]), KEY)
+    caplog.set_level(logging.ERROR, logger=marks_module.__name__)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)  # every write refused
+    try:
+        marks.begin("full-1")
+        time.sleep(0.1)
+        marks.begin("full-2")  # reads back the first refusal
+        client.config_set("maxmemory", 0)
+        time.sleep(0.1)
+        marks.begin("taken")  # reads back the second refusal: logged once
+        time.sleep(0.1)
+        client.config_set("maxmemory", 1)
+        marks.begin("full-3")  # reads back the taken mark's reply
+        time.sleep(0.1)
+        marks.end("x")
+        marks.flush()  # reads back the third refusal
+    finally:
+        client.config_set("maxmemory", 0)
+        marks.close()
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2, refusals
+    assert all("maxmemory" in m and "carpool acl" not in m for m in refusals), "not an ACL's refusal"
+
+
 def test_an_acl_that_refuses_the_marks_fails_the_check_and_a_refused_mark_is_logged_once(
     client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
