@@ -14,7 +14,8 @@ What was sent reaches Redis even when the process dies right after (the kernel s
 given). An unmark is not urgent (sent late, a death meanwhile counts one batch more): it goes with
 the next mark, in the same write, or with the heartbeat's :meth:`DeviceMarks.flush`, so that a
 batch costs one or two writes, not four. A mark lost to a connection error only means that a
-death is not counted, as before deaths were counted: the batch comes back batched again.
+death is not counted, as before deaths were counted: the batch comes back batched again. An unmark
+lost so leaves its batch marked a day, which counts nothing once its requests are answered.
 """
 
 from __future__ import annotations
