@@ -137,7 +137,10 @@ class Settings(BaseSettings):
     torch_threads: int = Field(
         0, ge=0, le=1024, description="CPU threads for torch; 0 leaves torch's default."
     )
-    autocast_bf16: bool = Field(False, description="Run CUDA batches under bf16 autocast.")
+    autocast_bf16: bool = Field(
+        False,
+        description="Run CUDA batches under bf16 autocast (carpool.infer's models and the adapters).",
+    )
     overlap_finish: bool = Field(
         True,
         description=(

@@ -227,7 +227,21 @@ class BatchedSpec(TaskSpec):
             warm_up()
 
     def load(self, device: str, settings: Settings | None = None) -> None:
-        """Build the function's heavy state on ``device`` when it has a ``load`` (adapters do)."""
+        """Build the function's heavy state on ``device`` when it has a ``load`` (adapters do). An
+        adapter runs under bfloat16 autocast on CUDA where ``CARPOOL_AUTOCAST_BF16`` asks; a function
+        of one's own runs as it is written, which the worker's log says when the setting is on."""
+        from carpool.adapters.base import Adapter
+
+        autocast_bf16 = settings is not None and settings.autocast_bf16
+        if isinstance(self.fn, Adapter):
+            self.fn.load(device, autocast_bf16=autocast_bf16)
+            return
+        if autocast_bf16:
+            log.info(
+                "%s: CARPOOL_AUTOCAST_BF16 applies to carpool's models and adapters; this task's"
+                " function runs at the precision it chooses (wrap its forward in torch.autocast for bf16)",
+                self.name,
+            )
         load = getattr(self.fn, "load", None)
         if callable(load):
             load(device)

@@ -7,6 +7,7 @@ library, no torch); ``load`` and ``__call__`` run on a worker and build the mode
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -84,6 +85,8 @@ class Adapter(ABC):
         self._load_lock = threading.Lock()
         #: the device the model was loaded onto; None until ``load``
         self.device: str | None = None
+        #: whether batches run under bfloat16 autocast (``load``'s ``autocast_bf16``, on CUDA only)
+        self.autocast_bf16 = False
 
     def __repr__(self) -> str:
         return f"{self.kind}({str(self.path)!r})"
@@ -163,10 +166,12 @@ class Adapter(ABC):
 
     # --- worker side ---
 
-    def load(self, device: str | None = None) -> None:
+    def load(self, device: str | None = None, *, autocast_bf16: bool = False) -> None:
         """Build the model on the adapter's own ``device`` when it names one (``cpu`` keeps a model off
         the GPU), else on ``device`` (the worker's, ``CARPOOL_DEVICE``), else "auto": CUDA when
-        present. Idempotent and thread-safe; call it after any fork."""
+        present. ``autocast_bf16`` (the worker's ``CARPOOL_AUTOCAST_BF16``): run each batch's
+        forward under bfloat16 autocast where the model is on CUDA, as ``carpool.infer``'s models do;
+        outputs stay float32. Idempotent and thread-safe; call it after any fork."""
         if self._model is not None:
             return
         with self._load_lock:
@@ -185,6 +190,7 @@ class Adapter(ABC):
             model_dir = self.model_dir
             log.info("loading %r on %s", self, resolved)
             self._model = self._build(model_dir, resolved)
+            self.autocast_bf16 = autocast_bf16 and resolved.startswith("cuda")
             self.device = resolved
 
     def __call__(self, items: Sequence[Any]) -> list[Any]:
@@ -194,6 +200,14 @@ class Adapter(ABC):
         inputs = [self.parse(item) for item in items]
         self.load()
         return self._run(inputs)
+
+    def _precision(self) -> contextlib.AbstractContextManager[Any]:
+        """Where a batch's forward runs: under bfloat16 autocast when ``autocast_bf16`` holds."""
+        if not self.autocast_bf16:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast("cuda", dtype=torch.bfloat16)
 
     @abstractmethod
     def _build(self, model_dir: Path, device: str) -> Any:

@@ -70,14 +70,15 @@ class Embedding(Adapter):
         return model
 
     def _run(self, inputs: list[TextInput]) -> list[Any]:
-        embeddings = self._model.encode(
-            [text for text, _ in inputs],
-            batch_size=len(inputs),
-            convert_to_numpy=True,
-            normalize_embeddings=self.normalize,
-            show_progress_bar=False,
-        )
-        return embeddings.tolist()  # type: ignore[no-any-return]
+        with self._precision():
+            embeddings = self._model.encode(
+                [text for text, _ in inputs],
+                batch_size=len(inputs),
+                convert_to_numpy=True,
+                normalize_embeddings=self.normalize,
+                show_progress_bar=False,
+            )
+        return embeddings.astype("float32", copy=False).tolist()  # type: ignore[no-any-return]
 
 
 def embedding(

@@ -57,7 +57,7 @@ class _SequenceModel(Adapter):
             return_tensors="pt",
         )
         features = {k: v.to(self.device) for k, v in features.items() if k in loaded.accepts}
-        with loaded.torch.inference_mode():
+        with loaded.torch.inference_mode(), self._precision():
             return loaded.model(**features).logits.float()
 
 

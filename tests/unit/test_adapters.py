@@ -265,6 +265,83 @@ def test_an_adapters_own_device_wins_over_the_workers(reranker_dir: Path) -> Non
     assert worker_s.device == "cpu"
 
 
+def test_the_workers_bf16_setting_reaches_the_adapters_and_only_cuda_batches_use_it(
+    reranker_dir: Path, embedding_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CARPOOL_AUTOCAST_BF16`` was ignored by the adapters: their batches ran in fp32 on CUDA. The
+    device here is CPU, so CUDA is stood in for by the device's name and torch.autocast is recorded
+    (test_on_cuda_bf16_adapters_stay_near_fp32 checks the numbers where CUDA exists)."""
+    import torch
+
+    from carpool.config import Settings
+    from carpool.gpu_worker import runner
+    from carpool.registry import BatchedSpec
+
+    bf16 = Settings(autocast_bf16=True)
+    cases: list[tuple[Any, list[Any]]] = [(reranker, PAIRS), (embedding, TEXTS), (classifier, TEXTS)]
+    for make, items in cases:
+        path = embedding_dir if make is embedding else reranker_dir
+        fp32 = make(path, device="cpu")
+        want = fp32(items)
+        on_cpu = make(path)
+        BatchedSpec("unit.adapter", on_cpu, on_cpu.length).load("cpu", bf16)
+        assert on_cpu.autocast_bf16 is False  # CPU batches stay fp32, as carpool.infer's do
+        assert on_cpu(items) == want
+
+    entered: list[tuple[str, Any]] = []
+    real_autocast = torch.autocast
+
+    def recorded(device_type: str, dtype: Any = None, **kwargs: Any) -> Any:
+        entered.append((device_type, dtype))
+        return real_autocast("cpu", dtype=torch.bfloat16, enabled=False)
+
+    monkeypatch.setattr(torch, "autocast", recorded)
+    # "cuda" as the device's name only: the model itself is built on the CPU.
+    monkeypatch.setattr(runner, "pick_device", lambda setting, what="": setting)
+
+    def built_on_cpu(adapter: Any) -> Any:
+        build = adapter._build
+        monkeypatch.setattr(adapter, "_build", lambda model_dir, _device: build(model_dir, "cpu"))
+        return adapter
+
+    for make, items in cases:
+        path = embedding_dir if make is embedding else reranker_dir
+        adapter = built_on_cpu(make(path))
+        BatchedSpec("unit.adapter", adapter, adapter.length).load("cuda", bf16)
+        assert adapter.autocast_bf16 is True
+        adapter.device = "cpu"  # where the model is: the sequence models send their inputs there
+        del entered[:]
+        adapter(items)
+        assert entered == [("cuda", torch.bfloat16)], f"{adapter.kind}: one forward under bf16 autocast"
+        plain = built_on_cpu(make(path))
+        BatchedSpec("unit.adapter", plain, plain.length).load("cuda", Settings())
+        assert plain.autocast_bf16 is False
+
+
+def test_a_function_of_ones_own_is_loaded_as_written_and_the_log_says_bf16_is_not_applied(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from carpool.config import Settings
+    from carpool.registry import BatchedSpec
+
+    loads: list[tuple[Any, ...]] = []
+
+    class Mine:
+        def load(self, device: str) -> None:  # no autocast_bf16 parameter: it is never passed one
+            loads.append((device,))
+
+        def __call__(self, items: list[Any]) -> list[Any]:
+            return items
+
+    spec = BatchedSpec("unit.mine", Mine(), len)
+    with caplog.at_level("INFO", logger="carpool.registry"):
+        spec.load("cpu", Settings())
+        assert "AUTOCAST" not in caplog.text
+        spec.load("cpu", Settings(autocast_bf16=True))
+    assert loads == [("cpu",), ("cpu",)]
+    assert "unit.mine: CARPOOL_AUTOCAST_BF16 applies to carpool's models and adapters" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("kind", "item", "message"),
     [
@@ -329,3 +406,19 @@ def test_on_cuda_the_adapters_agree_with_cpu(reranker_dir: Path, embedding_dir: 
         got = on_gpu(items)
         assert on_gpu.device == "cuda"
         assert np.allclose(got, on_cpu(items), atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_adapters_stay_near_fp32(reranker_dir: Path, embedding_dir: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for make, path, items in ((reranker, reranker_dir, PAIRS), (embedding, embedding_dir, TEXTS)):
+        fp32, bf16 = make(path), make(path)
+        fp32.load("cuda")
+        bf16.load("cuda", autocast_bf16=True)
+        want, got = np.array(fp32(items)), np.array(bf16(items))
+        assert got.dtype == np.float64 and got.shape == want.shape  # Python floats, as in fp32
+        assert not np.array_equal(got, want), f"{fp32.kind}: bf16 changed nothing; autocast not applied"
+        assert np.allclose(got, want, atol=5e-2)

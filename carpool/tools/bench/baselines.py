@@ -81,7 +81,7 @@ def _load_task(**_: Any) -> None:
     if spec is not None:
         from carpool.gpu_worker.runner import pick_device
 
-        spec.load(pick_device(settings.device))
+        spec.load(pick_device(settings.device), settings)
 
 
 def _bench_spec() -> BatchedSpec | None:
