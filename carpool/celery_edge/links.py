@@ -15,11 +15,13 @@ A callback, error callback or chain step that cannot be sent (a carpool task ref
 has its failure stored under its own id, and a chain's
 under the ids its result waits on, so whoever waits on it gets the error instead of waiting forever.
 
-Links are applied after the results are stored, outside the script that stores them: a process that
-dies in between loses them (at most once). Only the run whose result was stored applies them, so a
-request run twice (a rerun after recovery) does not apply them twice. A worker retries each send while
-Redis is unreachable (``send``), within one window per batch: a send whose reply was lost may then be
-sent twice.
+Links are applied after the results are stored, outside the script that stores them. A worker files
+each linked request in the links outbox in that script (:func:`outbox_entry`) and empties the entry
+once it sent the links; a worker that dies in between leaves the entry, and a coordinator sends those
+links a lease later (:mod:`carpool.coordinator.outbox`): at least once, where a crash in between once
+lost them. Only the run whose result was stored applies them, so a request run twice (a rerun after
+recovery) does not apply them twice. A worker retries each send while Redis is unreachable (``send``),
+within one window per batch: a send whose reply was lost may then be sent twice.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from typing import Any, TypeVar
 from celery import Celery, group
 from celery.app.task import Context
 from celery.canvas import maybe_signature
+from kombu.utils import json as kombu_json
 
 from carpool.celery_edge import compat
 from carpool.celery_edge.app import settings_of
 from carpool.celery_edge.options import CHORD_TASK, check_options, check_send_settings, check_step
-from carpool.celery_edge.results import FAILURE
+from carpool.celery_edge.results import FAILURE, SUCCESS
+from carpool.codec import loads_tagged
 from carpool.errors import InvalidInput, UnsupportedOption, described
 from carpool.redis_edge.connect import UNREACHABLE
 from carpool.registry import spec_for
@@ -49,6 +53,27 @@ T = TypeVar("T")
 
 def _once(call: Callable[[], T]) -> T:
     return call()
+
+
+def sends_on(links: Links, state: str) -> bool:
+    """Whether a request answered ``state`` has links to send: callbacks or a chain's next step on
+    success, error callbacks on failure."""
+    if state == SUCCESS:
+        return bool(links.get("callbacks") or links.get("chain"))
+    return state == FAILURE and bool(links.get("errbacks"))
+
+
+def outbox_entry(task: str, links: Links) -> bytes:
+    """What the links outbox keeps of a request: its task and links, as kombu's JSON writes them (a
+    value it tags, a datetime or UUID in a link's arguments, reads back as itself)."""
+    text: str = kombu_json.dumps({"task": task, "links": links})  # type: ignore[no-untyped-call]  # untyped
+    return text.encode()
+
+
+def read_outbox_entry(entry: bytes | str) -> tuple[str, Links]:
+    """The task and links :func:`outbox_entry` wrote."""
+    value = loads_tagged(entry)
+    return value["task"], value["links"]
 
 
 def chain_failures(links: Links | None, exc: BaseException) -> list[Entry]:

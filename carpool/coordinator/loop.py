@@ -43,6 +43,7 @@ from carpool.coordinator.deferred import Deferred
 from carpool.coordinator.dispatch import OutstandingBatch, dispatch
 from carpool.coordinator.intake import Intake, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
+from carpool.coordinator.outbox import send_due_links
 from carpool.coordinator.publish import BatchPublisher
 from carpool.coordinator.reports import apply_reports, give_up_unreported
 from carpool.coordinator.signals import set_on_signals
@@ -528,6 +529,7 @@ class Coordinator:
         if recovered:
             count_requeued(self, "lease_expired", recovered)
             log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
+        send_due_links(self)
         self.metrics.housekept.set(self.wall())
 
     def _write_stats(self) -> None:

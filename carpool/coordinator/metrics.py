@@ -90,6 +90,12 @@ class CoordinatorMetrics:
             "carpool_failures", "Requests that failed, by reason.", ["reason"], registry=r
         )
         self.workers = Gauge("carpool_workers", "Workers with a live heartbeat.", registry=r)
+        self.links_resent = Counter(
+            "carpool_links_resent",
+            "Requests whose links (callbacks, chains) a coordinator sent because their worker died"
+            " between storing the result and sending them.",
+            registry=r,
+        )
         self.housekept = Gauge(
             HOUSEKEEPING_GAUGE,
             "When the coordinator's loop last finished its housekeeping with Redis (Unix time; about"

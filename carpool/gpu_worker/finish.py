@@ -121,6 +121,19 @@ def count_rejected(
         log.warning("could not count rejected writes: %s", exc)
 
 
+def filed_links(
+    task: str, entries: list[tuple[str, str, Any]], linked: dict[str, Links]
+) -> list[tuple[int, str, bytes]]:
+    """(1-based index, request id, outbox entry) of the requests :func:`apply_links` sends links for
+    once their results are stored: what the links outbox keeps until they are sent. A request with
+    only canvas ids (a chain's last step) sends nothing."""
+    return [
+        (i, task_id, links.outbox_entry(task, linked[task_id]))
+        for i, (task_id, state, _) in enumerate(entries, 1)
+        if task_id in linked and links.sends_on(linked[task_id], state)
+    ]
+
+
 def apply_links(
     app: Celery,
     backend: Any,
@@ -131,8 +144,8 @@ def apply_links(
     hostname: str | None = None,
 ) -> None:
     """Apply the callbacks, chains and error callbacks of the requests whose results this run
-    stored (see :mod:`carpool.celery_edge.links`: after the results, so at most once), each send
-    retried while Redis is unreachable, within one window for the batch."""
+    stored (see :mod:`carpool.celery_edge.links`: after the results, which filed them in the links
+    outbox), each send retried while Redis is unreachable, within one window for the batch."""
     send = Retries()
     unsent: list[tuple[str, str, Any]] = []
     for i in stored:

@@ -71,6 +71,7 @@ from carpool.gpu_worker.finish import (
     apply_links,
     batch_chain_failures,
     count_rejected,
+    filed_links,
     log_failures,
     retrying,
 )
@@ -649,12 +650,32 @@ class WorkerRuntime:
         published = events.encoded(buffered)
         # Redis may be restarting: the results are computed, so keep trying to hand them over
         # for a while before giving the batch up to recovery.
-        stored = retrying(lambda: self._finish(encoded, ack_ids, report, batch["coordinator"], published))
+        # Filed with the results, so that a worker dying before it sends their links leaves them
+        # for a coordinator to send.
+        outbox = filed_links(batch["task"], entries, linked) if linked else []
+        stored = retrying(
+            lambda: self._finish(encoded, ack_ids, report, batch["coordinator"], published, outbox)
+        )
         if len(stored) < len(writes):
             self._answered_meanwhile(batch_id, writes, stored, buffered if published else None)
         if linked:
             apply_links(self.app, self.backend, batch["task"], entries, stored, linked, self.nodename)
+            self._links_sent(outbox, stored)
         return report
+
+    def _links_sent(self, outbox: Sequence[tuple[int, str, bytes]], stored: list[int]) -> None:
+        """Empty the outbox entries of the links just applied (those of the results stored)."""
+        done = set(stored)
+        ids = [request_id for index, request_id, _ in outbox if index in done]
+        try:
+            retrying(lambda: self.store.links_sent(ids))
+        except Exception as exc:
+            log.warning(
+                "the links of %d requests were sent, but their outbox entries could not be emptied (%s):"
+                " a coordinator sends them again in a lease",
+                len(ids),
+                described(exc),
+            )
 
     def _answered_meanwhile(
         self,
@@ -877,12 +898,13 @@ class WorkerRuntime:
         report: BatchReport,
         coordinator: str,
         events: tuple[str, bytes] | None,
+        outbox: Sequence[tuple[int, str, bytes]] = (),
     ) -> list[int]:
         """Results (write-once, each published on its own channel and, for producers that named one,
-        in their result inbox's one message), acks, the report and the task events: one round trip
-        when the results live on the broker's server, else a store on the backend and one trip for
-        the rest. Returns the 1-based indexes in ``writes`` of the results stored (the others had
-        one)."""
+        in their result inbox's one message), acks, the report, the task events and the links outbox's
+        entries of the results stored: one round trip when the results live on the broker's server,
+        else a store on the backend and one trip for the rest. Returns the 1-based indexes in
+        ``writes`` of the results stored (the others had one)."""
         with self._stopping_on_acl_refusal():
             if self.dbs is not None:
                 return self.store.finish(
@@ -893,9 +915,12 @@ class WorkerRuntime:
                     report=cast(dict[str, Any], report),
                     coordinator=coordinator,
                     events=events,
+                    outbox=outbox,
                 )
             stored: list[int] = self.backend.store_encoded(writes)
             with self.client.pipeline(transaction=False) as pipe:
+                done = set(stored)
+                self.store.file_links_into(pipe, [(rid, e) for i, rid, e in outbox if i in done])
                 self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
                 if events is not None and len(stored) == len(writes.keys):  # as finish.lua publishes them
                     pipe.publish(*events)

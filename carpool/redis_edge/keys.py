@@ -87,6 +87,19 @@ class Keys:
         return f"{self._base}:inflight:running"
 
     @property
+    def links_due(self) -> str:
+        """ZSET request id -> when its links are due (ms, Redis clock): the links outbox. A worker
+        files a request with links (callbacks, error callbacks, a chain) here as it stores its
+        result, and empties the entry once it sent them; an entry a lease old is a dead worker's, and
+        a coordinator sends its links (:mod:`carpool.coordinator.outbox`)."""
+        return f"{self._base}:links:due"
+
+    @property
+    def links_pending(self) -> str:
+        """HASH request id -> its outbox entry: its task and links (JSON, as kombu writes them)."""
+        return f"{self._base}:links:pending"
+
+    @property
     def inflight_origin(self) -> str:
         """HASH request id -> the priority list it was taken from, so a recovery puts it back there.
         Requests taken from the base list (priority 0, the common case) have no entry."""

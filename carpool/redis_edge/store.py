@@ -105,10 +105,17 @@ def finish_call(
     report: str | bytes = "",
     events: tuple[str, bytes] | None = None,
     ack_ids: Sequence[str] = (),
+    outbox: Sequence[tuple[int, str, bytes]] = (),
+    outbox_due_ms: int = 0,
 ) -> tuple[list[bytes | str], list[Any]]:
     """(KEYS, ARGV) of ``finish.lua``. With only ``writes`` it stores the results (write-once, each
     published) in the caller's database and touches nothing else. ``inflight_keys``: lease, raw,
-    owner, claimed, origin, report list and deaths, needed when acknowledging or reporting."""
+    owner, claimed, origin, report list, deaths and the links outbox's ZSET and HASH, needed when
+    acknowledging or reporting. ``outbox``: (1-based index of the result, request id, entry) of the
+    requests whose links go into the outbox, due ``outbox_due_ms`` from now, if this call stores
+    their results."""
+    if outbox and len(inflight_keys) < 9:
+        raise ValueError("the links outbox needs the in-flight keys, its ZSET and HASH last")
     topic, message = events if events is not None else ("", b"")
     keys = [*writes.keys, *inflight_keys]
     args: list[Any] = [len(writes.payloads), results_db, broker_db, writes.expiry_s, *writes.payloads]
@@ -117,9 +124,13 @@ def finish_call(
     if inboxes:
         if len(inboxes) != len(writes.payloads) or not writes.inbox_prefix:
             raise ValueError("give one inbox per result (or none), and the prefix every inbox starts with")
-        args += [len(inboxes), writes.inbox_prefix, *inboxes, *ack_ids]
+        args += [len(inboxes), writes.inbox_prefix, *inboxes]
     else:
-        args += [0, "", *ack_ids]
+        args += [0, ""]
+    args += [len(outbox), outbox_due_ms]
+    for index, request_id, entry in outbox:
+        args += [index, request_id, entry]
+    args += ack_ids
     return keys, args
 
 
@@ -167,6 +178,7 @@ class RequestStore:
         self._renew = lua.register(client, "renew")
         self._requeue = lua.register(client, "requeue")
         self._heartbeat = lua.register(client, "heartbeat")
+        self._outbox = lua.register(client, "outbox")
 
     # --- coordinator ---------------------------------------------------------------------
     def take(self, count: int, reports_of: str | None = None, max_reports: int = 1000) -> Taken:
@@ -330,30 +342,62 @@ class RequestStore:
         report: dict[str, Any] | None,
         coordinator: str,
         events: tuple[str, bytes] | None,
+        outbox: Sequence[tuple[int, str, bytes]] = (),
     ) -> list[int]:
         """Store ``writes`` write-once (publishing each), acknowledge ``ack_ids``, push the report and
         publish ``events`` (topic, raw): one script, one round trip. Results live in database
         ``results_db`` of this server. Returns the 1-based indexes of the results stored. A call
         sent again with the same arguments, its reply lost, returns what its first sending stored
-        and, when that was any result, pushes no second report nor events (see ``finish.lua``)."""
+        and, when that was any result, pushes no second report nor events (see ``finish.lua``).
+        ``outbox``: (index of the result, request id, entry) of the requests with links, filed in the
+        links outbox with their results, due a lease from now; :meth:`links_sent` empties them."""
         keys, args = finish_call(
             writes,
             inflight_keys=[
                 *self._forget_keys(),
                 self.keys.reports_for(coordinator),
                 self.keys.inflight_deaths,
+                self.keys.links_due,
+                self.keys.links_pending,
             ],
             results_db=results_db,
             broker_db=broker_db,
             report=orjson.dumps(report) if report is not None else "",
             events=events,
             ack_ids=ack_ids,
+            outbox=outbox,
+            outbox_due_ms=self.lease_ms,
         )
         if not self.replicas:
             return [int(i) for i in self._finish_held(keys=keys, args=args)]
         stored, acked = script_then_wait(self.client, self._finish, keys, args, self.replicas, self.wait_s)
         self._confirmed(acked, "a batch's results and acknowledgements")
         return [int(i) for i in stored]
+
+    def file_links_into(self, pipe: Any, entries: Sequence[tuple[str, bytes]]) -> None:
+        """Queue on ``pipe`` what ``finish.lua`` files in the links outbox, for results stored on
+        another server (due a lease from now by this process's clock)."""
+        if not entries:
+            return
+        due = int(time.time() * 1000) + self.lease_ms
+        pipe.zadd(self.keys.links_due, {request_id: due for request_id, _ in entries})
+        pipe.hset(self.keys.links_pending, mapping=dict(entries))
+
+    def links_sent(self, request_ids: Sequence[str]) -> None:
+        """Empty the links outbox's entries of ``request_ids``, whose links were sent."""
+        if not request_ids:
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.links_due, *request_ids)
+            pipe.hdel(self.keys.links_pending, *request_ids)
+            pipe.execute()
+
+    def links_due(self, limit: int = 100) -> list[tuple[str, bytes]]:
+        """Up to ``limit`` (request id, entry) of the links outbox whose worker did not send them
+        within a lease, each leased to the caller for another lease (any process may call this;
+        one gets each entry): send them, then :meth:`links_sent`."""
+        flat = self._outbox(keys=[self.keys.links_due, self.keys.links_pending], args=[limit, self.lease_ms])
+        return [(reply_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
 
     def replicated(self, what: str, client: redis.Redis | None = None) -> bool:
         """WAIT until the replicas have every write the master (of ``client``, by default this

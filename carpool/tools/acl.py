@@ -140,7 +140,13 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
     reports = glob_escape(keys.reports_for("")) + "*"
     gauges = glob_escape(keys.gauges_of("")) + "*"
     applied = glob_escape(keys.stats_applied_of("")) + "*"
-    inflight = [*keys.inflight, keys.inflight_deaths, keys.inflight_running]
+    inflight = [
+        *keys.inflight,
+        keys.inflight_deaths,
+        keys.inflight_running,
+        keys.links_due,
+        keys.links_pending,
+    ]
     fanout = FANOUT_PREFIX.format(db=_broker_db(settings))
     events = glob_escape(f"{fanout}{EVENT_EXCHANGE}/")
     pidbox = glob_escape(f"{fanout}{PIDBOX_EXCHANGE}")

@@ -151,6 +151,7 @@ def test_every_script_loads_into_redis(client: redis.Redis) -> None:
         "dispatch",
         "finish",
         "heartbeat",
+        "outbox",
         "renew",
         "renew_held",
         "requeue",
@@ -784,6 +785,48 @@ def test_finish_publishes_the_results_it_stores_to_their_inboxes_too(
     channels.close()
     with pytest.raises(ValueError, match="one inbox per result"):
         finish_call(ResultWrites(["k"], [b"{}"], 60, ["box:1", "box:2"], "box:"))
+
+
+def test_finish_files_the_links_of_the_results_it_stores_and_a_resend_files_nothing(
+    client: redis.Redis, results: redis.Redis, store: RequestStore
+) -> None:
+    results.set("res:2", b"earlier")  # answered already: its links are the first run's to send
+    writes = ResultWrites(["res:1", "res:2", "res:3"], [b"one", b"two", b"three"], 60)
+    outbox = [(1, "a", b"links of a"), (2, "b", b"links of b")]
+    in_flight(store, "a", "b", "c")
+    before = now_ms(client)
+    assert finish(store, writes=writes, ack_ids=["a", "b", "c"], outbox=outbox) == [1, 3]
+    assert client.hgetall(KEYS.links_pending) == {b"a": b"links of a"}
+    due = client.zscore(KEYS.links_due, "a")
+    assert due is not None and before + LEASE_S * 1000 <= due <= now_ms(client) + LEASE_S * 1000
+    store.links_sent(["a"])  # the worker sent them
+    assert client.exists(KEYS.links_due, KEYS.links_pending) == 0
+    # Sent again (its reply lost): the results count as stored, but what the worker sent and
+    # emptied is not filed again.
+    assert finish(store, writes=writes, ack_ids=["a", "b", "c"], outbox=outbox) == [1, 3]
+    assert client.exists(KEYS.links_due, KEYS.links_pending) == 0
+    with pytest.raises(ValueError, match="the links outbox needs the in-flight keys"):
+        finish_call(writes, outbox=outbox)
+
+
+def test_the_outbox_hands_each_due_entry_to_one_caller_and_again_a_lease_later(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    short = RequestStore(client, KEYS, 1)
+    in_flight(short, "a", "b")
+    writes = ResultWrites(["res:a", "res:b"], [b"A", b"B"], 60)
+    outbox = [(1, "a", b"entry a"), (2, "b", b"entry b")]
+    assert finish(short, writes=writes, ack_ids=["a", "b"], outbox=outbox) == [1, 2]
+    assert short.links_due() == [], "not due while the worker may still send them"
+    time.sleep(1.1)
+    client.hdel(KEYS.links_pending, "b")  # emptied between the worker's two writes
+    assert short.links_due() == [("a", b"entry a")]
+    assert client.zrange(KEYS.links_due, 0, -1) == [b"a"], "an id with no entry is dropped"
+    assert short.links_due() == [], "leased to the caller that took it"
+    time.sleep(1.1)  # that caller died: due again
+    assert short.links_due(limit=5) == [("a", b"entry a")]
+    short.links_sent(["a"])
+    assert client.exists(KEYS.links_due, KEYS.links_pending) == 0
 
 
 def test_finish_forgets_acked_ids_everywhere_and_keeps_the_rest(

@@ -103,6 +103,9 @@ class FakeStore:
     def reap(self) -> int:
         return 0
 
+    def links_due(self, limit: int = 100) -> list[tuple[str, bytes]]:
+        return []  # a dead worker's links: tests/integration/test_links_outbox.py
+
     def ack(self, ids: Sequence[str]) -> None:
         self.acked.extend(ids)
 

@@ -1,0 +1,58 @@
+"""A worker killed between storing a batch's results and sending their links (callbacks, chains,
+error callbacks): a coordinator sends them a lease later, from the links outbox."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import redis
+from celery import chain
+from celery.result import AsyncResult
+
+from carpool.celery_app import app as carpool_app
+from carpool.redis_edge.keys import Keys
+from tests.integration.conftest import Processes, start_stack, wait_for
+
+pytestmark = pytest.mark.integration
+
+IMPORTS = "tests.integration.batched_tasks,tests.integration.dying_links"
+ENV = {"CARPOOL_MODEL": "toy", "CARPOOL_IMPORTS": IMPORTS, "CARPOOL_RECOVERY_TIMEOUT_S": "2"}
+KEYS = Keys("carpool.requests")
+
+
+def test_the_links_a_killed_worker_did_not_send_are_sent_by_a_coordinator(processes: Processes) -> None:
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **ENV)
+    client = redis.Redis.from_url(processes.broker_url)
+    # A worker that lives sends the links itself and empties the outbox.
+    assert (t.shout.s("alive") | t.count.s()).apply_async().get(timeout=30) == 3
+    wait_for("the outbox emptied", lambda: client.exists(KEYS.links_due, KEYS.links_pending) == 0, 10)
+
+    processes.restart("worker0", CARPOOL_TEST_DIE_BEFORE_LINKS="3")  # killed at the third batch
+    stamp = f"{time.time()}"
+    callback = t.shout.si("called back").set(task_id=f"callback-{stamp}")
+    errback = t.shout.si("errback").set(task_id=f"errback-{stamp}")
+    first = t.shout.apply_async(("first",), link=callback)
+    two_steps = chain(t.shout.s("chained"), t.count.s()).apply_async()
+    failing = t.fragile.apply_async(("boom",), link_error=errback)
+    # The worker stored the three results (three batches: two tasks, and a chain's first step after
+    # the other shout), sent none of their links, and was killed at the third.
+    assert first.get(timeout=30)["out"] == "FIRST"
+    assert two_steps.parent is not None and two_steps.parent.get(timeout=30)["out"] == "CHAINED"
+    with pytest.raises(ValueError, match="boom is not a word"):
+        failing.get(timeout=30)
+    wait_for("the worker's death", lambda: processes.procs["worker0"].poll() is not None, 30)
+
+    processes.restart("worker0", CARPOOL_TEST_DIE_BEFORE_LINKS="")
+    assert AsyncResult(callback.id, app=carpool_app).get(timeout=30)["out"] == "CALLED BACK"
+    assert two_steps.get(timeout=30) == 3
+    assert AsyncResult(errback.id, app=carpool_app).get(timeout=30)["out"] == "ERRBACK"
+    wait_for("the outbox emptied", lambda: client.exists(KEYS.links_due, KEYS.links_pending) == 0, 10)
+    sent = re.findall(
+        r"sent the links of (\d+) requests whose worker stopped before sending them",
+        processes.log("coordinator"),
+    )
+    assert sum(map(int, sent)) == 3, "each request's links sent once, by the coordinator"
