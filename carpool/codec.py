@@ -351,6 +351,19 @@ def stored_form(value: Any, serializer: str = "json") -> Any:
     return value
 
 
+def read_back(value: Any, serializer: str = "json") -> Any:
+    """``value`` (an output :func:`storable` passed) as ``.get()`` reads it back once stored with
+    ``serializer``: lists for tuples, Python numbers for numpy's, a ``str`` for a subclass of it."""
+    value = stored_form(value, serializer)
+    if serializer == "msgpack":
+        packed = packb_plain(value)
+        return value if packed is None else msgpack.unpackb(packed, raw=False)
+    from kombu.utils.json import dumps as kombu_dumps
+    from kombu.utils.json import loads as kombu_loads
+
+    return kombu_loads(kombu_dumps(value))  # type: ignore[no-untyped-call]  # kombu is untyped
+
+
 def _finite_or_none(values: Any) -> Any:
     if type(values) is list:
         return [_finite_or_none(v) for v in values]
@@ -436,6 +449,25 @@ def finite(value: Any) -> bool:
     return True
 
 
+def _tag_refusal(task: str, value: Any) -> tuple[bool, Any]:
+    """``(True, value)``, or the failure of an output holding a dict shaped like one of kombu's type
+    tags: Celery's JSON results decode it as that type (or fail on it), so ``.get()`` would not
+    return it, and a ``gather`` holding it would fail."""
+    for tag, decoded in kombu_tags(value):
+        becomes = (
+            f"fails on it ({tag_failure(tag, decoded)})"
+            if isinstance(decoded, Exception)
+            else f"gives {brief(decoded)} ({type(decoded).__name__}) instead"
+        )
+        return False, TypeError(
+            f"{task} returned {brief(value)}, which holds {brief(tag)}, a dict shaped like one of"
+            f" kombu's type tags (its only keys __type__ and __value__): Celery's JSON results decode"
+            f" it, so .get() {becomes}; rename the dict's keys, or store results as msgpack"
+            " (CARPOOL_RESULT_SERIALIZER=msgpack, the default), which has no tags"
+        )
+    return True, value
+
+
 def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "json") -> list[tuple[bool, Any]]:
     """Each successful output that JSON cannot carry to ``.get()`` unchanged becomes that request's
     failure (Celery's own tagged types, such as datetimes, are carried as Celery carries them with
@@ -444,7 +476,10 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
     for ok, value in outcomes:
         if ok:
             try:
-                dumps_exact(value)
+                encoded = dumps_exact(value)
+                # orjson never escapes a key's letters: an exact first check, C-fast
+                if serializer == "json" and encoded.find(b'"__type__"') >= 0:
+                    ok, value = _tag_refusal(task, value)
             except ValueError as exc:
                 ok, value = False, ValueError(f"{task} returned {brief(value)}: {exc}; return finite numbers")
             except TypeError as exc:
@@ -462,6 +497,8 @@ def storable(task: str, outcomes: list[tuple[bool, Any]], serializer: str = "jso
                         False,
                         ValueError(f"{task} returned {brief(value)}: {_NON_FINITE}; return finite numbers"),
                     )
+                elif serializer == "json":
+                    ok, value = _tag_refusal(task, value)
             # What JSON carries (orjson writes a UUID or an Enum as its value; Celery's JSON tags a
             # datetime) msgpack may not: that request fails here, not the batch's store.
             if ok and serializer == "msgpack" and packb_plain(value) is None:

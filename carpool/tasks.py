@@ -33,7 +33,7 @@ from celery.result import AsyncResult
 from redis.exceptions import RedisError
 
 from carpool.celery_edge.app import app, settings_of, state_of
-from carpool.celery_edge.options import check_options, check_send_settings
+from carpool.celery_edge.options import check_options, check_send_settings, with_task_options
 from carpool.models.task import InferSpec
 from carpool.names import INFER_TASK, RUN_BATCH_TASK, SENT_AT_HEADER
 from carpool.producer.submit import publish_tasks
@@ -80,6 +80,7 @@ class BatchedTask(Task):  # type: ignore[misc]  # Celery is untyped
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
         self.validate(args, kwargs)
         check_send_settings(self.name, self.app, self)
+        options = with_task_options(self, options)
         check_options(self.name, options, self.app)
         if self.priority and options.get("priority") is None:  # task_default_priority, as Celery adds it
             options["priority"] = self.priority
@@ -300,7 +301,7 @@ def _run_alone(spec: BatchedSpec, item: Any) -> Any:
     process), one output per item, an output JSON carries unchanged (else a
     :class:`~carpool.errors.ModelError`, as a batched request's caller gets it); what the function
     raises propagates as raised."""
-    from carpool.codec import storable
+    from carpool.codec import read_back, storable
     from carpool.errors import InvalidInput, ModelError, described, stops_the_process, user_failure
     from carpool.gpu_worker.runner import OutputCountMismatch, one_per_item, pick_device
 
@@ -323,7 +324,8 @@ def _run_alone(spec: BatchedSpec, item: Any) -> Any:
     [(ok, value)] = storable(spec.name, [(True, out)], settings.result_serializer)
     if not ok:
         raise ModelError(described(value))
-    return value
+    # As .get() reads a worker's result back, so a test suite in eager mode sees the types it will.
+    return read_back(value, settings.result_serializer)
 
 
 def _default_name(function: Any) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from carpool.errors import ConfigError, UnsupportedOption
 from carpool.names import NOT_SENDABLE, RUN_BATCH_TASK
+from carpool.redis_edge.keys import PRIORITY_SEP, PRIORITY_STEPS
 from carpool.registry import spec_for
 
 if TYPE_CHECKING:
@@ -72,6 +73,39 @@ def check_send_settings(task_name: str, app: Celery, task: Any = None) -> None:
     limit = _time_limit_refusal(task, app)
     if limit:
         raise UnsupportedOption(f"{task_name}: {limit}")
+    check_priority_lists(task_name, app)
+
+
+def with_task_options(task: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` over the publishing options ``task``'s own attributes set (its class, or
+    ``task_annotations``: ``queue``, ``expires``, ``routing_key``...), as Celery's ``apply_async``
+    merges them into every call; an attribute left None sets nothing."""
+    getter = getattr(task, "_get_exec_options", None)
+    if getter is None:
+        return options
+    own = {key: value for key, value in getter().items() if value is not None and key not in options}
+    return {**own, **options} if own else options
+
+
+def check_priority_lists(task_name: str, app: Celery) -> None:
+    """Refuse a ``broker_transport_options`` that would push prioritised requests to lists the
+    coordinators never read: they drain kombu's default priority steps, with its separator."""
+    transport = app.conf.broker_transport_options or {}
+    steps = transport.get("priority_steps")
+    if steps is not None and list(steps) != list(PRIORITY_STEPS):
+        raise UnsupportedOption(
+            f"{task_name}: broker_transport_options priority_steps={list(steps)!r} is not supported by"
+            f" carpool tasks: the coordinators drain the request lists of kombu's default steps"
+            f" {list(PRIORITY_STEPS)} (priorities 0-9 still order requests, in those steps); remove it"
+            " from this app's broker_transport_options"
+        )
+    sep = transport.get("sep")
+    if sep is not None and sep != PRIORITY_SEP:
+        raise UnsupportedOption(
+            f"{task_name}: broker_transport_options sep={sep!r} is not supported by carpool tasks: the"
+            " coordinators drain the request lists named with kombu's default separator; remove it"
+            " from this app's broker_transport_options"
+        )
 
 
 def _time_limit_refusal(task: Any, app: Celery) -> str | None:

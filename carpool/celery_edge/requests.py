@@ -238,7 +238,7 @@ def _unsupported_option(headers: dict[str, Any], embed: Any) -> tuple[str, str] 
     limits = headers.get("timelimit")
     if isinstance(limits, list | tuple):
         for option, limit in zip(("time_limit", "soft_time_limit"), limits, strict=False):
-            if limit is not None:
+            if limit:  # 0 is no limit to Celery's worker too (the task's own, where it has one)
                 return option, UNSUPPORTED_OPTIONS[option]
     if headers.get("ignore_result"):
         return "ignore_result", UNSUPPORTED_OPTIONS["ignore_result"]

@@ -268,6 +268,51 @@ def test_children_forked_after_their_parent_waited_on_results_wait_on_their_own(
     assert "parent [32, 32, 32, 32, 32]" in proc.stdout, proc.stdout
 
 
+def test_a_tasks_own_queue_and_expires_go_with_every_send_as_celery_merges_them(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the producer review: a task's own expires and queue (its class, task_annotations)
+    were dropped by .delay() and submit_many; Celery's apply_async merges them into every call."""
+    import redis
+
+    from carpool.errors import UnsupportedOption
+    from carpool.producer.submit import submit_many
+    from tests.integration import batched_tasks as t
+
+    client = redis.Redis(port=clean_redis.port)
+    monkeypatch.setattr(t.shout, "expires", 30)
+    monkeypatch.setattr(t.shout, "queue", "pool-b.requests", raising=False)  # task_annotations set it so
+    monkeypatch.setattr(t.shout, "_exec_options", None)  # Celery keeps them once read
+
+    def sent(queue: str) -> dict[str, float]:
+        """Each message's argument -> seconds until its expires header."""
+        out = {}
+        for raw in client.lrange(queue, 0, -1):
+            message = _with_body(as_bytes(raw).decode())
+            expires = datetime.fromisoformat(message["headers"]["expires"])
+            out[message["body"][0][0]] = expires.timestamp() - time.time()
+        client.delete(queue)
+        return out
+
+    t.shout.delay("a")
+    submit_many(["b"], task=t.shout, subscribe=False)
+    t.shout.apply_async(("c",), countdown=1)  # Celery's own send path
+    expiring = sent("pool-b.requests")
+    assert sorted(expiring) == ["a", "b", "c"] and client.llen("carpool.requests") == 0
+    assert all(20 < left <= 31 for left in expiring.values()), expiring
+    # A call's own options win over the task's, as in Celery.
+    t.shout.apply_async(("d",), expires=300, queue="carpool.requests")
+    assert 290 < sent("carpool.requests")["d"] <= 301
+    # What only Celery's send carries out is refused by submit_many, saying where it comes from.
+    monkeypatch.setattr(t.shout, "routing_key", "rk", raising=False)
+    monkeypatch.setattr(t.shout, "_exec_options", None)
+    with pytest.raises(
+        UnsupportedOption, match=r"submit_many\(\): .*shout's own routing_key='rk' \(its class"
+    ):
+        submit_many(["e"], task=t.shout, subscribe=False)
+    client.close()
+
+
 def test_submit_many_takes_a_batched_task_by_name_and_refuses_other_names_saying_so(
     clean_redis: EmbeddedRedis,
 ) -> None:

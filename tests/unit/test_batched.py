@@ -146,6 +146,13 @@ def test_a_batched_task_and_a_plain_task_under_one_name_is_a_configuration_error
         ("time_limit", 2, r"time_limit=2 \(the task's, task_annotations' or task_time_limit\) is not"),
         ("task_time_limit", 60, r"time_limit=60 .*is not supported by carpool tasks.*\.get\(timeout="),
         ("task_soft_time_limit", 1, r"soft_time_limit=1 .*unset it for carpool's tasks"),
+        # kombu pushed priority 5 to a list no coordinator drains: the request waited for ever.
+        (
+            "broker_transport_options",
+            {"priority_steps": list(range(10))},
+            r"priority_steps=\[0, 1, .*the coordinators drain the request lists of kombu's default steps",
+        ),
+        ("broker_transport_options", {"sep": ":"}, r"sep=':' is not supported by carpool tasks"),
     ],
 )
 def test_app_settings_a_request_cannot_honour_are_refused_before_anything_is_sent(
@@ -156,6 +163,8 @@ def test_app_settings_a_request_cannot_honour_are_refused_before_anything_is_sen
 
     if setting.startswith("task_"):
         monkeypatch.setitem(app.conf, setting, value)
+    elif setting == "broker_transport_options":
+        monkeypatch.setitem(app.conf, setting, {**app.conf.broker_transport_options, **value})
     else:  # task_serializer / task_ignore_result: Celery copies them onto each task when it binds
         for task in (shout, infer):
             monkeypatch.setattr(task, setting, value)
@@ -543,6 +552,31 @@ def inspects(items: list[Any]) -> list[Any]:
         out.append({key: type(value).__name__ for key, value in item.items()})
         item["seen"] = True
     return out
+
+
+@batched(length=lambda item: 1, name="unit.typed_outputs")
+def typed_outputs(items: list[Any]) -> list[Any]:
+    import numpy as np
+
+    class Label(str):
+        pass
+
+    return [{"pair": (1, 2), "score": np.float64(0.25), "label": Label("x")} for _ in items]
+
+
+@pytest.mark.parametrize("serializer", ["msgpack", "json"])
+def test_eager_outputs_come_back_as_gets_from_a_worker_read_them(
+    serializer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the review of @batched tasks: eager mode returned the function's own tuple, numpy
+    float and str subclass, where .get() of a worker's result gives a list, a float and a str."""
+    from carpool.celery_edge.app import app, settings_of, state_of
+
+    update = {"result_serializer": serializer}
+    monkeypatch.setattr(state_of(app), "settings", settings_of(app).model_copy(update=update))
+    out = typed_outputs.apply(args=("a",)).get()
+    assert out == {"pair": [1, 2], "score": 0.25, "label": "x"}
+    assert [type(out[k]) for k in ("pair", "score", "label")] == [list, float, str]
 
 
 def test_apply_hands_the_function_its_item_as_a_worker_would_and_leaves_the_callers_alone() -> None:

@@ -198,7 +198,8 @@ def test_an_option_another_app_sent_unchecked_is_refused_as_carpools_own_call_re
     unenforced, an ignored result was stored, and a chord with a carpool task in its header never
     ran its body, its caller waiting for ever (found by the review of foreign messages)."""
     raw = message("a", "hi", extra_headers=headers, embed=embed)
-    out, _ = run([("a", raw), ("b", message("b", "hi", extra_headers={"timelimit": [None, None]}))])
+    # None or 0 is no limit (0 too, to Celery's worker): the call accepts time_limit=0, and so does intake.
+    out, _ = run([("a", raw), ("b", message("b", "hi", extra_headers={"timelimit": [0, None]}))])
     [refused] = out.refused
     assert refused.id == "a" and out.malformed == [] and admitted_ids(out) == ["b"]
     assert f"{option} is not supported by carpool tasks" in str(refused.error)

@@ -358,6 +358,31 @@ def test_a_result_msgpack_cannot_carry_unchanged_fails_naming_the_json_setting()
     assert storable("app.tag", [(True, values[0])], "json") == [(True, values[0])]
 
 
+def test_an_output_shaped_like_a_kombu_tag_fails_alone_under_json_results() -> None:
+    """Found by the review of @batched tasks: under CARPOOL_RESULT_SERIALIZER=json such a dict was
+    stored as a success, and .get() returned bytes, or raised DecodeError (so did a gather holding
+    it, for every request it waited on). msgpack has no tags: stored unchanged there."""
+    from datetime import UTC, datetime
+
+    tagged = [
+        {"__type__": "bytes", "__value__": "aGk="},  # decodes, as bytes
+        {"rows": [{"__type__": "datetime", "__value__": "not a date"}]},  # fails to decode, nested
+    ]
+    fine = [
+        {"__type__": "bytes", "__value__": "aGk=", "third": 1},
+        {"type": "x"},
+        datetime(2026, 1, 1, tzinfo=UTC),
+    ]
+    outcomes = storable("app.tags", [(True, v) for v in [*tagged, *fine]], "json")
+    assert [ok for ok, _ in outcomes] == [False, False, True, True, True]
+    assert "gives b'aGk=' (bytes) instead" in str(outcomes[0][1])
+    assert "fails on it" in str(outcomes[1][1]) and "rename the dict's keys" in str(outcomes[1][1])
+    assert storable("app.tags", [(True, v) for v in tagged], "msgpack") == [(True, v) for v in tagged]
+    entries = [(f"t{i}", SUCCESS if ok else FAILURE, v) for i, (ok, v) in enumerate(outcomes)]
+    stored = {task_id: app.backend.decode_result(meta) for task_id, meta in _stored(entries)}
+    assert [stored[f"t{i}"]["status"] for i in range(len(entries))] == [e[1] for e in entries]
+
+
 class _ReprRaises:
     def __repr__(self) -> str:
         raise RuntimeError("repr exploded")
