@@ -30,9 +30,13 @@ def _task_flags(args: argparse.Namespace) -> None:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     _logging(args.loglevel)
     _task_flags(args)
+    from carpool.celery_edge import compat
     from carpool.celery_edge.app import app, settings_of
     from carpool.coordinator.loop import Coordinator
 
+    # A service process, as a Celery worker is: the links it sends (a dead worker's, a refused
+    # request's error callbacks) are not waited on here, so no result channel is subscribed per send.
+    compat.as_service_process()
     coordinator = Coordinator(settings_of(app), app)
     coordinator.install_signal_handlers()
     coordinator.run()

@@ -88,7 +88,8 @@ def main() -> int:
         args_only = client.register_script("return 1")
 
         def finish_lua(keys: list[str]) -> None:
-            tail = ["", 100, 600, "", b"", BATCH, INBOX_PREFIX, *([INBOX] * BATCH)]
+            # No links outbox entries (0, due ms): what a batch without links sends.
+            tail = ["", 100, 600, "", b"", BATCH, INBOX_PREFIX, *([INBOX] * BATCH), 0, 0]
             finish(keys=keys, args=[BATCH, "", "", 86400, *metas, *tail])
 
         def lua_args_only(keys: list[str]) -> None:

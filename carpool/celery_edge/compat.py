@@ -177,6 +177,15 @@ def traceback_of(exc: BaseException) -> str | None:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def as_service_process() -> None:
+    """Mark this process as a Celery worker marks itself (``task_join_will_block``): a task it sends
+    is not subscribed to for a ``.get()`` here (``backend.on_task_call``), and a ``.get()`` would
+    raise, as inside a task."""
+    from celery._state import _set_task_join_will_block
+
+    _set_task_join_will_block(True)
+
+
 def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str | None = None) -> None:
     """Call ``request.errbacks`` for the failed ``request`` as ``mark_as_failure`` does: new-style
     ``(request, exc, traceback)`` tasks registered here run in this process, the others are sent

@@ -253,11 +253,13 @@ def on_failure(
     exc: BaseException,
     hostname: str | None = None,
     send: Callable[[Callable[[], Any]], Any] = _once,
+    traceback: str | None = None,
 ) -> None:
     """Call ``links``' error callbacks for the failed request ``request_id``, as the backend does;
     ``hostname``: the process calling them, as its task events name it (a Celery worker's request
     holds its node name); ``send``: as for :func:`on_success` (a retry after a lost reply may call
-    an error callback twice).
+    an error callback twice); ``traceback``: the one stored with the failure, where ``exc`` was
+    rebuilt from it (else ``exc``'s own).
 
     An error callback that cannot be sent has its failure stored here under its own id (write-once:
     a result stored already stays), since the callers store only the request's own outcome.
@@ -285,7 +287,8 @@ def on_failure(
         delivery_info={},
     )
     try:
-        send(lambda: compat.call_errbacks(app.backend, request, exc, compat.traceback_of(exc)))
+        text = traceback if traceback is not None else compat.traceback_of(exc)
+        send(lambda: compat.call_errbacks(app.backend, request, exc, text))
     except UNREACHABLE as error:
         log.error(
             "request %s: its error callbacks could not be called, Redis unreachable (%s); they are lost",

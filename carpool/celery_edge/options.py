@@ -76,6 +76,21 @@ def check_send_settings(task_name: str, app: Celery, task: Any = None) -> None:
     check_priority_lists(task_name, app)
 
 
+# The publishing options a task's attributes may set that carpool's send would otherwise not see:
+# the others Celery merges are checked where they are read (serializer, compression, time limits:
+# :func:`check_send_settings`) or added by the send itself (priority). Celery sets ``serializer`` on
+# every task, so merging it would send every call down Celery's slower path for nothing.
+_TASK_PUBLISH_OPTIONS: Final = (
+    "queue",
+    "expires",
+    "routing_key",
+    "exchange",
+    "delivery_mode",
+    "immediate",
+    "mandatory",
+)
+
+
 def with_task_options(task: Any, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` over the publishing options ``task``'s own attributes set (its class, or
     ``task_annotations``: ``queue``, ``expires``, ``routing_key``...), as Celery's ``apply_async``
@@ -83,7 +98,12 @@ def with_task_options(task: Any, options: dict[str, Any]) -> dict[str, Any]:
     getter = getattr(task, "_get_exec_options", None)
     if getter is None:
         return options
-    own = {key: value for key, value in getter().items() if value is not None and key not in options}
+    exec_options = getter()
+    own = {
+        key: value
+        for key in _TASK_PUBLISH_OPTIONS
+        if (value := exec_options.get(key)) is not None and key not in options
+    }
     return {**own, **options} if own else options
 
 

@@ -36,7 +36,8 @@ def send_due_links(c: Coordinator) -> int:
 
     send = Retries(SEND_WINDOW_S)
     backend: Any = c.app.backend
-    done: list[str] = []
+    sent: list[str] = []
+    dropped: list[str] = []
     unsent: list[links.Entry] = []
     for request_id, entry in due:
         try:
@@ -46,22 +47,35 @@ def send_due_links(c: Coordinator) -> int:
             if state == SUCCESS:
                 unsent += links.on_success(c.app, request_id, request_links, meta.get("result"), send)
             elif state == FAILURE:
-                links.on_failure(c.app, request_id, task, request_links, meta["result"], c.hostname, send)
+                links.on_failure(
+                    c.app,
+                    request_id,
+                    task,
+                    request_links,
+                    meta["result"],
+                    c.hostname,
+                    send,
+                    traceback=meta.get("traceback"),  # the worker's, stored with the failure
+                )
             else:  # its result expired, or the entry was filed by hand
                 log.warning(
                     "request %s: its links were due but it has no result (%s); dropped", request_id, state
                 )
+                dropped.append(request_id)
+                continue
+            sent.append(request_id)
         except UNREACHABLE:
             raise  # the entries stay, due again a lease later (those sent already are sent again)
         except Exception as exc:
             log.error("request %s: its links could not be sent (%s); dropped", request_id, described(exc))
-        done.append(request_id)
+            dropped.append(request_id)
     if unsent:
         try:
             send(lambda: backend.store_many(unsent))
         except Exception:
             log.exception("storing the failures of %d links that could not be sent failed", len(unsent))
-    c.store.links_sent(done)
-    log.warning("sent the links of %d requests whose worker stopped before sending them", len(done))
-    c.metrics.links_resent.inc(len(done))
-    return len(done)
+    c.store.links_sent(sent + dropped)
+    if sent:
+        log.warning("sent the links of %d requests whose worker stopped before sending them", len(sent))
+        c.metrics.links_resent.inc(len(sent))
+    return len(sent)

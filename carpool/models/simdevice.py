@@ -7,9 +7,13 @@ asynchronously: ``launch`` queues a batch behind those already on it and returns
 for its outputs sleeps until the device has run it. This is how carpool's own CPU cost per request is measured
 in the regime where the device is fast: on a CPU machine the real model hides it.
 
-The coefficients of the named profiles are fits of all-MiniLM-L6-v2's batch time on the device
-classes they are named after (docs/PERFORMANCE.md, "Accelerator regime"). Set your own with
-``CARPOOL_SIM_DEVICE=a_s,b_s`` (seconds per batch, seconds per padded token) and model ``sim``.
+The coefficients of the named profiles are the ones issue 11 set for the device classes they are
+named after (V100-class: 0.3 ms per batch and 3.8 µs per padded token, near sentence-transformers'
+published ~14,200 sentences/s for all-MiniLM-L6-v2 on a V100; H100-class: 0.2 ms and 1.25 µs):
+assumptions, not measurements, since no GPU has been at hand to fit them. The simulated launch
+costs the worker no host CPU, where a real eager PyTorch forward costs some per batch. Set your
+own with ``CARPOOL_SIM_DEVICE=a_s,b_s`` (seconds per batch, seconds per padded token) and model
+``sim``.
 
 With ``CARPOOL_SIM_DEVICE_LOG=path`` set, every batch appends one line to that file,
 ``pid start end rows width`` (wall-clock seconds on the device's timeline, the padded batch's

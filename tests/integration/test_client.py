@@ -268,6 +268,36 @@ def test_children_forked_after_their_parent_waited_on_results_wait_on_their_own(
     assert "parent [32, 32, 32, 32, 32]" in proc.stdout, proc.stdout
 
 
+def test_delay_publishes_directly_unless_an_option_needs_celerys_send(
+    clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task's own options, merged as Celery merges them, once included the serializer Celery
+    sets on every task: every .delay() then went through Celery's send, two to three times the CPU
+    (found by the review of the bench, which sends with submit_many and never saw it)."""
+    import redis
+
+    from carpool.celery_edge.app import app
+    from carpool.tasks import infer
+    from tests.integration import batched_tasks as t
+
+    client = redis.Redis(port=clean_redis.port)
+    through_celery: list[str] = []
+    send_task = app.send_task
+
+    def recorded(name: str, *args: Any, **kwargs: Any) -> Any:
+        through_celery.append(name)
+        return send_task(name, *args, **kwargs)
+
+    monkeypatch.setattr(app, "send_task", recorded)
+    t.shout.delay("a")
+    infer.delay("b", "toy")
+    t.shout.apply_async(("c",), priority=3, expires=60)
+    assert through_celery == [] and client.llen("carpool.requests") == 2
+    t.shout.apply_async(("d",), countdown=1)  # Celery's own path, for what only it does
+    assert through_celery == [t.shout.name]
+    client.close()
+
+
 def test_a_tasks_own_queue_and_expires_go_with_every_send_as_celery_merges_them(
     clean_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,6 +84,12 @@ def test_busy_fraction_stays_within_0_and_1_with_overlaps_and_several_devices() 
     assert busy_fractions(overlapping, 0.0, 0.1, 0.1) == pytest.approx([1.0])
     two = [Forward(1, 0.0, 0.1, 1, 8), Forward(2, 0.0, 0.05, 1, 8)]
     assert busy_fractions(two, 0.0, 0.1, 0.1) == pytest.approx([0.75])
+    # A device that never ran a batch logs nothing, yet it was idle all along (found by the review
+    # of the bench: one busy device and one idle read "busy 1.0").
+    one_of_two = [Forward(1, 0.0, 0.1, 1, 8)]
+    assert busy_fractions(one_of_two, 0.0, 0.1, 0.1, devices=2) == pytest.approx([0.5])
+    summary = busy_summary(one_of_two, 0.0, 0.1, devices=2)
+    assert summary["devices"] == 2 and summary["overall"] == pytest.approx(0.5)
 
 
 def test_busy_summary() -> None:

@@ -18,6 +18,7 @@ seen_by_new_style: list[tuple[str, str]] = []
 
 
 seen_requests: list[Any] = []
+seen_tracebacks: list[Any] = []
 
 
 @app.task(name="unit.links.on_error")  # type: ignore[untyped-decorator, unused-ignore]
@@ -25,6 +26,7 @@ def on_error(request: Any, exc: Any, traceback: Any) -> None:
     """A new-style error callback: Celery calls it in the process that stored the failure."""
     seen_by_new_style.append((request.id, str(exc)))
     seen_requests.append(request)
+    seen_tracebacks.append(traceback)
 
 
 @pytest.fixture
@@ -145,6 +147,20 @@ def test_new_style_error_callbacks_run_here_with_a_request_and_the_exception(
         app, "req", "carpool.infer", {"errbacks": [sig("unit.links.on_error")]}, ModelError("boom")
     )
     assert sent == [] and seen_by_new_style == [("req", "boom")]
+
+
+def test_a_new_style_error_callback_gets_the_stored_traceback_where_the_exception_was_rebuilt(
+    sent: list[dict[str, Any]],
+) -> None:
+    """Found by the review of the links outbox: a coordinator sending a dead worker's error callbacks
+    rebuilds the exception from the stored failure, which has no traceback of its own; the
+    callback got '' where the worker's gets the real one."""
+    seen_tracebacks.clear()
+    errbacks: Links = {"errbacks": [sig("unit.links.on_error")]}
+    stored = 'Traceback (most recent call last):\n  File "model.py", line 3\nModelError: boom\n'
+    links.on_failure(app, "req", "carpool.infer", errbacks, ModelError("boom"), traceback=stored)
+    links.on_failure(app, "req", "carpool.infer", errbacks, ModelError("boom"))  # never raised: none
+    assert seen_tracebacks == [stored, None]
 
 
 def test_a_new_style_error_callback_gets_the_failed_requests_args_and_kwargs(

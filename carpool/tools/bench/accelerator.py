@@ -414,7 +414,7 @@ def _simulated_device(
     run["padding_ratio"] = padded / real if padded and real else None
     end = run["wall_start"] + run["wall_s"]
     forwards = [f for f in read_device_log(device_log) if run["wall_start"] <= f.start < end]
-    busy = busy_summary(forwards, run["wall_start"], end)
+    busy = busy_summary(forwards, run["wall_start"], end, devices=env.workers)
     profile = report["device"]
     busy["device_s_nominal"] = nominal_device_s(forwards, profile["a_s"], profile["b_s"])
     # The device's own time on carpool's batches against the sorted ideal: what batching alone costs.

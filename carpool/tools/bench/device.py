@@ -112,12 +112,15 @@ def pick_bucket_s(window_s: float, buckets: int = 60) -> float:
     return _BUCKETS_S[-1]
 
 
-def busy_fractions(forwards: Sequence[Forward], start: float, end: float, bucket_s: float) -> list[float]:
+def busy_fractions(
+    forwards: Sequence[Forward], start: float, end: float, bucket_s: float, devices: int = 1
+) -> list[float]:
     """Per bucket of ``bucket_s`` from ``start`` to ``end``: the share of it the devices were busy.
 
-    Each process that logged batches is one device; a bucket's fraction is the devices' busy time in
-    it over (devices x its length), so it stays within [0, 1] with several workers. The last bucket
-    may be shorter than ``bucket_s``.
+    Each process that logged batches is one device, and ``devices`` says how many there were in all
+    (one that never ran a batch logs nothing, yet counts as idle); a bucket's fraction is the
+    devices' busy time in it over (devices x its length), so it stays within [0, 1] with several
+    workers. The last bucket may be shorter than ``bucket_s``.
     """
     if bucket_s <= 0:
         raise ValueError("bucket_s must be > 0")
@@ -136,7 +139,7 @@ def busy_fractions(forwards: Sequence[Forward], start: float, end: float, bucket
                 edge = min(e, start + (index + 1) * bucket_s)
                 busy[index] += edge - s
                 s, index = edge, index + 1
-    devices = max(1, len(by_device))
+    devices = max(1, devices, len(by_device))
     lengths = [min(bucket_s, end - start - i * bucket_s) for i in range(count)]
     return [
         min(1.0, b / (devices * length)) if length > 0 else 0.0
@@ -145,21 +148,22 @@ def busy_fractions(forwards: Sequence[Forward], start: float, end: float, bucket
 
 
 def busy_summary(
-    forwards: Sequence[Forward], start: float, end: float, bucket_s: float | None = None
+    forwards: Sequence[Forward], start: float, end: float, bucket_s: float | None = None, devices: int = 1
 ) -> dict[str, Any]:
-    """The device's busy fraction over a run from ``start`` to ``end`` (wall-clock seconds):
-    overall, while it had work (first batch's start to last batch's end), and per bucket."""
+    """The devices' busy fraction over a run from ``start`` to ``end`` (wall-clock seconds):
+    overall, while they had work (first batch's start to last batch's end), and per bucket;
+    ``devices``: how many ran (the workers), whether or not each logged a batch."""
     window = [f for f in forwards if f.end > start and f.start < end]
     span = max(0.0, end - start)
     width = bucket_s or pick_bucket_s(span)
-    series = busy_fractions(window, start, end, width)
-    devices = len({f.pid for f in window}) or 1
+    devices = max(devices, len({f.pid for f in window}), 1)
+    series = busy_fractions(window, start, end, width, devices)
     out: dict[str, Any] = {
         "bucket_s": width,
         "window_s": span,
         "devices": devices,
         "forwards": len(window),
-        "overall": busy_fractions(window, start, end, span)[0] if span > 0 else 0.0,
+        "overall": busy_fractions(window, start, end, span, devices)[0] if span > 0 else 0.0,
         "while_working": None,
         "first_start_s": None,
         "last_end_s": None,
@@ -172,7 +176,7 @@ def busy_summary(
         out["first_start_s"] = first - start
         out["last_end_s"] = last - start
         if last > first:
-            out["while_working"] = busy_fractions(window, first, last, last - first)[0]
+            out["while_working"] = busy_fractions(window, first, last, last - first, devices)[0]
         inside = [
             v for i, v in enumerate(series) if start + i * width >= first and start + (i + 1) * width <= last
         ]

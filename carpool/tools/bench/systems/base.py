@@ -82,6 +82,10 @@ class CelerySystem:
             chunk_size=SEND_CHUNK,
         )
 
+    def send_one(self, text: Any, sent_at: float) -> AsyncResult:
+        """One request, as a caller sends one (carpool's system: ``infer.delay(text, model)``)."""
+        return self.send([text], sent_at)[0]
+
     def snapshot(self) -> dict[str, float]:
         return {}
 
@@ -237,15 +241,14 @@ class CelerySystem:
         return record
 
     def light(self, text: str, count: int, model_ms: float | None) -> RunRecord:
-        """One short request at a time; latency as the caller sees it (send to value in hand)."""
-        from carpool.producer.gather import gather
-
-        self.send([text], time.time())  # one discarded round, to settle connections
+        """One short request at a time, each ``.delay()`` then ``.get()`` as an online caller sends
+        it; latency as the caller sees it (send to value in hand)."""
+        self.send_one(text, time.time()).get(timeout=self.timeout_s)  # a discarded round: connections
         latencies = []
         cpu = self.env.cpu_seconds()
         for _ in range(count + 1):
             t0 = time.perf_counter()
-            gather(self.send([text], time.time()), timeout=self.timeout_s)
+            self.send_one(text, time.time()).get(timeout=self.timeout_s)
             latencies.append(time.perf_counter() - t0)
         latencies = latencies[1:]
         usage = cpu_usage(cpu, self.env.cpu_seconds(), count + 1)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from carpool.tools.bench.env import BenchEnv
 from carpool.tools.bench.systems.base import CelerySystem, counters_since
+
+if TYPE_CHECKING:
+    from celery.result import AsyncResult
 
 COORDINATOR = "carpool-coordinator"
 
@@ -32,6 +36,17 @@ class CarpoolSystem(CelerySystem):
             self.env.harness.start(f"{COORDINATOR}{i}", "coordinator", **overrides)
         self.wait_workers()
         self.warm_up(mixed_texts(4 * self.env.max_batch, seed=999))
+
+    def send_one(self, text: Any, sent_at: float) -> AsyncResult:
+        """One request, published as ``infer.delay(text, model)`` publishes it once it has checked
+        it (on the bench's own app, which does not bind carpool's task objects)."""
+        from carpool.names import INFER_TASK, SENT_AT_HEADER
+        from carpool.producer.submit import publish_tasks
+
+        (result,) = publish_tasks(
+            INFER_TASK, [((text, self.model), {})], app=self.env.app, headers={SENT_AT_HEADER: sent_at}
+        )
+        return result
 
     def restart_coordinator(self, **overrides: str) -> None:
         """New batching settings: a fresh coordinator (workers keep their loaded model)."""

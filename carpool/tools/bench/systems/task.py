@@ -59,6 +59,17 @@ def make_task_system(
     raise ValueError(f"--task runs {', '.join(TASK_SYSTEMS)}, not {name!r}")
 
 
+def _send_one(system: Any, item: Any, sent_at: float) -> AsyncResult:
+    """One item as a request of the task, published as ``task.delay(item)`` publishes it."""
+    from carpool.names import SENT_AT_HEADER
+    from carpool.producer.submit import publish_tasks
+
+    (result,) = publish_tasks(
+        system.task.name, [((item,), {})], app=system.env.app, headers={SENT_AT_HEADER: sent_at}
+    )
+    return result
+
+
 def _submit(system: Any, items: Sequence[Any], sent_at: float) -> list[AsyncResult]:
     """The items as requests of the task, as ``task.delay(item)`` sends them (to the request queue)."""
     from carpool.names import SENT_AT_HEADER
@@ -90,6 +101,9 @@ class TaskCarpoolSystem(CarpoolSystem):
     def send(self, texts: Sequence[Any], sent_at: float) -> list[AsyncResult]:
         return _submit(self, texts, sent_at)
 
+    def send_one(self, text: Any, sent_at: float) -> AsyncResult:
+        return _send_one(self, text, sent_at)
+
 
 class TaskPlainCelerySystem(PlainCelerySystem):
     """A plain Celery worker on the request queue: the task's own Celery body, one item per task."""
@@ -106,6 +120,9 @@ class TaskPlainCelerySystem(PlainCelerySystem):
 
     def send(self, texts: Sequence[Any], sent_at: float) -> list[AsyncResult]:
         return _submit(self, texts, sent_at)
+
+    def send_one(self, text: Any, sent_at: float) -> AsyncResult:
+        return _send_one(self, text, sent_at)
 
 
 class TaskCeleryBatchesSystem(CeleryBatchesSystem):
