@@ -177,13 +177,24 @@ def traceback_of(exc: BaseException) -> str | None:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+_service = False  # set once, in a coordinator process: see as_service_process
+
+
 def as_service_process() -> None:
-    """Mark this process as a Celery worker marks itself (``task_join_will_block``): a task it sends
-    is not subscribed to for a ``.get()`` here (``backend.on_task_call``), and a ``.get()`` would
-    raise, as inside a task."""
+    """Mark this process (a coordinator's) as one that never waits on a result, as a Celery worker
+    marks itself (``task_join_will_block``): a task it sends is not subscribed to
+    (``backend.on_task_call``, carpool's own publish, a group's barrier, as for an error callback
+    Celery sends in a group), and a ``.get()`` raises, as inside a task."""
+    global _service
     from celery._state import _set_task_join_will_block
 
     _set_task_join_will_block(True)
+    _service = True
+
+
+def service_process() -> bool:
+    """Whether :func:`as_service_process` marked this process."""
+    return _service
 
 
 def call_errbacks(backend: Any, request: Any, exc: BaseException, traceback: str | None = None) -> None:

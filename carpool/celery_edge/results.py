@@ -24,7 +24,7 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import loads
 from kombu.utils.json import dumps as kombu_dumps
 
-from carpool.celery_edge.compat import result_meta, traceback_of
+from carpool.celery_edge.compat import result_meta, service_process, traceback_of
 from carpool.celery_edge.result_consumer import PromptResultConsumer
 from carpool.codec import (
     brief,
@@ -70,6 +70,8 @@ class CarpoolRedisBackend(RedisBackend):  # type: ignore[misc]  # Celery is unty
         return here if isinstance(here, CarpoolRedisBackend) else self
 
     def add_pending_result(self, result: Any, *args: Any, **kwargs: Any) -> Any:
+        if service_process():  # nothing here waits on a result: no subscription (a group's barrier)
+            return result
         here = self._of_this_thread()
         if here is not self:
             return here.add_pending_result(result, *args, **kwargs)

@@ -45,6 +45,11 @@ def test_the_links_a_killed_worker_did_not_send_are_sent_by_a_coordinator(proces
     with pytest.raises(ValueError, match="boom is not a word"):
         failing.get(timeout=30)
     wait_for("the worker's death", lambda: processes.procs["worker0"].poll() is not None, 30)
+    wait_for("the coordinator sending them", lambda: client.exists(KEYS.links_pending) == 0, 15)
+    # Sent as a worker sends them: nobody in the coordinator waits on their results, so it subscribes
+    # to none (its ACL user may not; found by the review of the outbox).
+    numsub = dict(client.pubsub_numsub(f"celery-task-meta-{callback.id}", f"celery-task-meta-{errback.id}"))
+    assert set(numsub.values()) == {0}, numsub
 
     processes.restart("worker0", CARPOOL_TEST_DIE_BEFORE_LINKS="")
     assert AsyncResult(callback.id, app=carpool_app).get(timeout=30)["out"] == "CALLED BACK"
