@@ -17,6 +17,7 @@ from carpool.celery_edge import links
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.errors import described
 from carpool.redis_edge.connect import UNREACHABLE
+from carpool.redis_edge.retry import Retries
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
@@ -32,8 +33,6 @@ def send_due_links(c: Coordinator) -> int:
     due = c.store.links_due(DUE_PER_ROUND)
     if not due:
         return 0
-    from carpool.gpu_worker.finish import Retries
-
     send = Retries(SEND_WINDOW_S)
     backend: Any = c.app.backend
     sent: list[str] = []

@@ -4,17 +4,16 @@ The runtime stores a batch's outcomes in one finish
 (:meth:`~carpool.gpu_worker.runtime.WorkerRuntime._finish`: results write-once, acknowledgements,
 report and task events). Around it: a failed request's failure goes to the rest of its chain in that
 same finish (:func:`batch_chain_failures`, as Celery does); the finish is retried while Redis restarts,
-since the results are computed (:func:`retrying`); the results it refused, answered meanwhile by an
-earlier run, are counted (:func:`count_rejected`); and after it, the callbacks, chains' next steps
-and error callbacks of the requests whose results it stored are applied (:func:`apply_links`,
-:mod:`carpool.celery_edge.links`), so a worker that dies between the two loses them.
+since the results are computed (:func:`~carpool.redis_edge.retry.retrying`); the results it refused,
+answered meanwhile by an earlier run, are counted (:func:`count_rejected`); and after it, the
+callbacks, chains' next steps and error callbacks of the requests whose results it stored are
+applied (:func:`apply_links`, :mod:`carpool.celery_edge.links`); the finish filed them in the links
+outbox (:func:`filed_links`), so a worker that dies between the two leaves them to a coordinator.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
@@ -24,8 +23,8 @@ from carpool.celery_edge import links
 from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.codec import stored_form
 from carpool.errors import DeadlineExceeded, described
-from carpool.redis_edge.connect import UNREACHABLE
 from carpool.redis_edge.keys import REJECTED_WRITES
+from carpool.redis_edge.retry import Retries
 from carpool.wire import Links
 
 log = logging.getLogger(__name__)
@@ -42,39 +41,6 @@ def batch_chain_failures(
         if state == FAILURE and task_id in linked:
             out += links.chain_failures(linked[task_id], value)
     return out
-
-
-RETRY_WINDOW_S = 25.0  # how long a worker keeps handing over what it computed while Redis is away
-
-
-def retrying(call: Callable[[], T], window_s: float = RETRY_WINDOW_S, first_pause_s: float = 0.1) -> T:
-    """``call()``, retried while Redis is unreachable (:data:`~carpool.redis_edge.connect.UNREACHABLE`)
-    for up to ``window_s``; pauses double from 0.1 s to 5 s. ``window_s=0``: one try.
-
-    A call that ran but lost its reply runs again, so ``call`` must bear that: a finish does, its
-    results encoded once (``finish.lua`` knows them as its own and answers as the first time)."""
-    until = time.monotonic() + window_s
-    pause = first_pause_s
-    while True:
-        try:
-            return call()
-        except UNREACHABLE as exc:
-            if time.monotonic() + pause > until:
-                raise
-            log.warning("redis unavailable (%s); retrying in %.1fs", exc, pause)
-            time.sleep(pause)
-            pause = min(5.0, pause * 2)
-
-
-class Retries:
-    """One retry window shared by every call it makes: a batch's links, sent one request after
-    another, wait for Redis at most ``window_s`` in all, not that long each."""
-
-    def __init__(self, window_s: float = RETRY_WINDOW_S) -> None:
-        self.until = time.monotonic() + window_s
-
-    def __call__(self, call: Callable[[], T]) -> T:
-        return retrying(call, window_s=max(0.0, self.until - time.monotonic()))
 
 
 #: Failures a batch logs one by one (with their tracebacks); past this, one line counts the rest.

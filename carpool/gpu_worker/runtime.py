@@ -73,7 +73,6 @@ from carpool.gpu_worker.finish import (
     count_rejected,
     filed_links,
     log_failures,
-    retrying,
 )
 from carpool.gpu_worker.runner import (
     OutputCountMismatch,
@@ -89,6 +88,7 @@ from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import check_server, client_for
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.marks import DeviceMarks
+from carpool.redis_edge.retry import retrying
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import Claimed, RequestStore, ResultWrites, acl_refusal, refused_by_acl
 from carpool.registry import LaunchCall, import_task_modules, registered

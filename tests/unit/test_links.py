@@ -227,8 +227,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr("carpool.gpu_worker.finish.time.monotonic", fake.monotonic)
-    monkeypatch.setattr("carpool.gpu_worker.finish.time.sleep", fake.sleep)
+    monkeypatch.setattr("carpool.redis_edge.retry.time.monotonic", fake.monotonic)
+    monkeypatch.setattr("carpool.redis_edge.retry.time.sleep", fake.sleep)
     return fake
 
 
@@ -256,7 +256,7 @@ def test_the_worker_sends_a_requests_links_once_redis_is_back(
 ) -> None:
     """Redis restarting while a worker sends a request's callbacks and chain step: found by the
     chaos review, where the callback never ran and the chain failed for good with the error."""
-    from carpool.gpu_worker.finish import Retries
+    from carpool.redis_edge.retry import Retries
 
     outage[0] = 3
     lk: Links = {"callbacks": [sig("cb.task", task_id="cb")], "chain": [sig("next.task", task_id="t2")]}
@@ -276,7 +276,7 @@ def test_the_worker_sends_a_requests_links_once_redis_is_back(
 def test_links_redis_never_takes_are_logged_lost_within_one_window_per_batch(
     sent: list[dict[str, Any]], outage: list[int], clock: Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from carpool.gpu_worker.finish import RETRY_WINDOW_S, Retries
+    from carpool.redis_edge.retry import RETRY_WINDOW_S, Retries
 
     outage[0] = 10**6
     send = Retries()
@@ -299,7 +299,7 @@ def test_a_finish_waits_for_redis_about_25_seconds(clock: Clock) -> None:
     after 11 s before, found by the chaos review)."""
     from redis import ConnectionError as RedisConnectionError
 
-    from carpool.gpu_worker.finish import retrying
+    from carpool.redis_edge.retry import retrying
 
     calls = []
 
