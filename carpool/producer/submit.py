@@ -56,8 +56,6 @@ if TYPE_CHECKING:
     from carpool.registry import TaskSpec
 
 SUPPORTED_OPTIONS = frozenset({"priority", "expires", "headers", "queue"})
-# Publishing options a task's attributes may set that only Celery's own send carries out.
-_PUBLISH_ONLY_BY_CELERY = ("routing_key", "exchange", "delivery_mode", "immediate", "mandatory")
 #: submit_many's default ``chunk_size``: a larger call streams, so serving starts while it builds.
 STREAM_CHUNK = 500
 # A streamed call's first chunk, doubled chunk by chunk up to ``chunk_size``: the coordinator starts
@@ -143,16 +141,16 @@ def submit_many(
     task_object = task if hasattr(task, "name") else app.tasks.get(name)
     check_send_settings(name, app, task_object)  # its serializer, compression and time limits too
     # The task's own queue and expires apply to each request, as Celery merges them into .delay().
-    own = with_task_options(task_object, options)
-    beyond = {key: own[key] for key in _PUBLISH_ONLY_BY_CELERY if own.get(key)}
-    if beyond:
-        key, value = next(iter(beyond.items()))
-        raise UnsupportedOption(
-            f"submit_many(): {name}'s own {key}={value!r} (its class or task_annotations) is not"
-            " supported by submit_many; send those requests with .delay(), which sends it as Celery"
-            " does, or unset it"
-        )
-    options = {key: value for key, value in own.items() if key in SUPPORTED_OPTIONS}
+    # What else the task sets (routing_key, exchange...) only Celery's own send carries out.
+    options = with_task_options(task_object, options)
+    for key, value in options.items():
+        if key not in SUPPORTED_OPTIONS and value:
+            raise UnsupportedOption(
+                f"submit_many(): {name}'s own {key}={value!r} (its class or task_annotations) is not"
+                " supported by submit_many; send those requests with .delay(), which sends it as Celery"
+                " does, or unset it"
+            )
+    options = {key: value for key, value in options.items() if key in SUPPORTED_OPTIONS}
     if options.get("priority") is None:  # task_default_priority, as .delay() adds it
         options["priority"] = getattr(task_object, "priority", None) or app.conf.task_default_priority
     with collector.paused():  # thousands of small objects that all live on
