@@ -63,14 +63,14 @@ def sends_on(links: Links, state: str) -> bool:
     return state == FAILURE and bool(links.get("errbacks"))
 
 
-def outbox_entry(task: str, links: Links) -> bytes:
+def outbox_entry(task: str | None, links: Links) -> bytes:
     """What the links outbox keeps of a request: its task and links, as kombu's JSON writes them (a
     value it tags, a datetime or UUID in a link's arguments, reads back as itself)."""
     text: str = kombu_json.dumps({"task": task, "links": links})  # type: ignore[no-untyped-call]  # untyped
     return text.encode()
 
 
-def read_outbox_entry(entry: bytes | str) -> tuple[str, Links]:
+def read_outbox_entry(entry: bytes | str) -> tuple[str | None, Links]:
     """The task and links :func:`outbox_entry` wrote."""
     value = loads_tagged(entry)
     return value["task"], value["links"]

@@ -12,7 +12,8 @@ from carpool.batching import Request
 from carpool.celery_edge import links
 from carpool.celery_edge.results import FAILURE, REVOKED
 from carpool.coordinator.intake import Malformed, Refused
-from carpool.errors import CarpoolError, DeadlineExceeded
+from carpool.errors import CarpoolError, DeadlineExceeded, described
+from carpool.redis_edge.connect import UNREACHABLE
 from carpool.redis_edge.store import dead_letter_reason
 from carpool.wire import Links, RequestSlot
 
@@ -41,8 +42,7 @@ def answer_revoked(
     ``TaskRevokedError('expired')`` and with no error callbacks; counted as deadline failures."""
     c.held.difference_update(ids)
     entries = [(i, REVOKED, TaskRevokedError("expired" if expired else "revoked")) for i in ids]
-    c.backend.store_many(entries, inboxes=inboxes)
-    c.store.ack(ids)
+    c.store.answer(c.backend, c.dbs, c.backend.store_args(entries, inboxes), ids)
     for request_id in ids:
         c.events.revoked(request_id, expired=expired)
     if expired:
@@ -113,17 +113,22 @@ def dead_letter(c: Coordinator, bad: Malformed) -> None:
 
 def fail(c: Coordinator, refused: list[Refused]) -> None:
     """Store each refusal as its request's failure (and its chain steps'), acknowledge them, then
-    call their error callbacks (:mod:`carpool.celery_edge.links`)."""
+    call their error callbacks (:mod:`carpool.celery_edge.links`). The refusals with error callbacks
+    are filed in the links outbox in the same step, so that a coordinator dying before it calls them
+    leaves them to the next one's housekeeping (:mod:`carpool.coordinator.outbox`)."""
     entries: list[tuple[str, str, Any]] = [(r.id, FAILURE, r.error) for r in refused]
     linked: list[tuple[Refused, str | None, Links]] = []
-    for r in refused:
+    outbox: list[tuple[int, str, bytes]] = []
+    for index, r in enumerate(refused, 1):  # the refusals' entries come first, in this order
         task, lk = r.task_and_links()
         if lk:
             linked.append((r, task, lk))
             entries += links.chain_failures(lk, r.error)
+            if links.sends_on(lk, FAILURE):
+                outbox.append((index, r.id, links.outbox_entry(task, lk)))
     inboxes = {r.id: inbox for r in refused if (inbox := r.inbox_of()) is not None}
-    stored = c.backend.store_many(entries, inboxes=inboxes)
-    c.store.ack([r.id for r in refused])
+    writes = c.backend.store_args(entries, inboxes)
+    stored = c.store.answer(c.backend, c.dbs, writes, [r.id for r in refused], outbox=outbox)
     for r in refused:
         c.stats.failed[r.reason] += 1
         c.metrics.failed(r.reason)
@@ -132,13 +137,27 @@ def fail(c: Coordinator, refused: list[Refused]) -> None:
         c.events.failed(r.id, r.error)
     _log_refusals(refused)
     if linked:
-        answered = set(stored)
+        answered = {entries[i - 1][0] for i in stored}
         for r, task, lk in linked:
             if r.id in answered:
                 try:
                     links.on_failure(c.app, r.id, task, lk, r.error, c.hostname)
                 except Exception:  # one request's links do not stop the others'
                     log.exception("request %s: applying its error callbacks failed", r.id)
+        _links_sent(c, [rid for _, rid, _ in outbox if rid in answered])
+
+
+def _links_sent(c: Coordinator, ids: list[str]) -> None:
+    """Empty the outbox entries of the error callbacks just sent."""
+    try:
+        c.store.links_sent(ids)
+    except UNREACHABLE as exc:
+        log.warning(
+            "the error callbacks of %d refused requests were sent, but their outbox entries could not be"
+            " emptied (%s): a coordinator sends them again in a lease",
+            len(ids),
+            described(exc),
+        )
 
 
 #: Refusals of one reason logged one by one per call; past this, one line counts the rest (under

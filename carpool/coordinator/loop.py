@@ -90,6 +90,7 @@ class Coordinator:
         self.settings = settings
         self.app = app
         self.backend = app.backend
+        self.dbs = settings.shared_server_dbs()  # results on the broker's server: answered in one script
         self.client = client or client_for(settings.broker_url, settings, **client_options(settings))
         self.keys = Keys(settings.request_queue)
         self.store = RequestStore(

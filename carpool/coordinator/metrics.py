@@ -92,8 +92,8 @@ class CoordinatorMetrics:
         self.workers = Gauge("carpool_workers", "Workers with a live heartbeat.", registry=r)
         self.links_resent = Counter(
             "carpool_links_resent",
-            "Requests whose links (callbacks, chains) a coordinator sent because their worker died"
-            " between storing the result and sending them.",
+            "Requests whose links (callbacks, chains, error callbacks) a coordinator sent from the links"
+            " outbox, because the process that stored the result died before sending them.",
             registry=r,
         )
         self.housekept = Gauge(

@@ -1,11 +1,12 @@
-"""The links a dead worker left unsent, sent by a coordinator.
+"""The links a dead worker (or coordinator) left unsent, sent by a coordinator.
 
 A worker files each request with links (callbacks, error callbacks, a chain) in the links outbox in
 the script that stores its result, and empties the entry once it sent them
-(:mod:`carpool.celery_edge.links`). An entry still there a lease later is a worker's that died in
-between: the coordinator reads the stored result and sends the links as the worker would have, with
-it. Each coordinator's housekeeping takes the due entries (one coordinator gets each), so a
-coordinator that dies sending them leaves them due again a lease later.
+(:mod:`carpool.celery_edge.links`); a coordinator does the same with the error callbacks of the
+requests it refuses (:mod:`carpool.coordinator.answers`). An entry still there a lease later is
+one whose process died in between: the coordinator reads the stored result and sends the links as
+that process would have, with it. Each coordinator's housekeeping takes the due entries (one
+coordinator gets each), so a coordinator that dies sending them leaves them due again a lease later.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def send_due_links(c: Coordinator) -> int:
             log.exception("storing the failures of %d links that could not be sent failed", len(unsent))
     c.store.links_sent(sent + dropped)
     if sent:
-        log.warning("sent the links of %d requests whose worker stopped before sending them", len(sent))
+        log.warning(
+            "sent the links of %d requests whose worker or coordinator stopped before sending them", len(sent)
+        )
         c.metrics.links_resent.inc(len(sent))
     return len(sent)

@@ -906,29 +906,16 @@ class WorkerRuntime:
         else a store on the backend and one trip for the rest. Returns the 1-based indexes in
         ``writes`` of the results stored (the others had one)."""
         with self._stopping_on_acl_refusal():
-            if self.dbs is not None:
-                return self.store.finish(
-                    results_db=self.dbs[1],
-                    broker_db=self.dbs[0],
-                    writes=writes,
-                    ack_ids=ack_ids,
-                    report=cast(dict[str, Any], report),
-                    coordinator=coordinator,
-                    events=events,
-                    outbox=outbox,
-                )
-            stored: list[int] = self.backend.store_encoded(writes)
-            with self.client.pipeline(transaction=False) as pipe:
-                done = set(stored)
-                self.store.file_links_into(pipe, [(rid, e) for i, rid, e in outbox if i in done])
-                self.store.ack_into(pipe, ack_ids, cast(dict[str, Any], report), coordinator)
-                if events is not None and len(stored) == len(writes.keys):  # as finish.lua publishes them
-                    pipe.publish(*events)
-                pipe.execute()
-            if self.store.replicas:  # the results' server, then the broker's, each WAITed on
-                self.store.replicated("a batch's results", self.backend.client)
-                self.store.replicated("a batch's acknowledgements")
-            return stored
+            return self.store.answer(
+                self.backend,
+                self.dbs,
+                writes,
+                ack_ids,
+                report=cast(dict[str, Any], report),
+                coordinator=coordinator,
+                events=events,
+                outbox=outbox,
+            )
 
 
 def stores_behind(batches_queued: int | None, device_held: int, finisher_held: int) -> bool:

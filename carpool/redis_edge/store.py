@@ -374,6 +374,48 @@ class RequestStore:
         self._confirmed(acked, "a batch's results and acknowledgements")
         return [int(i) for i in stored]
 
+    def answer(
+        self,
+        backend: Any,
+        dbs: tuple[int, int] | None,
+        writes: ResultWrites,
+        ack_ids: Sequence[str],
+        *,
+        report: dict[str, Any] | None = None,
+        coordinator: str = "",
+        events: tuple[str, bytes] | None = None,
+        outbox: Sequence[tuple[int, str, bytes]] = (),
+    ) -> list[int]:
+        """Answer requests: their results (write-once, each published), their acknowledgements, the
+        report, the task events and the links outbox's entries of the results stored. One round trip
+        when ``dbs`` (broker db, results db: ``Settings.shared_server_dbs``) says the results live on
+        this server (:meth:`finish`); else ``backend.store_encoded`` stores the results on theirs and
+        one trip here does the rest, filing only the links of results stored. Returns the 1-based
+        indexes in ``writes`` of the results stored (the others had one)."""
+        if dbs is not None:
+            return self.finish(
+                results_db=dbs[1],
+                broker_db=dbs[0],
+                writes=writes,
+                ack_ids=ack_ids,
+                report=report,
+                coordinator=coordinator,
+                events=events,
+                outbox=outbox,
+            )
+        stored: list[int] = backend.store_encoded(writes)
+        with self.client.pipeline(transaction=False) as pipe:
+            done = set(stored)
+            self.file_links_into(pipe, [(rid, e) for i, rid, e in outbox if i in done])
+            self.ack_into(pipe, ack_ids, report, coordinator)
+            if events is not None and len(stored) == len(writes.keys):  # as finish.lua publishes them
+                pipe.publish(*events)
+            pipe.execute()
+        if self.replicas:  # the results' server, then the broker's, each WAITed on
+            self.replicated("results", backend.client)
+            self.replicated("acknowledgements")
+        return stored
+
     def file_links_into(self, pipe: Any, entries: Sequence[tuple[str, bytes]]) -> None:
         """Queue on ``pipe`` what ``finish.lua`` files in the links outbox, for results stored on
         another server (due a lease from now by this process's clock)."""

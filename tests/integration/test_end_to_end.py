@@ -427,26 +427,40 @@ def test_results_on_another_redis_server(processes: Processes) -> None:
         backend_url = results_server.url(0)
         app = create_app(load_settings(broker_url=server_of(processes).url(0), result_backend=backend_url))
         assert settings_of(app).shared_server_dbs() is None
-        start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_RESULT_BACKEND=backend_url)
+        imports = "tests.integration.batched_tasks"
+        start_stack(
+            processes, CARPOOL_MODEL="toy", CARPOOL_RESULT_BACKEND=backend_url, CARPOOL_IMPORTS=imports
+        )
         texts = mixed_texts(64, seed=31)
+        from carpool.errors import InvalidInput
+        from carpool.gpu_worker.runner import run_single
+        from tests.integration.batched_tasks import shout
+
         try:
             got = gather(submit_many(texts, app=app), timeout=60)
+            # A coordinator's refusal takes the same path: stored there, its error callback sent.
+            errback = shout.si("called back")
+            errback.freeze()
+            refused = app.send_task("carpool.infer", args=[123], link_error=errback)  # not a text
+            with pytest.raises(InvalidInput):
+                refused.get(timeout=30)
+            assert app.AsyncResult(errback.id).get(timeout=30)["out"] == "CALLED BACK"
         finally:
             release_result_consumer(app)
-        from carpool.gpu_worker.runner import run_single
 
         assert_same_vectors(got, [run_single("toy", t) for t in texts])
         import redis
 
         from carpool.redis_edge.keys import Keys
 
-        # Nothing left in flight on the broker: the acknowledgements (sent just after the results, in
-        # this path) went to the broker's server.
-        lease, broker = Keys("carpool.requests").inflight_lease, redis.Redis(port=server_of(processes).port)
+        # Nothing left in flight on the broker, nor in its links outbox: the acknowledgements (sent
+        # just after the results, in this path) went to the broker's server.
+        keys, broker = Keys("carpool.requests"), redis.Redis(port=server_of(processes).port)
         deadline = time.monotonic() + 10
-        while broker.zcard(lease) and time.monotonic() < deadline:
+        while broker.zcard(keys.inflight_lease) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert broker.zcard(lease) == 0
+        assert broker.zcard(keys.inflight_lease) == 0
+        assert broker.exists(keys.links_due, keys.links_pending) == 0
     finally:
         results_server.cleanup()
 

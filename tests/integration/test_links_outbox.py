@@ -57,7 +57,31 @@ def test_the_links_a_killed_worker_did_not_send_are_sent_by_a_coordinator(proces
     assert AsyncResult(errback.id, app=carpool_app).get(timeout=30)["out"] == "ERRBACK"
     wait_for("the outbox emptied", lambda: client.exists(KEYS.links_due, KEYS.links_pending) == 0, 10)
     sent = re.findall(
-        r"sent the links of (\d+) requests whose worker stopped before sending them",
+        r"sent the links of (\d+) requests whose worker or coordinator stopped before sending them",
         processes.log("coordinator"),
     )
     assert sum(map(int, sent)) == 3, "each request's links sent once, by the coordinator"
+
+
+def test_the_error_callbacks_of_a_refusal_survive_its_coordinator_killed_before_sending_them(
+    processes: Processes,
+) -> None:
+    from carpool.errors import InvalidInput
+    from tests.integration import batched_tasks as t
+
+    start_stack(processes, **{**ENV, "CARPOOL_IMPORTS": f"{IMPORTS},tests.integration.dying_refusals"})
+    client = redis.Redis.from_url(processes.broker_url)
+    processes.restart("coordinator", CARPOOL_TEST_DIE_BEFORE_ERRBACKS="1")
+    errback = t.shout.si("refused").set(task_id=f"errback-{time.time()}")
+    # Not a text: the coordinator refuses it, stores the refusal, and is killed before its errback.
+    refused = carpool_app.send_task("carpool.infer", args=[123], link_error=errback)
+    with pytest.raises(InvalidInput, match="text must be a str"):
+        refused.get(timeout=30)
+    wait_for("the coordinator's death", lambda: processes.procs["coordinator"].poll() is not None, 30)
+    assert client.hexists(KEYS.links_pending, refused.id), "filed in the outbox with the refusal"
+    assert not client.hexists(KEYS.inflight_raw, refused.id), "acknowledged with the refusal"
+
+    processes.restart("coordinator", CARPOOL_TEST_DIE_BEFORE_ERRBACKS="")
+    assert AsyncResult(errback.id, app=carpool_app).get(timeout=30)["out"] == "REFUSED"
+    wait_for("the outbox emptied", lambda: client.exists(KEYS.links_due, KEYS.links_pending) == 0, 10)
+    assert "sent the links of 1 requests" in processes.log("coordinator")

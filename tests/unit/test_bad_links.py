@@ -122,6 +122,10 @@ def test_the_coordinators_refusals_call_every_requests_error_callbacks(
     c.step()  # does not raise
     assert {task_id for task_id, _, _ in c.backend.stored} == {"defect", "bogus", "fine"}
     assert [(s["name"], s["args"]) for s in sent] == [("errors.task", ("fine",))]
+    # Filed in the links outbox with the refusals (a coordinator dying before it calls them leaves
+    # them to another), and emptied once they were called.
+    assert sorted(request_id for request_id, _ in c.store.filed) == ["bogus", "defect", "fine"]
+    assert sorted(c.store.emptied) == ["bogus", "defect", "fine"]
     assert [(task_id, state) for task_id, state, _ in stored] == [("bad", FAILURE)]
 
 

@@ -16,13 +16,14 @@ from carpool.codec import loads_result as loads
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import Claimed
 from carpool.wire import RequestSlot, batch_message
+from tests.unit.fakes import AnswersByFinish
 from tests.unit.messages import message
 
 RUN_BATCH = "carpool.run_batch"
 QUEUE = "carpool.batches"
 
 
-class FakeStore:
+class FakeStore(AnswersByFinish):
     """Claims everything; each claim asked to take gets the next message of the first of its lists
     holding one in ``queues``, if it holds the text asked for."""
 

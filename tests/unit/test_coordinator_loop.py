@@ -62,6 +62,8 @@ class FakeStore:
         self.wait_error: Exception | None = None  # what a wait in Redis answers
         self.consumers: Consumers | None = None  # which workers consume which batch queues
         self.deaths: dict[str, int] = {}  # as RequestStore.deaths: how often a worker died running each
+        self.filed: list[tuple[str, bytes]] = []  # the links outbox's entries, by answer
+        self.emptied: list[str] = []  # and those emptied, by links_sent
 
     def take(
         self, count: int, reports_of: str | None = None
@@ -109,6 +111,25 @@ class FakeStore:
     def ack(self, ids: Sequence[str]) -> None:
         self.acked.extend(ids)
 
+    def answer(
+        self,
+        backend: FakeBackend,
+        dbs: Any,
+        writes: FakeWrites,
+        ack_ids: Sequence[str],
+        *,
+        outbox: Sequence[tuple[int, str, bytes]] = (),
+        **_: Any,
+    ) -> list[int]:
+        """As RequestStore.answer: results, acknowledgements and outbox entries in one step."""
+        stored = backend.store_encoded(writes)
+        self.acked.extend(ack_ids)
+        self.filed.extend((request_id, entry) for i, request_id, entry in outbox if i in stored)
+        return stored
+
+    def links_sent(self, ids: Sequence[str]) -> None:
+        self.emptied.extend(ids)
+
     def dispatch(
         self, queue_list: str, batches: Sequence[tuple[str, Sequence[str], Any]], events: Any
     ) -> int:
@@ -117,10 +138,25 @@ class FakeStore:
         return sum(1 for _, ids, _ in batches for i in ids if i not in self.reaped)
 
 
+#: What FakeBackend.store_args gives: the entries and their inboxes, as they were.
+FakeWrites = tuple[list[tuple[str, str, Any]], dict[str, str]]
+
+
 class FakeBackend:
     def __init__(self) -> None:
         self.stored: list[tuple[str, str, Any]] = []
         self.inboxes: dict[str, str] = {}
+
+    def store_args(
+        self, entries: list[tuple[str, str, Any]], inboxes: dict[str, str] | None = None
+    ) -> FakeWrites:
+        return list(entries), dict(inboxes or {})
+
+    def store_encoded(self, writes: FakeWrites) -> list[int]:
+        """Stores every entry: their 1-based indexes."""
+        entries, inboxes = writes
+        self.store_many(entries, inboxes)
+        return list(range(1, len(entries) + 1))
 
     def store_many(
         self, entries: list[tuple[str, str, Any]], inboxes: dict[str, str] | None = None

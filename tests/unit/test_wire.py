@@ -20,6 +20,7 @@ from carpool.wire import (
     read_batch,
     read_report,
 )
+from tests.unit.fakes import AnswersByFinish
 
 
 def slot(request_id: str, ids: list[int] | None = None, deadline: float = 2e9) -> RequestSlot:
@@ -134,7 +135,7 @@ def test_a_report_missing_a_field_is_refused() -> None:
 
 
 # --- the worker, writer of reports and reader of batches ----------------------------------------
-class FakeStore:
+class FakeStore(AnswersByFinish):
     """The worker's Redis edge, recording instead of talking to Redis."""
 
     def __init__(self) -> None:

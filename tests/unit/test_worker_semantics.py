@@ -19,9 +19,10 @@ from carpool.errors import DeadlineExceeded
 from carpool.redis_edge.keys import Keys
 from carpool.redis_edge.store import Claimed
 from carpool.wire import Links, RequestSlot, batch_message
+from tests.unit.fakes import AnswersByFinish
 
 
-class FakeStore:
+class FakeStore(AnswersByFinish):
     """Claims everything; a finish stores the results at ``stored`` (1-based), all when None."""
 
     keys = Keys("carpool.requests")
