@@ -113,9 +113,10 @@ def dead_letter(c: Coordinator, bad: Malformed) -> None:
 
 def fail(c: Coordinator, refused: list[Refused]) -> None:
     """Store each refusal as its request's failure (and its chain steps'), acknowledge them, then
-    call their error callbacks (:mod:`carpool.celery_edge.links`). The refusals with error callbacks
-    are filed in the links outbox in the same step, so that a coordinator dying before it calls them
-    leaves them to the next one's housekeeping (:mod:`carpool.coordinator.outbox`)."""
+    have their error callbacks called on the coordinator's link thread
+    (:class:`~carpool.coordinator.outbox.LinkSender`; :mod:`carpool.celery_edge.links`). The
+    refusals with error callbacks are filed in the links outbox in the same step, so that a
+    coordinator dying before it calls them leaves them to the next housekeeping round."""
     entries: list[tuple[str, str, Any]] = [(r.id, FAILURE, r.error) for r in refused]
     linked: list[tuple[Refused, str | None, Links]] = []
     outbox: list[tuple[int, str, bytes]] = []
@@ -138,24 +139,28 @@ def fail(c: Coordinator, refused: list[Refused]) -> None:
     _log_refusals(refused)
     if linked:
         answered = {entries[i - 1][0] for i in stored}
-        for r, task, lk in linked:
-            if r.id in answered:
-                try:
-                    links.on_failure(c.app, r.id, task, lk, r.error, c.hostname)
-                except Exception:  # one request's links do not stop the others'
-                    log.exception("request %s: applying its error callbacks failed", r.id)
-        _links_sent(c, [rid for _, rid, _ in outbox if rid in answered])
+        calls = [(r.id, task, lk, r.error) for r, task, lk in linked if r.id in answered]
+        filed = [rid for _, rid, _ in outbox if rid in answered]
+        # Off the loop: an error callback Celery calls in this process holds it while it runs.
+        c.link_sender.submit(lambda: _call_errbacks(c, calls, filed))
 
 
-def _links_sent(c: Coordinator, ids: list[str]) -> None:
-    """Empty the outbox entries of the error callbacks just sent."""
+def _call_errbacks(
+    c: Coordinator, calls: list[tuple[str, str | None, Links, CarpoolError]], filed: list[str]
+) -> None:
+    """Call the refused requests' error callbacks, then empty their outbox entries."""
+    for request_id, task, lk, error in calls:
+        try:
+            links.on_failure(c.app, request_id, task, lk, error, c.hostname)
+        except Exception:  # one request's links do not stop the others'
+            log.exception("request %s: applying its error callbacks failed", request_id)
     try:
-        c.store.links_sent(ids)
+        c.store.links_sent(filed)
     except UNREACHABLE as exc:
         log.warning(
             "the error callbacks of %d refused requests were sent, but their outbox entries could not be"
             " emptied (%s): a coordinator sends them again in a lease",
-            len(ids),
+            len(filed),
             described(exc),
         )
 

@@ -43,7 +43,7 @@ from carpool.coordinator.deferred import Deferred
 from carpool.coordinator.dispatch import OutstandingBatch, dispatch
 from carpool.coordinator.intake import Intake, take_in
 from carpool.coordinator.metrics import CoordinatorMetrics
-from carpool.coordinator.outbox import send_due_links
+from carpool.coordinator.outbox import LinkSender, send_due_links
 from carpool.coordinator.publish import BatchPublisher
 from carpool.coordinator.reports import apply_reports, give_up_unreported
 from carpool.coordinator.signals import set_on_signals
@@ -134,6 +134,7 @@ class Coordinator:
         self.events = TaskEvents(app, self.hostname, mode=settings.events, client=self.client)
         self.metrics = CoordinatorMetrics(task_of=self.task_name)
         self.held: set[str] = set()  # taken, not yet dispatched or answered: leased by us
+        self.link_sender = LinkSender()  # refusals' error callbacks and the outbox's due links
         # Taken, not yet admitted: by the last wait on its way out, or by a step that failed after it.
         self._ahead: _Take | None = None
         self.incoming = False  # requests on their way into the policy, as of the last step
@@ -286,6 +287,7 @@ class Coordinator:
             self.metrics.requests.inc(len(ahead))
         self._ahead = None
         self.stage.close()
+        self.link_sender.close()
         self.events.close()
         try:  # what this run counted since its last write would end with it
             self._write_stats()
@@ -530,7 +532,10 @@ class Coordinator:
         if recovered:
             count_requeued(self, "lease_expired", recovered)
             log.warning("recovered %d requests whose holder stopped renewing its lease", recovered)
-        send_due_links(self)
+        if self.link_sender.refused is not None:
+            raise self.link_sender.refused  # the step stops the coordinator, saying what to grant
+        if not self.link_sender.busy:  # one round at a time, behind the links the loop queued
+            self.link_sender.submit(lambda: send_due_links(self))
         self.metrics.housekept.set(self.wall())
 
     def _write_stats(self) -> None:

@@ -12,6 +12,8 @@ coordinator gets each), so a coordinator that dies sending them leaves them due 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from carpool.celery_edge import links
@@ -19,6 +21,7 @@ from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.errors import described
 from carpool.redis_edge.connect import UNREACHABLE
 from carpool.redis_edge.retry import Retries
+from carpool.redis_edge.store import refused_by_acl
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
@@ -27,6 +30,81 @@ log = logging.getLogger(__name__)
 
 DUE_PER_ROUND = 100  # outbox entries one housekeeping round sends at most
 SEND_WINDOW_S = 5.0  # how long each round retries its sends while Redis is unreachable
+DRAIN_S = 5.0  # how long a stopping coordinator lets the links it queued go out
+
+
+class LinkSender:
+    """The coordinator's links, sent on a thread of their own, in the order they were queued.
+
+    Celery calls an error callback taking ``(request, exc, traceback)`` in the process that fails the
+    request, for as long as it runs: on the coordinator's loop it would hold batching meanwhile (a
+    refusal under overload, one after another). Whatever a coordinator queues here is in the links
+    outbox already, so a coordinator stopping or killed with links still queued leaves them to the
+    next housekeeping round (its own, or another coordinator's) a lease after they were filed."""
+
+    def __init__(self) -> None:
+        self._jobs: list[Callable[[], object]] = []
+        self._changed = threading.Condition()
+        self._running = 0  # jobs taken off the list and not finished yet
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        #: the first error of Redis's ACL refusing a command a job sent: a deployment error
+        self.refused: Exception | None = None
+
+    def submit(self, job: Callable[[], object]) -> None:
+        """Run ``job`` on the sender's thread, after those before it; it logs its own errors."""
+        with self._changed:
+            if self._stopping:
+                return  # its links stay in the outbox
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="carpool-links", daemon=True)
+                self._thread.start()
+            self._jobs.append(job)
+            self._changed.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is queued or running."""
+        with self._changed:
+            return bool(self._jobs) or self._running > 0
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every job submitted so far ran; False if ``timeout_s`` passed first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._jobs and not self._running, timeout_s)
+
+    def close(self, timeout_s: float = DRAIN_S) -> None:
+        """Take no more jobs; let those queued run for up to ``timeout_s``."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        if not self.flush(timeout_s):
+            log.warning(
+                "stopping with links still being sent (an error callback still running?): they stay in"
+                " the links outbox, and a coordinator sends them a lease after they were filed"
+            )
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._jobs) or self._stopping)
+                if not self._jobs:
+                    return
+                job = self._jobs.pop(0)
+                self._running += 1
+            try:
+                job()
+            except UNREACHABLE as exc:  # the loop says Redis is away; what is unsent stays in the outbox
+                log.debug("sending links: Redis unreachable (%s)", described(exc))
+            except Exception as exc:  # the next job still runs; what this one left is in the outbox
+                if refused_by_acl(exc):
+                    self.refused = self.refused or exc  # the loop stops on it, saying what to grant
+                else:
+                    log.exception("sending links failed")
+            finally:
+                with self._changed:
+                    self._running -= 1
+                    self._changed.notify_all()
 
 
 def send_due_links(c: Coordinator) -> int:

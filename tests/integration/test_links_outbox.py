@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -85,3 +86,31 @@ def test_the_error_callbacks_of_a_refusal_survive_its_coordinator_killed_before_
     assert AsyncResult(errback.id, app=carpool_app).get(timeout=30)["out"] == "REFUSED"
     wait_for("the outbox emptied", lambda: client.exists(KEYS.links_due, KEYS.links_pending) == 0, 10)
     assert "sent the links of 1 requests" in processes.log("coordinator")
+
+
+def test_a_slow_error_callback_called_in_the_coordinator_does_not_hold_its_batching(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """Celery calls an error callback taking ``(request, exc, traceback)`` where the request failed:
+    for a refusal, in the coordinator. It runs on the coordinator's link thread: requests sent while
+    it runs are batched and answered."""
+    from carpool.errors import InvalidInput
+    from carpool.tasks import infer
+    from tests.integration.slow_errbacks import waits_for_release
+
+    folder = tmp_path / "errbacks"
+    folder.mkdir()
+    imports = "tests.integration.slow_errbacks"
+    start_stack(processes, CARPOOL_MODEL="toy", CARPOOL_IMPORTS=imports, CARPOOL_TEST_ERRBACK_DIR=str(folder))
+    refused = carpool_app.send_task(
+        "carpool.infer", args=[123], link_error=waits_for_release.s()
+    )  # not a text
+    with pytest.raises(InvalidInput):
+        refused.get(timeout=30)
+    wait_for("the error callback running", lambda: (folder / f"started-{refused.id}").exists(), 30)
+    # Until it is released (30 s at most) it runs: a request sent now is answered meanwhile.
+    assert len(infer.delay("sent while the error callback runs").get(timeout=20)) == 32
+    assert not (folder / f"done-{refused.id}").exists()
+    (folder / "release").touch()
+    wait_for("the error callback done", lambda: (folder / f"done-{refused.id}").exists(), 30)
+    assert "text must be a str" in (folder / f"done-{refused.id}").read_text()

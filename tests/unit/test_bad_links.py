@@ -19,6 +19,8 @@ from tests.unit import test_links
 from tests.unit.messages import message
 from tests.unit.test_coordinator_loop import Clocks, coordinator
 
+HANG_S = 10.0  # a bound that only a hang reaches
+
 sent = test_links.sent  # the fixture: every task message the app would send, none reaching a broker
 
 # A signature dict Celery cannot rebuild: maybe_signature raises KeyError('bogus').
@@ -36,11 +38,12 @@ def stored(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
     """What the links store through the app's backend (failures of links not sent)."""
     out: list[tuple[str, str, Any]] = []
 
-    def store_many(entries: list[tuple[str, str, Any]], **_: Any) -> list[str]:
+    def store_many(_backend: Any, entries: list[tuple[str, str, Any]], **_: Any) -> list[str]:
         out.extend(entries)
         return [task_id for task_id, _, _ in entries]
 
-    monkeypatch.setattr(app.backend, "store_many", store_many)
+    # On the backend's class: each thread has a backend of its own (a coordinator's link thread).
+    monkeypatch.setattr(type(app.backend), "store_many", store_many)
     return out
 
 
@@ -120,6 +123,7 @@ def test_the_coordinators_refusals_call_every_requests_error_callbacks(
         embed = {"callbacks": None, "errbacks": errbacks, "chain": None, "chord": None}
         c.store.queue.append((request_id, message(request_id, None, embed=embed)))
     c.step()  # does not raise
+    assert c.link_sender.flush(HANG_S), "the error callbacks are called on the coordinator's link thread"
     assert {task_id for task_id, _, _ in c.backend.stored} == {"defect", "bogus", "fine"}
     assert [(s["name"], s["args"]) for s in sent] == [("errors.task", ("fine",))]
     # Filed in the links outbox with the refusals (a coordinator dying before it calls them leaves

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -1051,3 +1052,21 @@ def test_each_housekeeping_says_when_it_reached_redis_for_the_healthcheck(clocks
     c = coordinator(clocks, workers=1)
     c.step()
     assert c.metrics.registry.get_sample_value(HOUSEKEEPING_GAUGE) == clocks.wall()
+
+
+def test_housekeeping_sends_the_outbox_off_the_loop_and_stops_on_an_acl_refusal_there(clocks: Clocks) -> None:
+    import redis
+
+    c = coordinator(clocks, workers=1)
+    due_on: list[str] = []
+
+    def links_due(limit: int = 100) -> list[tuple[str, bytes]]:
+        due_on.append(threading.current_thread().name)
+        return []
+
+    c.store.links_due = links_due
+    c.step()
+    assert c.link_sender.flush(10.0) and due_on == ["carpool-links"]
+    c.link_sender.refused = redis.exceptions.NoPermissionError("no permissions to run the 'zadd' command")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        c.housekeeping(clocks.mono())

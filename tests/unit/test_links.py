@@ -40,7 +40,8 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     monkeypatch.setattr(app, "send_task", send_task)
     # A group's apply_async subscribes to its members' results (Celery's barrier); no Redis here.
-    monkeypatch.setattr(app.backend, "add_pending_result", lambda *args, **kwargs: None)
+    # On the backend's class: each thread has a backend of its own (a coordinator's link thread).
+    monkeypatch.setattr(type(app.backend), "add_pending_result", lambda *args, **kwargs: None)
     return out
 
 
