@@ -254,12 +254,15 @@ def on_failure(
     hostname: str | None = None,
     send: Callable[[Callable[[], Any]], Any] = _once,
     traceback: str | None = None,
+    keep_on_outage: bool = False,
 ) -> None:
     """Call ``links``' error callbacks for the failed request ``request_id``, as the backend does;
     ``hostname``: the process calling them, as its task events name it (a Celery worker's request
     holds its node name); ``send``: as for :func:`on_success` (a retry after a lost reply may call
     an error callback twice); ``traceback``: the one stored with the failure, where ``exc`` was
-    rebuilt from it (else ``exc``'s own).
+    rebuilt from it (else ``exc``'s own). ``keep_on_outage``: Redis unreachable (or refusing
+    writes) while they are called raises instead of being logged as their loss, for a caller that
+    keeps them in the links outbox to send again.
 
     An error callback that cannot be sent has its failure stored here under its own id (write-once:
     a result stored already stays), since the callers store only the request's own outcome.
@@ -290,6 +293,8 @@ def on_failure(
         text = traceback if traceback is not None else compat.traceback_of(exc)
         send(lambda: compat.call_errbacks(app.backend, request, exc, text))
     except UNREACHABLE as error:
+        if keep_on_outage:
+            raise
         log.error(
             "request %s: its error callbacks could not be called, Redis unreachable (%s); they are lost",
             request_id,

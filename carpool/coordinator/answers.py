@@ -142,25 +142,36 @@ def fail(c: Coordinator, refused: list[Refused]) -> None:
         calls = [(r.id, task, lk, r.error) for r, task, lk in linked if r.id in answered]
         filed = [rid for _, rid, _ in outbox if rid in answered]
         # Off the loop: an error callback Celery calls in this process holds it while it runs.
-        c.link_sender.submit(lambda: _call_errbacks(c, calls, filed))
+        c.link_sender.submit(lambda: _call_errbacks(c, calls, filed), holds=filed)
 
 
 def _call_errbacks(
     c: Coordinator, calls: list[tuple[str, str | None, Links, CarpoolError]], filed: list[str]
 ) -> None:
-    """Call the refused requests' error callbacks, then empty their outbox entries."""
+    """Call the refused requests' error callbacks, then empty the outbox entries of those called;
+    those that Redis, unreachable, kept from being called stay there, sent again a lease later."""
+    called: set[str] = set()
     for request_id, task, lk, error in calls:
         try:
-            links.on_failure(c.app, request_id, task, lk, error, c.hostname)
+            links.on_failure(c.app, request_id, task, lk, error, c.hostname, keep_on_outage=True)
+        except UNREACHABLE as exc:
+            log.warning(
+                "request %s: its error callbacks could not be called, Redis unreachable (%s); they stay"
+                " in the links outbox, sent again a lease from now",
+                request_id,
+                described(exc),
+            )
+            continue
         except Exception:  # one request's links do not stop the others'
             log.exception("request %s: applying its error callbacks failed", request_id)
+        called.add(request_id)
     try:
-        c.store.links_sent(filed)
+        c.store.links_sent([rid for rid in filed if rid in called])
     except UNREACHABLE as exc:
         log.warning(
             "the error callbacks of %d refused requests were sent, but their outbox entries could not be"
             " emptied (%s): a coordinator sends them again in a lease",
-            len(filed),
+            len(called),
             described(exc),
         )
 

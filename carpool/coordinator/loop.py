@@ -525,6 +525,7 @@ class Coordinator:
             for out in self.outstanding.values():
                 renew.extend(out.ids)
             self.store.renew_held(renew)
+            self.store.links_renew(self.link_sender.held())  # their links are being sent here
             # Four renewals per lease: one late step cannot let a lease run out, and a deep
             # backlog (all of it leased by us) costs Redis one pass over it per quarter lease.
             self._next_renewal = now + self.settings.recovery_timeout_s / 4

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from carpool.celery_edge import links
@@ -21,7 +22,7 @@ from carpool.celery_edge.results import FAILURE, SUCCESS
 from carpool.errors import described
 from carpool.redis_edge.connect import UNREACHABLE
 from carpool.redis_edge.retry import Retries
-from carpool.redis_edge.store import refused_by_acl
+from carpool.redis_edge.store import LINKS_TRIES, refused_by_acl
 
 if TYPE_CHECKING:
     from carpool.coordinator.loop import Coordinator
@@ -48,19 +49,45 @@ class LinkSender:
         self._running = 0  # jobs taken off the list and not finished yet
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._held: Counter[str] = Counter()  # outbox entries queued or being sent: renewed meanwhile
         #: the first error of Redis's ACL refusing a command a job sent: a deployment error
         self.refused: Exception | None = None
 
-    def submit(self, job: Callable[[], object]) -> None:
-        """Run ``job`` on the sender's thread, after those before it; it logs its own errors."""
+    def submit(self, job: Callable[[], object], holds: Sequence[str] = ()) -> None:
+        """Run ``job`` on the sender's thread, after those before it; it logs its own errors.
+        ``holds``: the outbox entries whose links it sends, held until it ran (see :meth:`hold`)."""
         with self._changed:
             if self._stopping:
                 return  # its links stay in the outbox
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="carpool-links", daemon=True)
                 self._thread.start()
-            self._jobs.append(job)
+            self._held.update(holds)
+            self._jobs.append(lambda: self._holding(job, holds))
             self._changed.notify_all()
+
+    def hold(self, request_ids: Sequence[str]) -> None:
+        """Count the outbox entries of ``request_ids`` as being sent here until :meth:`release`: the
+        coordinator renews them (:meth:`held`), so that no other process takes them from the outbox
+        while this one lives, however long the links before them take."""
+        with self._changed:
+            self._held.update(request_ids)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        with self._changed:
+            self._held.subtract(request_ids)
+            self._held = +self._held  # drops the counts at zero
+
+    def held(self) -> list[str]:
+        """The outbox entries queued or being sent here."""
+        with self._changed:
+            return list(self._held)
+
+    def _holding(self, job: Callable[[], object], holds: Sequence[str]) -> object:
+        try:
+            return job()
+        finally:
+            self.release(holds)
 
     @property
     def busy(self) -> bool:
@@ -108,54 +135,76 @@ class LinkSender:
 
 
 def send_due_links(c: Coordinator) -> int:
-    """Send the links of the outbox's due entries; returns how many requests' links were sent."""
+    """Send the links of the outbox's due entries (held by ``c.link_sender`` meanwhile, so that the
+    coordinator's housekeeping renews them); returns how many requests' links were sent."""
     due = c.store.links_due(DUE_PER_ROUND)
-    if not due:
+    for request_id in due.dropped:
+        log.error(
+            "request %s: its links were taken %d times from the links outbox by coordinators that"
+            " stopped (or hung) sending them; dropped. An error callback that kills or hangs the process"
+            " calling it (one taking (request, exc, traceback), which Celery runs in the coordinator)?",
+            request_id,
+            LINKS_TRIES,
+        )
+    if not due.entries:
         return 0
+    ids = [request_id for request_id, _ in due.entries]
+    c.link_sender.hold(ids)
+    try:
+        return _send(c, due.entries)
+    finally:
+        c.link_sender.release(ids)
+
+
+def _send(c: Coordinator, due: list[tuple[str, bytes]]) -> int:
     send = Retries(SEND_WINDOW_S)
     backend: Any = c.app.backend
     sent: list[str] = []
     dropped: list[str] = []
     unsent: list[links.Entry] = []
-    for request_id, entry in due:
-        try:
-            task, request_links = links.read_outbox_entry(entry)
-            meta = send(lambda rid=request_id: backend.get_task_meta(rid, cache=False))  # type: ignore[misc]
-            state = meta.get("status")
-            if state == SUCCESS:
-                unsent += links.on_success(c.app, request_id, request_links, meta.get("result"), send)
-            elif state == FAILURE:
-                links.on_failure(
-                    c.app,
-                    request_id,
-                    task,
-                    request_links,
-                    meta["result"],
-                    c.hostname,
-                    send,
-                    traceback=meta.get("traceback"),  # the worker's, stored with the failure
-                )
-            else:  # its result expired, or the entry was filed by hand
-                log.warning(
-                    "request %s: its links were due but it has no result (%s); dropped", request_id, state
-                )
+    try:
+        for request_id, entry in due:
+            try:
+                task, request_links = links.read_outbox_entry(entry)
+                meta = send(lambda rid=request_id: backend.get_task_meta(rid, cache=False))  # type: ignore[misc]
+                state = meta.get("status")
+                if state == SUCCESS:
+                    unsent += links.on_success(c.app, request_id, request_links, meta.get("result"), send)
+                elif state == FAILURE:
+                    links.on_failure(
+                        c.app,
+                        request_id,
+                        task,
+                        request_links,
+                        meta["result"],
+                        c.hostname,
+                        send,
+                        traceback=meta.get("traceback"),  # the one stored with the failure
+                        keep_on_outage=True,
+                    )
+                else:  # its result expired, or the entry was filed by hand
+                    log.warning(
+                        "request %s: its links were due but it has no result (%s); dropped", request_id, state
+                    )
+                    dropped.append(request_id)
+                    continue
+                sent.append(request_id)
+            except UNREACHABLE:
+                raise  # the rest stay, due again a lease later
+            except Exception as exc:
+                log.error("request %s: its links could not be sent (%s); dropped", request_id, described(exc))
                 dropped.append(request_id)
-                continue
-            sent.append(request_id)
-        except UNREACHABLE:
-            raise  # the entries stay, due again a lease later (those sent already are sent again)
-        except Exception as exc:
-            log.error("request %s: its links could not be sent (%s); dropped", request_id, described(exc))
-            dropped.append(request_id)
-    if unsent:
-        try:
-            send(lambda: backend.store_many(unsent))
-        except Exception:
-            log.exception("storing the failures of %d links that could not be sent failed", len(unsent))
-    c.store.links_sent(sent + dropped)
-    if sent:
-        log.warning(
-            "sent the links of %d requests whose worker or coordinator stopped before sending them", len(sent)
-        )
-        c.metrics.links_resent.inc(len(sent))
+        if unsent:
+            try:
+                send(lambda: backend.store_many(unsent))
+            except Exception:
+                log.exception("storing the failures of %d links that could not be sent failed", len(unsent))
+    finally:  # what was sent is emptied, also when Redis went away midway (if it answers that)
+        c.store.links_sent(sent + dropped)
+        if sent:
+            log.warning(
+                "sent the links of %d requests whose worker or coordinator stopped before sending them",
+                len(sent),
+            )
+            c.metrics.links_resent.inc(len(sent))
     return len(sent)

@@ -100,6 +100,13 @@ class Keys:
         return f"{self._base}:links:pending"
 
     @property
+    def links_tries(self) -> str:
+        """HASH request id -> how often a coordinator took its outbox entry to send its links: one
+        whose links kill or hang each process that sends them (an error callback run in the
+        coordinator) is dropped after a few (``outbox.lua``)."""
+        return f"{self._base}:links:tries"
+
+    @property
     def inflight_origin(self) -> str:
         """HASH request id -> the priority list it was taken from, so a recovery puts it back there.
         Requests taken from the base list (priority 0, the common case) have no entry."""

@@ -47,6 +47,19 @@ DEAD_LETTER_BYTES = 16 * 1024  # a dead letter's entry, as stored, at most: its 
 Taken = tuple[list[tuple[str, bytes]], list[dict[str, Any]]]
 
 
+#: How often a coordinator may take one links outbox entry to send its links (``outbox.lua``).
+LINKS_TRIES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LinksDue:
+    """What :meth:`RequestStore.links_due` took: the entries to send, and the ids of those dropped
+    after :data:`LINKS_TRIES` takes."""
+
+    entries: list[tuple[str, bytes]]
+    dropped: list[str]
+
+
 @dataclass(frozen=True, slots=True)
 class ResultWrites:
     """Encoded results to store write-once: ``payloads[i]`` under ``keys[i]``, each for ``expiry_s``
@@ -432,14 +445,27 @@ class RequestStore:
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zrem(self.keys.links_due, *request_ids)
             pipe.hdel(self.keys.links_pending, *request_ids)
+            pipe.hdel(self.keys.links_tries, *request_ids)
             pipe.execute()
 
-    def links_due(self, limit: int = 100) -> list[tuple[str, bytes]]:
-        """Up to ``limit`` (request id, entry) of the links outbox whose worker did not send them
+    def links_due(self, limit: int = 100) -> LinksDue:
+        """Up to ``limit`` (request id, entry) of the links outbox whose process did not send them
         within a lease, each leased to the caller for another lease (any process may call this;
-        one gets each entry): send them, then :meth:`links_sent`."""
-        flat = self._outbox(keys=[self.keys.links_due, self.keys.links_pending], args=[limit, self.lease_ms])
-        return [(reply_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+        one gets each entry): send them, then :meth:`links_sent`. An entry taken
+        :data:`LINKS_TRIES` times already is dropped instead (:attr:`LinksDue.dropped`)."""
+        flat, dropped = self._outbox(
+            keys=[self.keys.links_due, self.keys.links_pending, self.keys.links_tries],
+            args=[limit, self.lease_ms, LINKS_TRIES],
+        )
+        entries = [(reply_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+        return LinksDue(entries, [reply_text(d) for d in dropped])
+
+    def links_renew(self, request_ids: Sequence[str]) -> None:
+        """Make the outbox entries of ``request_ids`` due a lease from now (those still there): their
+        links are being sent by the caller, which lives, so no other process takes them meanwhile."""
+        if request_ids:
+            due = int(time.time() * 1000) + self.lease_ms
+            self.client.zadd(self.keys.links_due, dict.fromkeys(request_ids, due), xx=True)
 
     def replicated(self, what: str, client: redis.Redis | None = None) -> bool:
         """WAIT until the replicas have every write the master (of ``client``, by default this

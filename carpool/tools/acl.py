@@ -146,6 +146,7 @@ def role_acls(settings: Settings) -> dict[Role, RoleAcl]:
         keys.inflight_running,
         keys.links_due,
         keys.links_pending,
+        keys.links_tries,
     ]
     fanout = FANOUT_PREFIX.format(db=_broker_db(settings))
     events = glob_escape(f"{fanout}{EVENT_EXCHANGE}/")

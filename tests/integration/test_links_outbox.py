@@ -114,3 +114,34 @@ def test_a_slow_error_callback_called_in_the_coordinator_does_not_hold_its_batch
     (folder / "release").touch()
     wait_for("the error callback done", lambda: (folder / f"done-{refused.id}").exists(), 30)
     assert "text must be a str" in (folder / f"done-{refused.id}").read_text()
+
+
+def test_an_error_callback_that_kills_each_coordinator_calling_it_is_dropped_after_its_tries(
+    processes: Processes,
+) -> None:
+    """A refusal's error callback that takes down the coordinator calling it is taken again from the
+    links outbox by the coordinators started after it, LINKS_TRIES times, then dropped, named in an
+    ERROR: the next coordinator lives and serves."""
+    from carpool.errors import InvalidInput
+    from carpool.redis_edge.store import LINKS_TRIES
+    from carpool.tasks import infer
+    from tests.integration.slow_errbacks import kills_its_process
+
+    env = {"CARPOOL_MODEL": "toy", "CARPOOL_IMPORTS": "tests.integration.slow_errbacks"}
+    start_stack(processes, **env, CARPOOL_RECOVERY_TIMEOUT_S="2")
+    client = redis.Redis.from_url(processes.broker_url)
+    refused = carpool_app.send_task("carpool.infer", args=[123], link_error=kills_its_process.s())
+    with pytest.raises(InvalidInput):
+        refused.get(timeout=30)
+    deaths = 0
+    deadline = time.monotonic() + 120
+    while "were taken" not in processes.log("coordinator") and time.monotonic() < deadline:
+        if processes.procs["coordinator"].poll() is not None:  # it died: start another, as compose would
+            deaths += 1
+            processes.restart("coordinator")
+        time.sleep(0.2)
+    assert deaths == 1 + LINKS_TRIES, "the refusing coordinator, then one per try from the outbox"
+    assert f"request {refused.id}: its links were taken {LINKS_TRIES} times" in processes.log("coordinator")
+    assert client.exists(KEYS.links_due, KEYS.links_pending, KEYS.links_tries) == 0
+    assert len(infer.delay("served after").get(timeout=30)) == 32
+    assert processes.procs["coordinator"].poll() is None

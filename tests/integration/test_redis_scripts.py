@@ -23,9 +23,11 @@ from carpool.redis_edge import lua
 from carpool.redis_edge.keys import PRIORITY_SEP, Keys
 from carpool.redis_edge.marks import DeviceMarks
 from carpool.redis_edge.store import (
+    LINKS_TRIES,
     REPORTS_KEPT,
     REPORTS_TTL_S,
     Claimed,
+    LinksDue,
     RequestStore,
     ResultWrites,
     finish_call,
@@ -817,16 +819,40 @@ def test_the_outbox_hands_each_due_entry_to_one_caller_and_again_a_lease_later(
     writes = ResultWrites(["res:a", "res:b"], [b"A", b"B"], 60)
     outbox = [(1, "a", b"entry a"), (2, "b", b"entry b")]
     assert finish(short, writes=writes, ack_ids=["a", "b"], outbox=outbox) == [1, 2]
-    assert short.links_due() == [], "not due while the worker may still send them"
+    assert short.links_due() == LinksDue([], []), "not due while the worker may still send them"
     time.sleep(1.1)
     client.hdel(KEYS.links_pending, "b")  # emptied between the worker's two writes
-    assert short.links_due() == [("a", b"entry a")]
+    assert short.links_due() == LinksDue([("a", b"entry a")], [])
     assert client.zrange(KEYS.links_due, 0, -1) == [b"a"], "an id with no entry is dropped"
-    assert short.links_due() == [], "leased to the caller that took it"
+    assert short.links_due().entries == [], "leased to the caller that took it"
     time.sleep(1.1)  # that caller died: due again
-    assert short.links_due(limit=5) == [("a", b"entry a")]
+    assert short.links_due(limit=5).entries == [("a", b"entry a")]
     short.links_sent(["a"])
-    assert client.exists(KEYS.links_due, KEYS.links_pending) == 0
+    assert client.exists(KEYS.links_due, KEYS.links_pending, KEYS.links_tries) == 0
+
+
+def test_an_outbox_entry_is_dropped_after_its_tries_and_a_renewed_one_is_not_due(
+    client: redis.Redis, store: RequestStore
+) -> None:
+    """An entry whose links kill (or hang) each coordinator that sends them is taken LINKS_TRIES
+    times, then dropped; one whose sender lives and renews it is never handed to another."""
+    short = RequestStore(client, KEYS, 1)
+    in_flight(short, "a", "b")
+    writes = ResultWrites(["res:a", "res:b"], [b"A", b"B"], 60)
+    finish(short, writes=writes, ack_ids=["a", "b"], outbox=[(1, "a", b"entry a"), (2, "b", b"entry b")])
+    for taken in range(1, LINKS_TRIES + 1):
+        time.sleep(1.1)  # due (again): its last taker died
+        short.links_renew(["b"])  # b's sender lives and renews it
+        assert short.links_due() == LinksDue([("a", b"entry a")], []), f"take {taken}"
+        assert client.hget(KEYS.links_tries, "a") == str(taken).encode()
+    time.sleep(1.1)
+    short.links_renew(["b"])
+    assert short.links_due() == LinksDue([], ["a"])
+    assert client.hget(KEYS.links_pending, "a") is None and client.zscore(KEYS.links_due, "a") is None
+    assert client.hget(KEYS.links_tries, "a") is None
+    assert client.zscore(KEYS.links_due, "b") is not None, "never taken while renewed"
+    short.links_renew(["gone"])  # an entry no longer there is not filed by a renewal
+    assert client.zscore(KEYS.links_due, "gone") is None
 
 
 def test_finish_forgets_acked_ids_everywhere_and_keeps_the_rest(

@@ -5,6 +5,7 @@ other links of that request, and every other request's links, are still applied,
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -108,10 +109,10 @@ def test_the_coordinators_refusals_call_every_requests_error_callbacks(
     c = coordinator(clocks, workers=1)
     real_on_failure = links.on_failure
 
-    def on_failure(app_: Any, request_id: str, *args: Any) -> None:
+    def on_failure(app_: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
         if request_id == "defect":
             raise RuntimeError("a defect in one request's links")
-        real_on_failure(app_, request_id, *args)
+        real_on_failure(app_, request_id, *args, **kwargs)
 
     monkeypatch.setattr(links, "on_failure", on_failure)
     embeds = {
@@ -131,6 +132,49 @@ def test_the_coordinators_refusals_call_every_requests_error_callbacks(
     assert sorted(request_id for request_id, _ in c.store.filed) == ["bogus", "defect", "fine"]
     assert sorted(c.store.emptied) == ["bogus", "defect", "fine"]
     assert [(task_id, state) for task_id, state, _ in stored] == [("bad", FAILURE)]
+
+
+def test_a_refusals_error_callbacks_kept_from_redis_stay_in_the_outbox_and_held_ones_are_renewed(
+    sent: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error callback that Redis, unreachable, keeps from being sent stays in the links outbox
+    (sent again a lease later, not emptied as sent); while one is queued or being sent on the link
+    thread, each renewal of held leases renews its outbox entry too, so no other coordinator takes it."""
+    import redis
+
+    from carpool.celery_edge import compat
+
+    clocks = Clocks()
+    c = coordinator(clocks, workers=1)
+    release = threading.Event()
+    real_call = compat.call_errbacks
+
+    def call_errbacks(backend: Any, request: Any, *args: Any) -> None:
+        if request.id == "away":
+            raise redis.ConnectionError("Connection refused")
+        if request.id == "slow":
+            assert release.wait(HANG_S)
+        real_call(backend, request, *args)
+
+    monkeypatch.setattr(compat, "call_errbacks", call_errbacks)
+    for request_id in ("away", "slow"):
+        embed = {
+            "callbacks": None,
+            "errbacks": [sig("errors.task", f"eb-{request_id}")],
+            "chain": None,
+            "chord": None,
+        }
+        c.store.queue.append((request_id, message(request_id, None, embed=embed)))
+    c.step()
+    assert sorted(request_id for request_id, _ in c.store.filed) == ["away", "slow"]
+    c._next_renewal = 0.0
+    c.housekeeping(clocks.mono())  # "slow" is being sent: its entry is renewed with the leases
+    assert "slow" in c.store.links_renewed[-1]
+    release.set()
+    assert c.link_sender.flush(HANG_S)
+    assert c.store.emptied == ["slow"], "the one Redis kept from being sent stays in the outbox"
+    assert [(s["name"], s["args"]) for s in sent] == [("errors.task", ("slow",))]
+    assert c.link_sender.held() == []
 
 
 def test_a_chain_step_whose_members_are_not_a_list_fails_with_the_ids_it_holds() -> None:

@@ -24,7 +24,7 @@ from carpool.coordinator.dispatch import OutstandingBatch
 from carpool.coordinator.loop import Coordinator
 from carpool.coordinator.waiting import FORCED_POLL_S, Wait, WaitFor
 from carpool.errors import ConfigError, DeadlineExceeded, QueueFull
-from carpool.redis_edge.store import Consumers
+from carpool.redis_edge.store import Consumers, LinksDue
 from carpool.wire import WIRE_VERSION, batch_report, read_batch
 from tests.unit.messages import message
 
@@ -65,6 +65,7 @@ class FakeStore:
         self.deaths: dict[str, int] = {}  # as RequestStore.deaths: how often a worker died running each
         self.filed: list[tuple[str, bytes]] = []  # the links outbox's entries, by answer
         self.emptied: list[str] = []  # and those emptied, by links_sent
+        self.links_renewed: list[list[str]] = []  # the outbox entries renewed, at each renewal
 
     def take(
         self, count: int, reports_of: str | None = None
@@ -106,8 +107,11 @@ class FakeStore:
     def reap(self) -> int:
         return 0
 
-    def links_due(self, limit: int = 100) -> list[tuple[str, bytes]]:
-        return []  # a dead worker's links: tests/integration/test_links_outbox.py
+    def links_due(self, limit: int = 100) -> LinksDue:
+        return LinksDue([], [])  # a dead worker's links: tests/integration/test_links_outbox.py
+
+    def links_renew(self, ids: Sequence[str]) -> None:
+        self.links_renewed.append(list(ids))
 
     def ack(self, ids: Sequence[str]) -> None:
         self.acked.extend(ids)
@@ -1060,9 +1064,9 @@ def test_housekeeping_sends_the_outbox_off_the_loop_and_stops_on_an_acl_refusal_
     c = coordinator(clocks, workers=1)
     due_on: list[str] = []
 
-    def links_due(limit: int = 100) -> list[tuple[str, bytes]]:
+    def links_due(limit: int = 100) -> LinksDue:
         due_on.append(threading.current_thread().name)
-        return []
+        return LinksDue([], [])
 
     c.store.links_due = links_due
     c.step()
