@@ -139,6 +139,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         "worker",
         "--pool",
         "solo",
+        "--concurrency",
+        "1",  # what solo runs; Celery's banner would say the core count otherwise
         "--queues",
         ",".join(batch_queues(settings)),
         "--loglevel",
@@ -290,6 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         signum = int(getattr(exc, "signum", signal.SIGINT))
         print(f"carpool {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:  # its output's reader left (`carpool status --json | head`): as cat does
+        # Python would write the traceback, then fail flushing stdout again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from carpool.errors import ConfigError
@@ -31,6 +31,8 @@ def batch_queue_for(request_queue: str) -> str:
 
 # The query options of a rediss:// URL that Celery's backend and kombu's transport both read.
 _TLS_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
+#: What kombu and Celery read as ``ssl_cert_reqs`` (the ``ssl.CERT_*`` names, or the short ones).
+_CERT_REQS = ("required", "optional", "none", "CERT_REQUIRED", "CERT_OPTIONAL", "CERT_NONE")
 
 
 class Settings(BaseSettings):
@@ -139,7 +141,10 @@ class Settings(BaseSettings):
     )
     autocast_bf16: bool = Field(
         False,
-        description="Run CUDA batches under bf16 autocast (carpool.infer's models and the adapters).",
+        description=(
+            "Run CUDA batches under bf16 autocast (`carpool.infer`'s models and the adapters; a "
+            "`@batched` function of your own runs as written)."
+        ),
     )
     overlap_finish: bool = Field(
         True,
@@ -355,7 +360,7 @@ class Settings(BaseSettings):
 
     @field_validator("broker_url", "result_backend")
     @classmethod
-    def _check_url(cls, url: str) -> str:
+    def _check_url(cls, url: str, info: ValidationInfo) -> str:
         from carpool.redis_edge.connect import is_sentinel, is_socket, parse_sentinel, parse_socket
 
         if is_sentinel(url):
@@ -393,6 +398,21 @@ class Settings(BaseSettings):
                     " connections' own options (timeouts: CARPOOL_REDIS_SOCKET_TIMEOUT_S, health checks:"
                     " CARPOOL_REDIS_HEALTH_CHECK_S); drop it from the URL"
                 )
+        reqs = query.get("ssl_cert_reqs", [None])[-1]
+        if reqs is not None and reqs not in _CERT_REQS:
+            raise ValueError(f"?ssl_cert_reqs={reqs} is not one of {', '.join(_CERT_REQS)}")
+        if tls and reqs is None and info.field_name == "result_backend":
+            # Celery's Redis result backend raises this at the app's first use, in every process.
+            raise ValueError(
+                "a rediss:// result backend needs ?ssl_cert_reqs=required (or optional, or none: no"
+                " certificate check), as Celery's result backend requires"
+            )
+        if not parts.hostname:
+            # redis-py reads no host as localhost: what a template with an unset variable writes.
+            raise ValueError(
+                "names no host (an unset variable in a template?): name one, redis://localhost:6379/0"
+                " for this machine"
+            )
         try:
             parts.port  # noqa: B018  # parsing it is the check
         except ValueError as exc:  # redis-py would raise this at the first connection

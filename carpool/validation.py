@@ -82,8 +82,9 @@ def validate_infer(text: Any, model: Any, settings: Settings) -> InferPayload:
         raise InvalidInput(f"model must be a str naming a served model, got {type(model).__name__}")
     if model != settings.model and model not in settings.models:  # served_models, without its tuple
         raise UnknownModel(
-            f"unknown model {model!r}: this deployment serves {', '.join(settings.served_models)}; "
-            "pass one of them as model=, or add it to CARPOOL_MODELS"
+            f"unknown model {model!r}: CARPOOL_MODEL/CARPOOL_MODELS here name "
+            f"{', '.join(settings.served_models)}; pass one of them as model=, or add it to CARPOOL_MODELS "
+            "(a producer's must name what the coordinators serve: `carpool status` shows it)"
         )
     return InferPayload(text=text, model=model)
 

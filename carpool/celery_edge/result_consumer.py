@@ -37,6 +37,7 @@ from carpool.celery_edge.compat import (
     result_pubsub,
     subscribed_keys,
 )
+from carpool.config import redact_url
 from carpool.redis_edge.socket_options import drop, silent
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._start_lock = threading.Lock()
+        self._away_since: float | None = None  # when its connection broke, until it reconnects
         _CONSUMERS.add(self)
 
     def start(self, initial_task_id: str, **kwargs: Any) -> None:
@@ -165,9 +167,23 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         retry loop, so that ``.get(timeout=...)`` keeps its timeout while Redis is unreachable."""
         drop(result_pubsub(self))
         self._stale = True
+        if self._away_since is None:  # said once an outage: each read tries again
+            self._away_since = time.monotonic()
+            log.warning(
+                "lost the connection to the result backend (CARPOOL_RESULT_BACKEND=%s); reconnecting at"
+                " each read: results are waited on until it answers (give .get() and gather() a timeout=)",
+                redact_url(str(self.backend.url or "")),
+            )
 
     def _connected(self, connection: Any) -> None:
         self._stale = True
+
+    def _back(self) -> bool:
+        """After a (re)connection: says so when an outage was said; True."""
+        if self._away_since is not None:
+            log.warning("reconnected to the result backend after %.1f s", time.monotonic() - self._away_since)
+            self._away_since = None
+        return True
 
     def mark_stale(self) -> None:
         """Results may have been missed: re-read the stored ones after the next (re)connection."""
@@ -191,7 +207,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
             for start in range(0, len(keys), _SUBSCRIBE_CHUNK):
                 pubsub.subscribe(*keys[start : start + _SUBSCRIBE_CHUNK])
             self._stale = False
-            return True
+            return self._back()
         conn = pubsub.connection
         if conn is not self._watched:
             # Told of every reconnection, redis-py's own retries included.
@@ -210,7 +226,7 @@ class PromptResultConsumer(ResultConsumer):  # type: ignore[misc]  # Celery is u
         for start in range(0, len(missing), _SUBSCRIBE_CHUNK):
             pubsub.subscribe(*missing[start : start + _SUBSCRIBE_CHUNK])
         self._stale = False
-        return True
+        return self._back()
 
     def on_wait_for_pending(self, result: Any, **kwargs: Any) -> None:
         """Celery reads the stored result first; when that fails the wait goes on over pub/sub, and the

@@ -245,7 +245,20 @@ def healthcheck(port: int | None = None, max_age_s: float = 30.0) -> int:
     import sys
     import urllib.request
 
-    port = port or int(os.environ.get("CARPOOL_METRICS_PORT", "9808"))
+    if not port:
+        raw = os.environ.get("CARPOOL_METRICS_PORT", "9808")
+        try:
+            port = int(raw)
+        except ValueError:
+            print(f"CARPOOL_METRICS_PORT={raw!r} is not a port number", file=sys.stderr)
+            return 1
+        if port == 0:
+            print(
+                "CARPOOL_METRICS_PORT=0 turns the coordinator's metrics off, and this healthcheck reads"
+                " them: give it a port",
+                file=sys.stderr,
+            )
+            return 1
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             text = reply.read().decode()

@@ -82,7 +82,7 @@ from carpool.gpu_worker.runner import (
     release_frames,
     run_call_isolating,
 )
-from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks
+from carpool.gpu_worker.serving import batch_queues, served_spec, served_tasks, unserved_neighbours
 from carpool.gpu_worker.stage import DeviceStage, Finisher
 from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.connect import check_server, client_for
@@ -139,6 +139,8 @@ class WorkerRuntime:
         self.dbs = self.settings.shared_server_dbs()
         import_task_modules(self.settings.imports)
         self.served = served_tasks(self.settings.serve_tasks, registered())
+        for warning in unserved_neighbours(self.settings, registered(), self.served):
+            log.warning(warning)
         self.specs = {name: spec for name, spec in registered().items() if name in self.served}
         # Batches carry no priority, so each batch queue is one list under its own name. These are
         # the queues it starts consuming; Celery's consumer says which it consumes later on.

@@ -44,9 +44,32 @@ def served_spec(specs: dict[str, TaskSpec], served: frozenset[str], task: str) -
     with what to change."""
     spec = specs.get(task)
     if spec is None:
+        if task in registered():  # imported here, left out by CARPOOL_SERVE_TASKS
+            raise LookupError(
+                f"this worker does not serve {task!r} (CARPOOL_SERVE_TASKS / --tasks names only "
+                f"{', '.join(sorted(served))}); add it there, or route its batches to workers that serve it "
+                "(@batched(batch_queue=...))"
+            )
         raise LookupError(
             f"this worker does not serve {task!r} (serves {', '.join(sorted(served))}); "
             "add its module to CARPOOL_IMPORTS here, or route its batches to workers that serve it "
             "(@batched(batch_queue=...))"
         )
     return spec
+
+
+def unserved_neighbours(settings: Settings, specs: dict[str, TaskSpec], served: frozenset[str]) -> list[str]:
+    """What to warn of at a worker's start: each task it imports and does not serve whose batches go
+    to a batch queue it consumes (it would take them and fail them)."""
+
+    def queue(spec: TaskSpec) -> str:
+        return spec.batch_queue or settings.batch_queue
+
+    consumed = {queue(spec) for name, spec in specs.items() if name in served}
+    return [
+        f"this worker consumes batch queue {queue(spec)} but does not serve {name}, whose batches go there"
+        f" too: it fails them (ModelError); serve it here too (CARPOOL_SERVE_TASKS / --tasks), or give it"
+        " a batch queue of its own (@batched(batch_queue=...))"
+        for name, spec in sorted(specs.items())
+        if name not in served and queue(spec) in consumed
+    ]

@@ -52,7 +52,13 @@ def _build(name: str) -> BatchModel:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise UnknownModel(f"model {name!r} cannot be imported: {exc}") from None
-    model = cls()
+    try:
+        model = cls()
+    except Exception as exc:  # a traceback at start, in every process, before
+        raise ConfigError(
+            f"model {name!r} could not be built: {attr}() raised {type(exc).__name__}: {exc} (carpool builds"
+            " a model with no arguments; read its settings in __init__ or in load())"
+        ) from None
     # Every member of BatchModel: one missing failed each request as if its input were wrong.
     members = ("encode", "load", "forward", "max_length", "pad_id", "needs_token_ids")
     missing = [m for m in members if not hasattr(model, m)]

@@ -164,6 +164,7 @@ def _burst(
 
 
 def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: bool = False) -> int:
+    from celery.exceptions import TimeoutError as CeleryTimeoutError
     from kombu.exceptions import OperationalError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import ResponseError as RedisResponseError
@@ -183,6 +184,19 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
         console.print("[red]--external needs CARPOOL_BROKER_URL pointing at a running carpool deployment[/]")
         return 2
     settings = load_settings()
+    if "CARPOOL_BROKER_URL" in os.environ and "CARPOOL_RESULT_BACKEND" not in os.environ:
+        from carpool.redis_edge.connect import server_and_db
+
+        if server_and_db(settings.broker_url)[0] != server_and_db(settings.result_backend)[0]:
+            # The results would go to the default backend, another server: the demo waited on them
+            # two minutes, then died with a traceback.
+            print(
+                "carpool demo: CARPOOL_BROKER_URL is set and CARPOOL_RESULT_BACKEND is not, so the results"
+                f" would go to {redact_url(settings.result_backend)}, another Redis: set"
+                " CARPOOL_RESULT_BACKEND too (the broker's server with another database, say .../1)",
+                file=sys.stderr,
+            )
+            return CONFIG_ERROR_EXIT
     if "CARPOOL_BROKER_URL" in os.environ:
         harness = Harness(
             broker_url=settings.broker_url, result_backend=settings.result_backend, loglevel="warning"
@@ -212,6 +226,14 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
         return CONFIG_ERROR_EXIT if exc.returncode == CONFIG_ERROR_EXIT else 1
     except TimeoutError as exc:  # what the demo waited for (workers up) never came
         print(f"carpool demo: {exc}", file=sys.stderr)
+        return 1
+    except CeleryTimeoutError:  # a result never came: no worker answering (--external), say
+        print(
+            "carpool demo: no result came back in time; check that the deployment's coordinator and"
+            " workers run (`carpool status`) and share CARPOOL_BROKER_URL and CARPOOL_RESULT_BACKEND"
+            " with this process",
+            file=sys.stderr,
+        )
         return 1
     except RedisResponseError as exc:  # a database the server lacks, say
         missing = missing_database(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")

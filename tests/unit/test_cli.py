@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -359,3 +360,57 @@ def test_a_server_command_on_a_producers_install_says_to_install_the_worker_extr
     assert run.returncode == 2, run.stderr
     assert f"carpool {command}: needs the worker extra" in run.stderr
     assert "pip install 'carpool[worker]'" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_demo_with_a_broker_and_no_result_backend_on_its_server_says_to_set_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only CARPOOL_BROKER_URL set, on another server than the default result backend's: the results
+    would go there, and the demo waited two minutes on them, then died with a traceback."""
+    monkeypatch.setenv("CARPOOL_BROKER_URL", "redis://elsewhere.example:6379/0")
+    monkeypatch.delenv("CARPOOL_RESULT_BACKEND")
+    assert main(["demo", "--requests", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "CARPOOL_BROKER_URL is set and CARPOOL_RESULT_BACKEND is not" in err
+    assert "redis://localhost:6379/1" in err and len(err.splitlines()) == 1
+
+
+def test_demo_waiting_on_a_result_that_never_comes_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+    from carpool.tools import demo
+
+    def no_result(*_: object) -> None:
+        raise CeleryTimeoutError("The operation timed out.")
+
+    monkeypatch.setenv("CARPOOL_BROKER_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setattr(demo, "_burst", no_result)
+    assert main(["demo", "--external", "--requests", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("carpool demo: no result came back in time") and "Traceback" not in err
+
+
+def test_output_whose_reader_left_ends_quietly_as_cat_does() -> None:
+    """`carpool status --json | head`: the reader leaves; no BrokenPipeError traceback."""
+    code = (
+        "import sys\n"
+        "import carpool.cli as cli\n"
+        "import carpool.tools.status.cli as status\n"
+        "def flood(args):\n"
+        "    for _ in range(100_000):\n"
+        "        print('x' * 100)\n"
+        "    return 0\n"
+        "status.run_cli = flood\n"
+        "sys.exit(cli.main(['status', '--json']))\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.read(10) == b"x" * 10
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 128 + signal.SIGPIPE
+    assert "Traceback" not in err, err

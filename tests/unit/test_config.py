@@ -90,6 +90,12 @@ def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
             "?max_connections= is not an option",
         ),
         ("CARPOOL_BROKER_URL", "redis://h:6379/0?ssl_cert_reqs=required", "use rediss:// for TLS"),
+        # Celery's result backend refuses these at the app's first use, in every process, with a traceback.
+        ("CARPOOL_RESULT_BACKEND", "rediss://h:6380/1", "needs ?ssl_cert_reqs=required"),
+        ("CARPOOL_BROKER_URL", "rediss://h:6380/0?ssl_cert_reqs=bogus", "?ssl_cert_reqs=bogus is not one of"),
+        # redis-py reads no host as localhost: what a template with an unset $REDIS_HOST writes.
+        ("CARPOOL_BROKER_URL", "redis://:6379/0", "names no host"),
+        ("CARPOOL_RESULT_BACKEND", "redis://:secret@/1", "names no host"),
     ],
 )
 def test_bad_values_name_the_setting(

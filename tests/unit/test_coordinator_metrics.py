@@ -137,3 +137,17 @@ def test_the_healthcheck_passes_while_the_loop_reaches_redis_and_fails_once_it_s
     assert healthcheck(port) == 0
     metrics.housekept.set(time.time() - 120)  # a loop stuck, or without Redis, for two minutes
     assert healthcheck(port) == 1 and "last reached Redis: 120s ago" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("raw", "said"), [("0", "turns the coordinator's metrics off"), ("abc", "not a port")]
+)
+def test_the_healthcheck_names_a_metrics_port_it_cannot_use(
+    raw: str, said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from carpool.coordinator.metrics import healthcheck
+
+    monkeypatch.setenv("CARPOOL_METRICS_PORT", raw)
+    assert healthcheck() == 1
+    err = capsys.readouterr().err
+    assert said in err and "CARPOOL_METRICS_PORT" in err

@@ -172,3 +172,24 @@ def test_infer_and_a_batched_task_go_through_one_coordinator_and_one_worker_path
         results.update({task_id: meta["result"] for task_id, meta in store.writes})
     assert results["b"] == "cba"
     assert len(results["a"]) == len(results["c"]) == 32  # the toy model's vectors
+
+
+def test_a_dedicated_worker_names_the_tasks_it_would_take_and_fail_and_says_to_serve_them() -> None:
+    """A worker serving some of the tasks it imports (CARPOOL_SERVE_TASKS) warns at start of each other
+    task whose batches share a queue it consumes, and a batch of one fails naming the setting."""
+    from carpool.gpu_worker.serving import served_spec, served_tasks, unserved_neighbours
+
+    settings = Settings(serve_tasks=("unit.infer_peer",))  # reverse, above
+    specs = registered()
+    served = served_tasks(settings.serve_tasks, specs)
+    warnings = unserved_neighbours(settings, specs, served)
+    assert any(
+        f"consumes batch queue {settings.batch_queue} but does not serve {INFER_TASK}" in w for w in warnings
+    )
+    with pytest.raises(
+        LookupError, match=r"CARPOOL_SERVE_TASKS / --tasks names only unit\.infer_peer\); add it there"
+    ):
+        served_spec({n: s for n, s in specs.items() if n in served}, served, INFER_TASK)
+    with pytest.raises(LookupError, match="add its module to CARPOOL_IMPORTS here"):
+        served_spec(specs, served, "nobody.knows")
+    assert unserved_neighbours(Settings(), specs, served_tasks((), specs)) == [], "a worker serving all"

@@ -264,3 +264,15 @@ def test_only_an_out_of_memory_error_empties_the_accelerator_cache_before_a_spli
     assert emptied == []
     runner.run_call_isolating(fails(torch.cuda.OutOfMemoryError), ["a", "bad"], [1, 1], inference=False)
     assert emptied == ["emptied"]
+
+
+class NeedsArguments:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+def test_a_user_model_that_cannot_be_built_with_no_arguments_is_a_configuration_error_naming_it() -> None:
+    from carpool.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"could not be built: NeedsArguments\(\) raised TypeError: .*path"):
+        get_model(f"{__name__}:NeedsArguments")
