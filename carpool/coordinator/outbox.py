@@ -40,8 +40,8 @@ class LinkSender:
     Celery calls an error callback taking ``(request, exc, traceback)`` in the process that fails the
     request, for as long as it runs: on the coordinator's loop it would hold batching meanwhile (a
     refusal under overload, one after another). Whatever a coordinator queues here is in the links
-    outbox already, so a coordinator stopping or killed with links still queued leaves them to the
-    next housekeeping round (its own, or another coordinator's) a lease after they were filed."""
+    outbox already, so a coordinator stopping or killed with links still queued leaves them to another
+    coordinator's housekeeping (or its own, restarted) within a lease."""
 
     def __init__(self) -> None:
         self._jobs: list[Callable[[], object]] = []
@@ -108,7 +108,7 @@ class LinkSender:
         if not self.flush(timeout_s):
             log.warning(
                 "stopping with links still being sent (an error callback still running?): they stay in"
-                " the links outbox, and a coordinator sends them a lease after they were filed"
+                " the links outbox, and a coordinator sends them within a lease"
             )
 
     def _run(self) -> None:
