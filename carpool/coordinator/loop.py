@@ -57,8 +57,8 @@ from carpool.redis_edge.connect import (
     EvictionWatch,
     check_server,
     client_for,
+    deployment_hint,
     missing_database,
-    refused_credentials,
 )
 from carpool.redis_edge.keys import OUTSTANDING_ON, Keys
 from carpool.redis_edge.socket_options import client_options
@@ -108,6 +108,13 @@ class Coordinator:
         # Requests are batched per routing key: infer's model, else the task's name.
         self.task_of_key = routing_keys(self.specs.values(), settings)
         base = policy_config(settings)
+        binning = sorted({"bin_edges", "auto_bins"} & settings.model_fields_set)
+        if base.kind != "binned" and binning:
+            log.warning(
+                "%s set, which CARPOOL_POLICY=%s leaves unused (only binned bins)",
+                " and ".join(f"CARPOOL_{name.upper()}" for name in binning),
+                base.kind,
+            )
         if base.kind != "binned":
             for spec in self.specs.values():
                 if spec.bin_edges is not None:
@@ -209,7 +216,7 @@ class Coordinator:
                     return None
                 log.warning(
                     "redis unavailable (%s); taking no request until it answers, retrying in %.1fs",
-                    refused_credentials(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND") or exc,
+                    deployment_hint(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND") or exc,
                     backoff,
                 )
                 self.stopping.wait(backoff)
@@ -228,7 +235,7 @@ class Coordinator:
                 # Redis restarts: keep what we hold in memory; leases we miss are recovered by reap.
                 # Refused credentials are retried too, as Celery's workers retry theirs: mending
                 # the user in Redis heals every process without a restart.
-                hint = refused_credentials(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
+                hint = deployment_hint(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
                 if hint is not None:
                     log.error("%s; retrying in %.1fs", hint, backoff)
                 else:

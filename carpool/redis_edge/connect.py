@@ -302,6 +302,24 @@ def refused_credentials(error: BaseException, *settings: str) -> str | None:
     )
 
 
+def deployment_hint(error: BaseException, *settings: str) -> str | None:
+    """What to change when a connection failed for a setting rather than an outage: credentials
+    Redis refused (:func:`refused_credentials`), or Sentinels that know no master of the name
+    ``CARPOOL_SENTINEL_MASTER`` gives; None for any other error."""
+    hint = refused_credentials(error, *settings)
+    if hint is not None:
+        return hint
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, redis.sentinel.MasterNotFoundError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    return (
+        f"the Sentinels answered {cause}: CARPOOL_SENTINEL_MASTER must be the name they monitor"
+        " (SENTINEL MASTERS on a Sentinel lists them)"
+    )
+
+
 def _credentials(username: str | None, password: str | None) -> str:
     """``user:password@`` as a URL writes them (quoted), or nothing."""
     if password is not None:

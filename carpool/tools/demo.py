@@ -173,7 +173,7 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
     from rich.table import Table
 
     from carpool.errors import CONFIG_ERROR_EXIT, InvalidInput
-    from carpool.redis_edge.connect import missing_database, refused_credentials
+    from carpool.redis_edge.connect import deployment_hint, missing_database
     from carpool.tools.workload import describe, mixed_texts
 
     if requests < 1 or workers < 1:
@@ -243,7 +243,7 @@ def run_demo(requests: int = 300, seed: int = 0, workers: int = 1, external: boo
         # One line, as `carpool status` says it, rather than the client's traceback; the children the
         # harness started are stopped by now.
         where = "the embedded redis-server" if harness.embedded else redact_url(settings.broker_url)
-        hint = refused_credentials(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
+        hint = deployment_hint(exc, "CARPOOL_BROKER_URL", "CARPOOL_RESULT_BACKEND")
         if hint is not None:  # a setting to change, not an outage to wait out
             print(f"carpool demo: {where}: {hint}", file=sys.stderr)
             return 2

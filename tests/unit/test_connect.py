@@ -235,3 +235,24 @@ def test_database_answers_stops_on_a_database_the_server_lacks() -> None:
 
     with pytest.raises(ConfigError, match=r"no such database.*CARPOOL_BROKER_URL must name"):
         database_answers(_Pings(redis.ResponseError("DB index is out of range")), "CARPOOL_BROKER_URL")
+
+
+def test_sentinels_that_know_no_such_master_name_the_master_setting() -> None:
+    from kombu.exceptions import OperationalError
+    from redis.sentinel import MasterNotFoundError
+
+    from carpool.redis_edge.connect import deployment_hint
+
+    try:  # kombu's wrapping, as a publish raises it
+        try:
+            raise MasterNotFoundError("No master found for 'wrongname'")
+        except redis.ConnectionError as exc:
+            raise OperationalError(str(exc)) from exc
+    except OperationalError as wrapped:
+        hint = deployment_hint(wrapped, "CARPOOL_BROKER_URL")
+    assert (
+        hint is not None and "No master found for 'wrongname'" in hint and "CARPOOL_SENTINEL_MASTER" in hint
+    )
+    refused = redis.AuthenticationError("invalid username-password pair or user is disabled.")
+    assert "CARPOOL_BROKER_URL" in (deployment_hint(refused, "CARPOOL_BROKER_URL") or "")
+    assert deployment_hint(redis.ConnectionError("Connection refused"), "CARPOOL_BROKER_URL") is None

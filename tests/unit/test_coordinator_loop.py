@@ -1074,3 +1074,18 @@ def test_housekeeping_sends_the_outbox_off_the_loop_and_stops_on_an_acl_refusal_
     c.link_sender.refused = redis.exceptions.NoPermissionError("no permissions to run the 'zadd' command")
     with pytest.raises(redis.exceptions.NoPermissionError):
         c.housekeeping(clocks.mono())
+
+
+def test_bin_settings_a_binless_policy_leaves_unused_are_named_at_start(
+    clocks: Clocks, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="carpool.coordinator.loop"):
+        coordinator(clocks, workers=1, policy="fifo", bin_edges=(8, 16), auto_bins=3)
+    assert (
+        "CARPOOL_AUTO_BINS and CARPOOL_BIN_EDGES set, which CARPOOL_POLICY=fifo leaves unused" in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="carpool.coordinator.loop"):
+        coordinator(clocks, workers=1, policy="fifo")
+        coordinator(clocks, workers=1, bin_edges=(8, 16))  # binned: they are used
+    assert "CARPOOL_BIN_EDGES" not in caplog.text and "CARPOOL_AUTO_BINS" not in caplog.text

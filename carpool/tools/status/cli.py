@@ -14,7 +14,7 @@ import redis
 
 from carpool.cli import at_least_one
 from carpool.config import redact_url
-from carpool.redis_edge.connect import client_for, missing_database, refused_credentials
+from carpool.redis_edge.connect import client_for, deployment_hint, missing_database
 from carpool.redis_edge.keys import Keys
 from carpool.tools.status.snapshot import Rates, Snapshot, as_dict, collect, dead_letters, rates
 from carpool.tools.status.view import render, render_dead_letters
@@ -125,7 +125,7 @@ def _print_dead_letters(
 
 def _unavailable(exc: redis.RedisError, broker: str) -> int:
     """Say why Redis refused or failed a read; 2 where a setting is to change, 1 for an outage."""
-    hint = refused_credentials(exc, "CARPOOL_BROKER_URL")
+    hint = deployment_hint(exc, "CARPOOL_BROKER_URL")
     missing = missing_database(exc, "CARPOOL_BROKER_URL")
     if missing is not None:
         hint = str(missing)
@@ -179,7 +179,7 @@ def _live(client: redis.Redis, keys: Keys, queue: str, broker: str, interval: fl
                     snap = collect(client, keys)
                 except redis.RedisError as exc:
                     previous = None
-                    error = refused_credentials(exc, "CARPOOL_BROKER_URL") or str(exc)
+                    error = deployment_hint(exc, "CARPOOL_BROKER_URL") or str(exc)
                     live.update(render(None, None, queue, broker, error))
                 else:
                     rate = rates(previous, snap) if previous is not None else None
