@@ -31,8 +31,9 @@ def batch_queue_for(request_queue: str) -> str:
 
 # The query options of a rediss:// URL that Celery's backend and kombu's transport both read.
 _TLS_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
-#: What kombu and Celery read as ``ssl_cert_reqs`` (the ``ssl.CERT_*`` names, or the short ones).
-_CERT_REQS = ("required", "optional", "none", "CERT_REQUIRED", "CERT_OPTIONAL", "CERT_NONE")
+#: The ``ssl_cert_reqs`` every client reads: kombu, Celery and redis-py's own (which carpool's
+#: clients are) all take these; Celery's ``CERT_*`` spellings fail redis-py's.
+_CERT_REQS = ("required", "optional", "none")
 
 
 class Settings(BaseSettings):
@@ -400,7 +401,10 @@ class Settings(BaseSettings):
                 )
         reqs = query.get("ssl_cert_reqs", [None])[-1]
         if reqs is not None and reqs not in _CERT_REQS:
-            raise ValueError(f"?ssl_cert_reqs={reqs} is not one of {', '.join(_CERT_REQS)}")
+            raise ValueError(
+                f"?ssl_cert_reqs={reqs} is not one of {', '.join(_CERT_REQS)} (carpool's own Redis"
+                " clients, redis-py's, read only those; for CERT_REQUIRED write required)"
+            )
         if tls and reqs is None and info.field_name == "result_backend":
             # Celery's Redis result backend raises this at the app's first use, in every process.
             raise ValueError(

@@ -544,6 +544,15 @@ class Coordinator:
             raise self.link_sender.refused  # the step stops the coordinator, saying what to grant
         if not self.link_sender.busy:  # one round at a time, behind the links the loop queued
             self.link_sender.submit(lambda: send_due_links(self))
+        running = self.link_sender.overdue(self.settings.recovery_timeout_s)
+        if running is not None:
+            log.warning(
+                "an error callback has run for %.0f s on this coordinator's link thread: the links of %d"
+                " requests wait behind it (kept in the links outbox while this coordinator lives); one"
+                " that never returns holds them for good: bound it, or make it a task",
+                running,
+                len(self.link_sender.held()),
+            )
         self.metrics.housekept.set(self.wall())
 
     def _write_stats(self) -> None:

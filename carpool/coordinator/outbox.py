@@ -11,8 +11,10 @@ coordinator gets each), so a coordinator that dies sending them leaves them due 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -50,6 +52,8 @@ class LinkSender:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._held: Counter[str] = Counter()  # outbox entries queued or being sent: renewed meanwhile
+        self._started: float | None = None  # monotonic time the running job started
+        self._told = False  # whether overdue() said so of the running job
         #: the first error of Redis's ACL refusing a command a job sent: a deployment error
         self.refused: Exception | None = None
 
@@ -119,6 +123,8 @@ class LinkSender:
                     return
                 job = self._jobs.pop(0)
                 self._running += 1
+            with self._changed:
+                self._started, self._told = time.monotonic(), False
             try:
                 job()
             except UNREACHABLE as exc:  # the loop says Redis is away; what is unsent stays in the outbox
@@ -128,10 +134,23 @@ class LinkSender:
                     self.refused = self.refused or exc  # the loop stops on it, saying what to grant
                 else:
                     log.exception("sending links failed")
+            except BaseException:  # SystemExit from an error callback run here: it ends no thread
+                log.exception("an error callback run in this coordinator raised; the links after it go on")
             finally:
                 with self._changed:
                     self._running -= 1
+                    self._started = None
                     self._changed.notify_all()
+
+    def overdue(self, after_s: float) -> float | None:
+        """How long the job now running has run, the first time that passes ``after_s`` (else None):
+        the coordinator warns of one that holds the links behind it (an error callback that never
+        returns holds them for as long as the coordinator lives)."""
+        with self._changed:
+            if self._started is None or self._told or time.monotonic() - self._started < after_s:
+                return None
+            self._told = True
+            return time.monotonic() - self._started
 
 
 def send_due_links(c: Coordinator) -> int:
@@ -190,7 +209,10 @@ def _send(c: Coordinator, due: list[tuple[str, bytes]]) -> int:
                     continue
                 sent.append(request_id)
             except UNREACHABLE:
-                raise  # the rest stay, due again a lease later
+                # The rest stay, due again a lease later; an outage is no try of theirs.
+                done = set(sent + dropped)
+                _give_back(c, [rid for rid, _ in due if rid not in done])
+                raise
             except Exception as exc:
                 log.error("request %s: its links could not be sent (%s); dropped", request_id, described(exc))
                 dropped.append(request_id)
@@ -208,3 +230,9 @@ def _send(c: Coordinator, due: list[tuple[str, bytes]]) -> int:
             )
             c.metrics.links_resent.inc(len(sent))
     return len(sent)
+
+
+def _give_back(c: Coordinator, request_ids: list[str]) -> None:
+    """Uncount this take of ``request_ids``' outbox entries (best effort: Redis may be away too)."""
+    with contextlib.suppress(*UNREACHABLE):
+        c.store.links_untried(request_ids)

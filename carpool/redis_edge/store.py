@@ -446,6 +446,26 @@ class RequestStore:
             pipe.zrem(self.keys.links_due, *request_ids)
             pipe.hdel(self.keys.links_pending, *request_ids)
             pipe.hdel(self.keys.links_tries, *request_ids)
+            replies = pipe.execute(raise_on_error=False)
+        # The tries' count is the coordinators' (outbox.lua): an ACL older than it refuses its delete,
+        # which leaves a count and no entry, harmless; the entry itself must go.
+        for reply in replies[:2]:
+            if isinstance(reply, Exception):
+                raise reply
+
+    def links_untried(self, request_ids: Sequence[str]) -> None:
+        """Take back the last take's count of ``request_ids``' outbox entries (those still there):
+        their links were not sent for an outage, which is no try of the process that took them."""
+        if not request_ids:
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.hexists(self.keys.links_tries, request_id)
+            counted = pipe.execute()
+        with self.client.pipeline(transaction=False) as pipe:
+            for request_id, there in zip(request_ids, counted, strict=True):
+                if there:
+                    pipe.hincrby(self.keys.links_tries, request_id, -1)
             pipe.execute()
 
     def links_due(self, limit: int = 100) -> LinksDue:

@@ -855,6 +855,37 @@ def test_an_outbox_entry_is_dropped_after_its_tries_and_a_renewed_one_is_not_due
     assert client.zscore(KEYS.links_due, "gone") is None
 
 
+def test_a_take_given_back_is_no_try_and_emptying_outlives_an_acl_without_the_tries_key(
+    client: redis.Redis, clean_redis: EmbeddedRedis
+) -> None:
+    """A coordinator whose sends met an outage gives its take back (no try spent on it); a worker
+    whose ACL predates the tries' count still empties its entries (only the count's delete is
+    refused)."""
+    short = RequestStore(client, KEYS, 1)
+    in_flight(short, "a")
+    finish(short, writes=ResultWrites(["res:a"], [b"A"], 60), ack_ids=["a"], outbox=[(1, "a", b"entry a")])
+    time.sleep(1.1)
+    assert short.links_due().entries == [("a", b"entry a")]
+    assert client.hget(KEYS.links_tries, "a") == b"1"
+    short.links_untried(["a", "gone"])
+    assert client.hget(KEYS.links_tries, "a") == b"0"
+    assert client.hget(KEYS.links_tries, "gone") is None, "no count made for an entry not there"
+    client.acl_setuser(
+        "old-rules",
+        enabled=True,
+        passwords=["+pw"],
+        commands=["+@all"],
+        keys=[KEYS.links_due, KEYS.links_pending],
+    )
+    old = redis.Redis(port=clean_redis.port, username="old-rules", password="pw")
+    try:
+        RequestStore(old, KEYS, 1).links_sent(["a"])
+    finally:
+        old.close()
+        client.acl_deluser("old-rules")
+    assert client.exists(KEYS.links_due, KEYS.links_pending) == 0, "the entry emptied all the same"
+
+
 def test_finish_forgets_acked_ids_everywhere_and_keeps_the_rest(
     client: redis.Redis, store: RequestStore
 ) -> None:

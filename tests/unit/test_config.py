@@ -93,6 +93,12 @@ def test_environment_with_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
         # Celery's result backend refuses these at the app's first use, in every process, with a traceback.
         ("CARPOOL_RESULT_BACKEND", "rediss://h:6380/1", "needs ?ssl_cert_reqs=required"),
         ("CARPOOL_BROKER_URL", "rediss://h:6380/0?ssl_cert_reqs=bogus", "?ssl_cert_reqs=bogus is not one of"),
+        # Celery's spelling, which redis-py (carpool's own clients) refuses at the first connection.
+        (
+            "CARPOOL_RESULT_BACKEND",
+            "rediss://h:6380/1?ssl_cert_reqs=CERT_REQUIRED",
+            "for CERT_REQUIRED write",
+        ),
         # redis-py reads no host as localhost: what a template with an unset $REDIS_HOST writes.
         ("CARPOOL_BROKER_URL", "redis://:6379/0", "names no host"),
         ("CARPOOL_RESULT_BACKEND", "redis://:secret@/1", "names no host"),
