@@ -297,6 +297,11 @@ def routing_keys(specs: Iterable[TaskSpec], settings: Settings) -> dict[str, Tas
     return out
 
 
+def batch_queue_of(spec: TaskSpec, settings: Settings) -> str:
+    """The batch queue a task's batches go to: its own, else the deployment's (CARPOOL_BATCH_QUEUE)."""
+    return spec.batch_queue or settings.batch_queue
+
+
 def check_batch_queue(spec: TaskSpec, settings: Settings) -> None:
     """Refuse a task whose own batch queue is the request queue: workers would take the raw requests
     off it, past the coordinators, and run them one at a time."""

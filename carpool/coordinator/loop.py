@@ -63,7 +63,7 @@ from carpool.redis_edge.connect import (
 from carpool.redis_edge.keys import OUTSTANDING_ON, Keys
 from carpool.redis_edge.socket_options import client_options
 from carpool.redis_edge.store import RequestStore, Taken, acl_refusal, refused_by_acl
-from carpool.registry import import_task_modules, registered, routing_keys
+from carpool.registry import batch_queue_of, import_task_modules, registered, routing_keys
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -149,7 +149,7 @@ class Coordinator:
         self._next_renewal = 0.0
         self._next_stats = 0.0
         # The batch queues this coordinator dispatches to: each task's own, else the deployment's.
-        self.batch_queues = sorted({s.batch_queue or settings.batch_queue for s in self.task_of_key.values()})
+        self.batch_queues = sorted({batch_queue_of(s, settings) for s in self.task_of_key.values()})
         self._stats_writer = StatsWriter(
             self.client,
             self.keys,

@@ -123,7 +123,6 @@ class LinkSender:
                     return
                 job = self._jobs.pop(0)
                 self._running += 1
-            with self._changed:
                 self._started, self._told = time.monotonic(), False
             try:
                 job()

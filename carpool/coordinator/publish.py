@@ -16,7 +16,7 @@ from carpool.codec import finite
 from carpool.config import Settings
 from carpool.names import RUN_BATCH_TASK
 from carpool.redis_edge.store import RequestStore
-from carpool.registry import TaskSpec
+from carpool.registry import TaskSpec, batch_queue_of
 from carpool.wire import RequestSlot, batch_message
 
 
@@ -41,7 +41,7 @@ class BatchPublisher:
 
     def queue_of(self, key: str) -> str:
         """The batch queue of a routing key: its task's own, else the deployment's."""
-        return self.task_of_key[key].batch_queue or self.settings.batch_queue
+        return batch_queue_of(self.task_of_key[key], self.settings)
 
     def by_queue(self, batches: list[Batch]) -> dict[str, list[Batch]]:
         groups: dict[str, list[Batch]] = {}

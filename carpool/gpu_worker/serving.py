@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from carpool.config import Settings
 from carpool.errors import ConfigError
-from carpool.registry import TaskSpec, check_batch_queue, import_task_modules, registered
+from carpool.registry import TaskSpec, batch_queue_of, check_batch_queue, import_task_modules, registered
 
 
 def served_tasks(serve: tuple[str, ...], specs: dict[str, TaskSpec]) -> frozenset[str]:
@@ -33,7 +33,7 @@ def batch_queues(settings: Settings) -> list[str]:
     queues = []
     for task in sorted(served_tasks(settings.serve_tasks, specs)):
         check_batch_queue(specs[task], settings)
-        queue = specs[task].batch_queue or settings.batch_queue
+        queue = batch_queue_of(specs[task], settings)
         if queue not in queues:
             queues.append(queue)
     return queues
@@ -61,15 +61,12 @@ def served_spec(specs: dict[str, TaskSpec], served: frozenset[str], task: str) -
 def unserved_neighbours(settings: Settings, specs: dict[str, TaskSpec], served: frozenset[str]) -> list[str]:
     """What to warn of at a worker's start: each task it imports and does not serve whose batches go
     to a batch queue it consumes (it would take them and fail them)."""
-
-    def queue(spec: TaskSpec) -> str:
-        return spec.batch_queue or settings.batch_queue
-
-    consumed = {queue(spec) for name, spec in specs.items() if name in served}
+    consumed = {batch_queue_of(spec, settings) for name, spec in specs.items() if name in served}
     return [
-        f"this worker consumes batch queue {queue(spec)} but does not serve {name}, whose batches go there"
+        f"this worker consumes batch queue {batch_queue_of(spec, settings)} but does not serve {name}, whose"
+        " batches go there"
         f" too: it fails them (ModelError); serve it here too (CARPOOL_SERVE_TASKS / --tasks), or give it"
         " a batch queue of its own (@batched(batch_queue=...))"
         for name, spec in sorted(specs.items())
-        if name not in served and queue(spec) in consumed
+        if name not in served and batch_queue_of(spec, settings) in consumed
     ]
